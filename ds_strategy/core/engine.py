@@ -1,0 +1,266 @@
+"""``ZeroEngine``: the one object front ends talk to. It composes the sharding pieces that the
+config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
+``engine.backward(loss)``, ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig, load_config
+from .collectives import Comm, init_process_group_from_env
+from .materialize import has_meta
+from .zero.builders import ShardingPlan, build_plan
+from .zero.flat_group import GradScaling
+from .zero.optimizer import OptimizerLike, ShardedOptimizer, rebuild_optimizer
+
+__all__ = ["ZeroEngine"]
+
+SchedulerLike = Any  # an LRScheduler bound to the user's optimizer, or optimizer -> scheduler
+
+
+class ZeroEngine(nn.Module):
+    """A model, its optimizer and their sharding across the data-parallel ranks.
+
+    Build it with :func:`ds_strategy.initialize`. Example (one process runs as a world of one;
+    under ``torchrun --nproc-per-node=2`` the same script shards across two ranks)::
+
+        import torch, ds_strategy
+        model = torch.nn.Linear(8, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine = ds_strategy.initialize(model, opt, {"zero_optimization": {"stage": 2}})
+        loss = engine(torch.randn(4, 8)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerLike | None,
+        config: Any = None,
+        *,
+        lr_scheduler: SchedulerLike | None = None,
+        process_group: torch.distributed.ProcessGroup | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+    ) -> None:
+        super().__init__()
+        init_process_group_from_env()
+        self.comm = Comm(process_group)
+        raw = load_config(config)
+        self.config: ZeroConfig = raw.resolve(world_size=self.comm.world_size)
+        zc = self.config.zero_optimization
+        self.stage = zc.stage
+        self._check_supported()
+        self.module = model
+        self.device = _pick_device(model)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._no_sync = False
+        self._global_grad_norm: float | None = None
+        self._timings: dict[str, float] = {}
+        self.gradient_accumulation_steps: int = self.config.gradient_accumulation_steps
+        scaling = GradScaling.of(
+            self.comm.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
+        )
+        self.plan: ShardingPlan = build_plan(
+            model,
+            self.comm,
+            self.config,
+            self.device,
+            scaling,
+            should_reduce_every_backward=lambda: not self._no_sync,
+            should_reduce_at_boundary=lambda: (not self._no_sync) and self.is_gradient_accumulation_boundary(),
+            param_init_fn=param_init_fn,
+        )
+        if optimizer is None:
+            optimizer = _optimizer_from_config(self.config)
+        opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
+        self.optimizer = opt
+        self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
+        self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
+
+    # -- configuration checks --------------------------------------------------------------------
+
+    def _check_supported(self) -> None:
+        cfg = self.config
+        if cfg.fp16.enabled or cfg.bf16.enabled:
+            raise ValueError(
+                "fp16/bf16 mixed precision is not available in this release of ds_strategy; "
+                "set fp16.enabled and bf16.enabled to false (train in fp32)"
+            )
+        zc = cfg.zero_optimization
+        if zc.offload_param.device == "nvme" or zc.offload_optimizer.device == "nvme":
+            raise ValueError(
+                "NVMe offload is not available in this release of ds_strategy; set "
+                "zero_optimization.offload_optimizer.device / offload_param.device to 'none' or 'cpu'"
+            )
+        if torch.cuda.is_available() and "cpu" in (zc.offload_param.device, zc.offload_optimizer.device):
+            raise ValueError(
+                "CPU offload on a GPU is not available in this release of ds_strategy; set "
+                "zero_optimization.offload_optimizer.device / offload_param.device to 'none'"
+            )
+
+    # -- the training loop ---------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next :meth:`step` runs the optimizer."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss`` divided by the accumulation steps; gradients are reduced
+        bucket by bucket while backward runs."""
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        loss.backward(retain_graph=retain_graph)
+        return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without reducing them (like DDP's ``no_sync``).
+        The first backward outside the context (or the next optimizer step) reduces the
+        accumulated gradients. Under stages 2/3 the unreduced gradients are full-size while
+        inside the context."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def step(self) -> None:
+        """At an accumulation boundary: finish gradient reduction, clip by the global norm,
+        run the optimizer and the lr scheduler, rebuild full parameters, zero gradients."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
+        self.plan.finish_reduction()
+        norm = self._sharded_opt.sync_grad_flags_and_norm()
+        self._global_grad_norm = norm
+        clip = self.config.gradient_clipping
+        if clip and clip > 0:
+            self._sharded_opt.clip(norm, clip)
+        self._sharded_opt.attach_grads()
+        self._sharded_opt.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.plan.after_optimizer_step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for g in self.plan.groups:
+            g.zero_grad()
+        for pc in self._sharded_opt.pieces:
+            if pc.tensor is not pc.group.params[pc.index]:
+                pc.tensor.grad = None
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the gradients of the last optimizer step, before clipping."""
+        return self._global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights on every rank: the keys and shapes of the original
+        ``model.state_dict()`` (buffers and every name of a tied weight included)."""
+        return self.plan.full_state_dict(self.module)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds, and the peak
+        bytes of parameters gathered at once (ZeRO-3)."""
+        report = self.plan.memory_report()
+        report["optimizer_state"] = self._sharded_opt.state_bytes()
+        report["total"] = report["params"] + report["grads"] + report["optimizer_state"]
+        return report
+
+    def comm_report(self) -> dict[str, int]:
+        """Bytes this rank sent per collective kind since the previous call."""
+        return self.comm.take_report()
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def destroy(self) -> None:
+        """Remove the engine's hooks from the model."""
+        self.plan.remove_hooks()
+
+
+def _pick_device(model: nn.Module) -> torch.device:
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta":
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _optimizer_from_config(config: ZeroConfig) -> Callable[[Any], torch.optim.Optimizer]:
+    section = config.optimizer
+    if section is None:
+        raise ValueError(
+            "no optimizer: pass a torch.optim.Optimizer (or a callable params -> Optimizer) to "
+            "ds_strategy.initialize, or add an 'optimizer' section to the config"
+        )
+    names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)}
+    name = section.type
+    cls_name = names.get(name.lower())
+    if cls_name is None:
+        raise ValueError(
+            f"optimizer.type: unknown optimizer {name!r}; use one of torch.optim's classes "
+            f"({', '.join(sorted(v for v in names.values() if v[0].isupper() and v != 'Optimizer'))})"
+        )
+    cls = getattr(torch.optim, cls_name)
+    params = dict(section.params)
+
+    def factory(tensors: Any) -> torch.optim.Optimizer:
+        return cls(tensors, **params)
+
+    return factory
+
+
+def _bind_scheduler(sched: SchedulerLike | None, opt: torch.optim.Optimizer) -> Any:
+    if sched is None:
+        return None
+    if callable(sched) and not hasattr(sched, "step"):
+        return sched(opt)
+    # A scheduler built on the user's optimizer: point it at the rebuilt one. The param
+    # groups kept every key (initial_lr included), so its schedule is unchanged.
+    sched.optimizer = opt
+    _mark_step_tracked(opt)
+    return sched
+
+
+def _mark_step_tracked(opt: torch.optim.Optimizer) -> None:
+    # LRScheduler warns when optimizer.step lacks its wrapper; the rebuilt optimizer's step is
+    # still the one it expects to be called before scheduler.step().
+    step = opt.step
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = wrapper  # type: ignore[method-assign]
+
+
+def _now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,194 @@
+"""Compose a ZeRO stage from its pieces.
+
+Stages 0-2 are bucketed flat groups driven by one ``GradReducer``; stage 3 is per-unit flat
+groups driven by ``Stage3Runtime`` plus, for parameters under the persistence threshold,
+the same bucketed groups stage 2 uses. What each stage keeps sharded is a ``GroupPolicy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ...config import ZeroConfig
+from ..collectives import Comm
+from ..materialize import has_meta, materialize_modules
+from .flat_group import FlatParamGroup, GradScaling, GroupPolicy
+from .layout import split_into_buckets
+from .reducer import GradReducer
+from .stage3 import Stage3Runtime, Unit, build_groups
+from .units import plan_units
+
+__all__ = ["ShardingPlan", "build_plan"]
+
+POLICIES = {
+    0: GroupPolicy(shard_optimizer=False, shard_grads=False, shard_params=False),
+    1: GroupPolicy(shard_optimizer=True, shard_grads=False, shard_params=False),
+    2: GroupPolicy(shard_optimizer=True, shard_grads=True, shard_params=False),
+}
+
+
+@dataclass
+class ShardingPlan:
+    groups: list[FlatParamGroup]  # every flat group (the optimizer's view of the model)
+    reducer: GradReducer | None
+    stage3: Stage3Runtime | None = None
+    replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+
+    def finish_reduction(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.flush_unreduced()
+            self.stage3.finish()
+        if self.reducer is not None:
+            self.reducer.finish()
+
+    def after_optimizer_step(self) -> None:
+        works = [g.all_gather_after_step() for g in self.groups if not g.policy.shard_params]
+        for w in works:
+            w.wait()
+
+    def remove_hooks(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+        if self.stage3 is not None:
+            self.stage3.remove_hooks()
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        gathered: dict[int, torch.Tensor] = {}
+        if self.stage3 is not None:
+            for unit in self.stage3.units:
+                was_gathered = unit.gathered
+                for g in unit.groups:
+                    g.gather(async_op=False)
+                    g.wait_gathered()
+                    for i, p in enumerate(g.params):
+                        gathered[id(p)] = g.full_tensor(i).detach().clone()
+                if not was_gathered:
+                    for g in unit.groups:
+                        g.release()
+        out = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            src = gathered.get(id(t))
+            out[name] = src if src is not None else t.detach().clone()
+        return out
+
+    def memory_report(self) -> dict[str, int]:
+        params = grads = 0
+        for g in self.groups:
+            r = g.resident_bytes()
+            params += r["params"]
+            grads += r["grads"]
+        peak = 0
+        if self.stage3 is not None:
+            elem = max((g.shard.element_size() for g in self.groups), default=4)
+            peak = self.stage3.peak_live_numel * elem
+        return {"params": params, "grads": grads, "peak_gathered_params": peak}
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.parameters())  # parameters() already yields a tied weight once
+
+
+def _buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Reverse registration order (≈ the order backward produces gradients), one dtype per
+    bucket, at most ``bucket_numel`` elements each."""
+    out: list[list[nn.Parameter]] = []
+    run: list[nn.Parameter] = []
+    for p in reversed(params):
+        if run and p.dtype != run[-1].dtype:
+            out.extend([[run[i] for i in b] for b in split_into_buckets([q.numel() for q in run], bucket_numel)])
+            run = []
+        run.append(p)
+    if run:
+        out.extend([[run[i] for i in b] for b in split_into_buckets([q.numel() for q in run], bucket_numel)])
+    return out
+
+
+def _broadcast_loose(tensors: list[torch.Tensor], comm: Comm) -> None:
+    with torch.no_grad():
+        for t in tensors:
+            comm.broadcast(t.data, 0)
+
+
+def _bucketed_groups(
+    params: list[nn.Parameter], comm: Comm, policy: GroupPolicy, bucket_numel: int, device: torch.device
+) -> list[FlatParamGroup]:
+    groups = []
+    for bucket in _buckets(params, bucket_numel):
+        g = FlatParamGroup(bucket, comm, policy, device=device)
+        g.load_from_params()
+        g.broadcast_and_bind()
+        groups.append(g)
+    return groups
+
+
+def build_plan(
+    model: nn.Module,
+    comm: Comm,
+    config: ZeroConfig,
+    device: torch.device,
+    scaling: GradScaling,
+    should_reduce_every_backward: Callable[[], bool],
+    should_reduce_at_boundary: Callable[[], bool],
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> ShardingPlan:
+    zc = config.zero_optimization
+    if zc.stage == 3:
+        return _build_stage3(model, comm, config, device, scaling, should_reduce_every_backward, param_init_fn)
+    replaced: dict[int, nn.Parameter] = {}
+    if has_meta(model):
+        names = {id(m): n or "<root>" for n, m in model.named_modules()}
+        materialize_modules(list(model.modules()), device, replaced, param_init_fn, names)
+    params = _unique_params(model)
+    trainable = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    policy = POLICIES[zc.stage]
+    groups = _bucketed_groups(trainable, comm, policy, int(zc.reduce_bucket_size), device)
+    _broadcast_loose([*frozen, *model.buffers()], comm)
+    when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
+    return ShardingPlan(groups, GradReducer(groups, scaling, when), replaced=replaced)
+
+
+def _build_stage3(
+    model: nn.Module,
+    comm: Comm,
+    config: ZeroConfig,
+    device: torch.device,
+    scaling: GradScaling,
+    should_reduce: Callable[[], bool],
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> ShardingPlan:
+    zc = config.zero_optimization
+    unit_types = getattr(zc, "stage3_unit_modules", None)
+    plan = plan_units(model, int(zc.stage3_param_persistence_threshold), tuple(unit_types) if unit_types else None)
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    replaced: dict[int, nn.Parameter] = {}
+    units: list[Unit] = []
+    all_groups: list[FlatParamGroup] = []
+    for index, module in enumerate(plan.units):
+        # Materialise and shard one unit at a time: no rank ever holds the whole model.
+        materialize_modules(plan.owned_modules[id(module)], device, replaced, param_init_fn, names)
+        params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
+        groups = build_groups(params, comm, device) if params else []
+        for g in groups:
+            g.load_from_params()
+            g.broadcast_and_bind()
+        units.append(Unit(module, groups, index))
+        all_groups.extend(groups)
+    persistent = [replaced.get(id(p), p) for p in plan.persistent]
+    small = _bucketed_groups(
+        [p for p in persistent if p.requires_grad], comm, POLICIES[2], int(zc.reduce_bucket_size), device
+    )
+    _broadcast_loose([*(p for p in persistent if not p.requires_grad), *model.buffers()], comm)
+    runtime = Stage3Runtime(
+        units,
+        scaling,
+        should_reduce,
+        prefetch_numel=int(zc.stage3_prefetch_bucket_size),
+        max_live_numel=int(zc.stage3_max_live_parameters),
+    )
+    reducer = GradReducer(small, scaling, should_reduce)
+    return ShardingPlan(all_groups + small, reducer, runtime, replaced)

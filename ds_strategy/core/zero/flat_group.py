@@ -1,0 +1,282 @@
+"""A group of parameters flattened into one padded buffer, sharded across ranks.
+
+One class serves every stage; what differs is a ``GroupPolicy``:
+
+=========  ==================  ===================  =====================================
+stage      parameters          gradients            reduction
+=========  ==================  ===================  =====================================
+0          full, resident      full, resident       all-reduce at the accumulation boundary
+1          full, resident      full, resident       reduce-scatter at the boundary
+2          full, resident      shard only           reduce-scatter every backward
+3          shard only          shard only           reduce-scatter every backward
+=========  ==================  ===================  =====================================
+
+[Note: why the full buffer's storage is resized, not reallocated]
+Under stage 3 a released group frees its full buffer with ``untyped_storage().resize_(0)``
+and a gather grows the *same* storage back. Autograd may have saved views of a parameter
+during forward (``weight.t()`` inside ``F.linear``); those views point at this storage, so
+refilling it in place makes them valid again for backward without keeping the memory alive
+in between. While released, each parameter's ``.data`` is an empty tensor, so a stray use
+fails loudly instead of reading freed memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..collectives import Comm, Work
+from .layout import FlatLayout
+
+__all__ = ["FlatParamGroup", "GroupPolicy", "ShardState"]
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+@dataclass(frozen=True)
+class GroupPolicy:
+    shard_optimizer: bool  # stage >= 1: the optimizer sees only this rank's slice
+    shard_grads: bool  # stage >= 2: only the reduced slice of the gradients is kept
+    shard_params: bool  # stage 3: only the slice of the parameters is kept between uses
+
+
+@dataclass(frozen=True)
+class GradScaling:
+    """DeepSpeed's gradient averaging: divide by ``pre`` before the reduction and multiply by
+    ``post`` after it (``pre * (1/post) == world size``)."""
+
+    pre: float
+    post: float
+
+    @staticmethod
+    def of(world_size: int, prescale: bool, predivide_factor: float) -> GradScaling:
+        if prescale:
+            return GradScaling(float(world_size), 1.0)
+        return GradScaling(predivide_factor, predivide_factor / world_size)
+
+
+class FlatParamGroup:
+    """Parameters of one dtype flattened into one buffer; this rank owns one contiguous slice."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        comm: Comm,
+        policy: GroupPolicy,
+        *,
+        trainable: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        if not params:
+            raise ValueError("a FlatParamGroup needs at least one parameter")
+        self.params = params
+        self.comm = comm
+        self.policy = policy
+        self.trainable = trainable
+        self.dtype = params[0].dtype
+        self.device = device or params[0].device
+        self.shapes = [p.shape for p in params]
+        world = comm.world_size if policy.shard_optimizer else 1
+        self.rank = comm.rank if policy.shard_optimizer else 0
+        self.layout = FlatLayout([p.numel() for p in params], world)
+        lo, hi = self.layout.shard_range(self.rank)
+        self._full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        self._full_nbytes = self._full.untyped_storage().nbytes()
+        self.state = ShardState.GATHERED
+        self._gather_work: Work | None = None
+        if not policy.shard_params:
+            self.shard = self._full[lo:hi]
+        else:
+            self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+        # gradients
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if trainable:
+            if policy.shard_grads:
+                self.grad_shard = torch.zeros_like(self.shard)
+            else:
+                self.grad_full = torch.zeros_like(self._full)
+                self.grad_shard = self.grad_full[lo:hi]
+        self.grad_seen = torch.zeros(len(params), dtype=torch.float64)
+        self._ready = 0
+        self._launched = False
+        self._pending: list[tuple[Work, object]] = []
+
+    # -- initial values ------------------------------------------------------------------------
+
+    def load_from_params(self) -> None:
+        """Copy the parameters' current values into the flat buffer (skipped for meta)."""
+        for p, slot in zip(self.params, self.layout.slots, strict=True):
+            if p.device.type != "meta":
+                self._full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+
+    def broadcast_and_bind(self, src: int = 0) -> None:
+        """Make rank ``src``'s values everyone's, keep this rank's slice, point the parameters
+        at the flat buffer (or release them, under stage 3)."""
+        self.comm.broadcast(self._full, src)
+        if self.policy.shard_params:
+            lo, hi = self.layout.shard_range(self.rank)
+            self.shard.copy_(self._full[lo:hi])
+        self._bind_params()
+        self._bind_grads()
+        if self.policy.shard_params:
+            self.release()
+
+    def _bind_params(self) -> None:
+        for p, slot, shape in zip(self.params, self.layout.slots, self.shapes, strict=True):
+            p.data = self._full[slot.offset : slot.offset + slot.numel].view(shape)
+
+    def _bind_grads(self) -> None:
+        """Stages 0/1 accumulate straight into the flat gradient buffer, like DDP's
+        ``gradient_as_bucket_view``; stages 2/3 leave ``.grad`` to autograd between hooks."""
+        if self.grad_full is None:
+            return
+        for p, slot, shape in zip(self.params, self.layout.slots, self.shapes, strict=True):
+            p.grad = self.grad_full[slot.offset : slot.offset + slot.numel].view(shape)
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        assert self.grad_full is not None
+        slot = self.layout.slots[index]
+        return self.grad_full[slot.offset : slot.offset + slot.numel].view(self.shapes[index])
+
+    @property
+    def numel(self) -> int:
+        return self.layout.padded_total
+
+    @property
+    def full_nbytes(self) -> int:
+        return self._full_nbytes
+
+    # -- stage 3 gather / release ---------------------------------------------------------------
+
+    def gather(self, async_op: bool = True) -> None:
+        if self.state is not ShardState.SHARDED:
+            return
+        self._full.untyped_storage().resize_(self._full_nbytes)
+        self._gather_work = self.comm.all_gather(self._full, self.shard, async_op=async_op)
+        self.state = ShardState.GATHERING
+
+    def wait_gathered(self) -> None:
+        if self.state is ShardState.GATHERING:
+            assert self._gather_work is not None
+            self._gather_work.wait()
+            self._gather_work = None
+            self._bind_params()
+            self.state = ShardState.GATHERED
+        if self.state is not ShardState.GATHERED:
+            raise RuntimeError("wait_gathered() on a group that was never gathered")
+
+    def release(self) -> None:
+        if self.state is ShardState.SHARDED:
+            return
+        if self.state is ShardState.GATHERING:
+            self.wait_gathered()
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+        self._full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        self._ready = 0
+        self._launched = False
+
+    def mark_ready(self, index: int) -> bool:
+        """Record that parameter ``index`` got its gradient in this backward; True when every
+        trainable parameter of the group has."""
+        self.grad_seen[index] = 1.0
+        self._ready += 1
+        return self._ready >= len(self.params)
+
+    @property
+    def all_ready(self) -> bool:
+        return self._ready >= len(self.params)
+
+    @property
+    def launched(self) -> bool:
+        return self._launched
+
+    def launch_reduce(self, scaling: GradScaling) -> None:
+        """Start the (async) reduction of this backward's gradients."""
+        if not self.trainable or self._launched:
+            return
+        self._launched = True
+        if self.policy.shard_grads:
+            full = self._collect_autograd_grads()
+        else:
+            assert self.grad_full is not None
+            full = self.grad_full
+        if scaling.pre != 1.0:
+            full.div_(scaling.pre)
+        if not self.policy.shard_optimizer:
+            work = self.comm.all_reduce(full, async_op=True)
+            self._pending.append((work, (full, None, scaling.post)))
+            return
+        out = torch.empty_like(self.shard)
+        work = self.comm.reduce_scatter(out, full, async_op=True)
+        self._pending.append((work, (full, out, scaling.post)))
+
+    def _collect_autograd_grads(self) -> torch.Tensor:
+        """Move ``.grad`` of each parameter into one flat buffer (freeing the originals)."""
+        full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        for p, slot in zip(self.params, self.layout.slots, strict=True):
+            if p.grad is not None:
+                full[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return full
+
+    def finish_reduce(self) -> None:
+        """Wait for launched reductions and fold them into this rank's gradient slice."""
+        for work, (full, out, post) in self._pending:
+            work.wait()
+            assert self.grad_shard is not None
+            if out is None:  # all-reduce: the whole buffer is the reduced result
+                if post != 1.0:
+                    full.mul_(post)
+            elif self.policy.shard_grads:
+                self.grad_shard.add_(out, alpha=post)
+            else:
+                self.grad_shard.copy_(out).mul_(post)
+        self._pending.clear()
+
+    def zero_grad(self) -> None:
+        self.grad_seen.zero_()
+        if self.grad_shard is not None and self.policy.shard_grads:
+            self.grad_shard.zero_()
+        if self.grad_full is not None:
+            self.grad_full.zero_()
+            self._bind_grads()  # the user may have set .grad to None meanwhile
+        elif self.trainable:
+            for p in self.params:
+                p.grad = None
+
+    def all_gather_after_step(self) -> Work:
+        """Stages 1/2: every rank updated its slice; rebuild the full parameters."""
+        if not self.policy.shard_optimizer:
+            return Work(None)
+        return self.comm.all_gather(self._full, self.shard, async_op=True)
+
+    def full_tensor(self, index: int) -> torch.Tensor:
+        """A view of parameter ``index`` in the full buffer (valid only while gathered)."""
+        slot = self.layout.slots[index]
+        return self._full[slot.offset : slot.offset + slot.numel].view(self.shapes[index])
+
+    def resident_bytes(self) -> dict[str, int]:
+        param = self._full_nbytes if not self.policy.shard_params else 0
+        if self.policy.shard_params:
+            param += self.shard.untyped_storage().nbytes()
+        grad = 0
+        if self.grad_full is not None:
+            grad = self.grad_full.untyped_storage().nbytes()
+        elif self.grad_shard is not None:
+            grad = self.grad_shard.untyped_storage().nbytes()
+        return {"params": param, "grads": grad}

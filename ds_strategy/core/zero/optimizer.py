@@ -1,0 +1,151 @@
+"""The user's optimizer, rebuilt over this rank's shard of every parameter.
+
+[Note: one optimizer tensor per parameter piece]
+Each parameter's piece inside this rank's slice becomes one tensor for the optimizer (a view
+into the flat shard, its ``.grad`` a view into the flat gradient shard). Param groups keep
+their hyper-parameters; state is per piece, so stage 1/2/3 hold 1/N of Adam's moments. Before
+each step, a piece whose parameter got no gradient on *any* rank gets ``.grad = None``, so
+the optimizer skips it exactly as plain PyTorch skips a parameter without a gradient (no
+weight decay, no momentum drift). Under stage 0 the "piece" is the parameter itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..collectives import Comm
+from .flat_group import FlatParamGroup
+
+__all__ = ["ShardedOptimizer", "rebuild_optimizer"]
+
+OptimizerLike = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
+
+
+@dataclass
+class _Piece:
+    group: FlatParamGroup
+    index: int  # parameter index inside the group
+    tensor: torch.Tensor  # what the optimizer updates
+    grad: torch.Tensor  # its gradient view
+
+
+def _pieces_of(group: FlatParamGroup) -> list[_Piece]:
+    out = []
+    if not group.policy.shard_optimizer:  # stage 0: the parameters themselves
+        assert group.grad_full is not None
+        for i, p in enumerate(group.params):
+            out.append(_Piece(group, i, p, group.grad_view(i)))
+        return out
+    assert group.grad_shard is not None
+    for pc in group.layout.pieces(group.rank):
+        sl = slice(pc.shard_start, pc.shard_start + pc.length)
+        out.append(_Piece(group, pc.index, group.shard[sl], group.grad_shard[sl]))
+    return out
+
+
+def rebuild_optimizer(
+    optimizer: OptimizerLike,
+    groups: list[FlatParamGroup],
+    replaced: dict[int, nn.Parameter],
+) -> tuple[torch.optim.Optimizer, list[_Piece]]:
+    """Build the optimizer over this rank's pieces.
+
+    ``replaced`` maps ``id(original parameter)`` to the parameter now in the model (they
+    differ only for a model materialised from the meta device).
+    """
+    pieces = [pc for g in groups if g.trainable for pc in _pieces_of(g)]
+    by_param: dict[int, list[torch.Tensor]] = {}
+    for pc in pieces:
+        by_param.setdefault(id(pc.group.params[pc.index]), []).append(pc.tensor)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        flat = [t for pc in pieces for t in [pc.tensor]]
+        return optimizer(flat or [torch.zeros(0)]), pieces
+    new_groups = []
+    for group in optimizer.param_groups:
+        tensors: list[torch.Tensor] = []
+        for p in group["params"]:
+            current = replaced.get(id(p), p)
+            tensors.extend(by_param.get(id(current), []))
+        new_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": tensors})
+    if not any(g["params"] for g in new_groups):
+        # A tiny model on many ranks can leave this rank nothing to own; torch rejects an
+        # optimizer with no parameters, so give it one empty tensor that never has a grad.
+        new_groups[0]["params"] = [torch.zeros(0)]
+    # Every group carries all its hyper-parameters; pass the constructor only the defaults it
+    # accepts (some, like AdamW's decoupled_weight_decay, live in defaults but not __init__).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(new_groups, **defaults), pieces
+
+
+class ShardedOptimizer:
+    """Grad masking, global-norm clipping and the step, over the pieces of all groups."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        pieces: list[_Piece],
+        groups: list[FlatParamGroup],
+        comm: Comm,
+    ) -> None:
+        self.optimizer = optimizer
+        self.pieces = pieces
+        self.groups = [g for g in groups if g.trainable]
+        self.comm = comm
+        self.sharded = any(g.policy.shard_optimizer for g in self.groups)
+
+    def sync_grad_flags_and_norm(self) -> float:
+        """One all-reduce carries both which parameters got a gradient on any rank and this
+        rank's share of the squared gradient norm. Returns the global L2 norm."""
+        flags = [g.grad_seen for g in self.groups]
+        sq = torch.zeros(1, dtype=torch.float64)
+        for g in self.groups:
+            if g.grad_shard is not None:
+                sq += g.grad_shard.double().pow(2).sum()
+        packed = torch.cat(flags + [sq]) if flags else sq
+        if self.sharded:
+            self.comm.all_reduce(packed)
+        else:  # stage 0: gradients are identical everywhere, only flags need combining
+            self.comm.all_reduce(packed[:-1]) if flags else None
+        offset = 0
+        for g in self.groups:
+            n = g.grad_seen.numel()
+            g.grad_seen.copy_(packed[offset : offset + n].clamp(max=1.0))
+            offset += n
+        return float(packed[-1].sqrt())
+
+    def attach_grads(self) -> None:
+        for pc in self.pieces:
+            pc.tensor.grad = pc.grad if pc.group.grad_seen[pc.index] > 0 else None
+
+    def clip(self, total_norm: float, max_norm: float) -> None:
+        """Scale gradients like ``torch.nn.utils.clip_grad_norm_`` (same coefficient)."""
+        coef = max_norm / (total_norm + 1e-6)
+        if coef < 1.0:
+            for g in self.groups:
+                if g.grad_shard is not None:
+                    g.grad_shard.mul_(coef)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def state_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.untyped_storage().data_ptr() not in seen:
+                    seen.add(v.untyped_storage().data_ptr())
+                    total += v.untyped_storage().nbytes()
+        return total
+
+
+def param_numel(params: Iterable[nn.Parameter]) -> int:
+    seen: set[int] = set()
+    return sum(p.numel() for p in params if not (id(p) in seen or seen.add(id(p))))

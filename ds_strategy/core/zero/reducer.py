@@ -1,0 +1,118 @@
+"""Bucketed gradient reduction overlapped with backward (stages 0, 1, 2 and stage 3's
+persistent small parameters).
+
+[Note: launch order]
+Gloo and NCCL match collectives by the order in which ranks issue them, so every rank must
+launch the buckets in the same order even if gradients arrive in a different one (an
+unused parameter on one rank, say). A bucket is therefore launched only after every bucket
+before it; whatever is left when backward ends is launched then, in order. Buckets are
+built in reverse registration order, which approximates the order backward produces
+gradients, so most buckets still go out while backward is running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .flat_group import FlatParamGroup, GradScaling
+
+__all__ = ["GradReducer"]
+
+
+def queue_end_of_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current autograd backward pass finishes."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+class GradReducer:
+    """Owns the post-accumulate-grad hooks of a list of groups and launches their
+    reductions in a fixed order.
+
+    ``should_reduce()`` says whether this backward reduces (False inside ``no_sync`` and, for
+    stages 0/1, before the accumulation boundary): gradients then just accumulate.
+    """
+
+    def __init__(
+        self,
+        groups: list[FlatParamGroup],
+        scaling: GradScaling,
+        should_reduce: Callable[[], bool],
+    ) -> None:
+        self.groups = [g for g in groups if g.trainable]
+        self.scaling = scaling
+        self.should_reduce = should_reduce
+        self._next = 0
+        self._in_backward = False
+        self._reducing = False
+        self._dirty = False  # gradients accumulated that no reduction has seen yet
+        self._handles = []
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(g, i)))
+
+    def _hook(self, group: FlatParamGroup, index: int) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            if not self._in_backward:
+                self._start_backward()
+            if group.grad_full is not None and param.grad is not None:
+                self._keep_grad_in_bucket(group, index, param)
+            group.mark_ready(index)
+            if self._reducing:
+                self._launch_ready()
+
+        return hook
+
+    @staticmethod
+    def _keep_grad_in_bucket(group: FlatParamGroup, index: int, param: nn.Parameter) -> None:
+        # Autograd replaces .grad instead of accumulating in place when create_graph=True
+        # or after the user set it to None; fold such a gradient back into the flat buffer.
+        view = group.grad_view(index)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.add_(param.grad)
+            param.grad = view
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._reducing = self.should_reduce()
+        self._next = 0
+        for g in self.groups:
+            g.begin_backward()
+        queue_end_of_backward(self._end_backward)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.groups) and self.groups[self._next].all_ready:
+            self.groups[self._next].launch_reduce(self.scaling)
+            self._next += 1
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self._reducing:
+            self.launch_all()
+        else:
+            self._dirty = True
+
+    def launch_all(self) -> None:
+        """Launch every group not launched yet, in order."""
+        for g in self.groups[self._next :]:
+            g.launch_reduce(self.scaling)
+        self._next = len(self.groups)
+        self._dirty = False
+
+    def finish(self) -> None:
+        """Before the optimizer step: reduce anything accumulated without a reduction (e.g.
+        the last backward ran under ``no_sync``), then wait for every reduction."""
+        if self._dirty:
+            for g in self.groups:
+                g.begin_backward()
+            self._next = 0
+            self.launch_all()
+        for g in self.groups:
+            g.finish_reduce()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

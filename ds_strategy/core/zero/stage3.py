@@ -1,0 +1,262 @@
+"""ZeRO-3 runtime: gather a unit's parameters just before it runs, release them after,
+prefetch the next unit, reduce-scatter its gradients as soon as backward has produced them.
+
+[Note: the life of a unit in one training step]
+forward:  pre-hook  -> gather (or wait for the prefetch), prefetch the next unit(s)
+          post-hook -> release; hook the outputs so backward announces itself
+backward: first gradient w.r.t. an output -> gather again, prefetch the previous unit
+          last parameter gradient of the unit -> reduce-scatter (async), release
+          end of backward -> reduce what never got a gradient, release everything
+The forward order is recorded on the first step and replayed for prefetching; if a later
+step runs units in another order, prefetching stops for that pass (correctness does not
+depend on it, only overlap does).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..collectives import Comm
+from .flat_group import FlatParamGroup, GradScaling, GroupPolicy, ShardState
+from .reducer import queue_end_of_backward
+
+__all__ = ["Stage3Runtime", "Unit"]
+
+STAGE3_POLICY = GroupPolicy(shard_optimizer=True, shard_grads=True, shard_params=True)
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Unit:
+    """One module's parameters, in one flat group per (dtype, trainable)."""
+
+    def __init__(self, module: nn.Module, groups: list[FlatParamGroup], index: int) -> None:
+        self.module = module
+        self.groups = groups
+        self.index = index
+        self.reduced = False
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def gathered(self) -> bool:
+        return any(g.state is not ShardState.SHARDED for g in self.groups)
+
+    @property
+    def trainable_groups(self) -> list[FlatParamGroup]:
+        return [g for g in self.groups if g.trainable]
+
+    @property
+    def has_frozen(self) -> bool:
+        return any(not g.trainable for g in self.groups)
+
+
+def build_groups(params: list[nn.Parameter], comm: Comm, device: torch.device) -> list[FlatParamGroup]:
+    """One flat group per (dtype, requires_grad): frozen weights get no gradient buffers."""
+    buckets: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+    for p in params:
+        buckets.setdefault((p.dtype, p.requires_grad), []).append(p)
+    return [
+        FlatParamGroup(ps, comm, STAGE3_POLICY, trainable=trainable, device=device)
+        for (_, trainable), ps in buckets.items()
+    ]
+
+
+class Stage3Runtime:
+    """Hooks that drive gather / release / prefetch / reduce for a list of units."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        scaling: GradScaling,
+        should_reduce: Callable[[], bool],
+        prefetch_numel: int,
+        max_live_numel: int,
+    ) -> None:
+        self.units = units
+        self.root = units[-1]
+        self.scaling = scaling
+        self.should_reduce = should_reduce
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.state = TrainingState.IDLE
+        self._order: list[Unit] = []  # forward order recorded on the first pass
+        self._recording = True
+        self._call_index = 0
+        self._order_ok = True
+        self._reducing = False
+        self._dirty = False  # gradients accumulated under no_sync, not reduced yet
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self._handles: list[Any] = []
+        self._install_hooks()
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            m = unit.module
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward(unit)))
+            self._handles.append(m.register_forward_hook(self._post_forward(unit)))
+            for g in unit.trainable_groups:
+                for i, p in enumerate(g.params):
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, g, i)))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre_forward(self, unit: Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if unit is self.root:
+                self._start_forward()
+            index = self._call_index
+            self._call_index += 1
+            if self._recording:
+                self._order.append(unit)
+            elif index >= len(self._order) or self._order[index] is not unit:
+                self._order_ok = False
+            self._gather(unit, wait=True)
+            if not self._recording and self._order_ok:
+                self._prefetch(range(index + 1, len(self._order)))
+
+        return hook
+
+    def _post_forward(self, unit: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            index = self._call_index - 1
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, self._pre_backward(unit, index), mode="any"
+                )
+            if unit is self.root:
+                self._end_forward()
+            else:
+                self._release(unit)
+            return None
+
+        return hook
+
+    def _pre_backward(self, unit: Unit, forward_index: int) -> Callable[[Any], None]:
+        def hook(grad: Any) -> None:
+            if self.state is not TrainingState.BACKWARD:
+                self._start_backward()
+            self._gather(unit, wait=True)
+            if self._order_ok:
+                self._prefetch(range(forward_index - 1, -1, -1))
+
+        return hook
+
+    def _grad_hook(self, unit: Unit, group: FlatParamGroup, index: int) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            if self.state is not TrainingState.BACKWARD:
+                self._start_backward()
+            group.mark_ready(index)
+            if self._reducing and all(g.all_ready for g in unit.trainable_groups):
+                self._reduce(unit)
+                if not unit.has_frozen:
+                    self._release(unit)
+
+        return hook
+
+    # -- transitions --------------------------------------------------------------------------
+
+    def _start_forward(self) -> None:
+        if self.state is TrainingState.BACKWARD:
+            raise RuntimeError("forward started while a backward pass is still running")
+        if self._order and self._recording:
+            self._recording = False
+        self.state = TrainingState.FORWARD
+        self._call_index = 0
+        self._order_ok = True
+
+    def _end_forward(self) -> None:
+        for u in self.units:  # including prefetches that the forward never used
+            self._release(u)
+        self.state = TrainingState.IDLE
+
+    def _start_backward(self) -> None:
+        self.state = TrainingState.BACKWARD
+        self._reducing = self.should_reduce()
+        if self._reducing:
+            self._dirty = False  # this backward's reduction carries the accumulated .grad
+        for u in self.units:
+            u.reduced = False
+            for g in u.trainable_groups:
+                g.begin_backward()
+        queue_end_of_backward(self._end_backward)
+
+    def _end_backward(self) -> None:
+        if self._reducing:
+            for u in self.units:
+                self._reduce(u)
+        else:
+            self._dirty = True
+        for u in self.units:
+            self._release(u)
+        self.state = TrainingState.IDLE
+
+    def _reduce(self, unit: Unit) -> None:
+        if unit.reduced:
+            return
+        unit.reduced = True
+        for g in unit.trainable_groups:
+            g.launch_reduce(self.scaling)
+
+    def flush_unreduced(self) -> None:
+        """Launch reductions for gradients accumulated under ``no_sync`` (optimizer step)."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        for u in self.units:
+            for g in u.trainable_groups:
+                g.begin_backward()
+                g.launch_reduce(self.scaling)
+
+    def finish(self) -> None:
+        for u in self.units:
+            for g in u.trainable_groups:
+                g.finish_reduce()
+
+    # -- gather / release with live-memory accounting ----------------------------------------
+
+    def _gather(self, unit: Unit, wait: bool) -> None:
+        if not unit.gathered:
+            for g in unit.groups:
+                g.gather(async_op=True)
+            self.live_numel += unit.numel
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        if wait:
+            for g in unit.groups:
+                g.wait_gathered()
+
+    def _release(self, unit: Unit) -> None:
+        if unit.gathered:
+            for g in unit.groups:
+                g.release()
+            self.live_numel -= unit.numel
+
+    def _prefetch(self, indices: range) -> None:
+        budget = self.prefetch_numel
+        for i in indices:
+            unit = self._order[i]
+            if unit is self.root or unit.gathered:
+                continue
+            if budget <= 0 or self.live_numel + unit.numel > self.max_live_numel:
+                return
+            self._gather(unit, wait=False)
+            budget -= unit.numel

@@ -1,0 +1,90 @@
+"""Spawn N gloo ranks on 127.0.0.1 for a test, with a timeout so a hang fails fast.
+
+Each test group picks its own free port; a worker's exception comes back to the test with
+its rank and traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float,
+           args: tuple, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - report anything to the parent
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240,
+              pg_timeout: float = 60) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank.
+
+    Raises ``WorkerError`` with the first failing rank's traceback, or ``TimeoutError`` if the
+    ranks are not all done within ``timeout`` seconds (every process is killed then).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, pg_timeout, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(results) + len(errors) < world:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise TimeoutError(f"ranks did not finish within {timeout}s (done: {sorted(results)})")
+            try:
+                rank, status, payload = queue.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: check whether a rank died without reporting
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and queue.empty():
+                    raise WorkerError(f"rank(s) {dead} died without a report") from None
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}: {payload}")
+                break
+        if errors:
+            raise WorkerError(errors[0])
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
