@@ -80,11 +80,15 @@ class Comm:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, kind: str = "all_reduce"
+    ) -> Work:
+        """``kind`` files the bytes under another name (``"control"`` for the small
+        bookkeeping reductions, so they are not mistaken for gradient traffic)."""
         n = self.world_size
         if n == 1:
             return Work(None)
-        self._count("all_reduce", 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
+        self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         return Work(dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op))
 

@@ -12,7 +12,7 @@ weight decay, no momentum drift). Under stage 0 the "piece" is the parameter its
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,9 +110,9 @@ class ShardedOptimizer:
                 sq += g.grad_shard.double().pow(2).sum()
         packed = torch.cat(flags + [sq]) if flags else sq
         if self.sharded:
-            self.comm.all_reduce(packed)
-        else:  # stage 0: gradients are identical everywhere, only flags need combining
-            self.comm.all_reduce(packed[:-1]) if flags else None
+            self.comm.all_reduce(packed, kind="control")
+        elif flags:  # stage 0: gradients are identical everywhere, only flags need combining
+            self.comm.all_reduce(packed[:-1], kind="control")
         offset = 0
         for g in self.groups:
             n = g.grad_seen.numel()
@@ -145,7 +145,3 @@ class ShardedOptimizer:
                     total += v.untyped_storage().nbytes()
         return total
 
-
-def param_numel(params: Iterable[nn.Parameter]) -> int:
-    seen: set[int] = set()
-    return sum(p.numel() for p in params if not (id(p) in seen or seen.add(id(p))))

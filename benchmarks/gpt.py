@@ -1,0 +1,61 @@
+"""A small GPT (pre-norm blocks, causal attention, tied embedding/head) for benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 8192
+    d: int = 512
+    layers: int = 8
+    heads: int = 8
+    seq: int = 128
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.ln1 = nn.LayerNorm(c.d)
+        self.qkv = nn.Linear(c.d, 3 * c.d)
+        self.proj = nn.Linear(c.d, c.d)
+        self.ln2 = nn.LayerNorm(c.d)
+        self.fc = nn.Linear(c.d, 4 * c.d)
+        self.out = nn.Linear(4 * c.d, c.d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.wte = nn.Embedding(c.vocab, c.d)
+        self.wpe = nn.Embedding(c.seq, c.d)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.d)
+        self.head = nn.Linear(c.d, c.vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
