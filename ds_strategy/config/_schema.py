@@ -1,0 +1,375 @@
+"""The configuration schema: one frozen dataclass per concern, keyed like DeepSpeed's JSON.
+
+Field names are DeepSpeed's config keys and defaults are DeepSpeed's defaults, so an existing
+DeepSpeed JSON loads unchanged. The dataclasses hold data only; parsing, validation and the
+"auto" / batch-size resolution live in ``_load.py``.
+
+[Note: why leaves are annotated ``Any``]
+Hugging Face tools write ``"auto"`` for almost any value and fill it in later, so until
+:meth:`ZeroConfig.resolve` runs, an ``int`` field may legitimately hold the string ``"auto"``.
+omegaconf 2.3 (the schema for Hydra recipes, via ``OmegaConf.structured(ZeroConfig)``)
+supports neither ``Literal`` nor general ``Union`` types, so "int or 'auto'" cannot be spelled
+as an annotation it accepts. Every leaf is therefore annotated ``Any`` and declared with
+:func:`leaf`, which records the real type, allowed values and bounds in the field metadata;
+the loader enforces them. Sections are nested dataclasses, which omegaconf types fully, so
+unknown keys are still rejected by omegaconf itself.
+
+[Note: adding a section]
+Add a frozen dataclass whose leaves use :func:`leaf`, add one field to :class:`ZeroConfig`
+(``section(MyConfig)``), and delete its entry from :data:`UNSUPPORTED_KEYS`. The loader walks
+dataclass fields recursively, so no parsing code changes; a cross-field rule, if any, is one
+function registered in ``_load._CHECKS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+AUTO = "auto"
+"""Placeholder accepted for any leaf value, kept as is until :meth:`ZeroConfig.resolve`."""
+
+
+class ConfigError(ValueError):
+    """A config value, key or file is invalid; the message names the key (and file).
+
+    Attributes:
+        key: dotted config key the error is about (``None`` when it is about the whole file).
+        path: the config file, when the config was loaded from one.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.path = path
+
+
+class UnsupportedConfigWarning(UserWarning):
+    """A DeepSpeed key that ds_strategy knows but does not implement; its value is ignored."""
+
+
+# Tracebacks and warning filters should show the public name, not this private module.
+ConfigError.__module__ = UnsupportedConfigWarning.__module__ = "ds_strategy.config"
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """What a leaf accepts; stored in field metadata because the annotation is ``Any``."""
+
+    kind: type  # int, float, bool or str
+    choices: tuple[Any, ...] | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+
+def leaf(
+    kind: type,
+    default: Any = MISSING,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
+    """Declare a scalar field; without ``default`` the key is required (``default=None``: nullable)."""
+    spec = LeafSpec(kind, choices, ge, gt, le)
+    return field(default=default, metadata={"leaf": spec, "aliases": aliases})
+
+
+def section(factory: Callable[[], Any], *, aliases: tuple[str, ...] = ()) -> Any:
+    """Declare a nested section; ``factory`` builds its defaults (also what "auto" falls back to)."""
+    return field(default_factory=factory, metadata={"aliases": aliases})
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: where state lives off-GPU.
+
+    ``device`` is ``"none"``, ``"cpu"`` or ``"nvme"``; ``"nvme"`` needs ``nvme_path``. The
+    optimizer section defaults to ``buffer_count=4`` (DeepSpeed's default there), the parameter
+    section to 5. ``ratio`` < 1 (partial optimizer offload) needs ZeRO stage 3.
+
+    >>> OffloadConfig(device="cpu", pin_memory=True).device
+    'cpu'
+    """
+
+    device: Any = leaf(str, "none", choices=("none", "cpu", "nvme"))
+    nvme_path: Any = leaf(str, None)
+    pin_memory: Any = leaf(bool, False)
+    buffer_count: Any = leaf(int, 5, ge=1)
+    buffer_size: Any = leaf(int, 100_000_000, gt=0)
+    max_in_cpu: Any = leaf(int, 1_000_000_000, ge=0)
+    fast_init: Any = leaf(bool, False)
+    ratio: Any = leaf(float, 1.0, ge=0.0, le=1.0)
+
+
+def _optimizer_offload_defaults() -> OffloadConfig:
+    # DeepSpeed's optimizer-offload model defaults buffer_count to 4 (Adam keeps 4 tensors per
+    # parameter on NVMe); its parameter-offload model uses 5. Both share one dataclass here.
+    return OffloadConfig(buffer_count=4)
+
+
+@dataclass(frozen=True)
+class ZeroOptimizationConfig:
+    """``zero_optimization``: the ZeRO stage and its bucketing, prefetch and offload knobs.
+
+    Sizes count elements, not bytes, as in DeepSpeed. ``offload_param`` needs stage 3. The
+    ``stage3_*`` keys also accept DeepSpeed's unprefixed spellings (``prefetch_bucket_size``, ...).
+
+    >>> ZeroOptimizationConfig(stage=2).reduce_bucket_size
+    500000000
+    """
+
+    stage: Any = leaf(int, 0, choices=(0, 1, 2, 3))
+    overlap_comm: Any = leaf(bool, True)
+    contiguous_gradients: Any = leaf(bool, True)
+    reduce_scatter: Any = leaf(bool, True)
+    reduce_bucket_size: Any = leaf(int, 500_000_000, gt=0)
+    allgather_partitions: Any = leaf(bool, True)
+    allgather_bucket_size: Any = leaf(int, 500_000_000, gt=0)
+    stage3_prefetch_bucket_size: Any = leaf(
+        int, 50_000_000, gt=0, aliases=("prefetch_bucket_size",)
+    )
+    stage3_max_live_parameters: Any = leaf(
+        int, 1_000_000_000, gt=0, aliases=("max_live_parameters",)
+    )
+    stage3_max_reuse_distance: Any = leaf(int, 1_000_000_000, gt=0, aliases=("max_reuse_distance",))
+    stage3_param_persistence_threshold: Any = leaf(
+        int, 100_000, ge=0, aliases=("param_persistence_threshold",)
+    )
+    offload_optimizer: OffloadConfig = section(_optimizer_offload_defaults)
+    offload_param: OffloadConfig = section(OffloadConfig)
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """``fp16``: fp16 mixed precision with a (by default dynamic) loss scale.
+
+    ``loss_scale`` 0 means dynamic scaling starting at ``2 ** initial_scale_power``.
+
+    >>> FP16Config(enabled=True).loss_scale_window
+    1000
+    """
+
+    enabled: Any = leaf(bool, False)
+    loss_scale: Any = leaf(float, 0.0, ge=0.0)
+    initial_scale_power: Any = leaf(int, 16, ge=0)
+    loss_scale_window: Any = leaf(int, 1000, ge=1)
+    hysteresis: Any = leaf(int, 2, ge=1)
+    consecutive_hysteresis: Any = leaf(bool, False)
+    min_loss_scale: Any = leaf(float, 1.0, gt=0.0)
+    auto_cast: Any = leaf(bool, False)
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """``bf16`` (DeepSpeed also reads the old name ``bfloat16``): bf16 mixed precision.
+
+    >>> BF16Config(enabled=True).immediate_grad_update
+    False
+    """
+
+    enabled: Any = leaf(bool, False)
+    immediate_grad_update: Any = leaf(bool, False)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer``: ``{"type": "AdamW", "params": {...}}`` as DeepSpeed writes it.
+
+    ``params`` is passed through as given (values may be ``"auto"``); the dict is the loader's
+    own copy, but treat it as read-only like the rest of the config.
+
+    >>> OptimizerConfig(type="AdamW", params={"lr": 1e-4}).params["lr"]
+    0.0001
+    """
+
+    type: Any = leaf(str)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``scheduler``: ``{"type": "WarmupLR", "params": {...}}`` as DeepSpeed writes it.
+
+    >>> SchedulerConfig(type="WarmupLR").params
+    {}
+    """
+
+    type: Any = leaf(str)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The whole configuration: top-level DeepSpeed keys plus one field per section.
+
+    Build it with :func:`load_config` / :meth:`from_any` (validated) rather than the
+    constructor. Values may be ``"auto"`` until :meth:`resolve` fills them in and settles the
+    batch sizes for a data-parallel world size.
+
+    >>> cfg = ZeroConfig.from_any({"zero_optimization": {"stage": 3},
+    ...                            "train_micro_batch_size_per_gpu": 4})
+    >>> cfg.zero_optimization.stage
+    3
+    >>> cfg.resolve(world_size=2).train_batch_size
+    8
+    """
+
+    train_batch_size: Any = leaf(int, None, ge=1)
+    train_micro_batch_size_per_gpu: Any = leaf(int, None, ge=1)
+    gradient_accumulation_steps: Any = leaf(int, None, ge=1)
+    gradient_clipping: Any = leaf(float, 0.0, ge=0.0)
+    steps_per_print: Any = leaf(int, 10, ge=1)
+    wall_clock_breakdown: Any = leaf(bool, False)
+    gradient_predivide_factor: Any = leaf(float, 1.0, gt=0.0)
+    prescale_gradients: Any = leaf(bool, False)
+    communication_data_type: Any = leaf(str, None, choices=("fp32", "fp16", "bf16"))
+    seed: Any = leaf(int, None)
+    zero_optimization: ZeroOptimizationConfig = section(ZeroOptimizationConfig)
+    fp16: FP16Config = section(FP16Config)
+    bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+
+    @classmethod
+    def from_any(cls, source: Any = None) -> ZeroConfig:
+        """Same as :func:`load_config`: a dict, a .json/.yaml path, an omegaconf node or a config.
+
+        >>> ZeroConfig.from_any({"bf16": {"enabled": True}}).bf16.enabled
+        True
+        """
+        from ._load import _load  # _load imports this module; import late to avoid a cycle
+
+        return _load(source, stacklevel=3)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A DeepSpeed-shaped nested dict that :func:`load_config` turns back into ``self``.
+
+        >>> ZeroConfig().to_dict()["zero_optimization"]["stage"]
+        0
+        """
+        from ._load import config_to_dict
+
+        return config_to_dict(self)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A new, validated config with dotted keys changed; a mapping merges into a section.
+
+        >>> cfg = ZeroConfig().replace(**{"zero_optimization.stage": 3, "fp16": {"enabled": True}})
+        >>> (cfg.zero_optimization.stage, cfg.fp16.enabled, cfg.fp16.loss_scale_window)
+        (3, True, 1000)
+        """
+        from ._load import replace_config
+
+        return replace_config(self, changes)
+
+    def resolve(self, world_size: int, auto_values: Mapping[str, Any] | None = None) -> ZeroConfig:
+        """Fill every ``"auto"`` and settle the batch sizes for ``world_size`` data-parallel ranks.
+
+        Each ``"auto"`` takes ``auto_values[dotted_key]`` when given, else the field's default;
+        an ``"auto"`` entry of ``optimizer.params`` / ``scheduler.params`` without a value is
+        dropped, so the optimizer's own default applies. Then, like DeepSpeed, of
+        ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+        world_size`` any two given determine the third; one batch size alone implies
+        ``gradient_accumulation_steps = 1``. Raises :class:`ConfigError` showing the arithmetic
+        when the given values disagree or do not divide.
+
+        >>> cfg = ZeroConfig.from_any({"train_batch_size": 32, "gradient_clipping": "auto"})
+        >>> r = cfg.resolve(4, {"gradient_clipping": 1.0})
+        >>> (r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps, r.gradient_clipping)
+        (8, 1, 1.0)
+        """
+        from ._resolve import resolve_config
+
+        return resolve_config(self, world_size, auto_values)
+
+
+def _ignored(reason: str, keys: str) -> dict[str, str]:
+    return dict.fromkeys(keys.split(), reason)
+
+
+UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
+    # section path ("" = top level) -> {DeepSpeed key: why it is ignored / what to use instead}.
+    # Names taken from DeepSpeed's runtime/config.py, runtime/constants.py, runtime/zero/config.py,
+    # runtime/zero/offload_config.py, runtime/precision_config.py and monitor/config.py.
+    # A key listed here warns (UnsupportedConfigWarning) and is skipped with its whole value; a
+    # key in neither the schema nor this table is an error. Remove an entry once it is built.
+    "": {
+        **_ignored(
+            "monitoring is left to the training framework's loggers",
+            "tensorboard wandb csv_monitor comet trackio flops_profiler comms_logger timers "
+            "memory_breakdown dump_state",
+        ),
+        **_ignored(
+            "not implemented yet",
+            "activation_checkpointing pipeline checkpoint data_types autotuning elasticity compile",
+        ),
+        **_ignored(
+            "a DeepSpeed-specific feature with no equivalent here",
+            "data_efficiency curriculum_learning compression_training quantize_training "
+            "sparse_attention progressive_layer_drop hybrid_engine weight_quantization "
+            "tensor_parallel expert_parallel use_data_before_expert_parallelism "
+            "sequence_parallel_size seq_parallel_comm_data_type "
+            "seq_parallel_communication_data_type graph_harvesting nebula vocabulary_size "
+            "dataloader_drop_last sparse_gradients",
+        ),
+        **_ignored("use fp16 or bf16 instead", "amp torch_autocast"),
+        "aio": "DeepSpeed's native async-I/O library is not used",
+        "zero_allow_untested_optimizer": "any torch.optim optimizer is accepted already",
+        "zero_force_ds_cpu_optimizer": "offloaded steps run the given torch optimizer on CPU",
+        "disable_allgather": "stages 1-2 always all-gather the updated parameters",
+        "gradient_allreduce_op": "gradients are always averaged (mean)",
+    },
+    "zero_optimization": {
+        **_ignored(
+            "a ZeRO-Infinity / ZeRO++ / MiCS tuning knob not implemented here",
+            "sub_group_size round_robin_gradients zero_hpz_partition_size "
+            "zero_quantized_weights zero_quantized_nontrainable_weights "
+            "zero_quantized_gradients zeropp_loco_param mics_shard_size "
+            "mics_hierarchical_params_gather zenflow use_multi_rank_bucket_allreduce "
+            "stage3_model_persistence_threshold model_persistence_threshold "
+            "stage3_module_granularity_threshold module_granularity_threshold "
+            "stage3_use_all_reduce_for_fetch_params use_all_reduce_for_fetch_params "
+            "stage3_allgather_sequential allgather_sequential "
+            "stage3_partition_stream_chunk_size partition_stream_chunk_size",
+        ),
+        **_ignored(
+            "use engine.full_state_dict() to gather the full weights",
+            "stage3_gather_16bit_weights_on_model_save gather_16bit_weights_on_model_save "
+            "stage3_gather_fp16_weights_on_model_save",
+        ),
+        **_ignored(
+            "checkpoints always keep the fp32 master weights and reshard on load",
+            "load_from_fp32_weights elastic_checkpoint pipeline_loading_checkpoint",
+        ),
+        **_ignored(
+            "a DeepSpeed implementation detail with no equivalent here",
+            "ignore_unused_parameters memory_efficient_linear override_module_apply "
+            "log_trace_cache_warnings enable_sanity_checks leaf_module legacy_stage1 "
+            "save_muon_momentum_buffer_in_memory",
+        ),
+        **_ignored(
+            "deprecated in DeepSpeed; use offload_optimizer / offload_param",
+            "cpu_offload cpu_offload_param cpu_offload_use_pin_memory",
+        ),
+    },
+    "zero_optimization.offload_optimizer": _ignored(
+        "a DeepSpeed CPU-Adam / NVMe pipelining option not implemented here",
+        "pipeline_read pipeline_write super_offload convert_grad_on_cpu cpuadam_cores_perc",
+    ),
+    "fp16": {
+        "fp16_master_weights_and_grads": "master weights are always fp32",
+        "fused_mode": "there is no fused fp16 optimizer here",
+    },
+    "bf16": {
+        "check_grad_overflow": "bf16 has fp32's range; no overflow check is done",
+        "bf16_master_weights_and_grads": "master weights are always fp32",
+        "bf16_optimizer_states": "optimizer state is always fp32",
+    },
+    "optimizer": {"legacy_fusion": "there are no fused DeepSpeed optimizers here"},
+}
+"""DeepSpeed keys known but not implemented, per section; loading one warns and ignores it."""
