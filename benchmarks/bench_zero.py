@@ -115,7 +115,7 @@ def run_fsdp2(model: nn.Module, data: list[torch.Tensor], warmup: int, n: int) -
 
 
 def run_zero(stage: int, model: nn.Module, data: list[torch.Tensor], warmup: int) -> tuple[list[float], int, float]:
-    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 5e7,
+    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 6_250_000,  # DDP's 25 MB buckets
                                     "stage3_param_persistence_threshold": 1e4}}
     engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
 
@@ -143,12 +143,11 @@ def worker(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Que
     data = [torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g) for _ in range(args.steps + args.warmup)]
     rows = []
     for name in args.engines:
-        model = copy.deepcopy(base)
         gc.collect()
         before = live_state_bytes()
+        model = copy.deepcopy(base)
         if name == "ddp":
             times, live, sent = run_ddp(model, data, args.warmup, n)
-            times = times
         elif name == "fsdp2":
             times, live, sent = run_fsdp2(model, data, args.warmup, n)
         else:

@@ -145,6 +145,7 @@ class ZeroEngine(nn.Module):
         self.micro_steps += 1
 
     def _optimizer_step(self) -> None:
+        self.plan.wait_params()  # the optimizer writes the slices a late all-gather still reads
         self.plan.finish_reduction()
         norm = self._sharded_opt.sync_grad_flags_and_norm()
         self._global_grad_norm = norm

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...config import ZeroConfig
-from ..collectives import Comm
+from ..collectives import Comm, Work
 from ..materialize import has_meta, materialize_modules
 from .flat_group import FlatParamGroup, GradScaling, GroupPolicy
 from .layout import split_into_buckets
@@ -33,10 +34,21 @@ POLICIES = {
 
 @dataclass
 class ShardingPlan:
+    """[Note: overlapping the post-step all-gather]
+    Under stages 1/2 every rank updates only its slice, so the full parameters must be
+    all-gathered after the step. With ``overlap_comm`` the gathers are launched in forward
+    order and each unit's forward pre-hook waits only for the groups holding its own
+    parameters, so the next forward starts as soon as the embedding has arrived. The
+    optimizer step and anything that reads the weights (``full_state_dict``) wait for all.
+    """
+
     groups: list[FlatParamGroup]  # every flat group (the optimizer's view of the model)
     reducer: GradReducer | None
     stage3: Stage3Runtime | None = None
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+    overlap_gather: bool = False
+    _gathers: dict[int, Work] = field(default_factory=dict)
+    _hooks: list[Any] = field(default_factory=list)
 
     def finish_reduction(self) -> None:
         if self.stage3 is not None:
@@ -46,17 +58,40 @@ class ShardingPlan:
             self.reducer.finish()
 
     def after_optimizer_step(self) -> None:
-        works = [g.all_gather_after_step() for g in self.groups if not g.policy.shard_params]
-        for w in works:
-            w.wait()
+        for g in reversed(self.groups):  # groups are in backward order; gather in forward order
+            if not g.policy.shard_params and g.policy.shard_optimizer:
+                self._gathers[id(g)] = g.all_gather_after_step()
+        if not self.overlap_gather:
+            self.wait_params()
+
+    def wait_params(self, groups: list[FlatParamGroup] | None = None) -> None:
+        """Block until the post-step all-gather of ``groups`` (default: all) has landed."""
+        for g in self.groups if groups is None else groups:
+            work = self._gathers.pop(id(g), None)
+            if work is not None:
+                work.wait()
+
+    def install_gather_waits(self, model: nn.Module) -> None:
+        group_of = {id(p): g for g in self.groups for p in g.params}
+        plan = plan_units(model)
+        for unit in plan.units:
+            mine = {id(group_of[id(p)]): group_of[id(p)] for p in plan.params[id(unit)] if id(p) in group_of}
+            if mine:
+                groups = list(mine.values())
+                self._hooks.append(unit.register_forward_pre_hook(lambda *_, gs=groups: self.wait_params(gs)))
 
     def remove_hooks(self) -> None:
+        self.wait_params()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         if self.reducer is not None:
             self.reducer.remove_hooks()
         if self.stage3 is not None:
             self.stage3.remove_hooks()
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        self.wait_params()
         gathered: dict[int, torch.Tensor] = {}
         if self.stage3 is not None:
             for unit in self.stage3.units:
@@ -149,7 +184,11 @@ def build_plan(
     groups = _bucketed_groups(trainable, comm, policy, int(zc.reduce_bucket_size), device)
     _broadcast_loose([*frozen, *model.buffers()], comm)
     when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
-    return ShardingPlan(groups, GradReducer(groups, scaling, when), replaced=replaced)
+    plan = ShardingPlan(groups, GradReducer(groups, scaling, when), replaced=replaced)
+    if zc.overlap_comm and policy.shard_optimizer:
+        plan.overlap_gather = True
+        plan.install_gather_waits(model)
+    return plan
 
 
 def _build_stage3(
