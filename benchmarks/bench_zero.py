@@ -31,8 +31,13 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ds_strategy  # noqa: E402
 from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+
+import ds_strategy  # noqa: E402
+
+# None: each engine runs AdamW as torch picks it for a user who wrote AdamW(params, lr)
+# (ds_strategy then picks torch's fused kernel for its shards); True: every engine fused.
+FUSED: bool | None = None
 
 
 def live_state_bytes() -> int:
@@ -55,11 +60,18 @@ def live_state_bytes() -> int:
 
 
 def formula(name: str, psi: int, n: int) -> float:
-    return {"ddp": 16 * psi, "fsdp2": 16 * psi / n, "zero1": 8 * psi + 8 * psi / n,
-            "zero2": 4 * psi + 12 * psi / n, "zero3": 16 * psi / n}[name]
+    return {
+        "ddp": 16 * psi,
+        "fsdp2": 16 * psi / n,
+        "zero1": 8 * psi + 8 * psi / n,
+        "zero2": 4 * psi + 12 * psi / n,
+        "zero3": 16 * psi / n,
+    }[name]
 
 
-def timed_steps(step: Callable[[torch.Tensor], None], data: list[torch.Tensor], warmup: int) -> list[float]:
+def timed_steps(
+    step: Callable[[torch.Tensor], None], data: list[torch.Tensor], warmup: int
+) -> list[float]:
     times = []
     for i, batch in enumerate(data):
         dist.barrier()
@@ -71,7 +83,9 @@ def timed_steps(step: Callable[[torch.Tensor], None], data: list[torch.Tensor], 
     return times
 
 
-def run_ddp(model: nn.Module, data: list[torch.Tensor], warmup: int, n: int) -> tuple[list[float], int, float]:
+def run_ddp(
+    model: nn.Module, data: list[torch.Tensor], warmup: int, n: int
+) -> tuple[list[float], int, float]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -84,7 +98,7 @@ def run_ddp(model: nn.Module, data: list[torch.Tensor], warmup: int, n: int) -> 
 
     ddp = DDP(model)
     ddp.register_comm_hook(None, hook)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=FUSED)
 
     def step(batch: torch.Tensor) -> None:
         gpt_loss(ddp, batch).backward()
@@ -95,7 +109,9 @@ def run_ddp(model: nn.Module, data: list[torch.Tensor], warmup: int, n: int) -> 
     return times, live_state_bytes(), sent["bytes"] / len(data)
 
 
-def run_fsdp2(model: nn.Module, data: list[torch.Tensor], warmup: int, n: int) -> tuple[list[float], int, float]:
+def run_fsdp2(
+    model: nn.Module, data: list[torch.Tensor], warmup: int, n: int
+) -> tuple[list[float], int, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -103,7 +119,7 @@ def run_fsdp2(model: nn.Module, data: list[torch.Tensor], warmup: int, n: int) -
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=FUSED)
 
     def step(batch: torch.Tensor) -> None:
         gpt_loss(model, batch).backward()
@@ -114,10 +130,19 @@ def run_fsdp2(model: nn.Module, data: list[torch.Tensor], warmup: int, n: int) -
     return times, live_state_bytes(), float("nan")
 
 
-def run_zero(stage: int, model: nn.Module, data: list[torch.Tensor], warmup: int) -> tuple[list[float], int, float]:
-    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 6_250_000,  # DDP's 25 MB buckets
-                                    "stage3_param_persistence_threshold": 1e4}}
-    engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
+def run_zero(
+    stage: int, model: nn.Module, data: list[torch.Tensor], warmup: int
+) -> tuple[list[float], int, float]:
+    config = {
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 6_250_000,  # DDP's 25 MB buckets
+            "stage3_param_persistence_threshold": 1e4,
+        }
+    }
+    engine = ds_strategy.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=FUSED), config
+    )
 
     def step(batch: torch.Tensor) -> None:
         engine.backward(gpt_loss(engine, batch))
@@ -132,15 +157,22 @@ def run_zero(stage: int, model: nn.Module, data: list[torch.Tensor], warmup: int
 
 
 def worker(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
+    global FUSED
+    FUSED = True if args.fused_everywhere else None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600)
+    )
     c = GPTConfig(layers=args.layers, d=args.d)
     torch.manual_seed(0)
     base = GPT(c)
     psi = sum(p.numel() for p in base.parameters())
     g = torch.Generator().manual_seed(1 + rank)
-    data = [torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g) for _ in range(args.steps + args.warmup)]
+    data = [
+        torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g)
+        for _ in range(args.steps + args.warmup)
+    ]
     rows = []
     for name in args.engines:
         gc.collect()
@@ -162,7 +194,9 @@ def worker(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Que
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d", type=int, default=512)
@@ -171,13 +205,21 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--engines", nargs="+", default=["ddp", "fsdp2", "zero1", "zero2", "zero3"])
+    ap.add_argument(
+        "--fused-everywhere",
+        action="store_true",
+        help="give DDP and FSDP2 torch's fused AdamW too (isolates the sharding engine)",
+    )
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=worker, args=(r, args.world, port, args, queue))
+        for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     psi, rows = queue.get()
@@ -185,15 +227,22 @@ def main() -> None:
         p.join()
     ddp_time = next((t for name, t, _, _ in rows if name == "ddp"), float("nan"))
     ddp_sent = next((s for name, _, _, s in rows if name == "ddp"), float("nan"))
-    print(f"GPT {psi / 1e6:.1f}M parameters, {args.world} ranks x {args.threads} thread(s), "
-          f"micro-batch {args.micro}x{GPTConfig().seq}, median of {args.steps} steps")
-    print(f"| engine | step (s) | vs DDP | model state / rank (MB) | vs formula | sent / step (MB) | vs DDP |")
+    print(
+        f"GPT {psi / 1e6:.1f}M parameters, {args.world} ranks x {args.threads} thread(s), "
+        f"micro-batch {args.micro}x{GPTConfig().seq}, median of {args.steps} steps, "
+        f"AdamW {'fused for every engine' if args.fused_everywhere else 'as torch picks it'}"
+    )
+    print(
+        "| engine | step (s) | vs DDP | model state / rank (MB) | vs formula | sent / step (MB) | vs DDP |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, t, live, sent in rows:
         f = formula(name, psi, args.world)
         sent_s = "n/a" if sent != sent else f"{sent / 1e6:.1f}"
         sent_r = "n/a" if sent != sent else f"{sent / ddp_sent:.2f}x"
-        print(f"| {name} | {t:.3f} | {t / ddp_time:.2f}x | {live / 1e6:.1f} | {live / f:.3f}x | {sent_s} | {sent_r} |")
+        print(
+            f"| {name} | {t:.3f} | {t / ddp_time:.2f}x | {live / 1e6:.1f} | {live / f:.3f}x | {sent_s} | {sent_r} |"
+        )
 
 
 if __name__ == "__main__":

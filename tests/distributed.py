@@ -21,17 +21,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float,
-           args: tuple, queue: Any) -> None:
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    pg_timeout: float,
+    args: tuple,
+    queue: Any,
+) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
+        )
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - report anything to the parent
@@ -45,8 +58,9 @@ class WorkerError(RuntimeError):
     pass
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240,
-              pg_timeout: float = 60) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, pg_timeout: float = 60
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank.
 
     Raises ``WorkerError`` with the first failing rank's traceback, or ``TimeoutError`` if the
@@ -55,8 +69,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, pg_timeout, args, queue), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, pg_timeout, args, queue), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -66,7 +82,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 2
         while len(results) + len(errors) < world:
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
-                raise TimeoutError(f"ranks did not finish within {timeout}s (done: {sorted(results)})")
+                raise TimeoutError(
+                    f"ranks did not finish within {timeout}s (done: {sorted(results)})"
+                )
             try:
                 rank, status, payload = queue.get(timeout=min(left, 1.0))
             except Exception:  # queue.Empty: check whether a rank died without reporting

@@ -48,7 +48,9 @@ class ToyLM(nn.Module):
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
 
 
 def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -57,7 +59,10 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     if kind == "adamw":
         return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}],
+            [
+                {"params": decay, "weight_decay": 0.1},
+                {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3},
+            ],
             lr=1e-2,
         )
     if kind == "sgd":
@@ -69,6 +74,8 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
-def batches(steps: int, micro: int, global_batch: int, seq: int = 9, vocab: int = 37, seed: int = 0) -> list[torch.Tensor]:
+def batches(
+    steps: int, micro: int, global_batch: int, seq: int = 9, vocab: int = 37, seed: int = 0
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (global_batch, seq), generator=g) for _ in range(steps * micro)]

@@ -53,13 +53,20 @@ def _train(engine: ds_strategy.ZeroEngine, rank: int, steps: int) -> None:
 def memory_worker(rank: int, world: int, stage: int) -> dict:
     baseline = live_tensor_bytes()
     model = mlp()
-    config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": THRESHOLD}}
+    config = {
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": THRESHOLD}
+    }
     engine = ds_strategy.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-3), config)
     _train(engine, rank, steps=2)
     measured = live_tensor_bytes() - baseline
     psi = sum(p.numel() for p in mlp().parameters())
     persistent = sum(p.numel() for p in mlp().parameters() if p.numel() < THRESHOLD)
-    return {"measured": measured, "psi": psi, "persistent": persistent, "report": engine.memory_report()}
+    return {
+        "measured": measured,
+        "psi": psi,
+        "persistent": persistent,
+        "report": engine.memory_report(),
+    }
 
 
 def formula(stage: int, psi: int, n: int, persistent: int) -> float:
@@ -78,7 +85,9 @@ def test_model_state_matches_zero_formula(stage: int) -> None:
     for r in results:
         expected = formula(stage, r["psi"], world, r["persistent"])
         ratio = r["measured"] / expected
-        assert 0.95 <= ratio <= 1.05, f"stage {stage}: {r['measured']} bytes vs formula {expected:.0f} ({ratio:.3f}x)"
+        assert 0.95 <= ratio <= 1.05, (
+            f"stage {stage}: {r['measured']} bytes vs formula {expected:.0f} ({ratio:.3f}x)"
+        )
         # the engine's own report agrees with what was counted from live tensors
         assert abs(r["report"]["total"] - r["measured"]) / r["measured"] < 0.02, r
 
@@ -104,7 +113,9 @@ def comm_worker(rank: int, world: int) -> dict:
     out: dict = {"ddp": sent["bytes"]}
     for stage in (1, 2, 3):
         m = mlp()
-        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": THRESHOLD}}
+        config = {
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": THRESHOLD}
+        }
         engine = ds_strategy.initialize(m, torch.optim.Adam(m.parameters(), lr=1e-3), config)
         _train(engine, rank, steps=1)  # stage 3 records its forward order on the first step
         engine.comm_report()
@@ -126,7 +137,9 @@ def test_bytes_per_step_vs_ddp() -> None:
         # padding to a multiple of the world size is the only traffic DDP does not have
         allowance = 3 * padding
         assert report.get("all_reduce", 0) == 0, f"stage {stage} used all-reduce for data: {report}"
-        assert data <= limit * ddp + allowance, f"stage {stage}: {data} bytes vs DDP {ddp} ({data / ddp:.3f}x)"
+        assert data <= limit * ddp + allowance, (
+            f"stage {stage}: {data} bytes vs DDP {ddp} ({data / ddp:.3f}x)"
+        )
         assert data >= 0.9 * limit * ddp, f"stage {stage} moved suspiciously little: {report}"
         # the bookkeeping reduction (which parameters got gradients, the norm) stays tiny
         assert report.get("control", 0) < 0.01 * ddp

@@ -18,7 +18,9 @@ STEPS, ACCUM, GLOBAL_BATCH, CLIP = 10, 2, 12, 0.5
 CASES = [(stage, opt) for stage in (0, 1, 2, 3) for opt in ("adamw", "sgd")]
 
 
-def _reference(model: torch.nn.Module, kind: str, data: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def _reference(
+    model: torch.nn.Module, kind: str, data: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
     opt = make_optimizer(kind, model)
     for step in range(STEPS):
         for micro in range(ACCUM):
@@ -29,7 +31,9 @@ def _reference(model: torch.nn.Module, kind: str, data: list[torch.Tensor]) -> d
     return model.state_dict()
 
 
-def _ddp(model: torch.nn.Module, kind: str, data: list[torch.Tensor], rank: int, world: int) -> dict:
+def _ddp(
+    model: torch.nn.Module, kind: str, data: list[torch.Tensor], rank: int, world: int
+) -> dict:
     ddp = DDP(model, find_unused_parameters=True)
     opt = make_optimizer(kind, model)
     per = GLOBAL_BATCH // world
@@ -47,10 +51,15 @@ def _ddp(model: torch.nn.Module, kind: str, data: list[torch.Tensor], rank: int,
     return model.state_dict()
 
 
-def _engine(model: torch.nn.Module, kind: str, stage: int, data: list, rank: int, world: int) -> dict:
+def _engine(
+    model: torch.nn.Module, kind: str, stage: int, data: list, rank: int, world: int
+) -> dict:
     config = {
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
-                              "stage3_param_persistence_threshold": 30},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 2000,
+            "stage3_param_persistence_threshold": 30,
+        },
         "gradient_accumulation_steps": ACCUM,
         "gradient_clipping": CLIP,
     }

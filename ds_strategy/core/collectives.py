@@ -81,7 +81,11 @@ class Comm:
     # -- collectives -------------------------------------------------------------------------
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, kind: str = "all_reduce"
+        self,
+        tensor: torch.Tensor,
+        op: str = "sum",
+        async_op: bool = False,
+        kind: str = "all_reduce",
     ) -> Work:
         """``kind`` files the bytes under another name (``"control"`` for the small
         bookkeeping reductions, so they are not mistaken for gradient traffic)."""

@@ -6,7 +6,6 @@ config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +14,6 @@ from torch import nn
 
 from ..config import ZeroConfig, load_config
 from .collectives import Comm, init_process_group_from_env
-from .materialize import has_meta
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, ShardedOptimizer, rebuild_optimizer
@@ -64,10 +62,11 @@ class ZeroEngine(nn.Module):
         self.global_steps = 0
         self._no_sync = False
         self._global_grad_norm: float | None = None
-        self._timings: dict[str, float] = {}
         self.gradient_accumulation_steps: int = self.config.gradient_accumulation_steps
         scaling = GradScaling.of(
-            self.comm.world_size, self.config.prescale_gradients, self.config.gradient_predivide_factor
+            self.comm.world_size,
+            self.config.prescale_gradients,
+            self.config.gradient_predivide_factor,
         )
         self.plan: ShardingPlan = build_plan(
             model,
@@ -76,7 +75,9 @@ class ZeroEngine(nn.Module):
             self.device,
             scaling,
             should_reduce_every_backward=lambda: not self._no_sync,
-            should_reduce_at_boundary=lambda: (not self._no_sync) and self.is_gradient_accumulation_boundary(),
+            should_reduce_at_boundary=lambda: (
+                (not self._no_sync) and self.is_gradient_accumulation_boundary()
+            ),
             param_init_fn=param_init_fn,
         )
         if optimizer is None:
@@ -101,7 +102,10 @@ class ZeroEngine(nn.Module):
                 "NVMe offload is not available in this release of ds_strategy; set "
                 "zero_optimization.offload_optimizer.device / offload_param.device to 'none' or 'cpu'"
             )
-        if torch.cuda.is_available() and "cpu" in (zc.offload_param.device, zc.offload_optimizer.device):
+        if torch.cuda.is_available() and "cpu" in (
+            zc.offload_param.device,
+            zc.offload_optimizer.device,
+        ):
             raise ValueError(
                 "CPU offload on a GPU is not available in this release of ds_strategy; set "
                 "zero_optimization.offload_optimizer.device / offload_param.device to 'none'"
@@ -262,6 +266,3 @@ def _mark_step_tracked(opt: torch.optim.Optimizer) -> None:
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     opt.step = wrapper  # type: ignore[method-assign]
 
-
-def _now() -> float:
-    return time.perf_counter()

@@ -52,7 +52,9 @@ def materialize_modules(
                 continue
             new = replaced.get(id(p))
             if new is None:
-                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new = nn.Parameter(
+                    torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                )
                 replaced[id(p)] = new
             m._parameters[name] = new
         for name, b in list(m._buffers.items()):

@@ -75,10 +75,16 @@ class ShardingPlan:
         group_of = {id(p): g for g in self.groups for p in g.params}
         plan = plan_units(model)
         for unit in plan.units:
-            mine = {id(group_of[id(p)]): group_of[id(p)] for p in plan.params[id(unit)] if id(p) in group_of}
+            mine = {
+                id(group_of[id(p)]): group_of[id(p)]
+                for p in plan.params[id(unit)]
+                if id(p) in group_of
+            }
             if mine:
                 groups = list(mine.values())
-                self._hooks.append(unit.register_forward_pre_hook(lambda *_, gs=groups: self.wait_params(gs)))
+                self._hooks.append(
+                    unit.register_forward_pre_hook(lambda *_, gs=groups: self.wait_params(gs))
+                )
 
     def remove_hooks(self) -> None:
         self.wait_params()
@@ -134,11 +140,21 @@ def _buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Para
     run: list[nn.Parameter] = []
     for p in reversed(params):
         if run and p.dtype != run[-1].dtype:
-            out.extend([[run[i] for i in b] for b in split_into_buckets([q.numel() for q in run], bucket_numel)])
+            out.extend(
+                [
+                    [run[i] for i in b]
+                    for b in split_into_buckets([q.numel() for q in run], bucket_numel)
+                ]
+            )
             run = []
         run.append(p)
     if run:
-        out.extend([[run[i] for i in b] for b in split_into_buckets([q.numel() for q in run], bucket_numel)])
+        out.extend(
+            [
+                [run[i] for i in b]
+                for b in split_into_buckets([q.numel() for q in run], bucket_numel)
+            ]
+        )
     return out
 
 
@@ -149,7 +165,11 @@ def _broadcast_loose(tensors: list[torch.Tensor], comm: Comm) -> None:
 
 
 def _bucketed_groups(
-    params: list[nn.Parameter], comm: Comm, policy: GroupPolicy, bucket_numel: int, device: torch.device
+    params: list[nn.Parameter],
+    comm: Comm,
+    policy: GroupPolicy,
+    bucket_numel: int,
+    device: torch.device,
 ) -> list[FlatParamGroup]:
     groups = []
     for bucket in _buckets(params, bucket_numel):
@@ -172,7 +192,9 @@ def build_plan(
 ) -> ShardingPlan:
     zc = config.zero_optimization
     if zc.stage == 3:
-        return _build_stage3(model, comm, config, device, scaling, should_reduce_every_backward, param_init_fn)
+        return _build_stage3(
+            model, comm, config, device, scaling, should_reduce_every_backward, param_init_fn
+        )
     replaced: dict[int, nn.Parameter] = {}
     if has_meta(model):
         names = {id(m): n or "<root>" for n, m in model.named_modules()}
@@ -202,7 +224,9 @@ def _build_stage3(
 ) -> ShardingPlan:
     zc = config.zero_optimization
     unit_types = getattr(zc, "stage3_unit_modules", None)
-    plan = plan_units(model, int(zc.stage3_param_persistence_threshold), tuple(unit_types) if unit_types else None)
+    plan = plan_units(
+        model, int(zc.stage3_param_persistence_threshold), tuple(unit_types) if unit_types else None
+    )
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}
     units: list[Unit] = []
@@ -219,7 +243,11 @@ def _build_stage3(
         all_groups.extend(groups)
     persistent = [replaced.get(id(p), p) for p in plan.persistent]
     small = _bucketed_groups(
-        [p for p in persistent if p.requires_grad], comm, POLICIES[2], int(zc.reduce_bucket_size), device
+        [p for p in persistent if p.requires_grad],
+        comm,
+        POLICIES[2],
+        int(zc.reduce_bucket_size),
+        device,
     )
     _broadcast_loose([*(p for p in persistent if not p.requires_grad), *model.buffers()], comm)
     runtime = Stage3Runtime(

@@ -162,4 +162,3 @@ class ShardedOptimizer:
                     seen.add(v.untyped_storage().data_ptr())
                     total += v.untyped_storage().nbytes()
         return total
-

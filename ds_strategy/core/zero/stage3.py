@@ -63,7 +63,9 @@ class Unit:
         return any(not g.trainable for g in self.groups)
 
 
-def build_groups(params: list[nn.Parameter], comm: Comm, device: torch.device) -> list[FlatParamGroup]:
+def build_groups(
+    params: list[nn.Parameter], comm: Comm, device: torch.device
+) -> list[FlatParamGroup]:
     """One flat group per (dtype, requires_grad): frozen weights get no gradient buffers."""
     buckets: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
     for p in params:
@@ -112,7 +114,9 @@ class Stage3Runtime:
             self._handles.append(m.register_forward_hook(self._post_forward(unit)))
             for g in unit.trainable_groups:
                 for i, p in enumerate(g.params):
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit, g, i)))
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(self._grad_hook(unit, g, i))
+                    )
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -161,7 +165,9 @@ class Stage3Runtime:
 
         return hook
 
-    def _grad_hook(self, unit: Unit, group: FlatParamGroup, index: int) -> Callable[[nn.Parameter], None]:
+    def _grad_hook(
+        self, unit: Unit, group: FlatParamGroup, index: int
+    ) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
             if self.state is not TrainingState.BACKWARD:
                 self._start_backward()
