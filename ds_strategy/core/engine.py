@@ -265,4 +265,3 @@ def _mark_step_tracked(opt: torch.optim.Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     opt.step = wrapper  # type: ignore[method-assign]
-

@@ -107,6 +107,7 @@ class FlatParamGroup:
         self.grad_seen = torch.zeros(len(params), dtype=torch.float64)
         self._ready = 0
         self._launched = False
+        self._accumulation_form = False  # see to_accumulation_form
         self._pending: list[tuple[Work, object]] = []
 
     # -- initial values ------------------------------------------------------------------------
@@ -234,6 +235,30 @@ class FlatParamGroup:
                 p.grad = None
         return full
 
+    def to_accumulation_form(self, scaling: GradScaling) -> None:
+        """Stages 0/1, right after a reduction finished: make the flat buffer safe to keep
+        accumulating into (several backward calls per optimizer step without ``no_sync``).
+
+        The next reduction runs over the same buffer, so what was already reduced must enter
+        it exactly once. Under all-reduce every rank holds the mean, which the next sum
+        counts once per rank: already right. Under reduce-scatter, this rank's slice goes
+        back to the unscaled sum and the other slices, already counted in their owners'
+        results, are zeroed. ``to_final_form`` undoes the scaling before the step.
+        """
+        if not self.policy.shard_optimizer or self.grad_full is None or self.grad_shard is None:
+            return
+        lo, hi = self.layout.shard_range(self.rank)
+        self.grad_full[:lo].zero_()
+        self.grad_full[hi:].zero_()
+        self.grad_shard.mul_(scaling.pre / scaling.post)
+        self._accumulation_form = True
+
+    def to_final_form(self, scaling: GradScaling) -> None:
+        if self._accumulation_form:
+            assert self.grad_shard is not None
+            self.grad_shard.mul_(scaling.post / scaling.pre)
+            self._accumulation_form = False
+
     def finish_reduce(self) -> None:
         """Wait for launched reductions and fold them into this rank's gradient slice."""
         for work, (full, out, post) in self._pending:
@@ -244,11 +269,13 @@ class FlatParamGroup:
                     full.mul_(post)
             elif self.policy.shard_grads:
                 self.grad_shard.add_(out, alpha=post)
-            else:
+            else:  # stage 1: the result replaces the slice, in final (averaged) form
                 self.grad_shard.copy_(out).mul_(post)
+                self._accumulation_form = False
         self._pending.clear()
 
     def zero_grad(self) -> None:
+        self._accumulation_form = False
         self.grad_seen.zero_()
         if self.grad_shard is not None and self.policy.shard_grads:
             self.grad_shard.zero_()

@@ -89,10 +89,16 @@ class GradReducer:
 
     def _end_backward(self) -> None:
         self._in_backward = False
-        if self._reducing:
-            self.launch_all()
-        else:
+        if not self._reducing:
             self._dirty = True
+            return
+        self.launch_all()
+        # Stages 0/1 reduce the buffer autograd accumulates into: finish before another
+        # backward can write to it (only the tail of the reduction is exposed by waiting).
+        for g in self.groups:
+            if g.grad_full is not None:
+                g.finish_reduce()
+                g.to_accumulation_form(self.scaling)
 
     def launch_all(self) -> None:
         """Launch every group not launched yet, in order."""
@@ -111,6 +117,7 @@ class GradReducer:
             self.launch_all()
         for g in self.groups:
             g.finish_reduce()
+            g.to_final_form(self.scaling)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
