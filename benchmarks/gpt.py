@@ -52,6 +52,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.d)
         self.head = nn.Linear(c.d, c.vocab, bias=False)
         self.head.weight = self.wte.weight
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -59,6 +60,17 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation (N(0, 0.02), zero biases); usable as a ``param_init_fn``."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
 
 
 def gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -223,10 +223,7 @@ def _build_stage3(
     param_init_fn: Callable[[nn.Module], None] | None,
 ) -> ShardingPlan:
     zc = config.zero_optimization
-    unit_types = getattr(zc, "stage3_unit_modules", None)
-    plan = plan_units(
-        model, int(zc.stage3_param_persistence_threshold), tuple(unit_types) if unit_types else None
-    )
+    plan = plan_units(model, int(zc.stage3_param_persistence_threshold))
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}
     units: list[Unit] = []

@@ -228,11 +228,15 @@ class FlatParamGroup:
 
     def _collect_autograd_grads(self) -> torch.Tensor:
         """Move ``.grad`` of each parameter into one flat buffer (freeing the originals)."""
-        full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        full[self.layout.total :].zero_()  # padding
         for p, slot in zip(self.params, self.layout.slots, strict=True):
+            dst = full[slot.offset : slot.offset + slot.numel]
             if p.grad is not None:
-                full[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                dst.copy_(p.grad.reshape(-1))
                 p.grad = None
+            else:
+                dst.zero_()
         return full
 
     def to_accumulation_form(self, scaling: GradScaling) -> None:

@@ -92,10 +92,15 @@ def _construct(cls: type, groups: list[dict], defaults: dict[str, Any]) -> torch
     times faster than the per-tensor loop torch picks by default. A user who chose
     ``foreach`` or ``fused`` explicitly keeps that choice.
     """
-    wants_default = defaults.get("fused") is None and not defaults.get("foreach")
-    if "fused" in defaults and wants_default and not defaults.get("differentiable"):
+
+    def left_to_torch(d: dict[str, Any]) -> bool:
+        return d.get("fused") is None and not d.get("foreach") and not d.get("differentiable")
+
+    if "fused" in defaults and left_to_torch(defaults) and all(left_to_torch(g) for g in groups):
+        # the copied groups carry fused=None too, which would override the default
+        fused_groups = [{**g, "fused": True} for g in groups]
         try:
-            return cls(groups, **{**defaults, "fused": True})
+            return cls(fused_groups, **{**defaults, "fused": True})
         except (RuntimeError, ValueError):
             pass  # this dtype/device has no fused kernel
     return cls(groups, **defaults)
