@@ -19,7 +19,6 @@ import socket
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,29 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 import ds_strategy  # noqa: E402
+from ds_strategy.core.memory import live_tensor_bytes  # noqa: E402
 
 # None: each engine runs AdamW as torch picks it for a user who wrote AdamW(params, lr)
 # (ds_strategy then picks torch's fused kernel for its shards); True: every engine fused.
 FUSED: bool | None = None
-
-
-def live_state_bytes() -> int:
-    """Distinct storages reachable from live tensors (their .grad and DTensor shards too)."""
-    gc.collect()
-    seen: dict[int, int] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if not isinstance(obj, torch.Tensor):
-                continue
-            for t in (obj, obj.grad if obj.is_leaf else None):
-                if t is None:
-                    continue
-                t = getattr(t, "_local_tensor", t)
-                st = t.untyped_storage()
-                if st.nbytes() > 0:
-                    seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 def formula(name: str, psi: int, n: int) -> float:
@@ -69,23 +50,20 @@ def formula(name: str, psi: int, n: int) -> float:
     }[name]
 
 
-def timed_steps(
-    step: Callable[[torch.Tensor], None], data: list[torch.Tensor], warmup: int
-) -> list[float]:
-    times = []
-    for i, batch in enumerate(data):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(batch)
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+Step = Callable[[torch.Tensor], None]
+Sent = Callable[[], float]  # bytes sent since the previous call (nan: not instrumented)
 
 
-def run_ddp(
-    model: nn.Module, data: list[torch.Tensor], warmup: int, n: int
-) -> tuple[list[float], int, float]:
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer) -> Step:
+    def step(batch: torch.Tensor) -> None:
+        gpt_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return step
+
+
+def setup_ddp(model: nn.Module, n: int) -> tuple[Step, Sent]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -96,22 +74,16 @@ def run_ddp(
         sent["bytes"] += 2 * (n - 1) / n * buf.numel() * buf.element_size()
         return default_hooks.allreduce_hook(None, bucket)
 
+    def take() -> float:
+        out, sent["bytes"] = sent["bytes"], 0.0
+        return out
+
     ddp = DDP(model)
     ddp.register_comm_hook(None, hook)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=FUSED)
-
-    def step(batch: torch.Tensor) -> None:
-        gpt_loss(ddp, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
-    times = timed_steps(step, data, warmup)
-    return times, live_state_bytes(), sent["bytes"] / len(data)
+    return plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=FUSED)), take
 
 
-def run_fsdp2(
-    model: nn.Module, data: list[torch.Tensor], warmup: int, n: int
-) -> tuple[list[float], int, float]:
+def setup_fsdp2(model: nn.Module, n: int) -> tuple[Step, Sent]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -120,19 +92,10 @@ def run_fsdp2(
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=FUSED)
-
-    def step(batch: torch.Tensor) -> None:
-        gpt_loss(model, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
-    times = timed_steps(step, data, warmup)
-    return times, live_state_bytes(), float("nan")
+    return plain_step(model, opt), lambda: float("nan")
 
 
-def run_zero(
-    stage: int, model: nn.Module, data: list[torch.Tensor], warmup: int
-) -> tuple[list[float], int, float]:
+def setup_zero(stage: int, model: nn.Module) -> tuple[Step, Sent]:
     config = {
         "zero_optimization": {
             "stage": stage,
@@ -140,23 +103,31 @@ def run_zero(
             "stage3_param_persistence_threshold": 1e4,
         }
     }
-    engine = ds_strategy.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=FUSED), config
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=FUSED)
+    engine = ds_strategy.initialize(model, opt, config)
 
     def step(batch: torch.Tensor) -> None:
         engine.backward(gpt_loss(engine, batch))
         engine.step()
 
-    times = timed_steps(step, data[:warmup], 0)  # stage 3 records its unit order here
-    engine.comm_report()
-    times = timed_steps(step, data[warmup:], 0)
-    report = engine.comm_report()
-    sent = (report["total"]) / len(times)
-    return times, live_state_bytes(), sent
+    return step, lambda: float(engine.comm_report()["total"])
+
+
+def timed(step: Step, batch: torch.Tensor) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(batch)
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 def worker(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
+    """[Note: interleaved timing]
+    Every engine is built and warmed up in turn (its model state is what the live tensors
+    grew by, its bytes per step what one more step sent), then all engines stay alive and
+    the timed steps go round-robin, engine after engine, so a slow minute on a shared
+    machine slows every engine alike instead of whichever happened to run then.
+    """
     global FUSED
     FUSED = True if args.fused_everywhere else None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -169,25 +140,35 @@ def worker(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Que
     base = GPT(c)
     psi = sum(p.numel() for p in base.parameters())
     g = torch.Generator().manual_seed(1 + rank)
-    data = [
-        torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g)
-        for _ in range(args.steps + args.warmup)
-    ]
-    rows = []
+    data = [torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g) for _ in range(4)]
+    steps: dict[str, Step] = {}
+    state: dict[str, int] = {}
+    sent: dict[str, float] = {}
     for name in args.engines:
         gc.collect()
-        before = live_state_bytes()
+        before = live_tensor_bytes()
         model = copy.deepcopy(base)
         if name == "ddp":
-            times, live, sent = run_ddp(model, data, args.warmup, n)
+            step, take = setup_ddp(model, n)
         elif name == "fsdp2":
-            times, live, sent = run_fsdp2(model, data, args.warmup, n)
+            step, take = setup_fsdp2(model, n)
         else:
-            times, live, sent = run_zero(int(name[-1]), model, data, args.warmup)
+            step, take = setup_zero(int(name[-1]), model)
         del model
-        # The base copy and the data stay alive throughout; subtract what was live before.
-        rows.append((name, statistics.median(times), live - before, sent))
-        gc.collect()
+        for i in range(args.warmup):  # stage 3 records its unit order on the first step
+            step(data[i % len(data)])
+        take()
+        step(data[0])
+        sent[name] = take()
+        state[name] = live_tensor_bytes() - before
+        steps[name] = step
+    times: dict[str, list[float]] = {name: [] for name in args.engines}
+    for i in range(args.steps):
+        for name in args.engines:
+            times[name].append(timed(steps[name], data[i % len(data)]))
+    rows = [
+        (name, statistics.median(times[name]), state[name], sent[name]) for name in args.engines
+    ]
     if rank == 0:
         queue.put((psi, rows))
     dist.destroy_process_group()
@@ -201,7 +182,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per engine")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--engines", nargs="+", default=["ddp", "fsdp2", "zero1", "zero2", "zero3"])

@@ -4,8 +4,6 @@ holds; bytes sent per optimizer step compare with DDP's."""
 from __future__ import annotations
 
 import copy
-import gc
-import warnings
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ds_strategy
+from ds_strategy.core.memory import live_tensor_bytes
 from tests.distributed import run_ranks
 
 WIDTH, DEPTH, THRESHOLD = 256, 8, 1000
@@ -22,24 +21,6 @@ WIDTH, DEPTH, THRESHOLD = 256, 8, 1000
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of every distinct storage reachable from a live tensor (and its .grad)."""
-    gc.collect()
-    storages: dict[int, int] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if not isinstance(obj, torch.Tensor):
-                continue
-            for t in (obj, obj.grad if obj.is_leaf else None):
-                if t is None or t.device.type == "meta":
-                    continue
-                st = t.untyped_storage()
-                if st.nbytes() > 0:
-                    storages[st.data_ptr()] = st.nbytes()
-    return sum(storages.values())
 
 
 def _train(engine: ds_strategy.ZeroEngine, rank: int, steps: int) -> None:
