@@ -7,12 +7,18 @@ its rank and traceback.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
+import queue as queue_mod
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def free_port() -> int:
@@ -30,8 +36,13 @@ def _entry(
     args: tuple,
     queue: Any,
 ) -> None:
+    import faulthandler
+    import signal
+
     import torch
     import torch.distributed as dist
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on timeout, see run_ranks
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -46,7 +57,11 @@ def _entry(
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
         )
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # Plain bytes: a tensor put on a queue travels as a shared-memory handle that dies
+        # with this process, which may exit before the parent has read it.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # noqa: BLE001 - report anything to the parent
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -82,18 +97,23 @@ def run_ranks(
         while len(results) + len(errors) < world:
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
+                for p in procs:  # print every stuck rank's Python stacks before killing it
+                    if p.is_alive() and p.pid is not None:
+                        os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(1)
+                codes = {r: p.exitcode for r, p in enumerate(procs)}
                 raise TimeoutError(
-                    f"ranks did not finish within {timeout}s (done: {sorted(results)})"
+                    f"ranks did not finish within {timeout}s (done: {sorted(results)}, exit codes: {codes})"
                 )
             try:
                 rank, status, payload = queue.get(timeout=min(left, 1.0))
-            except Exception:  # queue.Empty: check whether a rank died without reporting
+            except queue_mod.Empty:  # check whether a rank died without reporting
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead and queue.empty():
                     raise WorkerError(f"rank(s) {dead} died without a report") from None
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank}: {payload}")
                 break

@@ -6,13 +6,16 @@ config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import ZeroConfig, load_config
+from .checkpoint.sharded import load_engine, save_engine
 from .collectives import Comm, init_process_group_from_env
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
@@ -183,6 +186,20 @@ class ZeroEngine(nn.Module):
         """Consolidated fp32 weights on every rank: the keys and shapes of the original
         ``model.state_dict()`` (buffers and every name of a tied weight included)."""
         return self.plan.full_state_dict(self.module)
+
+    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None) -> Path:
+        """Write the whole training state to the directory ``path``; every rank writes its
+        own shards in parallel. Collective: call it on every rank. The directory appears
+        atomically (a crash mid-save leaves a previous checkpoint at ``path`` intact) and
+        loads into any world size or ZeRO stage. ``client_state`` (any picklable object)
+        comes back from :meth:`load_checkpoint`."""
+        return save_engine(self, path, client_state)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> Any:
+        """Restore weights, optimizer state, lr scheduler, step counters and RNG state from a
+        directory written by :meth:`save_checkpoint`, at any world size or stage. Returns
+        the saved ``client_state``."""
+        return load_engine(self, path)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds, and the peak

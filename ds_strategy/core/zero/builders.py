@@ -64,6 +64,12 @@ class ShardingPlan:
         if not self.overlap_gather:
             self.wait_params()
 
+    def after_load(self) -> None:
+        """Shards were overwritten from a checkpoint: rebuild the resident full parameters."""
+        for g in self.groups:
+            if not g.policy.shard_params and g.policy.shard_optimizer:
+                g.all_gather_after_step().wait()
+
     def wait_params(self, groups: list[FlatParamGroup] | None = None) -> None:
         """Block until the post-step all-gather of ``groups`` (default: all) has landed."""
         for g in self.groups if groups is None else groups:

@@ -108,6 +108,7 @@ class FlatParamGroup:
         self._ready = 0
         self._launched = False
         self._accumulation_form = False  # see to_accumulation_form
+        self._shard_empty = True  # stages 2/3: grad_shard holds no reduction yet
         self._pending: list[tuple[Work, object]] = []
 
     # -- initial values ------------------------------------------------------------------------
@@ -222,6 +223,12 @@ class FlatParamGroup:
             work = self.comm.all_reduce(full, async_op=True)
             self._pending.append((work, (full, None, scaling.post)))
             return
+        if self.policy.shard_grads and self._shard_empty:
+            # the first reduction since zero_grad writes straight into the gradient shard
+            self._shard_empty = False
+            work = self.comm.reduce_scatter(self.grad_shard, full, async_op=True)
+            self._pending.append((work, (full, self.grad_shard, scaling.post)))
+            return
         out = torch.empty_like(self.shard)
         work = self.comm.reduce_scatter(out, full, async_op=True)
         self._pending.append((work, (full, out, scaling.post)))
@@ -271,6 +278,9 @@ class FlatParamGroup:
             if out is None:  # all-reduce: the whole buffer is the reduced result
                 if post != 1.0:
                     full.mul_(post)
+            elif out is self.grad_shard:
+                if post != 1.0:
+                    out.mul_(post)
             elif self.policy.shard_grads:
                 self.grad_shard.add_(out, alpha=post)
             else:  # stage 1: the result replaces the slice, in final (averaged) form
@@ -280,6 +290,7 @@ class FlatParamGroup:
 
     def zero_grad(self) -> None:
         self._accumulation_form = False
+        self._shard_empty = True
         self.grad_seen.zero_()
         if self.grad_shard is not None and self.policy.shard_grads:
             self.grad_shard.zero_()

@@ -33,6 +33,7 @@ class _Piece:
     index: int  # parameter index inside the group
     tensor: torch.Tensor  # what the optimizer updates
     grad: torch.Tensor  # its gradient view
+    start: int = 0  # offset of the piece inside the flattened parameter
 
 
 def _pieces_of(group: FlatParamGroup) -> list[_Piece]:
@@ -45,7 +46,7 @@ def _pieces_of(group: FlatParamGroup) -> list[_Piece]:
     assert group.grad_shard is not None
     for pc in group.layout.pieces(group.rank):
         sl = slice(pc.shard_start, pc.shard_start + pc.length)
-        out.append(_Piece(group, pc.index, group.shard[sl], group.grad_shard[sl]))
+        out.append(_Piece(group, pc.index, group.shard[sl], group.grad_shard[sl], pc.param_start))
     return out
 
 

@@ -1,0 +1,262 @@
+"""Sharded save and load of an engine's whole training state through
+``torch.distributed.checkpoint``: every rank writes its own pieces in parallel, and a load
+into another world size or ZeRO stage reads the pieces it now owns (see ``flat_piece.py``).
+
+Keys in the checkpoint (``<p>`` is the parameter's name in ``model.named_parameters()``):
+
+- ``model/<p>``: the flattened parameter, as 1-D chunks from whichever ranks own them;
+- ``buffer/<b>``: persistent buffers (replicated);
+- ``optim/<p>/<k>``: optimizer state with one value per element (Adam's moments, momentum),
+  chunked like the parameter; ``optim_scalar/<p>/<k>``: the rest (Adam's ``step``);
+- ``optim_groups``, ``engine``, ``client_state``: hyper-parameters, counters and lr-scheduler
+  state, the caller's ``client_state``; ``rng/<rank>``: each rank's random state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from .flat_piece import FlatPiece
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+__all__ = ["load_engine", "save_engine", "FORMAT"]
+
+FORMAT = "ds_strategy-sharded-1"
+META_FILE = "ds_strategy.json"
+
+
+def _pack(obj: Any) -> torch.Tensor:
+    """Python objects travel as uint8 tensors: DCP would otherwise flatten nested dicts and
+    lists into separate keys whose names depend on the object's contents."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpack(t: torch.Tensor) -> Any:
+    return pickle.loads(t.numpy().tobytes())
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """This rank's pieces of every parameter, as views of the live storage (so a load writes
+    straight into the shards), plus the persistent buffers."""
+    names = _names(engine.module)
+    out: dict[str, torch.Tensor] = {}
+    grouped: set[int] = set()
+    for g in engine.plan.groups:
+        grouped.update(id(p) for p in g.params)
+        if not g.policy.shard_optimizer:  # stage 0: every rank holds (and saves) all of it
+            for i, p in enumerate(g.params):
+                out[f"model/{names[id(p)]}"] = FlatPiece(g.full_tensor(i).view(-1), 0, p.numel())
+            continue
+        for pc in g.layout.pieces(g.rank):
+            local = g.shard[pc.shard_start : pc.shard_start + pc.length]
+            numel = g.layout.slots[pc.index].numel
+            out[f"model/{names[id(g.params[pc.index])]}"] = FlatPiece(local, pc.param_start, numel)
+    for name, p in engine.module.named_parameters():
+        if id(p) not in grouped:  # not sharded (frozen, or persistent and frozen): replicated
+            out[f"model/{name}"] = FlatPiece(p.detach().view(-1), 0, p.numel())
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if not isinstance(t, nn.Parameter) and torch.is_tensor(t):
+            out[f"buffer/{name}"] = t.detach()
+    return out
+
+
+def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
+    names = _names(engine.module)
+    opt = engine.optimizer
+    out: dict[str, Any] = {}
+    for pc in engine._sharded_opt.pieces:
+        name = names[id(pc.group.params[pc.index])]
+        numel = pc.group.layout.slots[pc.index].numel
+        for k, v in opt.state.get(pc.tensor, {}).items():
+            if torch.is_tensor(v) and v.shape == pc.tensor.shape:
+                out[f"optim/{name}/{k}"] = FlatPiece(v.view(-1), pc.start, numel)
+            else:  # identical on every owner of the parameter: DCP keeps one copy
+                out[f"optim_scalar/{name}/{k}"] = v if torch.is_tensor(v) else _pack(v)
+    return out
+
+
+def _engine_entry(engine: ZeroEngine) -> dict[str, Any]:
+    sched = engine.lr_scheduler
+    return {
+        "format": FORMAT,
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "stage": engine.stage,
+        "world_size": engine.world_size,
+        "lr_scheduler": sched.state_dict() if sched is not None else None,
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_engine(engine: ZeroEngine, path: str | os.PathLike, client_state: Any = None) -> Path:
+    """Write ``engine``'s state to the directory ``path`` (collective: every rank calls it).
+
+    The directory appears whole or not at all: ranks write into ``<path>.tmp`` and rank 0
+    renames it once every rank has finished, so a crash mid-save leaves any previous
+    checkpoint at ``path`` intact.
+    """
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    comm = engine.comm
+    engine.plan.wait_params()
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    comm.barrier()
+    state: dict[str, Any] = {**_model_entries(engine), **_optim_entries(engine)}
+    if comm.rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+        ]
+        state["optim_groups"] = _pack(groups)
+        state["engine"] = _pack(_engine_entry(engine))
+        state["client_state"] = _pack(client_state)
+    state[f"rng/{comm.rank}"] = _pack(_rng_state())
+    dcp.save(
+        state,
+        storage_writer=FileSystemWriter(tmp),
+        process_group=comm.group if comm.active else None,
+    )
+    if comm.rank == 0:
+        meta = {
+            "format": FORMAT,
+            "stage": engine.stage,
+            "world_size": engine.world_size,
+            "global_steps": engine.global_steps,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    comm.barrier()
+    return final
+
+
+def _check_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path}: no checkpoint directory here (pass the directory given to save_checkpoint)"
+        )
+    meta = path / META_FILE
+    if not meta.is_file():
+        raise ValueError(
+            f"{path}: not a ds_strategy checkpoint ({META_FILE} is missing; an interrupted save "
+            f"leaves only '{path.name}.tmp', which is never loaded)"
+        )
+    fmt = json.loads(meta.read_text()).get("format")
+    if fmt != FORMAT:
+        raise ValueError(f"{meta}: checkpoint format {fmt!r}, this ds_strategy reads {FORMAT!r}")
+
+
+def load_engine(engine: ZeroEngine, path: str | os.PathLike) -> Any:
+    """Restore ``engine`` from ``path`` (any world size or stage); returns ``client_state``."""
+    path = Path(path)
+    _check_dir(path)
+    reader = FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    comm = engine.comm
+    engine.plan.wait_params()
+    state: dict[str, Any] = dict(_model_entries(engine))
+    state.update(_optim_destinations(engine, saved))
+    rng_key = f"rng/{comm.rank}"
+    packed = ["optim_groups", "engine", "client_state"] + ([rng_key] if rng_key in saved else [])
+    for key in packed:
+        md = saved.get(key)
+        state[key] = torch.empty(md.size, dtype=torch.uint8) if md is not None else None
+    missing = [k for k in state if k not in saved]
+    if missing:
+        raise ValueError(
+            f"{path}: checkpoint does not match this model: {len(missing)} entr"
+            f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
+        )
+    dcp.load(state, storage_reader=reader, process_group=comm.group if comm.active else None)
+    for key in packed:
+        state[key] = _unpack(state[key])
+    _install_optimizer_state(engine, state)
+    _restore_engine(engine, state, rng_key)
+    engine.plan.after_load()
+    return state["client_state"]
+
+
+def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, Any]:
+    """Tensors to load the optimizer state into: this rank's pieces of per-element state
+    (created if the optimizer has not stepped yet) and placeholders for the rest."""
+    names = _names(engine.module)
+    opt = engine.optimizer
+    out: dict[str, Any] = {}
+    for pc in engine._sharded_opt.pieces:
+        name = names[id(pc.group.params[pc.index])]
+        numel = pc.group.layout.slots[pc.index].numel
+        prefix, scalar_prefix = f"optim/{name}/", f"optim_scalar/{name}/"
+        for key, md in saved.items():
+            if key.startswith(prefix):
+                k = key[len(prefix) :]
+                st = opt.state[pc.tensor]
+                if k not in st:
+                    st[k] = torch.zeros_like(pc.tensor, dtype=md.properties.dtype)
+                out[key] = FlatPiece(st[k].view(-1), pc.start, numel)
+            elif key.startswith(scalar_prefix):
+                out[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    return out
+
+
+def _install_optimizer_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
+    names = _names(engine.module)
+    opt = engine.optimizer
+    for pc in engine._sharded_opt.pieces:
+        prefix = f"optim_scalar/{names[id(pc.group.params[pc.index])]}/"
+        for key, value in state.items():
+            if key.startswith(prefix):
+                packed = value.dtype == torch.uint8 and value.dim() == 1
+                opt.state[pc.tensor][key[len(prefix) :]] = _unpack(value) if packed else value
+    groups = state["optim_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(
+            f"checkpoint has {len(groups)} optimizer param groups, this optimizer has "
+            f"{len(opt.param_groups)}; build the optimizer with the same param groups"
+        )
+    for live, saved in zip(opt.param_groups, groups, strict=True):
+        live.update(saved)
+
+
+def _restore_engine(engine: ZeroEngine, state: dict[str, Any], rng_key: str) -> None:
+    meta = state["engine"]
+    engine.global_steps = meta["global_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    rng = state.get(rng_key)
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
