@@ -109,6 +109,8 @@ class FlatParamGroup:
         self._launched = False
         self._accumulation_form = False  # see to_accumulation_form
         self._shard_empty = True  # stages 2/3: grad_shard holds no reduction yet
+        self._bucket: torch.Tensor | None = None  # stages 2/3: gradients not yet reduced
+        self._filled: list[bool] = []
         self._pending: list[tuple[Work, object]] = []
 
     # -- initial values ------------------------------------------------------------------------
@@ -194,8 +196,16 @@ class FlatParamGroup:
 
     def mark_ready(self, index: int) -> bool:
         """Record that parameter ``index`` got its gradient in this backward; True when every
-        trainable parameter of the group has."""
+        trainable parameter of the group has.
+
+        Stages 2/3 move the gradient into the group's bucket right away and free ``.grad``
+        (DeepSpeed's ``contiguous_gradients``): peak memory holds at most the buckets being
+        filled, and the copy happens while the gradient is still hot in cache. Under
+        ``no_sync`` the bucket outlives the backward and later gradients are added to it.
+        """
         self.grad_seen[index] = 1.0
+        if self.policy.shard_grads:
+            self._absorb(index)
         self._ready += 1
         return self._ready >= len(self.params)
 
@@ -213,7 +223,7 @@ class FlatParamGroup:
             return
         self._launched = True
         if self.policy.shard_grads:
-            full = self._collect_autograd_grads()
+            full = self._take_bucket()
         else:
             assert self.grad_full is not None
             full = self.grad_full
@@ -233,18 +243,36 @@ class FlatParamGroup:
         work = self.comm.reduce_scatter(out, full, async_op=True)
         self._pending.append((work, (full, out, scaling.post)))
 
-    def _collect_autograd_grads(self) -> torch.Tensor:
-        """Move ``.grad`` of each parameter into one flat buffer (freeing the originals)."""
-        full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
-        full[self.layout.total :].zero_()  # padding
-        for p, slot in zip(self.params, self.layout.slots, strict=True):
-            dst = full[slot.offset : slot.offset + slot.numel]
-            if p.grad is not None:
-                dst.copy_(p.grad.reshape(-1))
-                p.grad = None
-            else:
-                dst.zero_()
-        return full
+    def _absorb(self, index: int) -> None:
+        p = self.params[index]
+        if p.grad is None:
+            return
+        if self._bucket is None:
+            self._bucket = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
+            self._filled = [False] * len(self.params)
+        slot = self.layout.slots[index]
+        dst = self._bucket[slot.offset : slot.offset + slot.numel]
+        if self._filled[index]:
+            dst.add_(p.grad.reshape(-1))
+        else:
+            dst.copy_(p.grad.reshape(-1))
+            self._filled[index] = True
+        p.grad = None
+
+    def _take_bucket(self) -> torch.Tensor:
+        """The flat gradients of this group (zeros where no gradient arrived); the group
+        starts a new bucket afterwards."""
+        for i in range(len(self.params)):  # a .grad that bypassed the hook (set by hand)
+            self._absorb(i)
+        bucket, filled = self._bucket, self._filled
+        self._bucket, self._filled = None, []
+        if bucket is None:
+            return torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        bucket[self.layout.total :].zero_()  # padding
+        for slot, ok in zip(self.layout.slots, filled, strict=True):
+            if not ok:
+                bucket[slot.offset : slot.offset + slot.numel].zero_()
+        return bucket
 
     def to_accumulation_form(self, scaling: GradScaling) -> None:
         """Stages 0/1, right after a reduction finished: make the flat buffer safe to keep
@@ -298,6 +326,7 @@ class FlatParamGroup:
             self.grad_full.zero_()
             self._bind_grads()  # the user may have set .grad to None meanwhile
         elif self.trainable:
+            self._bucket, self._filled = None, []
             for p in self.params:
                 p.grad = None
 
