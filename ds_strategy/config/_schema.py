@@ -174,6 +174,9 @@ class BF16Config:
 
     enabled: Any = leaf(bool, False)
     immediate_grad_update: Any = leaf(bool, False)
+    # ds_strategy's own key: false trains the bf16 weights directly (no fp32 master copy,
+    # optimizer state in bf16), like Lightning's "bf16-true".
+    master_weights: Any = leaf(bool, True)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,11 +19,15 @@ from torch import nn
 from ..config import ZeroConfig, load_config
 from .checkpoint.sharded import load_engine, save_engine
 from .collectives import Comm, init_process_group_from_env
+from .precision.loss_scaler import LossScaler
+from .precision.policy import PrecisionPolicy
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, ShardedOptimizer, rebuild_optimizer
 
 __all__ = ["ZeroEngine"]
+
+log = logging.getLogger("ds_strategy")
 
 SchedulerLike = Any  # an LRScheduler bound to the user's optimizer, or optimizer -> scheduler
 
@@ -65,6 +71,11 @@ class ZeroEngine(nn.Module):
         self.global_steps = 0
         self._no_sync = False
         self._global_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.precision = PrecisionPolicy.from_config(self.config)
+        self._scaler = (
+            LossScaler.from_config(self.config.fp16) if self.precision.loss_scaling else None
+        )
         self.gradient_accumulation_steps: int = self.config.gradient_accumulation_steps
         scaling = GradScaling.of(
             self.comm.world_size,
@@ -82,6 +93,7 @@ class ZeroEngine(nn.Module):
                 (not self._no_sync) and self.is_gradient_accumulation_boundary()
             ),
             param_init_fn=param_init_fn,
+            precision=self.precision,
         )
         if optimizer is None:
             optimizer = _optimizer_from_config(self.config)
@@ -94,11 +106,6 @@ class ZeroEngine(nn.Module):
 
     def _check_supported(self) -> None:
         cfg = self.config
-        if cfg.fp16.enabled or cfg.bf16.enabled:
-            raise ValueError(
-                "fp16/bf16 mixed precision is not available in this release of ds_strategy; "
-                "set fp16.enabled and bf16.enabled to false (train in fp32)"
-            )
         zc = cfg.zero_optimization
         if zc.offload_param.device == "nvme" or zc.offload_optimizer.device == "nvme":
             raise ValueError(
@@ -117,18 +124,22 @@ class ZeroEngine(nn.Module):
     # -- the training loop ---------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """The wrapped module's forward; under mixed precision floating-point inputs are cast
+        to the compute dtype and floating-point outputs come back in fp32."""
+        args, kwargs = self.precision.cast_inputs((args, kwargs))
+        return self.precision.cast_outputs(self.module(*args, **kwargs))
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next :meth:`step` runs the optimizer."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of ``loss`` divided by the accumulation steps; gradients are reduced
-        bucket by bucket while backward runs."""
+        """Backward of ``loss`` divided by the accumulation steps (and multiplied by the fp16
+        loss scale); gradients are reduced bucket by bucket while backward runs."""
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
-        loss.backward(retain_graph=retain_graph)
+        scaled = loss * self.loss_scale if self._scaler is not None else loss
+        scaled.backward(retain_graph=retain_graph)
         return loss
 
     @contextlib.contextmanager
@@ -154,17 +165,45 @@ class ZeroEngine(nn.Module):
     def _optimizer_step(self) -> None:
         self.plan.wait_params()  # the optimizer writes the slices a late all-gather still reads
         self.plan.finish_reduction()
+        # The norm is all-reduced, so an inf/nan gradient on any rank makes it non-finite on
+        # every rank: all ranks agree to skip without a separate overflow collective.
         norm = self._sharded_opt.sync_grad_flags_and_norm()
-        self._global_grad_norm = norm
-        clip = self.config.gradient_clipping
-        if clip and clip > 0:
-            self._sharded_opt.clip(norm, clip)
+        scale = self.loss_scale
+        if not math.isfinite(norm):
+            self._skip_step(norm)
+            return
+        self._global_grad_norm = norm / scale
+        self._sharded_opt.scale_grads(norm, float(self.config.gradient_clipping or 0.0), scale)
         self._sharded_opt.attach_grads()
         self._sharded_opt.step()
+        if self._scaler is not None:
+            self._scaler.update(overflow=False)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.plan.after_optimizer_step()
         self.zero_grad()
+
+    def _skip_step(self, norm: float) -> None:
+        """An overflow: weights, optimizer state and lr schedule stay untouched."""
+        self.skipped_steps += 1
+        self._global_grad_norm = norm
+        scale = self.loss_scale
+        if self._scaler is not None:
+            self._scaler.update(overflow=True)  # raises once stuck at min_loss_scale
+        if self.rank == 0:
+            log.warning(
+                "step %d: gradient overflow (norm %s); step skipped, loss scale %g -> %g",
+                self.global_steps,
+                norm,
+                scale,
+                self.loss_scale,
+            )
+        self.zero_grad()
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self._scaler.scale if self._scaler is not None else 1.0
 
     def zero_grad(self) -> None:
         for g in self.plan.groups:

@@ -63,12 +63,13 @@ def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     grouped: set[int] = set()
     for g in engine.plan.groups:
         grouped.update(id(p) for p in g.params)
-        if not g.policy.shard_optimizer:  # stage 0: every rank holds (and saves) all of it
+        if not g.policy.shard_optimizer and g.master is None:  # stage 0: every rank saves all
             for i, p in enumerate(g.params):
                 out[f"model/{names[id(p)]}"] = FlatPiece(g.full_tensor(i).view(-1), 0, p.numel())
             continue
+        flat = g.master if g.master is not None else g.shard  # fp32 masters when training mixed
         for pc in g.layout.pieces(g.rank):
-            local = g.shard[pc.shard_start : pc.shard_start + pc.length]
+            local = flat[pc.shard_start : pc.shard_start + pc.length]
             numel = g.layout.slots[pc.index].numel
             out[f"model/{names[id(g.params[pc.index])]}"] = FlatPiece(local, pc.param_start, numel)
     for name, p in engine.module.named_parameters():
@@ -104,6 +105,8 @@ def _engine_entry(engine: ZeroEngine) -> dict[str, Any]:
         "stage": engine.stage,
         "world_size": engine.world_size,
         "lr_scheduler": sched.state_dict() if sched is not None else None,
+        "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
+        "skipped_steps": engine.skipped_steps,
     }
 
 
@@ -254,6 +257,9 @@ def _restore_engine(engine: ZeroEngine, state: dict[str, Any], rng_key: str) -> 
     engine.micro_steps = meta["micro_steps"]
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    if engine._scaler is not None and meta.get("loss_scaler") is not None:
+        engine._scaler.load_state_dict(meta["loss_scaler"])
+    engine.skipped_steps = meta.get("skipped_steps", 0)
     rng = state.get(rng_key)
     if rng is not None:
         torch.set_rng_state(rng["torch"])

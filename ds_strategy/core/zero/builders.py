@@ -17,6 +17,7 @@ from torch import nn
 from ...config import ZeroConfig
 from ..collectives import Comm, Work
 from ..materialize import has_meta, materialize_modules
+from ..precision.policy import PrecisionPolicy
 from .flat_group import FlatParamGroup, GradScaling, GroupPolicy
 from .layout import split_into_buckets
 from .reducer import GradReducer
@@ -58,6 +59,8 @@ class ShardingPlan:
             self.reducer.finish()
 
     def after_optimizer_step(self) -> None:
+        for g in self.groups:
+            g.sync_from_master()
         for g in reversed(self.groups):  # groups are in backward order; gather in forward order
             if not g.policy.shard_params and g.policy.shard_optimizer:
                 self._gathers[id(g)] = g.all_gather_after_step()
@@ -66,6 +69,8 @@ class ShardingPlan:
 
     def after_load(self) -> None:
         """Shards were overwritten from a checkpoint: rebuild the resident full parameters."""
+        for g in self.groups:
+            g.sync_from_master()
         for g in self.groups:
             if not g.policy.shard_params and g.policy.shard_optimizer:
                 g.all_gather_after_step().wait()
@@ -105,21 +110,17 @@ class ShardingPlan:
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         self.wait_params()
         gathered: dict[int, torch.Tensor] = {}
-        if self.stage3 is not None:
-            for unit in self.stage3.units:
-                was_gathered = unit.gathered
-                for g in unit.groups:
-                    g.gather(async_op=False)
-                    g.wait_gathered()
-                    for i, p in enumerate(g.params):
-                        gathered[id(p)] = g.full_tensor(i).detach().clone()
-                if not was_gathered:
-                    for g in unit.groups:
-                        g.release()
+        for g in self.groups:
+            if g.policy.shard_params or g.dtype != torch.float32 or g.master is not None:
+                full = g.consolidated()  # fp32, from the masters when there are any
+                for i, (slot, shape) in enumerate(zip(g.layout.slots, g.shapes, strict=True)):
+                    gathered[id(g.params[i])] = (
+                        full[slot.offset : slot.offset + slot.numel].view(shape).clone()
+                    )
         out = {}
         for name, t in module.state_dict(keep_vars=True).items():
             src = gathered.get(id(t))
-            out[name] = src if src is not None else t.detach().clone()
+            out[name] = src if src is not None else _fp32(t.detach().clone())
         return out
 
     def memory_report(self) -> dict[str, int]:
@@ -133,6 +134,10 @@ class ShardingPlan:
             elem = max((g.shard.element_size() for g in self.groups), default=4)
             peak = self.stage3.peak_live_numel * elem
         return {"params": params, "grads": grads, "peak_gathered_params": peak}
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
 
 
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:
@@ -164,9 +169,14 @@ def _buckets(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Para
     return out
 
 
-def _broadcast_loose(tensors: list[torch.Tensor], comm: Comm) -> None:
+def _broadcast_loose(tensors: list[torch.Tensor], comm: Comm, precision: PrecisionPolicy) -> None:
+    """Parameters outside every flat group (frozen ones under stages 0-2, small frozen ones
+    under stage 3) and buffers: rank 0's values everywhere; frozen parameters also take the
+    compute dtype (buffers keep theirs, as running statistics want fp32)."""
     with torch.no_grad():
         for t in tensors:
+            if isinstance(t, nn.Parameter) and t.is_floating_point() and precision.mixed:
+                t.data = t.data.to(precision.param_dtype)
             comm.broadcast(t.data, 0)
 
 
@@ -176,10 +186,11 @@ def _bucketed_groups(
     policy: GroupPolicy,
     bucket_numel: int,
     device: torch.device,
+    precision: PrecisionPolicy,
 ) -> list[FlatParamGroup]:
     groups = []
     for bucket in _buckets(params, bucket_numel):
-        g = FlatParamGroup(bucket, comm, policy, device=device)
+        g = FlatParamGroup(bucket, comm, policy, device=device, precision=precision)
         g.load_from_params()
         g.broadcast_and_bind()
         groups.append(g)
@@ -195,11 +206,20 @@ def build_plan(
     should_reduce_every_backward: Callable[[], bool],
     should_reduce_at_boundary: Callable[[], bool],
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    precision: PrecisionPolicy | None = None,
 ) -> ShardingPlan:
     zc = config.zero_optimization
+    precision = precision or PrecisionPolicy()
     if zc.stage == 3:
         return _build_stage3(
-            model, comm, config, device, scaling, should_reduce_every_backward, param_init_fn
+            model,
+            comm,
+            config,
+            device,
+            scaling,
+            should_reduce_every_backward,
+            param_init_fn,
+            precision,
         )
     replaced: dict[int, nn.Parameter] = {}
     if has_meta(model):
@@ -209,8 +229,10 @@ def build_plan(
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     policy = POLICIES[zc.stage]
-    groups = _bucketed_groups(trainable, comm, policy, int(zc.reduce_bucket_size), device)
-    _broadcast_loose([*frozen, *model.buffers()], comm)
+    groups = _bucketed_groups(
+        trainable, comm, policy, int(zc.reduce_bucket_size), device, precision
+    )
+    _broadcast_loose([*frozen, *model.buffers()], comm, precision)
     when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
     plan = ShardingPlan(groups, GradReducer(groups, scaling, when), replaced=replaced)
     if zc.overlap_comm and policy.shard_optimizer:
@@ -227,6 +249,7 @@ def _build_stage3(
     scaling: GradScaling,
     should_reduce: Callable[[], bool],
     param_init_fn: Callable[[nn.Module], None] | None,
+    precision: PrecisionPolicy,
 ) -> ShardingPlan:
     zc = config.zero_optimization
     plan = plan_units(model, int(zc.stage3_param_persistence_threshold))
@@ -238,21 +261,19 @@ def _build_stage3(
         # Materialise and shard one unit at a time: no rank ever holds the whole model.
         materialize_modules(plan.owned_modules[id(module)], device, replaced, param_init_fn, names)
         params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
-        groups = build_groups(params, comm, device) if params else []
+        groups = build_groups(params, comm, device, precision) if params else []
         for g in groups:
             g.load_from_params()
             g.broadcast_and_bind()
         units.append(Unit(module, groups, index))
         all_groups.extend(groups)
     persistent = [replaced.get(id(p), p) for p in plan.persistent]
+    trainable_small = [p for p in persistent if p.requires_grad]
     small = _bucketed_groups(
-        [p for p in persistent if p.requires_grad],
-        comm,
-        POLICIES[2],
-        int(zc.reduce_bucket_size),
-        device,
+        trainable_small, comm, POLICIES[2], int(zc.reduce_bucket_size), device, precision
     )
-    _broadcast_loose([*(p for p in persistent if not p.requires_grad), *model.buffers()], comm)
+    frozen_small = [p for p in persistent if not p.requires_grad]
+    _broadcast_loose([*frozen_small, *model.buffers()], comm, precision)
     runtime = Stage3Runtime(
         units,
         scaling,

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..collectives import Comm, Work
+from ..precision.policy import PrecisionPolicy
 from .layout import FlatLayout
 
 __all__ = ["FlatParamGroup", "GroupPolicy", "ShardState"]
@@ -73,6 +74,7 @@ class FlatParamGroup:
         *,
         trainable: bool = True,
         device: torch.device | None = None,
+        precision: PrecisionPolicy | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatParamGroup needs at least one parameter")
@@ -80,7 +82,10 @@ class FlatParamGroup:
         self.comm = comm
         self.policy = policy
         self.trainable = trainable
-        self.dtype = params[0].dtype
+        self.precision = precision or PrecisionPolicy()
+        self.dtype = (
+            self.precision.param_dtype if params[0].is_floating_point() else params[0].dtype
+        )
         self.device = device or params[0].device
         self.shapes = [p.shape for p in params]
         world = comm.world_size if policy.shard_optimizer else 1
@@ -95,6 +100,12 @@ class FlatParamGroup:
             self.shard = self._full[lo:hi]
         else:
             self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+        # fp32 master copy of this rank's slice (mixed precision): what the optimizer updates
+        self.master: torch.Tensor | None = None
+        if trainable and self.precision.master_weights and self.dtype != torch.float32:
+            self.master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        self._staging: torch.Tensor | None = None
+        self._step_grad: torch.Tensor | None = None
         # gradients
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -116,17 +127,31 @@ class FlatParamGroup:
     # -- initial values ------------------------------------------------------------------------
 
     def load_from_params(self) -> None:
-        """Copy the parameters' current values into the flat buffer (skipped for meta)."""
+        """Copy the parameters' current values into the flat buffer (skipped for meta). With
+        an fp32 master they go to an fp32 staging buffer first, so the master starts from the
+        exact values rather than their low-precision rounding."""
+        dst = self._full
+        if self.master is not None:
+            dst = self._staging = torch.zeros(
+                self.layout.padded_total, dtype=torch.float32, device=self.device
+            )
         for p, slot in zip(self.params, self.layout.slots, strict=True):
             if p.device.type != "meta":
-                self._full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                dst[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
 
     def broadcast_and_bind(self, src: int = 0) -> None:
         """Make rank ``src``'s values everyone's, keep this rank's slice, point the parameters
         at the flat buffer (or release them, under stage 3)."""
-        self.comm.broadcast(self._full, src)
+        lo, hi = self.layout.shard_range(self.rank)
+        if self._staging is not None:
+            self.comm.broadcast(self._staging, src)
+            assert self.master is not None
+            self.master.copy_(self._staging[lo:hi])
+            self._full.copy_(self._staging)
+            self._staging = None
+        else:
+            self.comm.broadcast(self._full, src)
         if self.policy.shard_params:
-            lo, hi = self.layout.shard_range(self.rank)
             self.shard.copy_(self._full[lo:hi])
         self._bind_params()
         self._bind_grads()
@@ -229,6 +254,21 @@ class FlatParamGroup:
             full = self.grad_full
         if scaling.pre != 1.0:
             full.div_(scaling.pre)
+        rdt = self.precision.reduce_dtype
+        if full.dtype != rdt:  # communication_data_type differs from the gradients' dtype
+            send = full.to(rdt)
+            out = torch.empty(
+                self.shard.numel() if self.policy.shard_optimizer else 0,
+                dtype=rdt,
+                device=self.device,
+            )
+            if self.policy.shard_optimizer:
+                work = self.comm.reduce_scatter(out, send, async_op=True)
+                self._pending.append((work, (send, out, scaling.post)))
+            else:
+                work = self.comm.all_reduce(send, async_op=True)
+                self._pending.append((work, (full, send, scaling.post)))
+            return
         if not self.policy.shard_optimizer:
             work = self.comm.all_reduce(full, async_op=True)
             self._pending.append((work, (full, None, scaling.post)))
@@ -248,7 +288,9 @@ class FlatParamGroup:
         if p.grad is None:
             return
         if self._bucket is None:
-            self._bucket = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
+            self._bucket = torch.empty(
+                self.layout.padded_total, dtype=self.dtype, device=self.device
+            )
             self._filled = [False] * len(self.params)
         slot = self.layout.slots[index]
         dst = self._bucket[slot.offset : slot.offset + slot.numel]
@@ -306,6 +348,8 @@ class FlatParamGroup:
             if out is None:  # all-reduce: the whole buffer is the reduced result
                 if post != 1.0:
                     full.mul_(post)
+            elif not self.policy.shard_optimizer:  # all-reduce in another dtype
+                full.copy_(out).mul_(post)
             elif out is self.grad_shard:
                 if post != 1.0:
                     out.mul_(post)
@@ -317,6 +361,7 @@ class FlatParamGroup:
         self._pending.clear()
 
     def zero_grad(self) -> None:
+        self._step_grad = None
         self._accumulation_form = False
         self._shard_empty = True
         self.grad_seen.zero_()
@@ -329,6 +374,39 @@ class FlatParamGroup:
             self._bucket, self._filled = None, []
             for p in self.params:
                 p.grad = None
+
+    # -- optimizer side ---------------------------------------------------------------------
+
+    @property
+    def step_params(self) -> torch.Tensor:
+        """The flat tensor the optimizer updates: the fp32 master, else the shard itself."""
+        return self.master if self.master is not None else self.shard
+
+    def step_grad(self) -> torch.Tensor:
+        """This rank's reduced gradients in the optimizer's dtype (an fp32 copy under mixed
+        precision, made once per step and dropped by ``zero_grad``)."""
+        assert self.grad_shard is not None
+        target = self.step_params.dtype
+        if self.grad_shard.dtype == target:
+            return self.grad_shard
+        if self._step_grad is None:
+            self._step_grad = self.grad_shard.to(target)
+        return self._step_grad
+
+    def sync_from_master(self) -> None:
+        """After the optimizer step (or a load): the compute-dtype shard from the master."""
+        if self.master is not None:
+            self.shard.copy_(self.master)
+
+    def consolidated(self) -> torch.Tensor:
+        """The whole flat buffer in fp32 from every rank's master (or shard); collective when
+        sharded."""
+        src = self.step_params if self.trainable else self.shard
+        if not self.policy.shard_optimizer:
+            return src.float().clone()
+        full = torch.empty(self.layout.padded_total, dtype=torch.float32, device=self.device)
+        self.comm.all_gather(full, src.float())
+        return full
 
     def all_gather_after_step(self) -> Work:
         """Stages 1/2: every rank updated its slice; rebuild the full parameters."""
@@ -345,6 +423,8 @@ class FlatParamGroup:
         param = self._full_nbytes if not self.policy.shard_params else 0
         if self.policy.shard_params:
             param += self.shard.untyped_storage().nbytes()
+        if self.master is not None:
+            param += self.master.untyped_storage().nbytes()
         grad = 0
         if self.grad_full is not None:
             grad = self.grad_full.untyped_storage().nbytes()

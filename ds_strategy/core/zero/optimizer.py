@@ -32,21 +32,24 @@ class _Piece:
     group: FlatParamGroup
     index: int  # parameter index inside the group
     tensor: torch.Tensor  # what the optimizer updates
-    grad: torch.Tensor  # its gradient view
+    sl: slice | None  # its range in the group's flat step tensors; None: the parameter itself
     start: int = 0  # offset of the piece inside the flattened parameter
+
+    def grad(self) -> torch.Tensor:
+        if self.sl is None:
+            return self.group.grad_view(self.index)
+        return self.group.step_grad()[self.sl]
 
 
 def _pieces_of(group: FlatParamGroup) -> list[_Piece]:
+    if not group.policy.shard_optimizer and group.master is None:
+        # stage 0 without a master copy: the parameters themselves, shapes and all
+        return [_Piece(group, i, p, None) for i, p in enumerate(group.params)]
+    flat = group.step_params
     out = []
-    if not group.policy.shard_optimizer:  # stage 0: the parameters themselves
-        assert group.grad_full is not None
-        for i, p in enumerate(group.params):
-            out.append(_Piece(group, i, p, group.grad_view(i)))
-        return out
-    assert group.grad_shard is not None
     for pc in group.layout.pieces(group.rank):
         sl = slice(pc.shard_start, pc.shard_start + pc.length)
-        out.append(_Piece(group, pc.index, group.shard[sl], group.grad_shard[sl], pc.param_start))
+        out.append(_Piece(group, pc.index, flat[sl], sl, pc.param_start))
     return out
 
 
@@ -129,9 +132,8 @@ class ShardedOptimizer:
         flags = [g.grad_seen for g in self.groups]
         sq = torch.zeros(1, dtype=torch.float64)
         for g in self.groups:
-            if g.grad_shard is not None:
-                # one fused pass per group; squares summed in float64 across groups
-                sq += torch.linalg.vector_norm(g.grad_shard, dtype=torch.float32).double().square()
+            # one fused pass per group; squares summed in float64 across groups
+            sq += torch.linalg.vector_norm(g.step_grad(), dtype=torch.float32).double().square()
         packed = torch.cat(flags + [sq]) if flags else sq
         if self.sharded:
             self.comm.all_reduce(packed, kind="control")
@@ -146,15 +148,18 @@ class ShardedOptimizer:
 
     def attach_grads(self) -> None:
         for pc in self.pieces:
-            pc.tensor.grad = pc.grad if pc.group.grad_seen[pc.index] > 0 else None
+            pc.tensor.grad = pc.grad() if pc.group.grad_seen[pc.index] > 0 else None
 
-    def clip(self, total_norm: float, max_norm: float) -> None:
-        """Scale gradients like ``torch.nn.utils.clip_grad_norm_`` (same coefficient)."""
-        coef = max_norm / (total_norm + 1e-6)
-        if coef < 1.0:
+    def scale_grads(self, total_norm: float, max_norm: float, loss_scale: float = 1.0) -> None:
+        """Undo the loss scale and clip like ``torch.nn.utils.clip_grad_norm_`` (the same
+        coefficient, computed on the unscaled norm), in one pass over the gradients."""
+        factor = 1.0 / loss_scale
+        if max_norm > 0:
+            coef = max_norm / (total_norm / loss_scale + 1e-6)
+            factor *= min(coef, 1.0)
+        if factor != 1.0:
             for g in self.groups:
-                if g.grad_shard is not None:
-                    g.grad_shard.mul_(coef)
+                g.step_grad().mul_(factor)
 
     def step(self) -> None:
         self.optimizer.step()

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..collectives import Comm
+from ..precision.policy import PrecisionPolicy
 from .flat_group import FlatParamGroup, GradScaling, GroupPolicy, ShardState
 from .reducer import queue_end_of_backward
 
@@ -64,14 +65,19 @@ class Unit:
 
 
 def build_groups(
-    params: list[nn.Parameter], comm: Comm, device: torch.device
+    params: list[nn.Parameter],
+    comm: Comm,
+    device: torch.device,
+    precision: PrecisionPolicy | None = None,
 ) -> list[FlatParamGroup]:
     """One flat group per (dtype, requires_grad): frozen weights get no gradient buffers."""
     buckets: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
     for p in params:
         buckets.setdefault((p.dtype, p.requires_grad), []).append(p)
     return [
-        FlatParamGroup(ps, comm, STAGE3_POLICY, trainable=trainable, device=device)
+        FlatParamGroup(
+            ps, comm, STAGE3_POLICY, trainable=trainable, device=device, precision=precision
+        )
         for (_, trainable), ps in buckets.items()
     ]
 
