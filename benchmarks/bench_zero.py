@@ -3,6 +3,8 @@
     python benchmarks/bench_zero.py                 # 2 CPU ranks (gloo), ~30M parameters
     python benchmarks/bench_zero.py --steps 8 --layers 4
 
+    python benchmarks/bench_zero.py --engines ddp zero1 zero1-bf16 zero2 zero2-bf16 zero3 zero3-bf16
+
 Prints, per engine: median step time and its ratio to DDP, per-rank model-state bytes
 (counted from the live tensors) and their ratio to the ZeRO formula, and bytes sent per
 optimizer step (ours and DDP's counted the same way; FSDP2's are not instrumented).
@@ -41,6 +43,9 @@ FUSED: bool | None = None
 
 
 def formula(name: str, psi: int, n: int) -> float:
+    if name.endswith(("-bf16", "-fp16")):  # K=12: 16-bit params and grads, fp32 master + Adam
+        stage = int(name.split("-")[0][-1])
+        return {1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
     return {
         "ddp": 16 * psi,
         "fsdp2": 16 * psi / n,
@@ -95,13 +100,14 @@ def setup_fsdp2(model: nn.Module, n: int) -> tuple[Step, Sent]:
     return plain_step(model, opt), lambda: float("nan")
 
 
-def setup_zero(stage: int, model: nn.Module) -> tuple[Step, Sent]:
+def setup_zero(stage: int, model: nn.Module, extra: dict | None = None) -> tuple[Step, Sent]:
     config = {
         "zero_optimization": {
             "stage": stage,
             "reduce_bucket_size": 6_250_000,  # DDP's 25 MB buckets
             "stage3_param_persistence_threshold": 1e4,
-        }
+        },
+        **(extra or {}),
     }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=FUSED)
     engine = ds_strategy.initialize(model, opt, config)
@@ -152,8 +158,10 @@ def worker(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Que
             step, take = setup_ddp(model, n)
         elif name == "fsdp2":
             step, take = setup_fsdp2(model, n)
-        else:
-            step, take = setup_zero(int(name[-1]), model)
+        else:  # zeroN or zeroN-bf16 / zeroN-fp16
+            stage_name, _, prec = name.partition("-")
+            extra = {prec: {"enabled": True}} if prec else None
+            step, take = setup_zero(int(stage_name[-1]), model, extra)
         del model
         for i in range(args.warmup):  # stage 3 records its unit order on the first step
             step(data[i % len(data)])
