@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from .config import ConfigError, ZeroConfig, load_config
+from .core.checkpoint.consolidate import consolidate
 from .core.engine import ZeroEngine
 
-__all__ = ["ConfigError", "ZeroConfig", "ZeroEngine", "initialize", "load_config"]
+__all__ = ["ConfigError", "ZeroConfig", "ZeroEngine", "consolidate", "initialize", "load_config"]
 __version__ = "0.1.0"
 
 

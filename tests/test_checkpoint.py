@@ -116,3 +116,62 @@ def test_bad_checkpoints_are_clear_errors(tmp_path: Path) -> None:
     engine = ds_strategy.initialize(model, _opt(model), {})
     with pytest.raises(FileNotFoundError, match="nowhere"):
         engine.load_checkpoint(tmp_path / "nowhere")
+
+
+def test_consolidated_file_loads_into_the_plain_model(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    path = tmp_path / "ckpt"
+    run_ranks(save_worker, 2, 3, str(path))  # written by 2 ranks under ZeRO-3
+    out_st = tmp_path / "model.safetensors"
+    ds_strategy.consolidate(path, out_st)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_strategy.cli",
+            "consolidate",
+            str(path),
+            str(tmp_path / "model.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    want = resume_state_after_save(str(path))
+    for weights in (load_file(out_st), torch.load(tmp_path / "model.pt")):
+        model = ToyLM()
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert missing == ["head.weight"] and not unexpected  # the tied name, restored by the tie
+        for k, v in want.items():
+            assert torch.equal(model.state_dict()[k], v), k
+        x = batches(1, 1, 4)[0]
+        ref = ToyLM()
+        ref.load_state_dict(want)
+        assert torch.equal(model(x), ref(x))
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_strategy.cli",
+            "consolidate",
+            str(tmp_path / "nope"),
+            "x.safetensors",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def resume_state_after_save(path: str) -> dict[str, torch.Tensor]:
+    """The saved weights, read back by a one-rank engine (any world size loads)."""
+    model = ToyLM()
+    engine = ds_strategy.initialize(model, _opt(model), {"zero_optimization": {"stage": 0}})
+    engine.load_checkpoint(path)
+    return engine.full_state_dict()

@@ -14,11 +14,14 @@ Keys in the checkpoint (``<p>`` is the parameter's name in ``model.named_paramet
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import random
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +39,18 @@ __all__ = ["load_engine", "save_engine", "FORMAT"]
 
 FORMAT = "ds_strategy-sharded-1"
 META_FILE = "ds_strategy.json"
+
+
+@contextlib.contextmanager
+def _single_process_ok(distributed: bool) -> Iterator[None]:
+    """DCP warns that it assumes a single process when no process group exists; for a world
+    of one that is exactly the intent."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to", category=UserWarning
+            )
+        yield
 
 
 def _pack(obj: Any) -> torch.Tensor:
@@ -79,6 +94,16 @@ def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
         if not isinstance(t, nn.Parameter) and torch.is_tensor(t):
             out[f"buffer/{name}"] = t.detach()
     return out
+
+
+def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
+    """Each parameter's real shape (saved flattened; sharded ones are empty between uses)."""
+    names = _names(engine.module)
+    shapes = {name: list(p.shape) for name, p in engine.module.named_parameters() if id(p) in names}
+    for g in engine.plan.groups:
+        for p, shape in zip(g.params, g.shapes, strict=True):
+            shapes[names[id(p)]] = list(shape)
+    return shapes
 
 
 def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
@@ -141,17 +166,20 @@ def save_engine(engine: ZeroEngine, path: str | os.PathLike, client_state: Any =
         state["engine"] = _pack(_engine_entry(engine))
         state["client_state"] = _pack(client_state)
     state[f"rng/{comm.rank}"] = _pack(_rng_state())
-    dcp.save(
-        state,
-        storage_writer=FileSystemWriter(tmp),
-        process_group=comm.group if comm.active else None,
-    )
+    with _single_process_ok(comm.active):
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp),
+            process_group=comm.group,
+            no_dist=not comm.active,
+        )
     if comm.rank == 0:
         meta = {
             "format": FORMAT,
             "stage": engine.stage,
             "world_size": engine.world_size,
             "global_steps": engine.global_steps,
+            "shapes": _param_shapes(engine),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         old = final.with_name(final.name + ".old")
@@ -201,7 +229,8 @@ def load_engine(engine: ZeroEngine, path: str | os.PathLike) -> Any:
             f"{path}: checkpoint does not match this model: {len(missing)} entr"
             f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
         )
-    dcp.load(state, storage_reader=reader, process_group=comm.group if comm.active else None)
+    with _single_process_ok(comm.active):
+        dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
     for key in packed:
         state[key] = _unpack(state[key])
     _install_optimizer_state(engine, state)

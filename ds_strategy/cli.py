@@ -1,0 +1,38 @@
+"""The ``ds-strategy`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .core.checkpoint.consolidate import consolidate
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-strategy", description="ds_strategy tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write a sharded checkpoint's weights to one file")
+    c.add_argument("checkpoint_dir", help="a directory written by engine.save_checkpoint")
+    c.add_argument("output", help="the file to write: .safetensors (streamed) or .pt")
+    c.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="fp32",
+        help="floating-point dtype of the output (keep: as saved)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate(args.checkpoint_dir, args.output, _DTYPES[args.dtype])
+    except (FileNotFoundError, ValueError) as e:
+        print(f"ds-strategy consolidate: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Turn a sharded checkpoint into one file the plain model loads with ``load_state_dict``.
+
+[Note: bounded memory]
+The output is written tensor by tensor: each parameter is read from the shards through
+DCP (only the chunks of that one tensor), converted, written and dropped, so peak memory is
+the largest single tensor, never the whole model. A ``.safetensors`` file is written by hand
+in its documented layout (an 8-byte little-endian header length, a JSON header of dtypes,
+shapes and byte offsets, then the raw tensors back to back), which is what allows streaming;
+a ``.pt`` file must be one pickle, so it is built in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .sharded import _single_process_ok
+
+__all__ = ["consolidate"]
+
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float64: "F64",
+}
+
+
+def _entries(reader: FileSystemReader) -> dict[str, TensorStorageMetadata]:
+    md = reader.read_metadata().state_dict_metadata
+    out = {}
+    for key, m in md.items():
+        for prefix in ("model/", "buffer/"):
+            if key.startswith(prefix) and isinstance(m, TensorStorageMetadata):
+                out[key] = m
+    return out
+
+
+def _shapes(path: Path) -> dict[str, list[int]]:
+    meta = json.loads((path / "ds_strategy.json").read_text())
+    return meta.get("shapes", {})
+
+
+def _stream(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = FileSystemReader(path)
+    shapes = _shapes(path)
+    for key, m in sorted(_entries(reader).items()):
+        t = torch.empty(m.size, dtype=m.properties.dtype)
+        with _single_process_ok(False):
+            dcp.load({key: t}, storage_reader=FileSystemReader(path), no_dist=True)
+        name = key.split("/", 1)[1]
+        if name in shapes:
+            t = t.view(shapes[name])
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        yield name, t
+
+
+def consolidate(
+    checkpoint_dir: str | os.PathLike,
+    output_path: str | os.PathLike,
+    dtype: torch.dtype | None = torch.float32,
+) -> Path:
+    """Write the weights of a sharded checkpoint to one ``.safetensors`` or ``.pt`` file.
+
+    >>> ds_strategy.consolidate("ckpt/step100", "model.safetensors")  # doctest: +SKIP
+
+    Runs in one process, with no process group, whatever world size wrote the checkpoint.
+    ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype). Tied weights
+    appear once, under their first name; ``load_state_dict(strict=False)`` or re-tying after
+    loading restores the other name.
+    """
+    src, out = Path(checkpoint_dir), Path(output_path)
+    if not (src / "ds_strategy.json").is_file():
+        raise FileNotFoundError(
+            f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
+        )
+    if out.suffix == ".safetensors":
+        _write_safetensors(src, out, dtype)
+    elif out.suffix in (".pt", ".pth", ".bin"):
+        torch.save(dict(_stream(src, dtype)), out)
+    else:
+        raise ValueError(f"{out}: choose a .safetensors or .pt output file")
+    return out
+
+
+def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None) -> None:
+    reader = FileSystemReader(src)
+    shapes = _shapes(src)
+    header: dict[str, dict] = {}
+    offset = 0
+    for key, m in sorted(_entries(reader).items()):
+        name = key.split("/", 1)[1]
+        t_dtype = m.properties.dtype
+        if dtype is not None and t_dtype.is_floating_point:
+            t_dtype = dtype
+        shape = shapes.get(name, list(m.size))
+        nbytes = m.size.numel() * t_dtype.itemsize
+        header[name] = {
+            "dtype": _ST_DTYPES[t_dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, t in _stream(src, dtype):
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    tmp.rename(out)
