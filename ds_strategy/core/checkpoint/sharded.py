@@ -7,7 +7,8 @@ Keys in the checkpoint (``<p>`` is the parameter's name in ``model.named_paramet
 - ``model/<p>``: the flattened parameter, as 1-D chunks from whichever ranks own them;
 - ``buffer/<b>``: persistent buffers (replicated);
 - ``optim/<p>/<k>``: optimizer state with one value per element (Adam's moments, momentum),
-  chunked like the parameter; ``optim_scalar/<p>/<k>``: the rest (Adam's ``step``);
+  chunked like the parameter; ``optim_scalar/<p>/<k>``: other tensors (Adam's ``step``);
+  ``optim_obj/<p>/<k>``: non-tensor state, pickled;
 - ``optim_groups``, ``engine``, ``client_state``: hyper-parameters, counters and lr-scheduler
   state, the caller's ``client_state``; ``rng/<rank>``: each rank's random state.
 """
@@ -106,18 +107,24 @@ def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
     return shapes
 
 
-def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
+def _pieces(engine: ZeroEngine) -> Iterator[tuple[Any, str, int]]:
+    """(piece, parameter name, parameter numel) for every optimizer piece on this rank."""
     names = _names(engine.module)
+    for pc in engine._sharded_opt.pieces:
+        yield pc, names[id(pc.group.params[pc.index])], pc.group.layout.slots[pc.index].numel
+
+
+def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
     opt = engine.optimizer
     out: dict[str, Any] = {}
-    for pc in engine._sharded_opt.pieces:
-        name = names[id(pc.group.params[pc.index])]
-        numel = pc.group.layout.slots[pc.index].numel
+    for pc, name, numel in _pieces(engine):
         for k, v in opt.state.get(pc.tensor, {}).items():
             if torch.is_tensor(v) and v.shape == pc.tensor.shape:
                 out[f"optim/{name}/{k}"] = FlatPiece(v.view(-1), pc.start, numel)
-            else:  # identical on every owner of the parameter: DCP keeps one copy
-                out[f"optim_scalar/{name}/{k}"] = v if torch.is_tensor(v) else _pack(v)
+            elif torch.is_tensor(v):  # identical on every owner of the parameter: DCP keeps one
+                out[f"optim_scalar/{name}/{k}"] = v
+            else:
+                out[f"optim_obj/{name}/{k}"] = _pack(v)
     return out
 
 
@@ -239,37 +246,44 @@ def load_engine(engine: ZeroEngine, path: str | os.PathLike) -> Any:
     return state["client_state"]
 
 
+def _saved_optim_keys(saved: dict[str, Any]) -> dict[str, list[tuple[str, str, Any]]]:
+    """Saved optimizer entries by parameter name: (checkpoint key, state key, metadata)."""
+    out: dict[str, list[tuple[str, str, Any]]] = {}
+    for key, md in saved.items():
+        kind, _, rest = key.partition("/")
+        if kind in ("optim", "optim_scalar", "optim_obj"):
+            name, _, k = rest.rpartition("/")
+            out.setdefault(name, []).append((key, k, md))
+    return out
+
+
 def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, Any]:
     """Tensors to load the optimizer state into: this rank's pieces of per-element state
     (created if the optimizer has not stepped yet) and placeholders for the rest."""
-    names = _names(engine.module)
     opt = engine.optimizer
+    by_name = _saved_optim_keys(saved)
     out: dict[str, Any] = {}
-    for pc in engine._sharded_opt.pieces:
-        name = names[id(pc.group.params[pc.index])]
-        numel = pc.group.layout.slots[pc.index].numel
-        prefix, scalar_prefix = f"optim/{name}/", f"optim_scalar/{name}/"
-        for key, md in saved.items():
-            if key.startswith(prefix):
-                k = key[len(prefix) :]
+    for pc, name, numel in _pieces(engine):
+        for key, k, md in by_name.get(name, []):
+            if key.startswith("optim/"):
                 st = opt.state[pc.tensor]
                 if k not in st:
                     st[k] = torch.zeros_like(pc.tensor, dtype=md.properties.dtype)
                 out[key] = FlatPiece(st[k].view(-1), pc.start, numel)
-            elif key.startswith(scalar_prefix):
+            else:
                 out[key] = torch.empty(md.size, dtype=md.properties.dtype)
     return out
 
 
 def _install_optimizer_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
-    names = _names(engine.module)
     opt = engine.optimizer
-    for pc in engine._sharded_opt.pieces:
-        prefix = f"optim_scalar/{names[id(pc.group.params[pc.index])]}/"
-        for key, value in state.items():
-            if key.startswith(prefix):
-                packed = value.dtype == torch.uint8 and value.dim() == 1
-                opt.state[pc.tensor][key[len(prefix) :]] = _unpack(value) if packed else value
+    by_name = _saved_optim_keys(state)
+    for pc, name, _ in _pieces(engine):
+        for key, k, value in by_name.get(name, []):
+            if key.startswith("optim_scalar/"):
+                opt.state[pc.tensor][k] = value
+            elif key.startswith("optim_obj/"):
+                opt.state[pc.tensor][k] = _unpack(value)
     groups = state["optim_groups"]
     if len(groups) != len(opt.param_groups):
         raise ValueError(
