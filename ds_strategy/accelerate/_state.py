@@ -1,0 +1,130 @@
+"""``save_state`` / ``load_state`` for a :class:`ZeroAccelerator`.
+
+The model and optimizer go through the engine's sharded checkpoint (every rank writes its own
+shard; loadable at any world size or stage). Everything else Accelerate tracks (schedulers it
+steps, dataloader samplers, RNG states, its step counter, objects registered for
+checkpointing) goes through Accelerate's own helpers into the same directory, as with its
+DeepSpeed integration. Layout::
+
+    <output_dir>/zero_checkpoint/        the engine's sharded checkpoint
+    <output_dir>/scheduler.bin, random_states_<rank>.pkl, custom_checkpoint_<i>.pkl, ...
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import TYPE_CHECKING
+
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    load_custom_state,
+    save_accelerator_state,
+    save_custom_state,
+)
+
+from ..core import ZeroEngine
+
+if TYPE_CHECKING:
+    from .accelerator import ZeroAccelerator
+
+__all__ = ["ENGINE_DIR", "load_state", "save_state"]
+
+ENGINE_DIR = "zero_checkpoint"
+
+
+def _iteration(folder: str) -> int:
+    found = re.findall(r"(\d+)$", os.path.basename(folder.rstrip("/")))
+    return int(found[0]) if found else -1
+
+
+def _automatic_dirs(acc: ZeroAccelerator) -> list[str]:
+    root = os.path.join(acc.project_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    return sorted((os.path.join(root, f) for f in os.listdir(root)), key=_iteration)
+
+
+def _save_dir(acc: ZeroAccelerator, output_dir: str | None) -> str:
+    """``output_dir``, or with ProjectConfiguration(automatic_checkpoint_naming=True) the next
+    ``checkpoints/checkpoint_<i>`` (oldest removed beyond ``total_limit``), as Accelerate does."""
+    config = acc.project_configuration
+    if not config.automatic_checkpoint_naming:
+        if output_dir is None:
+            raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
+        return os.fspath(output_dir)
+    existing = _automatic_dirs(acc)
+    limit = config.total_limit
+    if limit is not None and len(existing) + 1 > limit and acc.is_main_process:
+        for folder in existing[: len(existing) + 1 - limit]:
+            shutil.rmtree(folder)
+    path = os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{acc.save_iteration}")
+    if os.path.exists(path):
+        raise ValueError(
+            f"{path} already exists: set accelerator.project_configuration.iteration to the "
+            "iteration to save next"
+        )
+    acc.wait_for_everyone()  # every rank checked before any rank creates it
+    return path
+
+
+def save_state(
+    acc: ZeroAccelerator, engine: ZeroEngine, output_dir: str | None, safe_serialization: bool
+) -> str:
+    path = _save_dir(acc, output_dir)
+    os.makedirs(path, exist_ok=True)
+    for hook in acc._save_model_state_pre_hook.values():
+        hook(acc._models, [], path)  # as with DeepSpeed: the engine, no consolidated weights
+    engine.save_checkpoint(os.path.join(path, ENGINE_DIR))
+    save_accelerator_state(
+        path,
+        [],
+        [],
+        acc._schedulers,
+        acc._dataloaders,
+        acc.state.process_index,
+        acc.step,
+        None,
+        save_on_each_node=acc.project_configuration.save_on_each_node,
+        safe_serialization=safe_serialization,
+    )
+    for i, obj in enumerate(acc._custom_objects):
+        save_custom_state(
+            obj, path, i, save_on_each_node=acc.project_configuration.save_on_each_node
+        )
+    acc.project_configuration.iteration += 1
+    acc.wait_for_everyone()
+    return path
+
+
+def load_state(acc: ZeroAccelerator, engine: ZeroEngine, input_dir: str | None) -> None:
+    if input_dir is not None:
+        path = os.path.expanduser(os.fspath(input_dir))
+    elif acc.project_configuration.automatic_checkpoint_naming:
+        found = _automatic_dirs(acc)
+        if not found:
+            raise ValueError(f"no checkpoint under {os.path.join(acc.project_dir, 'checkpoints')}")
+        path = found[-1]
+    else:
+        raise ValueError("load_state needs input_dir (or automatic_checkpoint_naming)")
+    if not os.path.isdir(os.path.join(path, ENGINE_DIR)):
+        raise FileNotFoundError(
+            f"{path}: no {ENGINE_DIR}/ here; pass a directory written by ZeroAccelerator.save_state"
+        )
+    for hook in acc._load_model_state_pre_hook.values():
+        hook(acc._models, path)
+    engine.load_checkpoint(os.path.join(path, ENGINE_DIR))
+    restored = load_accelerator_state(
+        path, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index, None, "cpu"
+    )
+    if "step" in restored:
+        acc.step = restored["step"]
+    saved = [f for f in os.listdir(path) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f)]
+    if len(saved) != len(acc._custom_objects):
+        raise RuntimeError(
+            f"{path}: {len(saved)} custom checkpoint(s) saved but {len(acc._custom_objects)} "
+            "object(s) registered with register_for_checkpointing; register the same objects"
+        )
+    for i, obj in enumerate(acc._custom_objects):
+        load_custom_state(obj, path, i)
