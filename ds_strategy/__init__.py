@@ -60,3 +60,6 @@ def initialize(
         process_group=process_group,
         param_init_fn=param_init_fn,
     )
+
+
+from . import lightning as _lightning  # noqa: E402,F401  registers zero1..zero3_offload in Lightning and Fabric when lightning is installed

@@ -1,0 +1,141 @@
+"""The precision plugin of :class:`~ds_strategy.lightning.ZeroStrategy`: Lightning's backward,
+optimizer-step and clipping hooks routed to the ``ZeroEngine``.
+
+The strategy owns precision: the Trainer's ``precision`` flag becomes the config's
+``fp16``/``bf16`` section and the engine casts, scales and unscales. This plugin therefore
+never autocasts; it only records the flag and forwards the loop's calls to the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.utilities.types import Steppable
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import WarningCache
+from torch import Tensor
+from torch.optim import LBFGS, Optimizer
+
+from ..core.engine import ZeroEngine
+from ._config import PRECISION_KEYS
+from ._engine_ops import step_with_clip
+
+__all__ = ["ZeroPrecision"]
+
+_warnings = WarningCache()
+
+# Lightning's stock plugins that the accelerator connector builds from the Trainer's flag;
+# any of them is replaced by a ZeroPrecision carrying the same flag (which rejects the flags
+# the engine has no mapping for, such as 64-true).
+_STOCK = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision")
+
+
+def _engine(model: LightningModule) -> ZeroEngine:
+    engine = getattr(model.trainer.strategy, "_engine", None)
+    if not isinstance(engine, ZeroEngine):
+        raise RuntimeError("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
+    return engine
+
+
+class ZeroPrecision(Precision):
+    """Forward ``backward`` / ``optimizer_step`` / ``clip_gradients`` to the strategy's engine.
+
+    Built by :class:`~ds_strategy.lightning.ZeroStrategy` from the Trainer's ``precision``;
+    there is normally no reason to create one yourself::
+
+        trainer = Trainer(strategy="zero2", precision="32-true")
+        assert trainer.strategy.precision_plugin.precision == "32-true"
+    """
+
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in PRECISION_KEYS:
+            raise ValueError(
+                f"Trainer(precision={precision!r}) is not supported by ZeroStrategy; use one of "
+                f"{', '.join(repr(p) for p in PRECISION_KEYS if '-' in p)}"
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self._max_norm: float | None = None  # a clip request waiting for the next step
+
+    @classmethod
+    def from_plugin(cls, plugin: Precision) -> ZeroPrecision:
+        """The ZeroPrecision equivalent of the plugin Lightning built from the Trainer flags."""
+        if isinstance(plugin, ZeroPrecision):
+            return plugin
+        if type(plugin).__name__ in _STOCK and type(plugin).__module__.startswith("lightning."):
+            return cls(str(plugin.precision))
+        raise ValueError(
+            f"ZeroStrategy owns precision, so the precision plugin {type(plugin).__name__} cannot "
+            "be combined with it; remove it and pass Trainer(precision=...) instead"
+        )
+
+    # -- backward and step --------------------------------------------------------------------
+
+    def backward(  # type: ignore[override]
+        self,
+        tensor: Tensor,
+        model: LightningModule,
+        optimizer: Steppable | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        if is_overridden("backward", model, LightningModule):
+            _warnings.warn(
+                "LightningModule.backward is overridden but ZeroStrategy ignores it: the engine "
+                "runs backward (it scales the loss and reduces gradients while backward runs)"
+            )
+        trainer = model.trainer
+        if model.automatic_optimization and trainer.accumulate_grad_batches > 1:
+            # Lightning already divided the loss by accumulate_grad_batches, and the engine,
+            # which owns accumulation, divides by the same number: undo Lightning's division.
+            tensor = tensor * trainer.accumulate_grad_batches
+        _engine(model).backward(tensor, *args, **kwargs)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Steppable,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if isinstance(optimizer, LBFGS):
+            raise ValueError(
+                "ZeroStrategy cannot run LBFGS: it re-evaluates the closure inside step(), while "
+                "the engine needs backward and step as separate calls"
+            )
+        closure_result = closure()
+        engine = _engine(model)
+        if engine.is_gradient_accumulation_boundary():
+            # hooks and the clipping hook run once per real optimizer step, as under DDP
+            self._after_closure(model, optimizer)
+        max_norm, self._max_norm = self._max_norm, None
+        step_with_clip(engine, max_norm)
+        return closure_result
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Remember a clip-by-norm request; the engine applies it at the next optimizer step
+        (the global norm of sharded gradients exists only there)."""
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(
+                "clip_gradients(gradient_clip_algorithm='value') is not supported by "
+                "ZeroStrategy: ZeRO clips by the global gradient norm; use "
+                "gradient_clip_algorithm='norm'"
+            )
+        if clip_val > 0:
+            self._max_norm = float(clip_val)
+
+    def _after_closure(self, model: LightningModule, optimizer: Steppable) -> None:
+        if is_overridden("configure_gradient_clipping", model, LightningModule):
+            _warnings.warn(
+                "configure_gradient_clipping is overridden: under ZeroStrategy a call to "
+                "self.clip_gradients(...) there clips at the next optimizer step, by norm only"
+            )
+        super()._after_closure(model, optimizer)

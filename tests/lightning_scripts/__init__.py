@@ -1,0 +1,1 @@
+"""Standalone scripts that the Lightning and Fabric tests run in subprocesses."""
