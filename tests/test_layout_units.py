@@ -137,3 +137,21 @@ def test_meta_module_without_init_is_a_clear_error() -> None:
         ds_strategy.initialize(
             model, lambda ps: torch.optim.SGD(ps, lr=0.1), {"zero_optimization": {"stage": 3}}
         )
+
+
+def test_config_scheduler_section_warns_and_deepspeed_only_optimizer_options_are_named() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.warns(ds_strategy.config.UnsupportedConfigWarning, match="lr_scheduler="):
+        ds_strategy.initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}},
+        )
+    bad = {
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "torch_adam": True, "adam_w_mode": True},
+        }
+    }
+    with pytest.raises(ValueError, match=r"\['adam_w_mode', 'torch_adam'\]"):
+        ds_strategy.initialize(nn.Linear(2, 2), None, bad)

@@ -6,9 +6,11 @@ config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ZeroConfig, load_config
+from ..config import UnsupportedConfigWarning, ZeroConfig, load_config
 from .checkpoint.sharded import load_engine, save_engine
 from .collectives import Comm, init_process_group_from_env
 from .precision.loss_scaler import LossScaler
@@ -101,6 +103,14 @@ class ZeroEngine(nn.Module):
         self.optimizer = opt
         self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
         self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
+        if self.config.scheduler is not None and lr_scheduler is None:
+            warnings.warn(
+                f"scheduler (type {self.config.scheduler.type!r}): DeepSpeed's config schedulers are "
+                "not implemented, so the learning rate stays constant; pass lr_scheduler= to "
+                "ds_strategy.initialize (a torch scheduler or a callable optimizer -> scheduler)",
+                UnsupportedConfigWarning,
+                stacklevel=3,
+            )
 
     # -- configuration checks --------------------------------------------------------------------
 
@@ -291,6 +301,15 @@ def _optimizer_from_config(config: ZeroConfig) -> Callable[[Any], torch.optim.Op
         )
     cls = getattr(torch.optim, cls_name)
     params = dict(section.params)
+
+    accepted = inspect.signature(cls.__init__).parameters
+    unknown = sorted(k for k in params if k not in accepted)
+    if unknown:
+        raise ValueError(
+            f"optimizer.params: {unknown} are not arguments of torch.optim.{cls.__name__} "
+            f"(DeepSpeed-only options such as torch_adam / adam_w_mode have no meaning here); "
+            f"remove them. {cls.__name__} takes: {', '.join(k for k in accepted if k not in ('self', 'params'))}"
+        )
 
     def factory(tensors: Any) -> torch.optim.Optimizer:
         return cls(tensors, **params)
