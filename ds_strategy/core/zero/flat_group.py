@@ -238,10 +238,6 @@ class FlatParamGroup:
     def all_ready(self) -> bool:
         return self._ready >= len(self.params)
 
-    @property
-    def launched(self) -> bool:
-        return self._launched
-
     def launch_reduce(self, scaling: GradScaling) -> None:
         """Start the (async) reduction of this backward's gradients."""
         if not self.trainable or self._launched:
