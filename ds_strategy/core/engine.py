@@ -236,19 +236,23 @@ class ZeroEngine(nn.Module):
         ``model.state_dict()`` (buffers and every name of a tied weight included)."""
         return self.plan.full_state_dict(self.module)
 
-    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None) -> Path:
+    def save_checkpoint(
+        self, path: str | os.PathLike, client_state: Any = None, *, include_optimizer: bool = True
+    ) -> Path:
         """Write the whole training state to the directory ``path``; every rank writes its
         own shards in parallel. Collective: call it on every rank. The directory appears
         atomically (a crash mid-save leaves a previous checkpoint at ``path`` intact) and
         loads into any world size or ZeRO stage. ``client_state`` (any picklable object)
-        comes back from :meth:`load_checkpoint`."""
-        return save_engine(self, path, client_state)
+        comes back from :meth:`load_checkpoint`. ``include_optimizer=False`` writes a
+        weights-only checkpoint."""
+        return save_engine(self, path, client_state, include_optimizer)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> Any:
+    def load_checkpoint(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> Any:
         """Restore weights, optimizer state, lr scheduler, step counters and RNG state from a
         directory written by :meth:`save_checkpoint`, at any world size or stage. Returns
-        the saved ``client_state``."""
-        return load_engine(self, path)
+        the saved ``client_state``. ``load_optimizer=False`` restores the weights (and counters)
+        only, into an engine whose optimizer may differ, e.g. one built for evaluation."""
+        return load_engine(self, path, load_optimizer)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds, and the peak

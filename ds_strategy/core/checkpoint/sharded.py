@@ -149,12 +149,18 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def save_engine(engine: ZeroEngine, path: str | os.PathLike, client_state: Any = None) -> Path:
+def save_engine(
+    engine: ZeroEngine,
+    path: str | os.PathLike,
+    client_state: Any = None,
+    include_optimizer: bool = True,
+) -> Path:
     """Write ``engine``'s state to the directory ``path`` (collective: every rank calls it).
 
     The directory appears whole or not at all: ranks write into ``<path>.tmp`` and rank 0
     renames it once every rank has finished, so a crash mid-save leaves any previous
-    checkpoint at ``path`` intact.
+    checkpoint at ``path`` intact. ``include_optimizer=False`` writes weights, buffers and
+    counters only (a weights-only checkpoint, about a quarter of the size with Adam).
     """
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
@@ -164,12 +170,15 @@ def save_engine(engine: ZeroEngine, path: str | os.PathLike, client_state: Any =
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier()
-    state: dict[str, Any] = {**_model_entries(engine), **_optim_entries(engine)}
+    state: dict[str, Any] = dict(_model_entries(engine))
+    if include_optimizer:
+        state.update(_optim_entries(engine))
     if comm.rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
-        groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
-        ]
-        state["optim_groups"] = _pack(groups)
+        if include_optimizer:
+            groups = [
+                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+            ]
+            state["optim_groups"] = _pack(groups)
         state["engine"] = _pack(_engine_entry(engine))
         state["client_state"] = _pack(client_state)
     state[f"rng/{comm.rank}"] = _pack(_rng_state())
@@ -187,6 +196,7 @@ def save_engine(engine: ZeroEngine, path: str | os.PathLike, client_state: Any =
             "world_size": engine.world_size,
             "global_steps": engine.global_steps,
             "shapes": _param_shapes(engine),
+            "optimizer": include_optimizer,
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         old = final.with_name(final.name + ".old")
@@ -215,18 +225,28 @@ def _check_dir(path: Path) -> None:
         raise ValueError(f"{meta}: checkpoint format {fmt!r}, this ds_strategy reads {FORMAT!r}")
 
 
-def load_engine(engine: ZeroEngine, path: str | os.PathLike) -> Any:
-    """Restore ``engine`` from ``path`` (any world size or stage); returns ``client_state``."""
+def load_engine(engine: ZeroEngine, path: str | os.PathLike, load_optimizer: bool = True) -> Any:
+    """Restore ``engine`` from ``path`` (any world size or stage); returns ``client_state``.
+
+    ``load_optimizer=False`` restores weights, buffers, counters and RNG only, into an engine
+    whose optimizer may differ (e.g. one built just for evaluation)."""
     path = Path(path)
     _check_dir(path)
     reader = FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
+    if load_optimizer and "optim_groups" not in saved:
+        raise ValueError(
+            f"{path}: this checkpoint was saved without optimizer state "
+            "(include_optimizer=False); load it with load_optimizer=False"
+        )
     comm = engine.comm
     engine.plan.wait_params()
     state: dict[str, Any] = dict(_model_entries(engine))
-    state.update(_optim_destinations(engine, saved))
+    if load_optimizer:
+        state.update(_optim_destinations(engine, saved))
     rng_key = f"rng/{comm.rank}"
-    packed = ["optim_groups", "engine", "client_state"] + ([rng_key] if rng_key in saved else [])
+    packed = ["engine", "client_state"] + (["optim_groups"] if load_optimizer else [])
+    packed += [rng_key] if rng_key in saved else []
     for key in packed:
         md = saved.get(key)
         state[key] = torch.empty(md.size, dtype=torch.uint8) if md is not None else None
@@ -240,8 +260,9 @@ def load_engine(engine: ZeroEngine, path: str | os.PathLike) -> Any:
         dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
     for key in packed:
         state[key] = _unpack(state[key])
-    _install_optimizer_state(engine, state)
-    _restore_engine(engine, state, rng_key)
+    if load_optimizer:
+        _install_optimizer_state(engine, state)
+    _restore_engine(engine, state, rng_key, load_optimizer)
     engine.plan.after_load()
     return state["client_state"]
 
@@ -294,11 +315,14 @@ def _install_optimizer_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
         live.update(saved)
 
 
-def _restore_engine(engine: ZeroEngine, state: dict[str, Any], rng_key: str) -> None:
+def _restore_engine(
+    engine: ZeroEngine, state: dict[str, Any], rng_key: str, with_optimizer: bool
+) -> None:
     meta = state["engine"]
     engine.global_steps = meta["global_steps"]
     engine.micro_steps = meta["micro_steps"]
-    if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+    # the lr schedule belongs to the optimizer it drives
+    if with_optimizer and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     if engine._scaler is not None and meta.get("loss_scaler") is not None:
         engine._scaler.load_state_dict(meta["loss_scaler"])
