@@ -13,9 +13,11 @@ import os
 import queue as queue_mod
 import signal
 import socket
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,6 +69,31 @@ def _entry(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, name: str) -> str:
+    """Run a launcher (``python script.py`` under Lightning, ``accelerate launch``) in its own
+    process session; on timeout kill the whole group, since a rank the launcher started as a
+    child would otherwise wait forever in a collective. Returns the combined output, or
+    raises ``AssertionError`` with its tail."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{name} timed out after {timeout}s:\n{output[-6000:]}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{name} exited with {proc.returncode}:\n{output[-6000:]}")
+    return output
 
 
 class WorkerError(RuntimeError):

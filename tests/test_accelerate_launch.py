@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import free_port, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "accelerate_scripts"
@@ -51,22 +49,7 @@ def launch(
         k: v for k, v in os.environ.items() if not k.startswith(("DS_STRATEGY_", "ACCELERATE_"))
     }
     full_env.update(OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{script} timed out after {timeout}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{output[-6000:]}"
+    run_command(cmd, ROOT, full_env, timeout, script)
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.lightning_scripts.launch import run_script
+from tests.lightning_scripts.launch import max_diff, run_for_results
 
 pytest.importorskip("lightning")
 
@@ -17,16 +17,9 @@ TOL = 2e-5
 pytestmark = pytest.mark.timeout(300)
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("fabric_parity")
-    run_script("fabric_parity.py", out)
-    return torch.load(out / "results.pt", weights_only=False)
+    return run_for_results("fabric_parity.py", tmp_path_factory.mktemp("fabric_parity"))
 
 
 @pytest.mark.parametrize("name, stage", [("zero1", 1), ("zero3", 3)])

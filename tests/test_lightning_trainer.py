@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.lightning_scripts.launch import run_script
+from tests.lightning_scripts.launch import max_diff, run_for_results
 
 pytest.importorskip("lightning")
 
@@ -19,27 +19,14 @@ TOL = 2e-5
 pytestmark = pytest.mark.timeout(300)
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("trainer_parity")
-    run_script("trainer_parity.py", out)
-    results = torch.load(out / "results.pt", weights_only=False)
-    results["out"] = out
-    return results
+    return run_for_results("trainer_parity.py", tmp_path_factory.mktemp("trainer_parity"))
 
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("trainer_features")
-    run_script("trainer_features.py", out)
-    results = torch.load(out / "results.pt", weights_only=False)
-    results["out"] = out
-    return results
+    return run_for_results("trainer_features.py", tmp_path_factory.mktemp("trainer_features"))
 
 
 # -- numerics -------------------------------------------------------------------------------------

@@ -5,19 +5,14 @@ otherwise wait in a collective after rank 0 died)."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from tests.distributed import free_port, run_command
+
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_script(script: str, out: Path, timeout: float = 240) -> str:
@@ -31,21 +26,17 @@ def run_script(script: str, out: Path, timeout: float = 240) -> str:
     )
     for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(var, None)
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / script), str(out)],
-        cwd=HERE,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"{script} timed out after {timeout}s:\n{output[-6000:]}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} exited with {proc.returncode}:\n{output[-6000:]}")
-    return output
+    return run_command([sys.executable, str(HERE / script), str(out)], HERE, env, timeout, script)
+
+
+def run_for_results(script: str, out: Path) -> dict:
+    """Run ``script`` and load the ``results.pt`` it wrote into ``out`` (kept as ``out``)."""
+    run_script(script, out)
+    results = torch.load(out / "results.pt", weights_only=False)
+    results["out"] = out
+    return results
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
