@@ -299,7 +299,7 @@ def test_what_zero_cannot_do_raises_clearly(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ValueError, match="model and its optimizer"):
         accelerator.prepare(model)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(NotImplementedError, match="clip_grad_value_"):
+    with pytest.raises(RuntimeError, match="clip_grad_value_"):
         accelerator.clip_grad_value_(model.parameters(), 1.0)
     (x, y) = _batches(1)[0]
     with accelerator.accumulate(model):  # first micro-step of two: not a boundary

@@ -5,25 +5,18 @@ Accelerate decides when gradients are synchronised (``accelerator.sync_gradients
 ``gradient_accumulation_steps``-th batch inside ``accumulate()``, and always at the end of a
 dataloader); the engine decides by counting ``step()`` calls. They disagree at the end of an
 epoch whose length is not a multiple of the accumulation steps, and in a loop that never
-enters ``accumulate()``. :class:`AcceleratedEngine` therefore takes the boundary from Accelerate,
-the way Accelerate's DeepSpeed integration calls ``set_gradient_accumulation_boundary``.
+enters ``accumulate()``. So before every backward the driver hands Accelerate's decision to
+``engine.set_gradient_accumulation_boundary``, as Accelerate's DeepSpeed integration does.
 
-[Note: where the optimizer step runs]
-The engine finishes the gradient reduction, takes the global norm, clips and steps in one
-``step()``. A plain loop calls ``accelerator.clip_grad_norm_(params, max_norm)`` *before*
-``optimizer.step()`` and expects the norm back and the gradients clipped by ``max_norm``; the
-engine offers no way to clip the sharded gradients without stepping. So at a boundary,
-``clip_grad_norm_`` runs the engine's step with ``gradient_clipping = max_norm`` for that one
-step and returns the norm it computed; the following ``optimizer.step()`` finds nothing left
-to do. Without a ``clip_grad_norm_`` call, ``optimizer.step()`` runs it (clipping by the
-config's ``gradient_clipping``). Numerically identical to torch's ``clip_grad_norm_``
-followed by ``optimizer.step()``; the one visible difference is that gradients are already
-applied (and zeroed) when ``clip_grad_norm_`` returns.
+[Note: clipping and the step]
+At a boundary backward the driver leaves the optimizer step pending. ``clip_grad_norm_``
+calls ``engine.clip_grad_norm_`` (which finishes the gradient reduction, returns the global
+norm and clips the reduced shards) and ``optimizer.step()`` runs the engine's step, so the
+loop's order and each call's meaning are exactly those of plain Accelerate.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -33,7 +26,6 @@ from accelerate.scheduler import AcceleratedScheduler
 from ..core import ZeroEngine
 
 __all__ = [
-    "AcceleratedEngine",
     "EngineDriver",
     "EngineSchedulerWrapper",
     "ZeroOptimizerWrapper",
@@ -41,21 +33,11 @@ __all__ = [
 ]
 
 
-class AcceleratedEngine(ZeroEngine):
-    """A :class:`ZeroEngine` whose accumulation boundary is set from outside (see the note)."""
-
-    # A class attribute, so it exists while ZeroEngine.__init__ builds the gradient hooks.
-    accumulation_boundary: bool = True
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return self.accumulation_boundary
-
-
 class EngineDriver:
     """The state Accelerate's loop needs on top of the engine: whether a boundary backward is
     waiting for its optimizer step, and whether the last step was skipped."""
 
-    def __init__(self, engine: AcceleratedEngine) -> None:
+    def __init__(self, engine: ZeroEngine) -> None:
         self.engine = engine
         self.step_pending = False
         self.step_was_skipped = False
@@ -66,29 +48,27 @@ class EngineDriver:
         engine = self.engine
         # Accelerate's setter may change the steps after prepare(); its value divides the loss.
         engine.gradient_accumulation_steps = accumulation_steps
-        engine.accumulation_boundary = boundary  # stages 0/1 reduce only in a boundary backward
+        engine.set_gradient_accumulation_boundary(boundary)  # stages 0/1 reduce only then
         engine.backward(loss, retain_graph=retain_graph)
         if boundary:
             self.step_pending = True
         elif not self.step_pending:
             engine.step()  # not a boundary: only counts the micro-step
 
-    def step(self, max_norm: float | None = None) -> float | None:
-        """Run the pending optimizer step (clipping by ``max_norm`` if given); returns the
-        global gradient norm before clipping."""
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the pending step's gradients by their global norm; returns it before clipping."""
+        return self.engine.clip_grad_norm_(max_norm)
+
+    def step(self) -> None:
+        """Run the pending optimizer step."""
         engine = self.engine
-        skipped_before = getattr(engine, "skipped_steps", 0)  # set once fp16 loss scaling exists
-        config = engine.config
-        if max_norm is not None:
-            engine.config = dataclasses.replace(config, gradient_clipping=max_norm)
-        engine.accumulation_boundary = True
+        skipped_before = engine.skipped_steps
+        engine.set_gradient_accumulation_boundary(True)
         try:
             engine.step()
         finally:
-            engine.config = config
             self.step_pending = False
-        self.step_was_skipped = getattr(engine, "skipped_steps", 0) != skipped_before
-        return engine.get_global_grad_norm()
+        self.step_was_skipped = engine.skipped_steps != skipped_before
 
 
 class ZeroOptimizerWrapper(AcceleratedOptimizer):

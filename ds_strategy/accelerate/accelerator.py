@@ -28,7 +28,6 @@ from ..config import ZeroConfig
 from ..core import ZeroEngine
 from . import _state
 from ._driver import (
-    AcceleratedEngine,
     EngineDriver,
     EngineSchedulerWrapper,
     ZeroOptimizerWrapper,
@@ -214,7 +213,7 @@ class ZeroAccelerator(Accelerator):
         models: list[tuple[int, Any]],
         optimizers: list[tuple[int, Any]],
         dummy_scheds: list[tuple[int, Any]],
-    ) -> tuple[AcceleratedEngine, ZeroOptimizerWrapper, EngineSchedulerWrapper | None]:
+    ) -> tuple[ZeroEngine, ZeroOptimizerWrapper, EngineSchedulerWrapper | None]:
         if self._driver is not None:
             raise ValueError(
                 "this ZeroAccelerator already prepared a model; like Accelerate's DeepSpeed "
@@ -233,7 +232,7 @@ class ZeroAccelerator(Accelerator):
         optimizer = _torch_optimizer(resolved, user_optimizer)
         if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to(self.device)  # a meta model is materialised by the engine, unit by unit
-        engine = AcceleratedEngine(model, optimizer, resolved, lr_scheduler=engine_sched)
+        engine = ZeroEngine(model, optimizer, resolved, lr_scheduler=engine_sched)
         self._adopt_accumulation_steps(engine.gradient_accumulation_steps)
         self._driver = EngineDriver(engine)
         wrapper = ZeroOptimizerWrapper(engine.optimizer, self._driver)
@@ -375,8 +374,8 @@ class ZeroAccelerator(Accelerator):
     ) -> torch.Tensor:
         """The global L2 norm of all the model's gradients (every shard), which are clipped to
         ``max_norm`` exactly as ``torch.nn.utils.clip_grad_norm_`` would clip the full
-        gradients. Runs the optimizer step too (see ``_driver.py``); call it at an
-        accumulation boundary, after ``backward``, before ``optimizer.step()``."""
+        gradients. Call it at an accumulation boundary, after ``backward``, before
+        ``optimizer.step()`` (which then applies the clipped gradients)."""
         if self._driver is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if float(norm_type) != 2.0:
@@ -398,8 +397,8 @@ class ZeroAccelerator(Accelerator):
                 "gradients of an optimizer step: call it under `if accelerator.sync_gradients:` "
                 "between backward and optimizer.step()"
             )
-        norm = self._driver.step(max_norm=float(max_norm))
-        return torch.tensor(float(norm or 0.0), device=self.device)
+        norm = self._driver.clip_grad_norm(float(max_norm))
+        return torch.tensor(norm, device=self.device)
 
     def _check_all_parameters(self, parameters: Iterable[torch.Tensor]) -> None:
         assert self._driver is not None
@@ -417,7 +416,7 @@ class ZeroAccelerator(Accelerator):
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         if self._driver is None:
             return super().clip_grad_value_(parameters, clip_value)
-        raise NotImplementedError(
+        raise RuntimeError(
             "clip_grad_value_ is not supported by ZeroAccelerator (gradients are sharded and "
             "clipped inside the engine's step); use clip_grad_norm_"
         )

@@ -73,6 +73,9 @@ class ZeroEngine(nn.Module):
         self.global_steps = 0
         self._no_sync = False
         self._global_grad_norm: float | None = None
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._ready_norm: float | None = None  # this boundary's reduced-gradient norm (scaled)
+        self._clipped_norm: float | None = None  # their norm after clip_grad_norm_ (unscaled)
         self.skipped_steps = 0
         self.precision = PrecisionPolicy.from_config(self.config)
         self._scaler = (
@@ -140,8 +143,20 @@ class ZeroEngine(nn.Module):
         return self.precision.cast_outputs(self.module(*args, **kwargs))
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next :meth:`step` runs the optimizer."""
+        """True when the next :meth:`step` runs the optimizer: every
+        ``gradient_accumulation_steps``-th micro-step, unless
+        :meth:`set_gradient_accumulation_boundary` says otherwise."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Let the training loop decide the accumulation boundary (as DeepSpeed's method of
+        the same name): ``True`` makes the next backward reduce for an optimizer step and
+        the next :meth:`step` run the optimizer, ``False`` makes them accumulate; ``None``
+        returns to counting micro-steps. Front ends whose framework owns accumulation
+        (Accelerate's ``sync_gradients``) set it before every backward."""
+        self._boundary = None if is_boundary is None else bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps (and multiplied by the fp16
@@ -172,18 +187,62 @@ class ZeroEngine(nn.Module):
             self.global_steps += 1
         self.micro_steps += 1
 
+    def _reduced_grad_norm(self) -> float:
+        """Finish this boundary's gradient reduction (once) and return the global norm of the
+        gradients as reduced, loss scale included.
+
+        The norm is all-reduced, so an inf/nan gradient on any rank makes it non-finite on
+        every rank: all ranks agree to skip without a separate overflow collective."""
+        if self._ready_norm is None:
+            self.plan.wait_params()  # the optimizer writes slices a late all-gather still reads
+            self.plan.finish_reduction()
+            self._ready_norm = self._sharded_opt.sync_grad_flags_and_norm()
+        return self._ready_norm
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients of this optimizer step by their global L2 norm, like
+        ``torch.nn.utils.clip_grad_norm_`` over the full (unsharded) gradients, and return
+        that norm before clipping (loss scale removed; inf/nan on an fp16 overflow, whose
+        step :meth:`step` then skips).
+
+        Call it at an accumulation boundary, after the last backward and before :meth:`step`:
+        it finishes the gradient reduction, so the optimizer step that follows only applies
+        the clipped gradients (the config's ``gradient_clipping``, if set, clips on top as a
+        second clip would). Calling it twice clips twice, as torch does."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): ZeRO clips by L2 norm only")
+        if not float(max_norm) > 0:
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): must be > 0")
+        if not self.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                "clip_grad_norm_ was called between accumulation boundaries: the gradients are "
+                "still being accumulated (and, under stages 0/1, not yet reduced). Call it after "
+                "the backward of the last micro-batch, when is_gradient_accumulation_boundary() "
+                "is True, or let the config's gradient_clipping clip at every step"
+            )
+        norm = self._reduced_grad_norm()
+        if not math.isfinite(norm):
+            return norm
+        if self._clipped_norm is None:  # the first clip also removes the loss scale
+            current, scale = norm / self.loss_scale, self.loss_scale
+        else:
+            current, scale = self._clipped_norm, 1.0
+        self._sharded_opt.scale_grads(current * scale, float(max_norm), scale)
+        self._clipped_norm = current * min(float(max_norm) / (current + 1e-6), 1.0)
+        return current
+
     def _optimizer_step(self) -> None:
-        self.plan.wait_params()  # the optimizer writes the slices a late all-gather still reads
-        self.plan.finish_reduction()
-        # The norm is all-reduced, so an inf/nan gradient on any rank makes it non-finite on
-        # every rank: all ranks agree to skip without a separate overflow collective.
-        norm = self._sharded_opt.sync_grad_flags_and_norm()
+        norm = self._reduced_grad_norm()
         scale = self.loss_scale
         if not math.isfinite(norm):
             self._skip_step(norm)
             return
+        clip = float(self.config.gradient_clipping or 0.0)
         self._global_grad_norm = norm / scale
-        self._sharded_opt.scale_grads(norm, float(self.config.gradient_clipping or 0.0), scale)
+        if self._clipped_norm is None:
+            self._sharded_opt.scale_grads(norm, clip, scale)
+        elif clip > 0:  # clip_grad_norm_ already removed the loss scale
+            self._sharded_opt.scale_grads(self._clipped_norm, clip)
         self._sharded_opt.attach_grads()
         self._sharded_opt.step()
         if self._scaler is not None:
@@ -216,6 +275,7 @@ class ZeroEngine(nn.Module):
         return self._scaler.scale if self._scaler is not None else 1.0
 
     def zero_grad(self) -> None:
+        self._ready_norm = self._clipped_norm = None
         for g in self.plan.groups:
             g.zero_grad()
         for pc in self._sharded_opt.pieces:

@@ -82,9 +82,9 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
     Semantics that differ from DDP because gradients are sharded:
 
     - ``fabric.clip_gradients(model, optimizer, max_norm=...)`` returns the global norm and
-      clips like torch, but the global norm of sharded gradients exists only inside the
-      engine's step: so it runs the step there (clipping at ``max_norm``) and the following
-      ``optimizer.step()`` has nothing left to do. Clipping by value is not supported.
+      clips like torch, at an accumulation boundary (it finishes the gradient reduction);
+      between boundaries the request waits for the next optimizer step and None is
+      returned. Clipping by value is not supported.
     - ``optimizer.zero_grad()`` is harmless but unnecessary: the engine zeroes gradients
       after each optimizer step.
     - An lr scheduler passed to ``fabric.setup(..., scheduler=...)`` is re-pointed at the
@@ -137,7 +137,6 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         self._backward_sync_control = _EngineSyncControl()
         self._engine: ZeroEngine | None = None
         self._max_norm: float | None = None  # a clip request waiting for the next step
-        self._stepped_early = False  # clip_gradients already ran this boundary's step
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -337,9 +336,6 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         boundaries, clipping as configured or as ``clip_gradients`` asked)."""
         if kwargs.get("closure") is not None:
             raise ValueError("the ZeRO strategy cannot run optimizer.step(closure)")
-        if self._stepped_early:
-            self._stepped_early = False  # clip_gradients ran this step already
-            return None
         max_norm, self._max_norm = self._max_norm, None
         step_with_clip(self.engine, max_norm)
         return None
@@ -353,30 +349,22 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         error_if_nonfinite: bool = True,
     ) -> Tensor | None:
         """Clip the global L2 norm of the gradients at ``max_norm`` and return it (before
-        clipping), as ``torch.nn.utils.clip_grad_norm_`` does.
-
-        [Note: clipping runs the step] Under ZeRO the last gradient reductions finish, and
-        the global norm of the sharded gradients exists, only inside ``engine.step()``; there
-        is no way to clip without stepping. At an accumulation boundary this therefore runs
-        the engine's step now with ``gradient_clipping = max_norm`` and the next
-        ``optimizer.step()`` is a no-op; numerically the same as clipping then stepping.
+        clipping), as ``torch.nn.utils.clip_grad_norm_`` does, through the engine's
+        ``clip_grad_norm_``: at an accumulation boundary it finishes the gradient reduction
+        and clips the reduced shards; the optimizer step stays with ``optimizer.step()``.
         Between boundaries (a config with ``gradient_accumulation_steps`` > 1) the request
-        waits for the step and None is returned. A non-finite norm (an fp16 overflow, whose
-        step the engine skipped) is returned, not raised.
+        is kept for the next optimizer step and None is returned. A non-finite norm (an
+        fp16 overflow, whose step the engine will skip) is returned, not raised.
         """
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
             )
         engine = self.engine
-        if not self._stepped_early:
-            if not engine.is_gradient_accumulation_boundary():
-                self._max_norm = float(max_norm)
-                return None
-            step_with_clip(engine, float(max_norm))
-            self._stepped_early = True
-        norm = engine.get_global_grad_norm()
-        return None if norm is None else torch.tensor(norm)
+        if not engine.is_gradient_accumulation_boundary():
+            self._max_norm = float(max_norm)
+            return None
+        return torch.tensor(engine.clip_grad_norm_(float(max_norm)))
 
     def clip_gradients_value(
         self, module: nn.Module, optimizer: Optimizer, clip_val: float | int

@@ -24,27 +24,20 @@ __all__ = [
 
 
 def step_with_clip(engine: ZeroEngine, max_norm: float | None) -> bool:
-    """``engine.step()``; if it runs the optimizer and ``max_norm`` is given, clip the global
-    gradient norm at ``max_norm`` for this step instead of the config's ``gradient_clipping``.
-    Returns whether the optimizer ran.
+    """``engine.step()``; when it runs the optimizer and ``max_norm`` is given, first clip the
+    global gradient norm at ``max_norm`` (``engine.clip_grad_norm_``). Returns whether the
+    optimizer ran.
 
-    [Note: why clipping is deferred to the step]
-    Under ZeRO a rank holds only its reduced slice of the gradients, and the last reductions
-    finish inside ``engine.step()``; the global norm exists only there. So a clip request made
-    between backward and step (``fabric.clip_gradients``, ``LightningModule.clip_gradients``)
-    is remembered and applied by the engine's own clipping at the next optimizer step.
+    A clip request made between accumulation boundaries (``fabric.clip_gradients`` or
+    ``LightningModule.clip_gradients`` while gradients are still accumulating) is kept by the
+    caller and passed here, so it clips the accumulated gradients of the next optimizer step.
+    A request equal to the config's ``gradient_clipping`` is left to the engine's own clip.
     """
     stepping = engine.is_gradient_accumulation_boundary()
-    base = engine.config
-    if max_norm is None or not stepping or float(base.gradient_clipping) == max_norm:
-        engine.step()
-        return stepping
-    engine.config = base.replace(gradient_clipping=max_norm)
-    try:
-        engine.step()
-    finally:
-        engine.config = base
-    return True
+    if stepping and max_norm is not None and float(engine.config.gradient_clipping) != max_norm:
+        engine.clip_grad_norm_(max_norm)
+    engine.step()
+    return stepping
 
 
 def inference_optimizer(params: Any) -> torch.optim.Optimizer:
