@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -39,6 +40,15 @@ class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
+
+
+class ParamStore(Protocol):
+    """Where a partitioned shard lives between gathers (``core/offload``): the tensor to send
+    to the all-gather, and a call once the gather has landed."""
+
+    def for_gather(self) -> torch.Tensor: ...
+
+    def after_gather(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,9 @@ class FlatParamGroup:
         if trainable and self.precision.master_weights and self.dtype != torch.float32:
             self.master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
         self._staging: torch.Tensor | None = None
+        # stage 3 with parameter offload: where the shard lives between gathers (core/offload)
+        self.param_store: ParamStore | None = None
+        self._gather_src: torch.Tensor | None = None
         self._step_grad: torch.Tensor | None = None
         # gradients
         self.grad_full: torch.Tensor | None = None
@@ -189,7 +202,9 @@ class FlatParamGroup:
         if self.state is not ShardState.SHARDED:
             return
         self._full.untyped_storage().resize_(self._full_nbytes)
-        self._gather_work = self.comm.all_gather(self._full, self.shard, async_op=async_op)
+        src = self.shard if self.param_store is None else self.param_store.for_gather()
+        self._gather_src = src  # alive until the collective has read it
+        self._gather_work = self.comm.all_gather(self._full, src, async_op=async_op)
         self.state = ShardState.GATHERING
 
     def wait_gathered(self) -> None:
@@ -197,6 +212,9 @@ class FlatParamGroup:
             assert self._gather_work is not None
             self._gather_work.wait()
             self._gather_work = None
+            self._gather_src = None
+            if self.param_store is not None:
+                self.param_store.after_gather()
             self._bind_params()
             self.state = ShardState.GATHERED
         if self.state is not ShardState.GATHERED:
@@ -275,7 +293,7 @@ class FlatParamGroup:
             work = self.comm.reduce_scatter(self.grad_shard, full, async_op=True)
             self._pending.append((work, (full, self.grad_shard, scaling.post)))
             return
-        out = torch.empty_like(self.shard)
+        out = torch.empty(self.shard.numel(), dtype=self.dtype, device=self.device)
         work = self.comm.reduce_scatter(out, full, async_op=True)
         self._pending.append((work, (full, out, scaling.post)))
 
@@ -382,16 +400,17 @@ class FlatParamGroup:
         """This rank's reduced gradients in the optimizer's dtype (an fp32 copy under mixed
         precision, made once per step and dropped by ``zero_grad``)."""
         assert self.grad_shard is not None
-        target = self.step_params.dtype
-        if self.grad_shard.dtype == target:
+        target = self.step_params
+        if self.grad_shard.dtype == target.dtype and self.grad_shard.device == target.device:
             return self.grad_shard
-        if self._step_grad is None:
-            self._step_grad = self.grad_shard.to(target)
+        if self._step_grad is None:  # (offload on a GPU: the copy lands in host memory)
+            self._step_grad = self.grad_shard.to(device=target.device, dtype=target.dtype)
         return self._step_grad
 
     def sync_from_master(self) -> None:
         """After the optimizer step (or a load): the compute-dtype shard from the master."""
-        if self.master is not None:
+        # a master swapped out to a file (NVMe offload) was copied before it left
+        if self.master is not None and self.master.untyped_storage().nbytes() > 0:
             self.shard.copy_(self.master)
 
     def consolidated(self) -> torch.Tensor:
@@ -401,7 +420,7 @@ class FlatParamGroup:
         if not self.policy.shard_optimizer:
             return src.float().clone()
         full = torch.empty(self.layout.padded_total, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, src.float())
+        self.comm.all_gather(full, src.to(device=self.device, dtype=torch.float32))
         return full
 
     def all_gather_after_step(self) -> Work:

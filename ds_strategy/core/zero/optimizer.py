@@ -125,6 +125,8 @@ class ShardedOptimizer:
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
         self.sharded = any(g.policy.shard_optimizer for g in self.groups)
+        # NVMe offload: a step that brings the swapped state in bucket by bucket (core/offload)
+        self.stepper: Any = None
 
     def sync_grad_flags_and_norm(self) -> float:
         """One all-reduce carries both which parameters got a gradient on any rank and this
@@ -147,6 +149,8 @@ class ShardedOptimizer:
         return float(packed[-1].sqrt())
 
     def attach_grads(self) -> None:
+        if self.stepper is not None:
+            return  # the stepper attaches each bucket's gradients in turn
         for pc in self.pieces:
             pc.tensor.grad = pc.grad() if pc.group.grad_seen[pc.index] > 0 else None
 
@@ -162,7 +166,10 @@ class ShardedOptimizer:
                 g.step_grad().mul_(factor)
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.stepper is not None:
+            self.stepper.step()
+        else:
+            self.optimizer.step()
 
     def state_bytes(self) -> int:
         seen: set[int] = set()

@@ -1,0 +1,213 @@
+"""``Offload``: the engine's one handle on the CPU and NVMe tiers.
+
+Built from ``zero_optimization.offload_optimizer`` / ``offload_param``:
+
+- ``cpu``: fp32 masters (and, for ``offload_param``, partitioned shards) in host memory; on a
+  CPU-only machine nothing moves (``cpu.py``).
+- ``nvme``: the same host tensors, plus swapping to files under ``nvme_path``: Adam's moments
+  and the fp32 master shards (``offload_optimizer``), the partitioned parameter shards
+  (``offload_param``, stage 3). The optimizer step then runs bucket by bucket (``stepper.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ...config import ZeroConfig
+from ..zero.flat_group import FlatParamGroup
+from .cpu import place_on_host
+from .stepper import BucketedStep, StateSwaps
+from .swap import SwapDir, SwappedTensor
+
+__all__ = ["Offload", "check_offload_config"]
+
+_STATE_PER_ELEMENT = {"SGD": 1, "Adagrad": 1, "RMSprop": 2, "Adadelta": 2, "Rprop": 2}
+
+
+def check_offload_config(config: ZeroConfig) -> None:
+    """Offload combinations that cannot work, with the key to change."""
+    zc = config.zero_optimization
+    if zc.offload_optimizer.device != "none" and zc.stage == 0:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer: device {zc.offload_optimizer.device!r} needs "
+            "ZeRO stage 1, 2 or 3 (the offloaded state is this rank's shard); set "
+            "zero_optimization.stage or offload_optimizer.device to 'none'"
+        )
+    if zc.offload_param.device != "none" and zc.stage != 3:
+        raise ValueError(
+            f"zero_optimization.offload_param: device {zc.offload_param.device!r} needs ZeRO "
+            f"stage 3 (only stage 3 partitions parameters), but stage is {zc.stage}; set "
+            "zero_optimization.stage to 3 or offload_param.device to 'none'"
+        )
+
+
+def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    n = _STATE_PER_ELEMENT.get(type(optimizer).__name__, 2)
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        n += 1
+    return n
+
+
+class _SwappedParams:
+    """``ParamStore`` of a partitioned group whose shard lives in a file between gathers."""
+
+    def __init__(self, group: FlatParamGroup, swap: SwappedTensor) -> None:
+        self.group, self.swap = group, swap
+
+    def for_gather(self) -> torch.Tensor:
+        shard = self.swap.acquire()
+        if self.group.device.type == "cpu":
+            return shard  # released once the gather has landed
+        out = shard.to(self.group.device)
+        self.swap.release(dirty=False)
+        return out
+
+    def after_gather(self) -> None:
+        if self.group.device.type == "cpu":
+            self.swap.release(dirty=False)
+
+
+class Offload:
+    """The offload tiers of one engine. ``place`` runs before the optimizer is built over the
+    shards, ``attach`` after; ``None`` from :meth:`build` when nothing is offloaded."""
+
+    def __init__(self, config: ZeroConfig, groups: list[FlatParamGroup], rank: int) -> None:
+        zc = config.zero_optimization
+        self.opt_cfg, self.param_cfg = zc.offload_optimizer, zc.offload_param
+        self.groups = groups
+        self.rank = rank
+        self.swap_dir: SwapDir | None = None
+        self.group_swaps: dict[int, list[SwappedTensor]] = {}
+        self.state: StateSwaps | None = None
+        self.stepper: BucketedStep | None = None
+
+    @staticmethod
+    def build(config: ZeroConfig, groups: list[FlatParamGroup], rank: int) -> Offload | None:
+        check_offload_config(config)
+        zc = config.zero_optimization
+        if zc.offload_optimizer.device == "none" and zc.offload_param.device == "none":
+            return None
+        off = Offload(config, groups, rank)
+        off.place()
+        return off
+
+    @property
+    def nvme_optimizer(self) -> bool:
+        return self.opt_cfg.device == "nvme"
+
+    @property
+    def nvme_params(self) -> bool:
+        return self.param_cfg.device == "nvme"
+
+    def place(self) -> None:
+        pin = bool(self.opt_cfg.pin_memory or self.param_cfg.pin_memory)
+        place_on_host(self.groups, pin, params=self.param_cfg.device != "none")
+
+    # -- NVMe -------------------------------------------------------------------------------------
+
+    def _swapped_group_tensors(self) -> list[tuple[FlatParamGroup, str, torch.Tensor]]:
+        out = []
+        for i, g in enumerate(self.groups):
+            if g.master is not None and (self.nvme_optimizer or self.nvme_params) and g.trainable:
+                out.append((g, f"master_{i}", g.master))
+            if self.nvme_params and g.policy.shard_params:
+                out.append((g, f"param_{i}", g.shard))
+        return out
+
+    def _needed_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        total = sum(t.numel() * t.element_size() for _, _, t in self._swapped_group_tensors())
+        if self.nvme_optimizer:
+            per = _state_bytes_per_element(optimizer)
+            total += sum(per * g.step_params.numel() * 4 for g in self.groups if g.trainable)
+        return total
+
+    def attach(self, sharded_opt: Any, checkpoint_marker: str) -> None:
+        """Open the swap directory (checking it first), swap out what lives on disk, and give
+        the optimizer its bucketed step."""
+        if not (self.nvme_optimizer or self.nvme_params):
+            return
+        cfg = self.opt_cfg if self.nvme_optimizer else self.param_cfg
+        key = "offload_optimizer" if self.nvme_optimizer else "offload_param"
+        paths = {c.nvme_path for c in (self.opt_cfg, self.param_cfg) if c.device == "nvme"}
+        if len(paths) > 1:
+            raise ValueError(
+                "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path differ "
+                f"({sorted(paths)}); use one directory for both"
+            )
+        self.swap_dir = SwapDir(
+            cfg.nvme_path,
+            self.rank,
+            self._needed_bytes(sharded_opt.optimizer),
+            checkpoint_marker,
+            key=f"zero_optimization.{key}.nvme_path",
+            io_threads=2,
+        )
+        pool = self.swap_dir.pool
+        for g, name, t in self._swapped_group_tensors():
+            swap = SwappedTensor(t, self.swap_dir.file(name), pool)
+            self.group_swaps.setdefault(id(g), []).append(swap)
+            if name.startswith("param_"):
+                g.param_store = _SwappedParams(g, swap)
+            swap.release(dirty=True)
+        self.state = StateSwaps(sharded_opt, self.swap_dir) if self.nvme_optimizer else None
+        self.stepper = BucketedStep(
+            sharded_opt,
+            self.state,
+            self.group_swaps,
+            bucket_numel=int(cfg.buffer_size),
+            in_flight=int(cfg.buffer_count),
+        )
+        sharded_opt.stepper = self.stepper
+        self.wait()
+
+    def wait(self) -> None:
+        for swaps in self.group_swaps.values():
+            for s in swaps:
+                s.wait()
+        if self.state is not None:
+            self.state.wait()
+
+    @contextlib.contextmanager
+    def resident(self, dirty: bool) -> Iterator[None]:
+        """Everything swapped is resident inside the block (a checkpoint save or load, a
+        consolidation); ``dirty``: it may have changed and is written back after."""
+        swaps = [s for ss in self.group_swaps.values() for s in ss]
+        if self.swap_dir is None:
+            yield
+            return
+        for s in swaps:
+            s.prefetch()
+        if self.state is not None:
+            self.state.acquire_all()
+        for s in swaps:
+            s.acquire()
+        try:
+            yield
+        finally:
+            for s in swaps:
+                s.release(dirty)
+            if self.state is not None:
+                self.state.release_all(dirty)
+            self.wait()
+
+    def is_swap_path(self, path: str | os.PathLike) -> bool:
+        return self.swap_dir is not None and self.swap_dir.contains(path)
+
+    def report(self) -> dict[str, int]:
+        """Bytes of this rank's state held in files (an empty report without NVMe)."""
+        if self.swap_dir is None:
+            return {}
+        swaps = [s for ss in self.group_swaps.values() for s in ss]
+        if self.state is not None:
+            swaps += self.state.all()
+        return {"offloaded_nvme": sum(s.nbytes for s in swaps if not s.resident)}
+
+    def close(self) -> None:
+        if self.swap_dir is not None:
+            self.wait()
+            self.swap_dir.close()

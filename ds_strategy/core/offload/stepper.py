@@ -1,0 +1,173 @@
+"""The optimizer step with state on disk: bucket by bucket, read ahead and written behind.
+
+[Note: why the step runs in buckets]
+With NVMe offload the whole optimizer state never sits in memory at once. The pieces that
+got a gradient are cut into buckets of at most ``buffer_size`` elements; for each bucket the
+state tensors (and the group's fp32 master, when it is swapped) are read in, the user's
+optimizer steps over just those pieces (every other piece has ``.grad = None``, so torch's
+optimizers skip it, exactly as for a parameter without a gradient), and the state is
+written back and freed. Bucket ``i + 1`` is read while bucket ``i`` steps, and bucket
+``i - 1`` is written meanwhile; at most ``buffer_count`` buckets are in memory at once. Each
+piece's hyper-parameters, step counter and update are those of a single full step, so the
+weights are the same as without offload.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+import torch
+
+from ..zero.flat_group import FlatParamGroup
+from .swap import SwapDir, SwappedTensor
+
+__all__ = ["BucketedStep", "StateSwaps"]
+
+
+class StateSwaps:
+    """The optimizer's per-element state tensors (Adam's moments) of every piece, in files."""
+
+    def __init__(self, sharded_opt: Any, swap_dir: SwapDir) -> None:
+        self.optimizer: torch.optim.Optimizer = sharded_opt.optimizer
+        self.pieces = sharded_opt.pieces
+        self.swap_dir = swap_dir
+        self.swaps: dict[int, dict[str, SwappedTensor]] = {}
+
+    def _per_element(self, i: int) -> dict[str, torch.Tensor]:
+        t = self.pieces[i].tensor
+        st = self.optimizer.state.get(t, {})
+        return {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == t.shape}
+
+    def all(self) -> list[SwappedTensor]:
+        return [s for d in self.swaps.values() for s in d.values()]
+
+    def prefetch(self, idxs: list[int]) -> None:
+        for i in idxs:
+            for s in self.swaps.get(i, {}).values():
+                s.prefetch()
+
+    def acquire(self, idxs: list[int]) -> None:
+        for i in idxs:
+            for s in self.swaps.get(i, {}).values():
+                s.acquire()
+
+    def release(self, idxs: list[int], dirty: bool) -> list[SwappedTensor]:
+        """Write back (when ``dirty``) and free; state the optimizer created meanwhile (its
+        first step, or a checkpoint load) is adopted here. Returns the tensors released."""
+        out = []
+        for i in idxs:
+            mine = self.swaps.setdefault(i, {})
+            for k, v in self._per_element(i).items():
+                s = mine.get(k)
+                if s is None or s.tensor is not v:
+                    name = re.sub(r"[^A-Za-z0-9_]", "_", str(k))
+                    s = mine[k] = SwappedTensor(
+                        v, self.swap_dir.file(f"state_{i}_{name}"), self.swap_dir.pool
+                    )
+                s.release(dirty)
+                out.append(s)
+        return out
+
+    def acquire_all(self) -> None:
+        idxs = list(self.swaps)
+        self.prefetch(idxs)
+        self.acquire(idxs)
+
+    def release_all(self, dirty: bool) -> None:
+        self.release(list(range(len(self.pieces))), dirty)
+
+    def wait(self) -> None:
+        for s in self.all():
+            s.wait()
+
+
+class BucketedStep:
+    """Replaces ``optimizer.step()`` for a ``ShardedOptimizer`` whose state is swapped."""
+
+    def __init__(
+        self,
+        sharded_opt: Any,
+        state: StateSwaps | None,
+        group_swaps: dict[int, list[SwappedTensor]],
+        bucket_numel: int,
+        in_flight: int,
+    ) -> None:
+        self.sharded_opt = sharded_opt
+        self.state = state
+        self.group_swaps = group_swaps
+        self.bucket_numel = max(1, bucket_numel)
+        self.in_flight = max(1, in_flight - 2)  # one bucket reading, one stepping
+
+    def buckets(self) -> list[list[int]]:
+        """Indices of the pieces with a gradient, cut into runs of <= ``bucket_numel`` elements
+        (a larger piece is a bucket of its own)."""
+        out: list[list[int]] = []
+        run: list[int] = []
+        size = 0
+        for i, pc in enumerate(self.sharded_opt.pieces):
+            if pc.group.grad_seen[pc.index] <= 0:
+                continue
+            n = pc.tensor.numel()
+            if run and size + n > self.bucket_numel:
+                out.append(run)
+                run, size = [], 0
+            run.append(i)
+            size += n
+        if run:
+            out.append(run)
+        return out
+
+    def _groups(self, bucket: list[int]) -> list[FlatParamGroup]:
+        seen: dict[int, FlatParamGroup] = {}
+        for i in bucket:
+            g = self.sharded_opt.pieces[i].group
+            seen.setdefault(id(g), g)
+        return list(seen.values())
+
+    def _prefetch(self, bucket: list[int]) -> None:
+        for g in self._groups(bucket):
+            for s in self.group_swaps.get(id(g), []):
+                s.prefetch()
+        if self.state is not None:
+            self.state.prefetch(bucket)
+
+    def step(self) -> None:
+        pieces = self.sharded_opt.pieces
+        buckets = self.buckets()
+        last_use = {id(g): b for b, bucket in enumerate(buckets) for g in self._groups(bucket)}
+        held: set[int] = set()
+        pending: collections.deque[list[SwappedTensor]] = collections.deque()
+        if buckets:
+            self._prefetch(buckets[0])
+        for b, bucket in enumerate(buckets):
+            if b + 1 < len(buckets):
+                self._prefetch(buckets[b + 1])
+            groups = self._groups(bucket)
+            for g in groups:
+                if id(g) not in held:
+                    held.add(id(g))
+                    for s in self.group_swaps.get(id(g), []):
+                        s.acquire()
+            if self.state is not None:
+                self.state.acquire(bucket)
+            for i in bucket:
+                pieces[i].tensor.grad = pieces[i].grad()
+            self.sharded_opt.optimizer.step()
+            for i in bucket:
+                pieces[i].tensor.grad = None
+            written = self.state.release(bucket, dirty=True) if self.state is not None else []
+            for g in groups:
+                if last_use[id(g)] == b:
+                    g.sync_from_master()
+                    for s in self.group_swaps.get(id(g), []):
+                        s.release(dirty=True)
+                        written.append(s)
+            pending.append(written)
+            while len(pending) > self.in_flight:
+                for s in pending.popleft():
+                    s.wait()
+        for written in pending:
+            for s in written:
+                s.wait()

@@ -1,0 +1,211 @@
+"""Tensors whose bytes live in files between uses (the NVMe tier).
+
+[Note: swapping by resizing the storage]
+A swapped-out tensor keeps its Python object, shape and dtype; only its storage shrinks to
+zero bytes (``untyped_storage().resize_(0)``) once the bytes are on disk, and grows back to
+the same storage when they are read in. Every view of it (an optimizer piece is a view of a
+group's fp32 master shard) and every reference to it (``optimizer.state``) stays valid with
+no rebinding, and while it is out any stray use fails loudly instead of reading stale data.
+Reads and writes run on a small thread pool with plain ``readinto``/``write`` calls, which
+release the GIL; the bytes go through the page cache, not the process's resident memory
+(an ``mmap`` would count them as resident again).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+__all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path"]
+
+DIR_PREFIX = "ds_strategy_swap_"
+
+
+class SwapState(enum.Enum):
+    RESIDENT = "resident"  # the storage holds the bytes
+    WRITING = "writing"  # a worker is writing the bytes, then frees the storage
+    ON_DISK = "on_disk"  # storage empty; the file holds the bytes
+    READING = "reading"  # storage allocated; a worker is filling it from the file
+
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a writable buffer. (``Tensor.numpy()`` would do, but it marks the
+    storage as not resizable, which swapping needs.)"""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+class SwappedTensor:
+    """One tensor that is either resident or in its file; ``acquire``/``release`` count users.
+
+    >>> import tempfile, torch
+    >>> d = SwapDir(tempfile.mkdtemp(), rank=0, needed_bytes=0, checkpoint_marker="x.json")
+    >>> t = SwappedTensor(torch.arange(4.0), d.file("t"), d.pool)
+    >>> t.release(dirty=True); t.wait(); t.tensor.untyped_storage().nbytes()
+    0
+    >>> t.acquire().tolist(); d.close()
+    [0.0, 1.0, 2.0, 3.0]
+    """
+
+    def __init__(self, tensor: torch.Tensor, path: Path, pool: ThreadPoolExecutor) -> None:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("only contiguous host tensors can be swapped to a file")
+        self.tensor = tensor
+        self.path = path
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self._pool = pool
+        self.state = SwapState.RESIDENT
+        self.holds = 1  # the creator is using it
+        self.dirty = True  # the file (if any) is older than the tensor
+        self._future: Future | None = None
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def _write_and_free(self) -> None:
+        with open(self.path, "wb") as f:
+            f.write(_buffer(self.tensor))
+        self.tensor.untyped_storage().resize_(0)
+
+    def _read(self) -> None:
+        buf = _buffer(self.tensor)
+        with open(self.path, "rb") as f:
+            got = f.readinto(buf)
+        if got != self.nbytes:
+            raise OSError(f"{self.path}: read {got} of {self.nbytes} bytes (file truncated?)")
+
+    # -- caller side ----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Finish a pending read or write (re-raising its error)."""
+        if self._future is None:
+            return
+        future, self._future = self._future, None
+        future.result()
+        if self.state is SwapState.WRITING:
+            self.state = SwapState.ON_DISK
+            self.dirty = False
+        elif self.state is SwapState.READING:
+            self.state = SwapState.RESIDENT
+
+    def prefetch(self, read: bool = True) -> None:
+        """Start bringing the bytes back (no-op when resident or already coming).
+        ``read=False`` only reallocates: the caller overwrites every element."""
+        if self.state is SwapState.WRITING:
+            self.wait()
+        if self.state is not SwapState.ON_DISK:
+            return
+        self.tensor.untyped_storage().resize_(self.nbytes)
+        if read:
+            self.state = SwapState.READING
+            self._future = self._pool.submit(self._read)
+        else:
+            self.state = SwapState.RESIDENT
+
+    def acquire(self, read: bool = True) -> torch.Tensor:
+        """Make the tensor resident (waiting for a prefetch) and count one more user."""
+        self.prefetch(read)
+        self.wait()
+        self.holds += 1
+        return self.tensor
+
+    def release(self, dirty: bool) -> None:
+        """One user less; the last one writes the bytes behind (if they changed) and frees."""
+        if self.holds <= 0:
+            raise RuntimeError(f"{self.path.name}: released more often than acquired")
+        self.dirty |= dirty
+        self.holds -= 1
+        if self.holds > 0:
+            return
+        if self.dirty or not self.path.exists():
+            self.state = SwapState.WRITING
+            self._future = self._pool.submit(self._write_and_free)
+        else:  # the file already holds these bytes
+            self.tensor.untyped_storage().resize_(0)
+            self.state = SwapState.ON_DISK
+
+    @property
+    def resident(self) -> bool:
+        return self.state is SwapState.RESIDENT
+
+
+def check_nvme_path(
+    path: str | os.PathLike, needed_bytes: int, checkpoint_marker: str, key: str
+) -> Path:
+    """Errors before training starts: the directory must exist, be writable, have room for
+    ``needed_bytes``, and not be (or lie inside) a checkpoint directory."""
+    p = Path(path).expanduser().resolve()
+    need = f"{needed_bytes:,} bytes ({needed_bytes / 2**30:.2f} GiB) of swap space"
+    if not p.is_dir():
+        raise FileNotFoundError(
+            f"{key}: nvme_path {str(p)!r} is not an existing directory; create it (on a fast "
+            f"local drive) or point nvme_path at one. This run needs {need} there."
+        )
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"{key}: nvme_path {str(p)!r} is not writable by this process; this run needs "
+            f"{need} there. Fix its permissions or choose another directory."
+        )
+    for d in (p, *p.parents):
+        if (d / checkpoint_marker).is_file():
+            raise ValueError(
+                f"{key}: nvme_path {str(p)!r} is inside the ds_strategy checkpoint {str(d)!r} "
+                f"({checkpoint_marker} found); swap files must not mix with checkpoints, choose "
+                "another directory"
+            )
+    free = shutil.disk_usage(p).free
+    if free < needed_bytes:
+        raise OSError(
+            f"{key}: nvme_path {str(p)!r} has {free:,} bytes free but this run needs {need} "
+            "on this rank; free space there or choose a larger drive"
+        )
+    return p
+
+
+class SwapDir:
+    """This rank's private directory of swap files under ``nvme_path`` and the I/O threads.
+
+    The directory's name is unique per run and rank; it is removed by :meth:`close`, when the
+    owner is garbage-collected, or at interpreter exit, whichever comes first.
+    """
+
+    def __init__(
+        self,
+        nvme_path: str | os.PathLike,
+        rank: int,
+        needed_bytes: int,
+        checkpoint_marker: str,
+        key: str = "zero_optimization.offload_optimizer",
+        io_threads: int = 2,
+    ) -> None:
+        base = check_nvme_path(nvme_path, needed_bytes, checkpoint_marker, key)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}rank{rank}_", dir=base))
+        self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ds_swap")
+        self._finalizer = weakref.finalize(self, _remove, self.path, self.pool)
+
+    def file(self, name: str) -> Path:
+        return self.path / f"{name}.bin"
+
+    def contains(self, other: str | os.PathLike) -> bool:
+        """Whether ``other`` is this swap directory or lies inside it."""
+        o = Path(other).expanduser().resolve()
+        return o == self.path or self.path in o.parents
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+
+def _remove(path: Path, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,248 @@
+"""Optimizer and parameter offload: CPU and NVMe tiers train to the same weights as without
+offload, the swapped state really lives in files (and not in memory) while training, survives
+a checkpoint round trip, and bad ``nvme_path`` values fail before training."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ds_strategy
+from ds_strategy.core.offload import swap as swap_mod
+from tests.distributed import run_ranks
+from tests.models import ToyLM, batches, lm_loss, make_optimizer
+
+GB, STEPS, ACC = 8, 3, 2
+BUCKET = 400  # elements: forces several buckets per step on the toy model
+
+
+def _config(stage: int, opt: str = "none", param: str = "none", path: str = "") -> dict:
+    zo: dict = {"stage": stage}
+    if stage == 3:  # partition every parameter of the toy model, not just large ones
+        zo["stage3_param_persistence_threshold"] = 0
+    if opt != "none":
+        zo["offload_optimizer"] = {"device": opt, "nvme_path": path, "buffer_size": BUCKET}
+    if param != "none":
+        zo["offload_param"] = {"device": param, "nvme_path": path, "buffer_size": BUCKET}
+    return {"zero_optimization": zo, "gradient_clipping": 0.3, "gradient_accumulation_steps": ACC}
+
+
+def _engine(config: dict, seed: int = 0) -> ds_strategy.ZeroEngine:
+    torch.manual_seed(seed)
+    model = ToyLM()
+    return ds_strategy.initialize(model, make_optimizer("adamw", model), config)
+
+
+def _train(engine: ds_strategy.ZeroEngine, data: list[torch.Tensor], rank: int, world: int) -> None:
+    per = GB // world
+    for batch in data:
+        engine.backward(lm_loss(engine, batch[rank * per : (rank + 1) * per]))
+        engine.step()
+
+
+def _swap_facts(engine: ds_strategy.ZeroEngine) -> dict:
+    """What is on disk and what is still in memory, checked against the live objects."""
+    off = engine._offload
+    assert off is not None and off.swap_dir is not None
+    files = {p.name: p.stat().st_size for p in off.swap_dir.path.iterdir()}
+    opt = engine.optimizer
+    state_files = 0
+    for i, pc in enumerate(engine._sharded_opt.pieces if off.state is not None else []):
+        for k, v in opt.state.get(pc.tensor, {}).items():
+            if torch.is_tensor(v) and v.shape == pc.tensor.shape:
+                # the bytes are in the file, the tensor's storage is released
+                assert files[f"state_{i}_{k}.bin"] == pc.tensor.numel() * 4
+                assert v.untyped_storage().nbytes() == 0
+                state_files += 1
+    params = 0
+    for i, g in enumerate(engine.plan.groups):
+        if f"param_{i}.bin" in files:
+            assert files[f"param_{i}.bin"] == g.shard.numel() * g.shard.element_size()
+            assert g.shard.untyped_storage().nbytes() == 0
+            params += 1
+    report = engine.memory_report()
+    return {
+        "dir": str(off.swap_dir.path),
+        "state_files": state_files,
+        "all_files": len(files),
+        "param_files": params,
+        "pieces": len(engine._sharded_opt.pieces),
+        "report": report,
+    }
+
+
+def stage_worker(rank: int, world: int, tmp: str) -> dict:
+    data = batches(STEPS * ACC, 1, GB)
+    out: dict = {}
+    variants = [(s, "none", "none") for s in (1, 2, 3)]
+    variants += [(s, o, "none") for s in (1, 2, 3) for o in ("cpu", "nvme")]
+    variants += [(3, "none", "nvme"), (3, "nvme", "nvme")]
+    for stage, opt, param in variants:
+        engine = _engine(_config(stage, opt, param, tmp))
+        _train(engine, data, rank, world)
+        facts = _swap_facts(engine) if "nvme" in (opt, param) else None
+        out[(stage, opt, param)] = {"state": engine.full_state_dict(), "facts": facts}
+        engine.destroy()
+        if facts is not None:
+            facts["removed"] = not Path(facts["dir"]).exists()
+    return out
+
+
+def test_offload_trains_like_no_offload(tmp_path: Path) -> None:
+    """Stages 1-3 with offload_optimizer cpu / nvme, stage 3 with offload_param nvme: 2 ranks,
+    AdamW with two param groups, accumulation and clipping, several buckets per step."""
+    for res in run_ranks(stage_worker, 2, str(tmp_path)):
+        for variant, got in res.items():
+            stage = variant[0]
+            ref = res[(stage, "none", "none")]["state"]
+            for name, t in ref.items():
+                err = (got["state"][name] - t).abs().max().item()
+                assert err <= 2e-5, (stage, variant, name, err)
+            facts = got["facts"]
+            if facts is None:
+                continue
+            if variant[1] == "nvme":
+                # Adam's two moments of every piece that got a gradient, each in its own file
+                assert facts["state_files"] >= facts["pieces"]
+                assert facts["report"]["optimizer_state"] < 64 * facts["pieces"]  # step scalars
+                assert facts["report"]["offloaded_nvme"] > 0
+            if variant[2] == "nvme":
+                assert facts["param_files"] > 0
+            assert facts["removed"], facts["dir"]
+    assert os.listdir(tmp_path) == []
+
+
+def checkpoint_worker(rank: int, world: int, tmp: str) -> dict:
+    data = batches(2 * STEPS * ACC, 1, GB)
+    half = STEPS * ACC
+    ref = _engine(_config(2))
+    _train(ref, data, rank, world)
+    expected = ref.full_state_dict()
+    swap = os.path.join(tmp, "swap")
+    ckpt = os.path.join(tmp, "ckpt")
+    if rank == 0:
+        os.makedirs(swap, exist_ok=True)
+    torch.distributed.barrier()
+    first = _engine(_config(2, "nvme", path=swap))
+    _train(first, data[:half], rank, world)
+    inside = os.path.join(first._offload.swap_dir.path, "ckpt")
+    with pytest.raises(ValueError, match="offload swap"):
+        first.save_checkpoint(inside)
+    first.save_checkpoint(ckpt)
+    _swap_facts(first)  # swapped out again after the save
+    first.destroy()
+    second = _engine(_config(2, "nvme", path=swap), seed=123)
+    second.load_checkpoint(ckpt)
+    after_load = _swap_facts(second)
+    _train(second, data[half:], rank, world)
+    got = second.full_state_dict()
+    second.destroy()
+    in_ckpt = sorted(os.listdir(ckpt))
+    return {"expected": expected, "got": got, "after_load": after_load, "ckpt": in_ckpt}
+
+
+def test_checkpoint_round_trip_with_nvme_state(tmp_path: Path) -> None:
+    for res in run_ranks(checkpoint_worker, 2, str(tmp_path)):
+        for name, t in res["expected"].items():
+            assert (res["got"][name] - t).abs().max().item() <= 2e-5, name
+        # the load wrote the restored moments straight back to files
+        assert res["after_load"]["state_files"] >= res["after_load"]["pieces"]
+        assert not any(n.startswith(swap_mod.DIR_PREFIX) for n in res["ckpt"])
+    assert os.listdir(tmp_path / "swap") == []
+
+
+# -- single process: errors and cleanup -------------------------------------------------------
+
+
+def _nvme(path: Path | str, stage: int = 2) -> dict:
+    return {
+        "zero_optimization": {
+            "stage": stage,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
+        }
+    }
+
+
+def test_missing_nvme_path_names_path_and_bytes(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(
+        FileNotFoundError, match=r"nope.*not an existing directory.*needs [\d,]+ bytes"
+    ):
+        _engine(_nvme(missing))
+
+
+def test_too_small_nvme_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = swap_mod.shutil.disk_usage
+
+    def tiny(p: object) -> object:
+        return real(p)._replace(free=1000)
+
+    monkeypatch.setattr(swap_mod.shutil, "disk_usage", tiny)
+    with pytest.raises(
+        OSError, match=r"has 1,000 bytes free but this run needs ([\d,]+) bytes"
+    ) as e:
+        _engine(_nvme(tmp_path))
+    # Adam's two fp32 moments of every trainable element of the toy model, at least
+    need = int(e.value.args[0].split("needs ")[1].split(" bytes")[0].replace(",", ""))
+    trainable = sum(p.numel() for p in ToyLM().parameters() if p.requires_grad)
+    assert need >= 8 * trainable
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_nvme_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    # (root ignores directory permissions: ask os.access what an ordinary user would hear)
+    monkeypatch.setattr(swap_mod.os, "access", lambda p, mode: Path(p) != ro.resolve())
+    with pytest.raises(PermissionError, match=r"ro' is not writable.*needs [\d,]+ bytes"):
+        _engine(_nvme(ro))
+
+
+def test_nvme_path_inside_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    engine = _engine({"zero_optimization": {"stage": 1}})
+    engine.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="inside the ds_strategy checkpoint"):
+        _engine(_nvme(tmp_path / "ckpt"))
+
+
+def test_bad_offload_combinations_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="offload_optimizer.*stage 1, 2 or 3"):
+        _engine({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ValueError, match="offload_param"):
+        _engine({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+
+
+def test_swap_dir_removed_on_destroy_and_at_exit(tmp_path: Path) -> None:
+    engine = _engine(_nvme(tmp_path, stage=3))
+    _train(engine, batches(2, 1, GB), 0, 1)
+    d = engine._offload.swap_dir.path
+    assert d.parent == tmp_path.resolve() and any(d.iterdir())
+    engine.destroy()
+    assert not d.exists()
+    # a process that never calls destroy(): the files go at interpreter exit
+    script = (
+        "import sys, torch, ds_strategy\n"
+        "e = ds_strategy.initialize(torch.nn.Linear(64, 64), lambda p: torch.optim.AdamW(p), "
+        f"{_nvme(tmp_path, stage=2)!r})\n"
+        "e.backward(e(torch.randn(2, 64)).sum()); e.step()\n"
+        "print(e._offload.swap_dir.path)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().startswith(str(tmp_path.resolve()))
+    assert os.listdir(tmp_path) == []
+
+
+def test_cpu_offload_on_cpu_moves_nothing() -> None:
+    engine = _engine({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    base = _engine({"zero_optimization": {"stage": 2}})
+    # no master copies, no swap directory: the same tensors as without offload
+    assert all(g.master is None for g in engine.plan.groups)
+    assert engine._offload is not None and engine._offload.swap_dir is None
+    assert engine.memory_report() == base.memory_report()
