@@ -8,6 +8,7 @@ import sys
 import torch
 
 from .core.checkpoint.consolidate import consolidate
+from .estimate import add_cli_parser, run_cli
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
 
@@ -24,7 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         default="fp32",
         help="floating-point dtype of the output (keep: as saved)",
     )
+    add_cli_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return run_cli(args)
     try:
         out = consolidate(args.checkpoint_dir, args.output, _DTYPES[args.dtype])
     except (FileNotFoundError, ValueError) as e:

@@ -1,0 +1,512 @@
+"""Per-rank memory of every ZeRO stage, offload tier and precision, before buying the GPUs.
+
+[Note: the model of memory]
+Model state follows the ZeRO paper. Per trainable parameter a rank needs ``P`` bytes of
+parameter, ``G`` of gradient and ``K`` of optimizer state (Adam: two moments, plus an fp32
+master copy under mixed precision)::
+
+    fp32              P=4 G=4 K=8
+    bf16/fp16 mixed   P=2 G=2 K=12
+
+Stage 1 shards ``K`` over the N data-parallel ranks, stage 2 also ``G``, stage 3 also ``P``
+(parameters below ``stage3_param_persistence_threshold`` elements stay whole on every rank,
+sharded like stage 2). Offload moves a term off the accelerator: ``cpu`` the optimizer term
+``K`` (to host memory), ``cpu+params`` also the stage-3 parameter shards, ``nvme`` both to
+NVMe (with host staging buffers not counted). Stage 3 also holds the parameters it has
+gathered: the root unit (gathered for the whole forward), the block computing and the
+blocks prefetched (``stage3_prefetch_bucket_size`` elements, which the last block prefetched
+may overshoot, within ``stage3_max_live_parameters``); an upper bound, from the model's
+units when it is known. Activations are the user's to give (``activation_bytes``): they
+depend on batch, sequence length and activation checkpointing, not on the stage.
+
+[Note: "cheapest"]
+Candidates are ranked by what they cost in speed, cheapest first: stage 0 (plain data
+parallel), 1, 2 (same bytes moved as DDP), CPU optimizer offload at stages 1-2 (host memory
+traffic and a CPU optimizer step), stage 3 (1.5x the bytes), stage 3 with CPU offload of the
+optimizer, then of the parameters, then NVMe. The recommendation is the first that fits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Estimate",
+    "ModelFacts",
+    "estimate",
+    "estimate_all",
+    "model_facts",
+    "parse_bytes",
+    "parse_count",
+    "recommend",
+    "format_table",
+]
+
+PRECISIONS: dict[str, tuple[int, int, int]] = {  # bytes per parameter: (P, G, K) with Adam
+    "fp32": (4, 4, 8),
+    "bf16": (2, 2, 12),
+    "fp16": (2, 2, 12),
+}
+OFFLOADS = ("none", "cpu", "cpu+params", "nvme")
+# (stage, offload) in the order of their cost in speed; see the note on "cheapest".
+CANDIDATES: tuple[tuple[int, str], ...] = (
+    (0, "none"),
+    (1, "none"),
+    (2, "none"),
+    (1, "cpu"),
+    (2, "cpu"),
+    (3, "none"),
+    (3, "cpu"),
+    (3, "cpu+params"),
+    (3, "nvme"),
+)
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
+DEFAULT_PREFETCH = 50_000_000  # stage3_prefetch_bucket_size
+DEFAULT_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate needs to know about a model (counts are elements, not bytes)."""
+
+    params: int  # every parameter (a tied weight once)
+    trainable: int | None = None  # with requires_grad; None = all
+    persistent: int = 0  # stage-3 parameters below the persistence threshold (kept whole)
+    largest_unit: int = 0  # elements of the largest stage-3 block unit (0 = unknown)
+    root_unit: int = 0  # elements of the root unit (gathered for the whole forward)
+
+    @property
+    def n_trainable(self) -> int:
+        return self.params if self.trainable is None else self.trainable
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes one rank holds for one (stage, offload, precision)."""
+
+    stage: int
+    offload: str
+    precision: str
+    device: dict[str, float] = field(default_factory=dict)  # params/grads/optimizer/gathered/act
+    cpu: float = 0.0
+    nvme: float = 0.0
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def model_state(self) -> float:
+        """Parameters + gradients + optimizer state wherever they live (what
+        ``engine.memory_report()['total']`` counts)."""
+        d = self.device
+        return d["params"] + d["grads"] + d["optimizer"] + self.cpu + self.nvme
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage}" + ("" if self.offload == "none" else f"+{self.offload}")
+
+
+def estimate(
+    facts: ModelFacts,
+    world_size: int,
+    stage: int,
+    offload: str = "none",
+    precision: str = "bf16",
+    activation_bytes: float = 0.0,
+    *,
+    prefetch_numel: float = DEFAULT_PREFETCH,
+    max_live_numel: float = DEFAULT_MAX_LIVE,
+) -> Estimate:
+    """Per-rank bytes for one configuration (see the note at the top of this module).
+
+    >>> e = estimate(ModelFacts(params=1000), world_size=4, stage=3, precision="fp32")
+    >>> e.model_state  # 16 * 1000 / 4
+    4000.0
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if (stage, offload) not in CANDIDATES:
+        raise ValueError(
+            f"offload {offload!r} is not available at stage {stage}: optimizer offload needs "
+            "stage 1-3, parameter and NVMe offload need stage 3"
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    p, g, k = PRECISIONS[precision]
+    n = world_size
+    psi, train = facts.params, facts.n_trainable
+    persistent = facts.persistent if stage == 3 else 0
+    sharded = psi - persistent
+    params = {
+        0: p * psi,
+        1: p * psi,
+        2: p * psi,
+        3: p * (sharded / n + persistent),
+    }[stage]
+    grads = g * train / n if stage >= 2 else g * train
+    optimizer = k * train / n if stage >= 1 else k * train
+    # The root and the block computing, plus prefetched blocks: up to the prefetch budget
+    # (which the last block may overshoot) and no further than the live-parameter bound.
+    prefetched = min(prefetch_numel + facts.largest_unit, max_live_numel)
+    live = facts.root_unit + facts.largest_unit + prefetched
+    gathered = p * min(live, sharded) if stage == 3 else 0.0
+    cpu = nvme = 0.0
+    if offload == "cpu":
+        cpu, optimizer = optimizer, 0.0
+    elif offload in ("cpu+params", "nvme"):
+        moved_params = p * sharded / n
+        off = optimizer + moved_params
+        optimizer, params = 0.0, params - moved_params
+        if offload == "nvme":
+            nvme = off
+        else:
+            cpu = off
+    device = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "gathered": gathered,
+        "activations": float(activation_bytes),
+    }
+    return Estimate(stage, offload, precision, device, cpu, nvme)
+
+
+def estimate_all(
+    facts: ModelFacts,
+    world_size: int,
+    precisions: tuple[str, ...] = ("fp32", "bf16", "fp16"),
+    activation_bytes: float = 0.0,
+) -> list[Estimate]:
+    """Every (stage, offload) candidate for each precision, cheapest first."""
+    return [
+        estimate(facts, world_size, s, o, prec, activation_bytes)
+        for prec in precisions
+        for s, o in CANDIDATES
+    ]
+
+
+def fits(e: Estimate, gpu_mem: float, cpu_mem: float | None, ranks_per_node: int) -> bool:
+    """Whether ``e`` fits ``gpu_mem`` bytes per accelerator and, when given, ``cpu_mem``
+    bytes of host memory shared by ``ranks_per_node`` ranks."""
+    if e.device_total > gpu_mem:
+        return False
+    return cpu_mem is None or e.cpu * ranks_per_node <= cpu_mem
+
+
+def recommend(
+    estimates: list[Estimate],
+    gpu_mem: float,
+    cpu_mem: float | None = None,
+    ranks_per_node: int = 1,
+    precision: str | None = None,
+) -> Estimate | None:
+    """The cheapest estimate (in :data:`CANDIDATES` order) that fits, or None."""
+    order = {c: i for i, c in enumerate(CANDIDATES)}
+    pool = [e for e in estimates if precision is None or e.precision == precision]
+    pool.sort(key=lambda e: order[(e.stage, e.offload)])
+    return next((e for e in pool if fits(e, gpu_mem, cpu_mem, ranks_per_node)), None)
+
+
+def config_of(e: Estimate) -> dict[str, Any]:
+    """The config keys that select ``e``'s stage, offload and precision."""
+    zo: dict[str, Any] = {"stage": e.stage}
+    if e.offload != "none":
+        device = "nvme" if e.offload == "nvme" else "cpu"
+        zo["offload_optimizer"] = {"device": device}
+        if e.offload in ("cpu+params", "nvme"):
+            zo["offload_param"] = {"device": device}
+    out: dict[str, Any] = {"zero_optimization": zo}
+    if e.precision != "fp32":
+        out[e.precision] = {"enabled": True}
+    return out
+
+
+# -- counting a model without allocating it ---------------------------------------------------
+
+
+def _import_factory(spec: str) -> Callable[..., Any]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"--model {spec!r}: expected 'package.module:factory' (e.g. 'benchmarks.gpt:GPT' "
+            "or 'mypkg.models:build_model')"
+        )
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # a module of the current project, like python -m
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"--model {spec!r}: cannot import {module_name!r} ({err}); run from the directory "
+            "that contains it or install its package"
+        ) from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--model {spec!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"--model {spec!r}: {attr!r} is not callable")
+    return obj
+
+
+def _build_meta(factory: Callable[..., Any], kwargs: dict[str, Any]) -> nn.Module:
+    """Call ``factory(**kwargs)`` on the meta device. A factory whose first parameter is a
+    config object (e.g. ``GPT(config)``) gets one built from its annotation's type."""
+    import inspect
+
+    with torch.device("meta"):
+        try:
+            return _checked_module(factory(**kwargs))
+        except TypeError as first:
+            params = list(inspect.signature(factory).parameters.values())
+            if not params:
+                raise
+            ann = params[0].annotation
+            hints = getattr(factory, "__init__", factory)
+            try:
+                import typing
+
+                ann = typing.get_type_hints(hints).get(params[0].name, ann)
+            except Exception:  # noqa: BLE001 - string annotations that do not resolve
+                pass
+            if not isinstance(ann, type):
+                raise ValueError(f"cannot build the model: {first}") from None
+            return _checked_module(factory(ann(**kwargs)))
+
+
+def _checked_module(obj: Any) -> nn.Module:
+    if not isinstance(obj, nn.Module):
+        raise ValueError(f"the model factory returned {type(obj).__name__}, not an nn.Module")
+    return obj
+
+
+def model_facts(
+    model: nn.Module | str | Callable[..., Any],
+    kwargs: dict[str, Any] | None = None,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+) -> ModelFacts:
+    """Count a model's parameters and its stage-3 units. ``model`` is a module, a callable
+    returning one, or ``'package.module:factory'``; factories are called on the meta device,
+    so a 70B-parameter model costs no memory to count."""
+    from .core.zero.units import plan_units
+
+    if isinstance(model, str):
+        model = _import_factory(model)
+    if not isinstance(model, nn.Module):
+        model = _build_meta(model, dict(kwargs or {}))
+    params = list(model.parameters())
+    plan = plan_units(model, persistence_threshold)
+    units = [sum(p.numel() for p in plan.params[id(u)]) for u in plan.units]  # root last
+    return ModelFacts(
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        persistent=sum(p.numel() for p in plan.persistent),
+        largest_unit=max(units[:-1], default=0),
+        root_unit=units[-1],
+    )
+
+
+# -- parsing and printing ---------------------------------------------------------------------
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_bytes(text: str | float) -> float:
+    """``'80GB'`` -> 8e10 (decimal units), ``'24GiB'`` -> 24 * 2**30, ``1e9`` -> 1e9."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a memory size; write e.g. 80GB, 24GiB, 512MB or 8e10"
+        )
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_count(text: str | float) -> int:
+    """``'7e9'`` / ``'7B'`` / ``'350M'`` -> a parameter count."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a parameter count; write e.g. 7e9, 7B or 350M")
+    value = float(m.group(1)) * _COUNT_SUFFIX[m.group(2)]
+    if value < 1 or not math.isfinite(value):
+        raise ValueError(f"a parameter count must be at least 1, got {text!r}")
+    return int(value)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def format_table(
+    estimates: list[Estimate],
+    gpu_mem: float | None = None,
+    cpu_mem: float | None = None,
+    ranks_per_node: int = 1,
+) -> str:
+    """A table, one row per (stage, offload), one column group per precision, in GB."""
+    precisions = list(dict.fromkeys(e.precision for e in estimates))
+    by_key = {(e.stage, e.offload, e.precision): e for e in estimates}
+    header = ["config"] + [f"{p} device | cpu | nvme" for p in precisions]
+    rows = []
+    for s, o in CANDIDATES:
+        cells = [f"zero{s}" + ("" if o == "none" else f"+{o}")]
+        for p in precisions:
+            e = by_key.get((s, o, p))
+            if e is None:
+                cells.append("-")
+                continue
+            mark = ""
+            if gpu_mem is not None:
+                mark = " ok" if fits(e, gpu_mem, cpu_mem, ranks_per_node) else " --"
+            cells.append(f"{_gb(e.device_total)} | {_gb(e.cpu)} | {_gb(e.nvme)}{mark}")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# -- the ``ds-strategy estimate`` command ------------------------------------------------------
+
+
+def add_cli_parser(sub: Any) -> None:
+    """Register ``ds-strategy estimate`` on an argparse subparsers object."""
+    e = sub.add_parser(
+        "estimate",
+        help="per-rank memory of every ZeRO stage / offload / precision, and the cheapest that fits",
+        description="Per-rank memory of every ZeRO stage, offload tier and precision (Adam), "
+        "and the cheapest configuration that fits the given memory.",
+    )
+    what = e.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", help="number of parameters: 7e9, 7B, 350M")
+    what.add_argument(
+        "--model",
+        help="a model factory 'package.module:factory', called on the meta device "
+        "(counts parameters and the largest ZeRO-3 unit without allocating)",
+    )
+    e.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the factory (repeatable; values are Python literals)",
+    )
+    e.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    e.add_argument("--gpu-mem", help="memory per accelerator: 80GB, 24GiB")
+    e.add_argument("--cpu-mem", help="host memory per node, shared by its ranks: 512GB")
+    e.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks sharing one node's host memory (default: min(world size, 8))",
+    )
+    e.add_argument("--activations", default="0", help="activation memory per rank, if known: 10GB")
+    e.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="bf16",
+        help="the precision to recommend a configuration for (default bf16)",
+    )
+    e.add_argument(
+        "--persistence-threshold",
+        type=float,
+        default=DEFAULT_PERSISTENCE_THRESHOLD,
+        help="stage3_param_persistence_threshold (with --model)",
+    )
+
+
+def _literal(text: str) -> Any:
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def run_cli(args: Any) -> int:
+    """Print the table and the recommendation; 0 when something fits (or nothing to fit),
+    1 when nothing does, 2 on bad input."""
+    try:
+        if args.model:
+            kwargs = {}
+            for item in args.model_arg:
+                key, sep, value = item.partition("=")
+                if not sep:
+                    raise ValueError(f"--model-arg {item!r}: expected KEY=VALUE")
+                kwargs[key] = _literal(value)
+            facts = model_facts(args.model, kwargs, int(args.persistence_threshold))
+        else:
+            if args.model_arg:
+                raise ValueError("--model-arg needs --model")
+            facts = ModelFacts(params=parse_count(args.params))
+        gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+        cpu = parse_bytes(args.cpu_mem) if args.cpu_mem else None
+        act = parse_bytes(args.activations)
+        if args.world_size < 1:
+            raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    except ValueError as err:
+        print(f"ds-strategy estimate: {err}", file=sys.stderr)
+        return 2
+    per_node = args.ranks_per_node or min(args.world_size, 8)
+    estimates = estimate_all(facts, args.world_size, activation_bytes=act)
+    unit = (
+        f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
+        f"{facts.largest_unit / 1e6:.2f}M"
+        if args.model
+        else "; ZeRO-3's gathered parameters not included (give --model)"
+    )
+    print(
+        f"{facts.params / 1e9:.3f}B parameters ({facts.n_trainable / 1e9:.3f}B trainable){unit}\n"
+        f"{args.world_size} rank(s), Adam; GB per rank (1 GB = 1e9 bytes); ok = fits"
+    )
+    print(format_table(estimates, gpu, cpu, per_node))
+    if gpu is None:
+        print("give --gpu-mem (and --cpu-mem) for a recommendation")
+        return 0
+    best = recommend(estimates, gpu, cpu, per_node, args.precision)
+    if best is None:
+        print(
+            f"nothing fits {args.gpu_mem} per device at {args.precision}: add ranks "
+            "(--world-size), reduce activations (activation checkpointing) or use larger devices"
+        )
+        return 1
+    where = f", {_gb(best.cpu)} GB host" if best.cpu else ""
+    where += f", {_gb(best.nvme)} GB NVMe" if best.nvme else ""
+    print(
+        f"recommended: {best.name} {args.precision} -- {_gb(best.device_total)} GB per device"
+        f"{where}\n  config: {json.dumps(config_of(best))}"
+    )
+    return 0

@@ -1,0 +1,228 @@
+"""``ds_strategy.estimate`` / ``ds-strategy estimate``: the per-rank memory estimate against
+what the engine really holds on CPU, and the command's table and recommendation."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ds_strategy
+from ds_strategy.cli import main as cli
+from ds_strategy.core.memory import live_tensor_bytes
+from ds_strategy.estimate import (
+    CANDIDATES,
+    ModelFacts,
+    estimate,
+    estimate_all,
+    fits,
+    model_facts,
+    parse_bytes,
+    parse_count,
+    recommend,
+)
+
+from .distributed import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+THRESHOLD = 1000  # stage3_param_persistence_threshold: biases and norms stay whole
+PREFETCH = 20_000  # about one block: the gathered peak is the root and two blocks
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 48, layers: int = 3, vocab: int = 97) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def make_net() -> Net:
+    return Net()
+
+
+def measure_worker(rank: int, world: int) -> dict:
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for stage in (1, 2, 3):
+            torch.manual_seed(0)
+            before = live_tensor_bytes()
+            model = Net()
+            config = {
+                "zero_optimization": {
+                    "stage": stage,
+                    "stage3_param_persistence_threshold": THRESHOLD,
+                    "stage3_prefetch_bucket_size": PREFETCH,
+                },
+                "bf16": {"enabled": precision == "bf16"},
+                "train_micro_batch_size_per_gpu": 4,
+            }
+            engine = ds_strategy.initialize(
+                model, torch.optim.AdamW(model.parameters(), lr=1e-3), config
+            )
+            idx = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(rank))
+            loss = engine(idx).float().logsumexp(-1).mean()
+            engine.backward(loss)
+            engine.step()  # the optimizer state exists after the first step
+            del loss
+            live = live_tensor_bytes() - before - idx.numel() * idx.element_size()
+            out[(precision, stage)] = {"report": engine.memory_report(), "live": live}
+            engine.destroy()
+            del engine, model
+    return out
+
+
+def test_estimate_matches_measured_memory() -> None:
+    """Stages 1-3 x fp32/bf16 at world 2: the estimate's model state is within 10% of the
+    engine's report and of the bytes of live tensors; stage 3's gathered peak stays within
+    the estimate's gather term."""
+    world = 2
+    facts = model_facts(make_net, persistence_threshold=THRESHOLD)
+    assert facts.params == sum(p.numel() for p in Net().parameters())
+    assert facts.persistent > 0 and facts.largest_unit > 0  # the model exercises both terms
+    results = run_ranks(measure_worker, world, timeout=120)
+    for rank in range(world):
+        for (precision, stage), got in results[rank].items():
+            est = estimate(facts, world, stage, "none", precision, prefetch_numel=PREFETCH)
+            report = got["report"]
+            where = f"rank {rank} {precision} stage {stage}"
+            assert report["total"] == pytest.approx(est.model_state, rel=0.10), where
+            assert got["live"] == pytest.approx(est.model_state, rel=0.10), where
+            # Under mixed precision the report files the fp32 master shard with the params.
+            held = report["params"] + report["optimizer_state"]
+            assert held == pytest.approx(est.device["params"] + est.device["optimizer"], rel=0.10)
+            assert report["grads"] == pytest.approx(est.device["grads"], rel=0.10), where
+            if stage == 3:
+                elem = 4 if precision == "fp32" else 2
+                floor = (facts.root_unit + facts.largest_unit) * elem  # root + one block
+                assert floor <= report["peak_gathered_params"] <= est.device["gathered"], where
+
+
+def test_offload_moves_terms_and_sharding_shrinks_them() -> None:
+    facts = ModelFacts(params=10**9)
+    for precision in ("fp32", "bf16", "fp16"):
+        rows = {(e.stage, e.offload): e for e in estimate_all(facts, 8, (precision,))}
+        assert set(rows) == set(CANDIDATES)
+        # Offload moves bytes off the device without changing the model state's total.
+        for (stage, offload), e in rows.items():
+            assert e.model_state == pytest.approx(rows[(stage, "none")].model_state)
+            if offload != "none":
+                assert e.device_total < rows[(stage, "none")].device_total
+        totals = [rows[(s, "none")].device_total for s in range(4)]
+        assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+    with pytest.raises(ValueError, match="stage 3"):
+        estimate(facts, 8, 2, "cpu+params")
+    with pytest.raises(ValueError, match="precision"):
+        estimate(facts, 8, 2, "none", "int8")
+
+
+def test_recommendation_is_the_cheapest_that_fits() -> None:
+    facts = ModelFacts(params=parse_count("7B"))
+    estimates = estimate_all(facts, 8)
+    order = [c for c in CANDIDATES]
+    seen = []
+    for gpu in ("200GB", "80GB", "40GB", "30GB", "20GB", "10GB", "4GB"):
+        best = recommend(estimates, parse_bytes(gpu), precision="bf16")
+        assert best is not None, gpu
+        assert fits(best, parse_bytes(gpu), None, 8)
+        rank = order.index((best.stage, best.offload))
+        for cheaper in order[:rank]:  # every cheaper candidate really does not fit
+            e = next(
+                x for x in estimates if (x.stage, x.offload) == cheaper and x.precision == "bf16"
+            )
+            assert not fits(e, parse_bytes(gpu), None, 8), (gpu, cheaper)
+        seen.append(rank)
+    assert seen == sorted(seen) and len(set(seen)) >= 5  # less memory, costlier configs
+    assert recommend(estimates, parse_bytes("1GB"), precision="bf16") is None
+    # Host memory limits CPU offload: 8 ranks x 10.5 GB of optimizer state needs 84 GB.
+    tight = recommend(estimates, parse_bytes("20GB"), parse_bytes("50GB"), 8, "bf16")
+    assert tight is not None and tight.cpu * 8 <= parse_bytes("50GB")
+
+
+def test_parsing() -> None:
+    assert parse_bytes("80GB") == 80e9
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_count("7e9") == parse_count("7B") == 7_000_000_000
+    assert parse_count("350M") == 350_000_000
+    for bad in ("80 furlongs", "lots"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="parameter count"):
+        parse_count("7x")
+
+
+def test_cli_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli(["estimate", "--params", "7e9", "--world-size", "8", "--gpu-mem", "30GB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    table = [line for line in out.splitlines() if line.startswith("zero")]
+    assert [line.split()[0] for line in table] == [
+        f"zero{s}" + ("" if o == "none" else f"+{o}") for s, o in CANDIDATES
+    ]
+    m = re.search(r"recommended: (\S+) bf16 -- ([0-9.]+) GB per device", out)
+    assert m, out
+    best = recommend(estimate_all(ModelFacts(params=7 * 10**9), 8), 30e9, precision="bf16")
+    assert best is not None and m.group(1) == best.name
+    assert float(m.group(2)) <= 30
+    assert f'"stage": {best.stage}' in out
+
+    rc = cli(["estimate", "--params", "70B", "--world-size", "2", "--gpu-mem", "8GB"])
+    assert rc == 1 and "nothing fits" in capsys.readouterr().out
+
+
+def test_cli_model_factory_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    """A model factory is counted on the meta device, config-object factories included."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.gpt import GPT, GPTConfig
+
+        real = GPT(GPTConfig(layers=2, d=64, vocab=300, heads=4))
+        facts = model_facts(
+            "benchmarks.gpt:GPT",
+            {"layers": 2, "d": 64, "vocab": 300, "heads": 4},
+            persistence_threshold=0,
+        )
+        assert facts.params == sum(p.numel() for p in real.parameters())
+        assert facts.largest_unit == sum(p.numel() for p in real.blocks[0].parameters())
+        rc = cli(
+            [
+                "estimate",
+                "--model",
+                "benchmarks.gpt:GPT",
+                "--model-arg",
+                "layers=2",
+                "--world-size",
+                "2",
+                "--gpu-mem",
+                "1GB",
+            ]
+        )
+        out = capsys.readouterr().out
+        assert rc == 0 and "largest block" in out and "recommended: zero0" in out
+    finally:
+        sys.path.remove(str(ROOT))
+    rc = cli(["estimate", "--model", "no_such_module:build", "--world-size", "2"])
+    assert rc == 2 and "cannot import" in capsys.readouterr().err
+    rc = cli(["estimate", "--params", "7x", "--world-size", "2"])
+    assert rc == 2 and "parameter count" in capsys.readouterr().err
