@@ -96,9 +96,23 @@ def test_weights_only_checkpoint_restores_weights(parity: dict[str, Any]) -> Non
 
 
 def test_fresh_trainer_evaluates_a_checkpoint(parity: dict[str, Any]) -> None:
-    """A new Trainer and an untrained model validate from a checkpoint directory."""
-    trained = parity["onegroup_val"][0]["val_loss"]
+    """A new Trainer and an untrained model (two param groups) validate from a full and from
+    a weights-only checkpoint directory; fit refuses to resume from the weights-only one."""
+    trained = parity["twogroups_val"][0]["val_loss"]
     assert parity["fresh_val"][0]["val_loss"] == pytest.approx(trained, rel=1e-6)
+    assert parity["fresh_val_weights_only"][0]["val_loss"] == pytest.approx(trained, rel=1e-6)
+    assert parity["saved_optimizer"] == [True, False]  # weights_only leaves optimizer state out
+    err = parity["resume_weights_only_error"]
+    assert err is not None and "weights only" in err and "twogroups_weights.ckpt" in err
+
+
+def test_model_summary_counts_sharded_parameters(parity: dict[str, Any]) -> None:
+    z3 = parity["zero3"]
+    total, trainable, per_layer = z3["summary"]
+    plain = z3["plain_counts"]
+    assert z3["released"] < plain[""]  # the live parameters really are sharded/empty
+    assert total == trainable == plain[""]
+    assert per_layer == [plain[name] for name in z3["summary_names"]]
 
 
 # -- evaluation loops -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ step on the epoch's last batch instead); the strategy warns when that happens.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Generator, Mapping
@@ -60,9 +61,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..config import ZeroConfig
+from ..core.checkpoint.sharded import META_FILE
 from ..core.engine import ZeroEngine
 from ._config import PRESETS, apply_loop_flags, base_config
 from ._engine_ops import inference_optimizer, move_real_tensors, save_consolidated
+from ._summary import install_sharded_summary
 from .precision import ZeroPrecision
 
 __all__ = ["ZeroStrategy"]
@@ -334,6 +337,8 @@ class ZeroStrategy(ParallelStrategy):
             engine = self._build_engine(trainer, inference_optimizer, [])
         self._engine, self._engine_trains = engine, fitting
         self.model = engine
+        if engine.stage == 3:
+            install_sharded_summary(trainer, engine)
         self.barrier("ZeroStrategy.setup")
 
     def _owns(self, pl_module: pl.LightningModule) -> bool:
@@ -453,7 +458,12 @@ class ZeroStrategy(ParallelStrategy):
         client_state = {
             k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
         }
-        self.engine.save_checkpoint(path, client_state=client_state)
+        # Lightning leaves optimizer_states out of a weights-only checkpoint
+        # (trainer.save_checkpoint(weights_only=True), ModelCheckpoint(save_weights_only=True))
+        include_optimizer = "optimizer_states" in checkpoint
+        self.engine.save_checkpoint(
+            path, client_state=client_state, include_optimizer=include_optimizer
+        )
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
@@ -471,9 +481,16 @@ class ZeroStrategy(ParallelStrategy):
                 "ZeroStrategy. To start from a single-file state dict, load it into the "
                 "LightningModule before fit (model.load_state_dict(torch.load(path)['state_dict']))"
             )
-        client_state = self.engine.load_checkpoint(path)
-        if not self._engine_trains:
-            self.engine.optimizer.state.clear()  # evaluation needs the weights only
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and not _has_optimizer_state(path):
+            raise ValueError(
+                f"{path}: this checkpoint holds weights only (saved with weights_only=True or "
+                "ModelCheckpoint(save_weights_only=True)), so fit cannot resume from it. Pass it "
+                "to validate/test/predict, or resume fit from a full checkpoint"
+            )
+        # evaluation needs the weights only: its engine's optimizer is a stand-in
+        client_state = self.engine.load_checkpoint(path, load_optimizer=fitting)
         if not isinstance(client_state, dict):
             raise ValueError(f"{path}: not written by a Lightning Trainer (no Lightning state)")
         return client_state
@@ -505,3 +522,11 @@ class ZeroStrategy(ParallelStrategy):
             strategy_registry.register(
                 name, cls, description=f"ds_strategy ZeRO ({desc})", override=True, **kwargs
             )
+
+
+def _has_optimizer_state(path: Path) -> bool:
+    meta = path / META_FILE
+    try:
+        return bool(json.loads(meta.read_text()).get("optimizer", True))
+    except (OSError, ValueError):
+        return True  # unreadable metadata: let the engine's load name the problem

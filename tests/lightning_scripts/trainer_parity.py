@@ -6,6 +6,7 @@ Usage: ``MASTER_PORT=... python trainer_parity.py OUT`` (Lightning starts rank 1
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from _common import (
     rank,
     trainer,
 )
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
 from safetensors.torch import load_file
 
 import ds_strategy  # noqa: F401  (registers the strategies)
@@ -77,9 +78,17 @@ every_epoch = ModelCheckpoint(dirpath=ROOT / "z3_epochs", filename="{epoch}", sa
 rotating = ModelCheckpoint(
     dirpath=ROOT / "z3_rot", filename="rot-{epoch}", monitor="step", mode="max", save_top_k=1
 )
-t, m = fit(zero(3), "zero3", callbacks=[every_epoch, rotating], enable_checkpointing=True)
+summary = ModelSummary(max_depth=2)
+t, m = fit(zero(3), "zero3", callbacks=[every_epoch, rotating, summary], enable_checkpointing=True)
 record("zero3", t, m)
 z3 = results["zero3"]
+# parameters are sharded (empty outside forward) now; the summary still counts them in full
+report = summary._summary(t, m)
+z3["summary"] = (report.total_parameters, report.trainable_parameters, report.param_nums)
+z3["summary_names"] = report.layer_names
+plain = Regressor()
+z3["plain_counts"] = {n: sum(p.numel() for p in mod.parameters()) for n, mod in plain.named_modules()}
+z3["released"] = sum(p.numel() for p in m.parameters())
 z3["engine_stage"] = t.strategy.engine.stage
 z3["memory"] = t.strategy.engine.memory_report()
 t.strategy.save_consolidated(ROOT / "zero3.safetensors")
@@ -99,15 +108,25 @@ record("resume3", t, m)
 t, m = fit(zero(2), "resume3as2", perturb=True, ckpt_path=epoch0)
 record("resume3as2", t, m)
 
-# -- a fresh Trainer evaluating a checkpoint (one param group, see the test) --------------------
-t, m = fit(zero(3), "onegroup", param_groups=1, max_epochs=1)
-onegroup_dir = ROOT / "onegroup.ckpt"
-t.save_checkpoint(onegroup_dir)
-results["onegroup_val"] = t.validate(m, loader(16, seed=1, shuffle=False), verbose=False)
-fresh = trainer(zero(3), ROOT / "fresh")
-results["fresh_val"] = fresh.validate(
-    Regressor(param_groups=1), loader(16, seed=1, shuffle=False), ckpt_path=onegroup_dir
-)
+# -- a fresh Trainer evaluating checkpoints of a model with two param groups -------------------
+t, m = fit(zero(3), "twogroups", param_groups=2, max_epochs=1)
+full_dir, weights_dir = ROOT / "twogroups.ckpt", ROOT / "twogroups_weights.ckpt"
+t.save_checkpoint(full_dir)
+t.save_checkpoint(weights_dir, weights_only=True)
+results["twogroups_val"] = t.validate(m, loader(16, seed=1, shuffle=False), verbose=False)
+for name, path in (("fresh_val", full_dir), ("fresh_val_weights_only", weights_dir)):
+    fresh = trainer(zero(3), ROOT / name)
+    results[name] = fresh.validate(
+        Regressor(param_groups=2), loader(16, seed=1, shuffle=False), ckpt_path=path
+    )
+results["saved_optimizer"] = [
+    json.loads((d / "ds_strategy.json").read_text())["optimizer"] for d in (full_dir, weights_dir)
+]
+try:
+    fit(zero(3), "resume_weights_only", ckpt_path=weights_dir)
+    results["resume_weights_only_error"] = None
+except ValueError as e:
+    results["resume_weights_only_error"] = str(e)
 
 if rank() == 0:
     results["files"] = {

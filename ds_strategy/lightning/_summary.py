@@ -1,0 +1,79 @@
+"""``ModelSummary`` with true parameter counts under ZeRO-3.
+
+Under stage 3 a parameter outside its unit's forward is an empty tensor (its storage holds
+only while gathered), so Lightning's summary, which counts ``p.numel()``, would report 0.
+Lightning special-cases its own DeepSpeed strategy for this; for ``ZeroStrategy`` the
+summary callbacks of the Trainer (``ModelSummary`` and ``RichModelSummary``, whose printing
+is kept) are pointed at :class:`ShardedModelSummary`, which counts each parameter's full
+size as recorded by the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
+from lightning.pytorch.utilities.model_summary import ModelSummary
+from torch import nn
+
+from ..core.engine import ZeroEngine
+
+__all__ = ["ShardedModelSummary", "full_numels", "install_sharded_summary"]
+
+
+def full_numels(engine: ZeroEngine) -> dict[int, int]:
+    """``id(parameter) -> number of elements of the full parameter`` for every parameter the
+    engine manages (sharded or not)."""
+    return {
+        id(p): math.prod(shape)
+        for g in engine.plan.groups
+        for p, shape in zip(g.params, g.shapes, strict=True)
+    }
+
+
+class ShardedModelSummary(ModelSummary):
+    """Lightning's ``ModelSummary`` counting full sizes: ``numel(p)`` gives a parameter's
+    full element count even while it is sharded."""
+
+    def __init__(
+        self, model: pl.LightningModule, numel: Callable[[nn.Parameter], int], max_depth: int = 1
+    ) -> None:
+        self._numel = numel
+        super().__init__(model, max_depth=max_depth)
+
+    def _count(self, module: nn.Module, trainable_only: bool = False) -> int:
+        return sum(
+            self._numel(p) for p in module.parameters() if p.requires_grad or not trainable_only
+        )
+
+    @property
+    def param_nums(self) -> list[int]:
+        return [self._count(layer._module) for layer in self._layer_summary.values()]
+
+    @property
+    def total_parameters(self) -> int:
+        return self._count(self._model)
+
+    @property
+    def trainable_parameters(self) -> int:
+        return self._count(self._model, trainable_only=True)
+
+
+def install_sharded_summary(trainer: pl.Trainer, engine: ZeroEngine) -> None:
+    """Make the Trainer's summary callbacks report full parameter counts for ``engine``."""
+    sizes = full_numels(engine)
+
+    def numel(p: nn.Parameter) -> int:
+        return sizes.get(id(p), p.numel())
+
+    def _summary(
+        callback: ModelSummaryCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> ModelSummary:
+        return ShardedModelSummary(pl_module, numel, max_depth=callback._max_depth)
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ModelSummaryCallback):
+            callback._summary = types.MethodType(_summary, callback)  # type: ignore[method-assign]
