@@ -7,7 +7,8 @@ state tensors (and the group's fp32 master, when it is swapped) are read in, the
 optimizer steps over just those pieces (every other piece has ``.grad = None``, so torch's
 optimizers skip it, exactly as for a parameter without a gradient), and the state is
 written back and freed. Bucket ``i + 1`` is read while bucket ``i`` steps, and bucket
-``i - 1`` is written meanwhile; at most ``buffer_count`` buckets are in memory at once. Each
+``i - 1`` is written meanwhile; reads wait for writes so that at most ``buffer_count`` buckets
+worth of elements are in memory at once (a piece larger than a bucket steps alone). Each
 piece's hyper-parameters, step counter and update are those of a single full step, so the
 weights are the same as without offload.
 """
@@ -98,7 +99,7 @@ class BucketedStep:
         self.state = state
         self.group_swaps = group_swaps
         self.bucket_numel = max(1, bucket_numel)
-        self.in_flight = max(1, in_flight - 2)  # one bucket reading, one stepping
+        self.budget = self.bucket_numel * max(1, in_flight)  # elements resident at once
 
     def buckets(self) -> list[list[int]]:
         """Indices of the pieces with a gradient, cut into runs of <= ``bucket_numel`` elements
@@ -133,17 +134,34 @@ class BucketedStep:
         if self.state is not None:
             self.state.prefetch(bucket)
 
+    def _numel(self, bucket: list[int]) -> int:
+        return sum(self.sharded_opt.pieces[i].tensor.numel() for i in bucket)
+
     def step(self) -> None:
         pieces = self.sharded_opt.pieces
         buckets = self.buckets()
+        sizes = [self._numel(b) for b in buckets]
         last_use = {id(g): b for b, bucket in enumerate(buckets) for g in self._groups(bucket)}
         held: set[int] = set()
-        pending: collections.deque[list[SwappedTensor]] = collections.deque()
-        if buckets:
-            self._prefetch(buckets[0])
+        # buckets written behind and not yet freed: (elements, tensors)
+        pending: collections.deque[tuple[int, list[SwappedTensor]]] = collections.deque()
+
+        def drain(room: int) -> None:
+            """Wait for the oldest writes until ``room`` more elements fit in the budget."""
+            while pending and sum(n for n, _ in pending) + room > self.budget:
+                for s in pending.popleft()[1]:
+                    s.wait()
+
+        fetched = -1  # the last bucket whose read has started
         for b, bucket in enumerate(buckets):
-            if b + 1 < len(buckets):
-                self._prefetch(buckets[b + 1])
+            if fetched < b:
+                drain(sizes[b])
+                self._prefetch(bucket)
+            if b + 1 < len(buckets):  # read ahead while this bucket steps, if it fits
+                drain(sizes[b] + sizes[b + 1])
+                if sum(n for n, _ in pending) + sizes[b] + sizes[b + 1] <= self.budget:
+                    self._prefetch(buckets[b + 1])
+                    fetched = b + 1
             groups = self._groups(bucket)
             for g in groups:
                 if id(g) not in held:
@@ -164,10 +182,5 @@ class BucketedStep:
                     for s in self.group_swaps.get(id(g), []):
                         s.release(dirty=True)
                         written.append(s)
-            pending.append(written)
-            while len(pending) > self.in_flight:
-                for s in pending.popleft():
-                    s.wait()
-        for written in pending:
-            for s in written:
-                s.wait()
+            pending.append((sizes[b], written))
+        drain(self.budget + 1)
