@@ -6,6 +6,7 @@ boundaries from Accelerate, errors for what ZeRO cannot do). Multi-process behav
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -324,10 +325,41 @@ def test_config_and_launch_conflicts_raise_clearly(monkeypatch: pytest.MonkeyPat
         accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with_scheduler = {"scheduler": {"type": "WarmupLR", "params": {}}}
     accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=with_scheduler))
-    with pytest.raises(ValueError, match="'scheduler' section.*WarmupLR"):
-        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    callable_sched = DummyScheduler(opt, lr_scheduler_callable=lambda o: None)
+    with pytest.raises(ValueError, match="scheduler section \\(WarmupLR\\).*keep one"):
+        accelerator.prepare(model, opt, callable_sched)
     with pytest.raises(ValueError, match="FSDP"):
         ZeroAccelerator(fsdp_plugin=object())
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED.*DS_STRATEGY_CONFIG"):
         ZeroAccelerator()
+
+
+def test_config_scheduler_with_auto_values_from_dummy_scheduler() -> None:
+    """A DeepSpeed JSON's scheduler section, "auto" values and all, as Hugging Face tools
+    write it: warmup to the optimizer's lr over the DummyScheduler's steps, stepped by the
+    engine; preparing another scheduler on top is an error."""
+    model = _model()
+    auto = dict.fromkeys(["warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"])
+    config = {
+        "scheduler": {"type": "WarmupDecayLR", "params": {k: "auto" for k in auto}},
+        "zero_optimization": {"stage": 2},
+    }
+    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=config))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = DummyScheduler(opt, total_num_steps=6, warmup_num_steps=3)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    engine = accelerator.zero_engine
+    assert type(engine.lr_scheduler).__name__ == "WarmupDecayLR"
+    lrs = []
+    for x, y in _batches(6):
+        lrs.append(engine.get_lr()[0])
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        sched.step()  # a no-op: the engine steps its own scheduler
+        opt.zero_grad()
+    # log warmup 0 -> 0.1 over 3 steps, then linear decay to 0 at step 6
+    assert lrs == pytest.approx([0.0, 0.1 * math.log(2) / math.log(3), 0.1, 0.1, 0.2 / 3, 0.1 / 3])
+    with pytest.raises(ValueError, match="already schedules"):
+        accelerator.prepare(torch.optim.lr_scheduler.StepLR(opt.optimizer, 1))

@@ -37,6 +37,11 @@ class AcceleratorFacts:
     hidden_size: int | None = None
     optimizer_lr: float | None = None
     optimizer_weight_decay: float | None = None
+    # for a config scheduler's "auto" params, as Accelerate's DeepSpeed integration fills them:
+    # warmup to the optimizer's lr, steps from the DummyScheduler
+    base_lr: float | None = None
+    warmup_num_steps: int | None = None
+    total_num_steps: int | None = None
 
 
 def apply_mixed_precision(cfg: ZeroConfig, mixed_precision: str) -> ZeroConfig:
@@ -99,6 +104,15 @@ def resolve(cfg: ZeroConfig, facts: AcceleratorFacts) -> ZeroConfig:
         fills["optimizer.params.lr"] = facts.optimizer_lr
     if facts.optimizer_weight_decay is not None:
         fills["optimizer.params.weight_decay"] = facts.optimizer_weight_decay
+    lr = facts.optimizer_lr if facts.optimizer_lr is not None else facts.base_lr
+    for key, value in (
+        ("warmup_min_lr", 0.0),
+        ("warmup_max_lr", lr),
+        ("warmup_num_steps", facts.warmup_num_steps),
+        ("total_num_steps", facts.total_num_steps),
+    ):
+        if value is not None:
+            fills[f"scheduler.params.{key}"] = value
     return cfg.resolve(facts.world_size, fills)
 
 

@@ -228,7 +228,7 @@ class ZeroAccelerator(Accelerator):
         model, user_optimizer = models[0][1], optimizers[0][1]
         cfg = self._zero_config_source
         engine_sched = self._engine_scheduler(cfg, dummy_scheds)
-        resolved = resolve(cfg, self._facts(model, user_optimizer))
+        resolved = resolve(cfg, self._facts(model, user_optimizer, dummy_scheds))
         optimizer = _torch_optimizer(resolved, user_optimizer)
         if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to(self.device)  # a meta model is materialised by the engine, unit by unit
@@ -246,25 +246,30 @@ class ZeroAccelerator(Accelerator):
         return engine, wrapper, owned
 
     def _engine_scheduler(self, cfg: ZeroConfig, dummy_scheds: list[tuple[int, Any]]) -> Any:
-        if cfg.scheduler is not None:
-            raise ValueError(
-                f"scheduler: the ZeRO config's 'scheduler' section ({cfg.scheduler.type}) is not "
-                "implemented by ds_strategy; remove it and pass a torch lr scheduler to "
-                "prepare() (or DummyScheduler(optimizer, lr_scheduler_callable=...))"
-            )
+        """The scheduler the engine builds and steps: None when the config's ``scheduler``
+        section names it (the engine builds it; a DummyScheduler only supplies its "auto"
+        step counts), else a DummyScheduler's ``lr_scheduler_callable``."""
         if len(dummy_scheds) > 1:
             raise ValueError("prepare() accepts one DummyScheduler")
-        if not dummy_scheds:
+        callable_ = dummy_scheds[0][1].lr_scheduler_callable if dummy_scheds else None
+        if cfg.scheduler is not None:
+            if callable_ is not None:
+                raise ValueError(
+                    f"the ZeRO config's scheduler section ({cfg.scheduler.type}) and "
+                    "DummyScheduler(lr_scheduler_callable=...) both define the lr schedule; "
+                    "keep one of them"
+                )
             return None
-        callable_ = dummy_scheds[0][1].lr_scheduler_callable
-        if callable_ is None:
+        if dummy_scheds and callable_ is None:
             raise ValueError(
-                "DummyScheduler without lr_scheduler_callable needs a config 'scheduler' "
-                "section, which ds_strategy does not implement; pass lr_scheduler_callable"
+                "DummyScheduler without lr_scheduler_callable needs a 'scheduler' section in "
+                "the ZeRO config (e.g. WarmupLR); add one or pass lr_scheduler_callable"
             )
         return callable_
 
-    def _facts(self, model: nn.Module, optimizer: Any) -> AcceleratorFacts:
+    def _facts(
+        self, model: nn.Module, optimizer: Any, dummy_scheds: list[tuple[int, Any]]
+    ) -> AcceleratorFacts:
         hidden = None
         model_config = getattr(model, "config", None)
         if model_config is not None:
@@ -274,6 +279,7 @@ class ZeroAccelerator(Accelerator):
                 hidden = max(sizes)
         sizes = [s for s in self._loader_batch_sizes if s is not None]
         dummy = optimizer if isinstance(optimizer, DummyOptim) else None
+        sched = dummy_scheds[0][1] if dummy_scheds else None
         return AcceleratorFacts(
             world_size=self.num_processes,
             mixed_precision=str(self.state.mixed_precision),
@@ -284,6 +290,9 @@ class ZeroAccelerator(Accelerator):
             hidden_size=hidden,
             optimizer_lr=dummy.lr if dummy else None,
             optimizer_weight_decay=dummy.weight_decay if dummy else None,
+            base_lr=None if dummy else float(optimizer.param_groups[0]["lr"]),
+            warmup_num_steps=getattr(sched, "warmup_num_steps", None),
+            total_num_steps=getattr(sched, "total_num_steps", None),
         )
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
@@ -295,6 +304,13 @@ class ZeroAccelerator(Accelerator):
         if wrapper is None:
             raise ValueError(
                 "prepare the model and optimizer before (or together with) the lr scheduler"
+            )
+        engine = self.zero_engine
+        if engine is not None and engine.config.scheduler is not None:
+            raise ValueError(
+                f"the ZeRO config's scheduler section ({engine.config.scheduler.type}) already "
+                "schedules the learning rate (the engine steps it); remove the section or do "
+                "not prepare another lr scheduler"
             )
         bound = getattr(scheduler, "optimizer", None)
         user_opt = self._user_optimizer() if self._user_optimizer is not None else None

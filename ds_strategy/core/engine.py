@@ -10,7 +10,6 @@ import inspect
 import logging
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import UnsupportedConfigWarning, ZeroConfig, load_config
+from ..config import ZeroConfig, load_config
 from .checkpoint.sharded import load_engine, save_engine
 from .collectives import Comm, init_process_group_from_env
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
+from .schedulers import build_scheduler
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, ShardedOptimizer, rebuild_optimizer
@@ -105,15 +105,16 @@ class ZeroEngine(nn.Module):
         opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
         self.optimizer = opt
         self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
-        self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
-        if self.config.scheduler is not None and lr_scheduler is None:
-            warnings.warn(
-                f"scheduler (type {self.config.scheduler.type!r}): DeepSpeed's config schedulers are "
-                "not implemented, so the learning rate stays constant; pass lr_scheduler= to "
-                "ds_strategy.initialize (a torch scheduler or a callable optimizer -> scheduler)",
-                UnsupportedConfigWarning,
-                stacklevel=3,
-            )
+        if self.config.scheduler is not None:
+            if lr_scheduler is not None:
+                raise ValueError(
+                    f"the config has a scheduler section ({self.config.scheduler.type}) and "
+                    "lr_scheduler= was passed too: keep one of them"
+                )
+            section = self.config.scheduler
+            self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
+        else:
+            self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
 
     # -- configuration checks --------------------------------------------------------------------
 
