@@ -284,7 +284,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
                 "in one optimizer (param groups may carry different hyper-parameters)"
             )
         engine = self._build_engine(module, optimizers[0], scheduler)
-        engine.lr_scheduler = None  # the user's loop keeps stepping its scheduler
+        if scheduler is not None:
+            engine.lr_scheduler = None  # the user's loop keeps stepping its scheduler
         return engine, [engine.optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:

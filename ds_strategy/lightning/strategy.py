@@ -328,8 +328,10 @@ class ZeroStrategy(ParallelStrategy):
             optimizer, schedulers = self._lightning_optimizer(trainer)
             engine = self._build_engine(trainer, optimizer, schedulers[:1])
             # Lightning steps the schedulers itself (intervals, frequency, ReduceLROnPlateau
-            # monitors); the engine only re-pointed them at its rebuilt optimizer.
-            engine.lr_scheduler = None
+            # monitors); the engine only re-pointed them at its rebuilt optimizer. A config
+            # scheduler section (and no Lightning scheduler) stays with the engine.
+            if schedulers:
+                engine.lr_scheduler = None
             for scheduler in schedulers[1:]:
                 scheduler.optimizer = engine.optimizer
             self.optimizers = [engine.optimizer]
