@@ -22,7 +22,7 @@ import pickle
 import random
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,15 +31,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from ..collectives import Comm
 from .flat_piece import FlatPiece
+from .validate import FORMAT, META_FILE, merge_checksums, record_checksums, validate
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
 
 __all__ = ["load_engine", "save_engine", "FORMAT"]
-
-FORMAT = "ds_strategy-sharded-1"
-META_FILE = "ds_strategy.json"
 
 
 @contextlib.contextmanager
@@ -149,6 +148,87 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def collect_state(
+    engine: ZeroEngine, client_state: Any = None, include_optimizer: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What this rank saves (views of the live storage) and the ``ds_strategy.json`` record."""
+    engine.plan.wait_params()
+    rank = engine.comm.rank
+    state: dict[str, Any] = dict(_model_entries(engine))
+    if include_optimizer:
+        state.update(_optim_entries(engine))
+    if rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
+        if include_optimizer:
+            groups = [
+                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+            ]
+            state["optim_groups"] = _pack(groups)
+        state["engine"] = _pack(_engine_entry(engine))
+        state["client_state"] = _pack(client_state)
+    state[f"rng/{rank}"] = _pack(_rng_state())
+    meta = {
+        "format": FORMAT,
+        "stage": engine.stage,
+        "world_size": engine.world_size,
+        "global_steps": engine.global_steps,
+        "shapes": _param_shapes(engine),
+        "optimizer": include_optimizer,
+    }
+    return state, meta
+
+
+def tmp_dir(final: Path) -> Path:
+    """Where a save to ``final`` writes until every rank has finished."""
+    return final.with_name(final.name + ".tmp")
+
+
+def begin(comm: Comm, final: Path) -> Path:
+    """Rank 0 makes an empty ``<final>.tmp`` for every rank to write into."""
+    tmp = tmp_dir(final)
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    comm.barrier()
+    return tmp
+
+
+def write(state: dict[str, Any], tmp: Path, comm: Comm) -> None:
+    """Every rank writes its pieces into ``tmp`` (DCP names them ``__<rank>_<n>.distcp``)."""
+    with _single_process_ok(comm.active):
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp),
+            process_group=comm.group,
+            no_dist=not comm.active,
+        )
+
+
+def commit(
+    comm: Comm,
+    tmp: Path,
+    final: Path,
+    meta: dict[str, Any],
+    after_rename: Callable[[], None] | None = None,
+) -> None:
+    """Every rank records its files' sizes and checksums; once all have, rank 0 writes
+    ``ds_strategy.json``, renames ``tmp`` to ``final`` and runs ``after_rename`` (the
+    ``latest`` pointer, pruning), and the ranks leave together."""
+    record_checksums(tmp, comm.rank)
+    comm.barrier()
+    if comm.rank == 0:
+        meta = dict(meta, files=merge_checksums(tmp))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        if after_rename is not None:
+            after_rename()
+    comm.barrier()
+
+
 def save_engine(
     engine: ZeroEngine,
     path: str | os.PathLike,
@@ -163,66 +243,11 @@ def save_engine(
     counters only (a weights-only checkpoint, about a quarter of the size with Adam).
     """
     final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
-    comm = engine.comm
-    engine.plan.wait_params()
-    if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    comm.barrier()
-    state: dict[str, Any] = dict(_model_entries(engine))
-    if include_optimizer:
-        state.update(_optim_entries(engine))
-    if comm.rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
-        if include_optimizer:
-            groups = [
-                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
-            ]
-            state["optim_groups"] = _pack(groups)
-        state["engine"] = _pack(_engine_entry(engine))
-        state["client_state"] = _pack(client_state)
-    state[f"rng/{comm.rank}"] = _pack(_rng_state())
-    with _single_process_ok(comm.active):
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(tmp),
-            process_group=comm.group,
-            no_dist=not comm.active,
-        )
-    if comm.rank == 0:
-        meta = {
-            "format": FORMAT,
-            "stage": engine.stage,
-            "world_size": engine.world_size,
-            "global_steps": engine.global_steps,
-            "shapes": _param_shapes(engine),
-            "optimizer": include_optimizer,
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    comm.barrier()
+    tmp = begin(engine.comm, final)
+    state, meta = collect_state(engine, client_state, include_optimizer)
+    write(state, tmp, engine.comm)
+    commit(engine.comm, tmp, final, meta)
     return final
-
-
-def _check_dir(path: Path) -> None:
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"{path}: no checkpoint directory here (pass the directory given to save_checkpoint)"
-        )
-    meta = path / META_FILE
-    if not meta.is_file():
-        raise ValueError(
-            f"{path}: not a ds_strategy checkpoint ({META_FILE} is missing; an interrupted save "
-            f"leaves only '{path.name}.tmp', which is never loaded)"
-        )
-    fmt = json.loads(meta.read_text()).get("format")
-    if fmt != FORMAT:
-        raise ValueError(f"{meta}: checkpoint format {fmt!r}, this ds_strategy reads {FORMAT!r}")
 
 
 def load_engine(engine: ZeroEngine, path: str | os.PathLike, load_optimizer: bool = True) -> Any:
@@ -231,15 +256,14 @@ def load_engine(engine: ZeroEngine, path: str | os.PathLike, load_optimizer: boo
     ``load_optimizer=False`` restores weights, buffers, counters and RNG only, into an engine
     whose optimizer may differ (e.g. one built just for evaluation)."""
     path = Path(path)
-    _check_dir(path)
+    comm = engine.comm
+    saved = validate(path, comm, _param_shapes(engine))
     reader = FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
     if load_optimizer and "optim_groups" not in saved:
         raise ValueError(
             f"{path}: this checkpoint was saved without optimizer state "
             "(include_optimizer=False); load it with load_optimizer=False"
         )
-    comm = engine.comm
     engine.plan.wait_params()
     state: dict[str, Any] = dict(_model_entries(engine))
     if load_optimizer:

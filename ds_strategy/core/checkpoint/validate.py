@@ -1,0 +1,213 @@
+"""Checks a checkpoint before any rank starts loading it, so a damaged or foreign checkpoint
+is a clear error on every rank instead of a hang or silent garbage.
+
+[Note: what is checked, and by whom]
+Every rank checks the cheap things: ``ds_strategy.json`` parses and has our format, DCP's
+``.metadata`` unpickles, every data file it references exists and is at least as long as
+the byte ranges referenced in it, and the saved parameter names and shapes are this model's.
+At save time each rank records the size and CRC-32 of the files it wrote (``record_checksums``)
+and rank 0 puts them all in ``ds_strategy.json``; at load time the data files are split
+round-robin among the ranks, each verifying its share, so a bit flip that keeps a file's
+size is caught without every rank reading the whole checkpoint.
+
+[Note: why the ranks agree]
+Files are checked on every rank, but a rank may see a different problem (or none, when the
+damaged file is another rank's share of the checksums). A rank that raised alone would leave
+the others waiting in DCP's first collective until the process-group timeout. ``agree``
+all-reduces an error flag and then the messages, so every rank raises, naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..collectives import Comm
+
+__all__ = ["CheckpointError", "validate", "record_checksums", "merge_checksums", "agree"]
+
+FORMAT = "ds_strategy-sharded-1"
+META_FILE = "ds_strategy.json"
+DCP_META = ".metadata"
+_SUMS = ".checksums-{}.json"
+_MSG_BYTES = 2048
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is damaged, incomplete or does not belong to this model."""
+
+
+CheckpointError.__module__ = "ds_strategy"
+
+
+def crc32(path: Path, chunk: int = 1 << 22) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            value = zlib.crc32(block, value)
+    return value
+
+
+def record_checksums(tmp: Path, rank: int) -> None:
+    """Size and CRC-32 of the files this rank wrote into ``tmp`` (rank 0 also DCP's metadata)."""
+    own = sorted(tmp.glob(f"__{rank}_*"))
+    if rank == 0:
+        own.append(tmp / DCP_META)
+    sums = {p.name: {"size": p.stat().st_size, "crc32": crc32(p)} for p in own}
+    (tmp / _SUMS.format(rank)).write_text(json.dumps(sums))
+
+
+def merge_checksums(tmp: Path) -> dict[str, dict[str, int]]:
+    """Rank 0, once every rank has recorded: all ranks' records, removed from ``tmp``."""
+    out: dict[str, dict[str, int]] = {}
+    for part in sorted(tmp.glob(_SUMS.format("*"))):
+        out.update(json.loads(part.read_text()))
+        part.unlink()
+    return dict(sorted(out.items()))
+
+
+def validate(path: Path, comm: Comm, shapes: dict[str, list[int]] | None) -> dict[str, Any]:
+    """Check the checkpoint at ``path`` on every rank (see the notes above); return DCP's
+    ``state_dict_metadata``. ``shapes``: this model's parameter shapes, or None to skip that
+    check. Raises the same error on every rank."""
+    err: BaseException | None = None
+    md: Metadata | None = None
+    try:
+        md = _check(path, comm.rank, comm.world_size, shapes)
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        err = e
+    agree(comm, err)
+    assert md is not None
+    return md.state_dict_metadata
+
+
+def agree(comm: Comm, err: BaseException | None) -> None:
+    """Raise on every rank if any rank has ``err``: a rank raises its own error, the others
+    a :class:`CheckpointError` carrying the first failing rank's message."""
+    n = comm.world_size
+    if n == 1:
+        if err is not None:
+            raise err
+        return
+    flag = torch.tensor([0 if err is None else 1], dtype=torch.int64)
+    comm.all_reduce(flag, kind="control")
+    if int(flag.item()) == 0:
+        return
+    buf = torch.zeros(n, _MSG_BYTES, dtype=torch.int32)
+    if err is not None:
+        text = str(err).encode()[:_MSG_BYTES]
+        buf[comm.rank, : len(text)] = torch.tensor(list(text), dtype=torch.int32)
+    comm.all_reduce(buf, kind="control")
+    if err is not None:
+        raise err
+    failing = int(torch.nonzero(buf.any(dim=1))[0])
+    row = buf[failing]
+    message = bytes(row[row > 0].tolist()).decode(errors="replace")
+    raise CheckpointError(f"{message} (found by rank {failing})")
+
+
+def _check(path: Path, rank: int, world: int, shapes: dict[str, list[int]] | None) -> Metadata:
+    meta = _read_meta(path)
+    sums: dict[str, dict[str, int]] = meta.get("files") or {}
+    dcp_meta = path / DCP_META
+    if not dcp_meta.is_file():
+        raise CheckpointError(f"{dcp_meta}: missing; the checkpoint cannot be read without it")
+    if DCP_META in sums:
+        _check_file(dcp_meta, sums[DCP_META], verify_crc=True)
+    try:
+        md = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(
+            f"{dcp_meta}: cannot be read ({type(e).__name__}: {e}); the file is truncated "
+            "or corrupt"
+        ) from e
+    needed: dict[str, int] = {}
+    for info in md.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for i, (rel, end) in enumerate(sorted(needed.items())):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing (the checkpoint's {DCP_META} references it)")
+        size = f.stat().st_size
+        if size < end:
+            raise CheckpointError(
+                f"{f}: truncated: {size} bytes, the checkpoint references bytes up to {end}"
+            )
+        if sums:
+            if rel not in sums:
+                raise CheckpointError(f"{f}: not listed in {path / META_FILE}'s checksums")
+            _check_file(f, sums[rel], verify_crc=i % world == rank)
+    if shapes is not None:
+        _check_shapes(path / META_FILE, meta.get("shapes") or {}, shapes)
+    return md
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path}: no checkpoint directory here (pass the directory given to "
+            "save_checkpoint, or its root directory holding a 'latest' file)"
+        )
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(
+            f"{path}: not a ds_strategy checkpoint ({META_FILE} is missing; an interrupted save "
+            f"leaves only '{path.name}.tmp', which is never loaded)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{meta_path}: not valid JSON ({e}); the file is truncated or corrupt"
+        ) from e
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt != FORMAT:
+        raise CheckpointError(
+            f"{meta_path}: checkpoint format {fmt!r}, this ds_strategy reads {FORMAT!r}"
+        )
+    return meta
+
+
+def _check_file(f: Path, want: dict[str, int], verify_crc: bool) -> None:
+    size = f.stat().st_size
+    if size != want["size"]:
+        raise CheckpointError(
+            f"{f}: truncated or overwritten: {size} bytes, {want['size']} were written"
+        )
+    if verify_crc:
+        got = crc32(f)
+        if got != want["crc32"]:
+            raise CheckpointError(
+                f"{f}: corrupt: CRC-32 {got:08x}, but {want['crc32']:08x} was recorded when "
+                "it was written"
+            )
+
+
+def _check_shapes(meta_path: Path, saved: dict[str, list[int]], live: dict[str, list[int]]) -> None:
+    if not saved:
+        return
+    problems = [
+        f"'{n}' has shape {saved[n]} in the checkpoint, {live[n]} in this model"
+        for n in sorted(saved.keys() & live.keys())
+        if list(saved[n]) != list(live[n])
+    ]
+    missing = sorted(live.keys() - saved.keys())
+    extra = sorted(saved.keys() - live.keys())
+    if missing:
+        problems.append(
+            f"{len(missing)} parameter(s) of this model are not in it, e.g. {missing[:3]}"
+        )
+    if extra:
+        problems.append(f"{len(extra)} saved parameter(s) are not in this model, e.g. {extra[:3]}")
+    if problems:
+        raise CheckpointError(
+            f"{meta_path}: checkpoint does not match this model: {'; '.join(problems[:4])}. "
+            "Build the model that was saved (same architecture and sizes)."
+        )
