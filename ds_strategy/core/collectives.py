@@ -128,6 +128,15 @@ class Comm:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
+    def new_gloo_group(self) -> Comm:
+        """A second group over the same ranks, on gloo, for collectives issued from another
+        thread (a background checkpoint write) that must not interleave with this group's.
+        Collective: every rank of this group calls it."""
+        if self.world_size == 1:
+            return Comm(self.group)
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        return Comm(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+
 
 def init_process_group_from_env(timeout_s: float | None = None) -> bool:
     """Initialise the default process group from ``torchrun`` / ``accelerate launch`` / SLURM
