@@ -1,0 +1,249 @@
+"""Checkpoint roots, the ``latest`` pointer, keep-last-k, periodic and asynchronous saves.
+
+A checkpoint *root* holds tagged checkpoints and a ``latest`` file naming the newest one,
+as DeepSpeed lays them out::
+
+    ckpt/latest              "global_step200"
+    ckpt/global_step100/     one sharded checkpoint (see ``sharded.py``)
+    ckpt/global_step200/
+
+``save_checkpoint(path)`` with no tag still writes the checkpoint directory ``path`` itself,
+unless ``path`` is a root already (it holds ``latest``): then the tag is
+``global_step<N>``. ``load_checkpoint(root)`` follows ``latest``.
+
+[Note: ordering that keeps a crash harmless]
+The checkpoint is written under ``<tag>.tmp`` and renamed when every rank has finished
+(``sharded.commit``); only then does rank 0 replace ``latest`` (write ``latest.tmp``, then
+``os.replace``) and prune old tags. A crash at any point leaves ``latest`` naming a complete
+checkpoint; the next save into the root removes leftover ``.tmp`` directories with a warning.
+
+[Note: asynchronous saves]
+The state is copied (every tensor cloned, so training may change the live ones), then a
+background thread writes it and commits. The thread's collectives (DCP's plan exchange, the
+commit barriers) run on a second gloo process group over the same ranks, so they never
+interleave with training's collectives on the engine's group. A later save, a load,
+``wait_for_checkpoint()`` and ``destroy()`` wait for it; so does interpreter exit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...config import ConfigError
+from ..collectives import Comm
+from . import sharded
+from .flat_piece import FlatPiece
+from .validate import META_FILE
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+__all__ = ["CheckpointManager", "LATEST"]
+
+LATEST = "latest"
+
+
+class CheckpointManager:
+    """Saves and loads for one engine; owns the pending asynchronous save, if any."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self.engine = engine
+        self.config = engine.config.checkpoint
+        if self.config.save_interval is not None and not self.config.save_dir:
+            raise ConfigError(
+                "checkpoint.save_interval needs checkpoint.save_dir (the root directory the "
+                "periodic checkpoints go to)",
+                key="checkpoint.save_dir",
+            )
+        self._pending: _BackgroundSave | None = None
+        self._side: Comm | None = None
+        self._last_periodic = -1
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save(
+        self,
+        path: str | os.PathLike,
+        tag: str | None = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        include_optimizer: bool = True,
+        async_save: bool | None = None,
+    ) -> Path:
+        self.wait()
+        root, final = self._target(Path(path), tag)
+        comm = self.engine.comm
+        if root is not None and comm.rank == 0:
+            _remove_leftovers(root)
+        tmp = sharded.begin(comm, final)
+        state, meta = sharded.collect_state(self.engine, client_state, include_optimizer)
+
+        def after_rename() -> None:
+            if root is not None:
+                if save_latest:
+                    _write_latest(root, final.name)
+                _prune(root, self.config.keep_last, keep=final.name)
+
+        use_async = self.config.async_save if async_save is None else async_save
+        if not use_async:
+            sharded.write(state, tmp, comm)
+            sharded.commit(comm, tmp, final, meta, after_rename)
+            return final
+        side = self._side_comm()
+        staged = _copy(state)
+        del state
+
+        def run() -> None:
+            sharded.write(staged, tmp, side)
+            sharded.commit(side, tmp, final, meta, after_rename)
+
+        self._pending = _BackgroundSave(run, final)
+        return final
+
+    def after_step(self) -> None:
+        """Called by ``engine.step()``: the periodic save, every ``save_interval`` steps."""
+        every = self.config.save_interval
+        steps = self.engine.global_steps
+        if every is None or steps % every != 0 or steps == self._last_periodic:
+            return
+        self._last_periodic = steps
+        self.engine.save_checkpoint(self.config.save_dir, tag=f"global_step{steps}")
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous save has been written and committed; raise its
+        error, if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.join()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(
+        self, path: str | os.PathLike, tag: str | None = None, load_optimizer: bool = True
+    ) -> Any:
+        self.wait()
+        return sharded.load_engine(self.engine, resolve_load_dir(Path(path), tag), load_optimizer)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _target(self, path: Path, tag: str | None) -> tuple[Path | None, Path]:
+        """(root or None, checkpoint directory) for a save."""
+        if tag is None and (path / LATEST).is_file() and not (path / META_FILE).exists():
+            tag = f"global_step{self.engine.global_steps}"
+        if tag is None:
+            return None, path
+        _check_tag(tag)
+        return path, path / tag
+
+    def _side_comm(self) -> Comm:
+        if self._side is None:  # collective: every rank reaches the first async save together
+            self._side = self.engine.comm.new_gloo_group()
+        return self._side
+
+
+class _BackgroundSave:
+    """One asynchronous save's writer thread and its outcome."""
+
+    def __init__(self, run: Any, final: Path) -> None:
+        self.final = final
+        self.error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 - re-raised by join() on the caller
+                self.error = e
+
+        # Not a daemon: the interpreter waits for the write to finish before it exits.
+        self.thread = threading.Thread(target=target, name=f"checkpoint {final.name}")
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"asynchronous checkpoint save to {self.final} failed") from (
+                self.error
+            )
+
+
+def resolve_load_dir(path: Path, tag: str | None) -> Path:
+    """The checkpoint directory to load: ``path/tag``, the one ``path/latest`` names, or
+    ``path`` itself."""
+    if tag is not None:
+        _check_tag(tag)
+        return path / tag
+    latest = path / LATEST
+    if (path / META_FILE).exists() or not latest.is_file():
+        return path
+    name = latest.read_text().strip()
+    target = path / name
+    if not name or not (target / META_FILE).is_file():
+        raise FileNotFoundError(
+            f"{latest} names {name!r}, which is not a complete checkpoint in {path}; pass "
+            "tag= to load another one"
+        )
+    return target
+
+
+def _check_tag(tag: str) -> None:
+    if not tag or "/" in tag or os.sep in tag or tag in (".", "..", LATEST):
+        raise ValueError(f"checkpoint tag {tag!r}: use a plain directory name such as 'step100'")
+    if tag.endswith((".tmp", ".old")):
+        raise ValueError(f"checkpoint tag {tag!r}: names ending in .tmp / .old are reserved")
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Rank 0, before a save into ``root``: directories an interrupted save left behind."""
+    if not root.is_dir():
+        return
+    for d in sorted(root.iterdir()):
+        if d.is_dir() and d.name.endswith(".tmp"):
+            warnings.warn(
+                f"{d}: removing the leftover of an interrupted checkpoint save",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _write_latest(root: Path, tag: str) -> None:
+    tmp = root / (LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+
+
+def _prune(root: Path, keep_last: int | None, keep: str) -> None:
+    """Delete complete checkpoints in ``root`` beyond the newest ``keep_last``; never the one
+    ``latest`` names, nor ``keep`` (just written)."""
+    if keep_last is None:
+        return
+    latest = root / LATEST
+    protected = {keep, latest.read_text().strip() if latest.is_file() else keep}
+    done = [d for d in root.iterdir() if d.is_dir() and (d / META_FILE).is_file()]
+    done.sort(key=lambda d: (d / META_FILE).stat().st_mtime, reverse=True)
+    for d in done[keep_last:]:
+        if d.name not in protected:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _copy(state: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of ``state`` that training cannot change while it is being written."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, FlatPiece):
+            out[k] = FlatPiece(v._local.detach().clone(), v._start, v.shape[0])
+        elif torch.is_tensor(v):
+            out[k] = v.detach().clone()
+        else:
+            out[k] = v
+    return out
