@@ -131,6 +131,12 @@ class Stage3Runtime:
 
     def _pre_forward(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if self.state is TrainingState.BACKWARD and unit is not self.root:
+                # activation checkpointing recomputes this unit's forward inside backward.
+                # Keep it gathered: its backward needs these parameters next, so releasing
+                # here would cost a second all-gather. The recorded order is not touched.
+                self._gather(unit, wait=True)
+                return
             if unit is self.root:
                 self._start_forward()
             index = self._call_index
@@ -147,6 +153,8 @@ class Stage3Runtime:
 
     def _post_forward(self, unit: Unit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self.state is TrainingState.BACKWARD and unit is not self.root:
+                return None  # a recompute (see _pre_forward): backward releases the unit
             index = self._call_index - 1
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
