@@ -1,0 +1,333 @@
+"""``PipelineEngine``: an ``nn.Sequential`` split into pipeline stages, each stage trained
+data-parallel by a :class:`~ds_strategy.core.engine.ZeroEngine` over its ranks.
+
+[Note: one training step]
+1. The stage's ``ZeroEngine`` is put in ``no_sync``: the ``torch.distributed.pipelining``
+   schedule runs forward and backward of ``gradient_accumulation_steps`` micro-batches and
+   gradients accumulate locally (the loss function divides by the micro-batch count).
+2. Tied weights sum their gradients across the stages that hold them.
+3. The engine's plan reduces (ZeRO-1: all-reduce into the sharded slice; ZeRO-2:
+   reduce-scatter of the accumulated bucket) over the stage's data-parallel group.
+4. The squared gradient norms of all stages are summed over the pipeline group, so clipping
+   uses the global norm of the whole model, then every stage steps its shard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from ...config import ZeroConfig, load_config
+from ..collectives import Comm, init_process_group_from_env
+from ..engine import ZeroEngine
+from .mesh import Mesh
+from .partition import partition_layers
+from .schedules import bubble_fraction, make_schedule, stage_indices
+from .ties import broadcast_tied, duplicate_sq_norm, find_tied, sum_tied_grads
+
+__all__ = ["PipelineEngine"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _as_layers(model: Any) -> list[nn.Module]:
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    if isinstance(model, (list, tuple, nn.ModuleList)) and all(
+        isinstance(m, nn.Module) for m in model
+    ):
+        return list(model)
+    raise TypeError(
+        f"a pipeline config needs the model as an nn.Sequential or a list of layers, got "
+        f"{type(model).__name__}; write it as nn.Sequential(layer, layer, ...) whose layers "
+        "each take the previous layer's output"
+    )
+
+
+class PipelineEngine:
+    """Pipeline stages over ``pipeline.stages`` ranks times ZeRO data parallelism over the rest.
+
+    Build it with ``ds_strategy.initialize(model, optimizer, config, loss_fn=fn)`` on every
+    rank (each builds the whole model; a rank keeps only its stage's layers). Example, under
+    ``torchrun --nproc-per-node=4`` (2 stages x 2 data-parallel ranks)::
+
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+        engine = ds_strategy.initialize(
+            model, torch.optim.AdamW(model.parameters()),
+            {"pipeline": {"stages": 2, "schedule": "1f1b"},
+             "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+             "zero_optimization": {"stage": 1}},
+            loss_fn=torch.nn.functional.mse_loss)
+        loss = engine.train_batch(x, y)   # x, y: this data-parallel rank's 8 samples
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential | Sequence[nn.Module],
+        optimizer: Any,
+        config: Any,
+        loss_fn: LossFn,
+        *,
+        lr_scheduler: Any = None,
+    ) -> None:
+        layers = _as_layers(model)
+        if not callable(loss_fn):
+            raise TypeError("loss_fn: pass a callable (output, target) -> scalar loss")
+        init_process_group_from_env()
+        raw: ZeroConfig = load_config(config)
+        pc = raw.pipeline
+        self.mesh = Mesh.build(int(pc.stages))
+        self.config = raw.resolve(world_size=self.mesh.dp_size)
+        self._check_supported(self.config)
+        self.schedule_name: str = pc.schedule
+        chunks = pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1)
+        if chunks > 1 and pc.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"pipeline.stages_per_rank: {chunks} chunks per rank need schedule "
+                "'interleaved_1f1b'; set stages_per_rank to 1 or change the schedule"
+            )
+        self.chunks = chunks
+        self.micro_batches: int = self.config.gradient_accumulation_steps
+        self.micro_batch_size: int | None = self.config.train_micro_batch_size_per_gpu
+        n_chunks = self.mesh.pp_size * chunks
+        bounds = partition_layers(layers, n_chunks, pc.partition_method)
+        self.bounds = bounds
+        chunk_of_layer = [c for c in range(n_chunks) for _ in range(bounds[c], bounds[c + 1])]
+        rank_of_layer = [c % self.mesh.pp_size for c in chunk_of_layer]
+        self.tied = find_tied(layers, rank_of_layer, self.mesh)
+        broadcast_tied(self.tied)
+        mine = stage_indices(self.stage_id, self.mesh.pp_size, chunks)
+        self.chunk_ids = mine
+        # the stage's layers under their index in the full model, so state_dict keys match
+        local = OrderedDict(
+            (str(i), layers[i]) for c in mine for i in range(bounds[c], bounds[c + 1])
+        )
+        self.module = nn.Sequential(local)
+        self.engine = ZeroEngine(
+            self.module,
+            optimizer,
+            self.config,
+            lr_scheduler=lr_scheduler,
+            process_group=self.mesh.dp_group,
+        )
+        device = self.engine.device
+        self._chunks = [
+            nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(bounds[c], bounds[c + 1])))
+            for c in mine
+        ]
+        self._stages = [
+            PipelineStage(m, c, n_chunks, device, group=self.mesh.pp_group)
+            for m, c in zip(self._chunks, mine, strict=True)
+        ]
+        self._loss_fn = loss_fn
+        self._schedule = make_schedule(
+            pc.schedule, self._stages, self.micro_batches, self._scaled_loss, self.mesh.pp_size
+        )
+        self._has_first = 0 in mine
+        self._has_last = n_chunks - 1 in mine
+        self._pp = Comm(self.mesh.pp_group)
+        self._dp = Comm(self.mesh.dp_group)
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+
+    @staticmethod
+    def _check_supported(cfg: ZeroConfig) -> None:
+        zc = cfg.zero_optimization
+        if zc.stage == 3:
+            raise ValueError(
+                "zero_optimization.stage: a pipeline runs ZeRO stage 0, 1 or 2 within each "
+                "stage (stage 3 would gather every layer once per micro-batch); set stage to 1 or 2"
+            )
+        if cfg.fp16.enabled or cfg.bf16.enabled:
+            raise ValueError(
+                "fp16 / bf16: mixed precision is not available with a pipeline in this "
+                "release; disable fp16.enabled and bf16.enabled"
+            )
+        if zc.offload_optimizer.device != "none" or zc.offload_param.device != "none":
+            raise ValueError(
+                "zero_optimization.offload_*: offload is not available with a pipeline in this "
+                "release; set offload_optimizer.device and offload_param.device to 'none'"
+            )
+
+    # -- properties front ends use ---------------------------------------------------------------
+
+    @property
+    def stage_id(self) -> int:
+        return self.mesh.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.mesh.pp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.lr_scheduler
+
+    def bubble_fraction(self) -> float:
+        """The schedule's theoretical idle fraction for this configuration."""
+        return bubble_fraction(self.schedule_name, self.num_stages, self.micro_batches, self.chunks)
+
+    # -- training --------------------------------------------------------------------------------
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output, target) / self.micro_batches
+
+    def _check_batch(self, inputs: Any, targets: Any) -> None:
+        """Every rank checks what it reads (the first stage its inputs, the last its
+        targets), so a wrong batch fails on all stages instead of leaving some waiting."""
+        m, mb = self.micro_batches, self.micro_batch_size
+        for name, t, used in (
+            ("inputs", inputs, self._has_first),
+            ("targets", targets, self._has_last),
+        ):
+            if not used:
+                continue
+            if not torch.is_tensor(t):
+                raise TypeError(f"train_batch / eval_batch: {name} must be a tensor (batch first)")
+            n = t.shape[0]
+            if n % m or (mb is not None and n != m * mb):
+                want = f"{m} x {mb} = {m * mb}" if mb is not None else f"a multiple of {m}"
+                raise ValueError(
+                    f"train_batch: this data-parallel rank got {n} samples ({name}) but the "
+                    f"pipeline runs gradient_accumulation_steps={m} micro-batches of "
+                    f"train_micro_batch_size_per_gpu={mb} (expected {want}); pass this rank's "
+                    "share of the global batch or change those keys"
+                )
+
+    def _run(self, inputs: Any, targets: Any, train: bool) -> torch.Tensor:
+        self._check_batch(inputs, targets)
+        args = (inputs,) if self._has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self._has_last:
+            kwargs = {"target": targets, "losses": losses}
+        if train:
+            with self.engine.no_sync():
+                self._schedule.step(*args, **kwargs)
+        else:
+            with torch.no_grad():
+                self._schedule.eval(*args, **kwargs)
+        return self._mean_loss(losses)
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The global batch's mean loss on every rank: summed on the last stage, broadcast
+        along the pipeline, averaged over data-parallel ranks."""
+        loss = torch.zeros(1, dtype=torch.float64)
+        if self._has_last:
+            loss += sum(float(x.detach()) for x in losses)
+        self._pp.broadcast(loss, self.num_stages - 1)
+        self._dp.all_reduce(loss)
+        return (loss / self.data_parallel_size).float().squeeze(0)
+
+    def train_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """One optimizer step over this data-parallel rank's share of the batch (its
+        ``gradient_accumulation_steps`` micro-batches); returns the global batch's mean loss
+        on every rank. Collective: call it on every rank (inputs are read on the first
+        stage, targets on the last)."""
+        loss = self._run(inputs, targets, train=True)
+        self._step()
+        return loss
+
+    def eval_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """Forward only over the micro-batches; returns the mean loss on every rank."""
+        return self._run(inputs, targets, train=False)
+
+    def _step(self) -> None:
+        e = self.engine
+        opt = e._sharded_opt
+        sum_tied_grads(self.tied, e.plan.groups)
+        e.plan.wait_params()
+        e.plan.finish_reduction()
+        stage_norm = opt.sync_grad_flags_and_norm()  # over this stage's data-parallel group
+        dup = torch.tensor(
+            [duplicate_sq_norm(self.tied, opt.pieces, self.stage_id)], dtype=torch.float64
+        )
+        if opt.sharded:
+            self._dp.all_reduce(dup, kind="control")
+        sq = torch.tensor([stage_norm**2], dtype=torch.float64) - dup
+        self._pp.all_reduce(sq, kind="control")
+        norm = math.sqrt(max(float(sq), 0.0)) if math.isfinite(float(sq)) else float("inf")
+        self._global_grad_norm = norm
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            e.zero_grad()
+            return
+        opt.scale_grads(norm, float(self.config.gradient_clipping or 0.0))
+        opt.attach_grads()
+        opt.step()
+        if e.lr_scheduler is not None:
+            e.lr_scheduler.step()
+        e.plan.after_optimizer_step()
+        e.plan.wait_params()
+        e.zero_grad()
+        e.global_steps += 1
+        self.global_steps += 1
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the whole model's gradients at the last step, before clipping."""
+        return self._global_grad_norm
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights of the whole model on every rank, keyed like the
+        original ``nn.Sequential``'s ``state_dict()``. Collective."""
+        mine = self.engine.full_state_dict()
+        parts: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return dict(
+            sorted(merged.items(), key=_key_order)
+        )  # stable: layer order, then each layer's
+
+    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None) -> Path:
+        """Every stage writes its ZeRO checkpoint to ``path/stage_<k>``. Collective. Loads
+        into a pipeline with the same stages and partition (any data-parallel size)."""
+        root = Path(path)
+        self.engine.save_checkpoint(root / f"stage_{self.stage_id}", client_state=client_state)
+        self._pp.barrier()
+        return root
+
+    def load_checkpoint(self, path: str | os.PathLike) -> Any:
+        """Restore what :meth:`save_checkpoint` wrote; returns the ``client_state``."""
+        stage_dir = Path(path) / f"stage_{self.stage_id}"
+        if not stage_dir.is_dir():
+            raise FileNotFoundError(
+                f"{stage_dir}: no checkpoint for pipeline stage {self.stage_id}; was it saved "
+                f"with pipeline.stages={self.num_stages}?"
+            )
+        state = self.engine.load_checkpoint(stage_dir)
+        self.global_steps = self.engine.global_steps
+        return state
+
+    def destroy(self) -> None:
+        self.engine.destroy()
+
+
+def _key_order(item: tuple[str, torch.Tensor]) -> int:
+    head = item[0].partition(".")[0]
+    return int(head) if head.isdigit() else -1

@@ -1,0 +1,60 @@
+"""Choosing a ``torch.distributed.pipelining`` schedule from the config.
+
+[Note: theoretical bubble]
+With ``P`` stages, ``M`` micro-batches and backward costing a fixed multiple of forward, GPipe
+and 1F1B both leave each stage idle for ``(P - 1)`` of ``(M + P - 1)`` micro-batch slots;
+1F1B only bounds the activations in flight to ``P`` micro-batches instead of ``M``. The
+interleaved schedule with ``v`` chunks per rank divides the bubble by ``v``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+__all__ = ["bubble_fraction", "make_schedule", "stage_indices"]
+
+
+def bubble_fraction(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle fraction of each stage in an ideal run of ``schedule``.
+
+    >>> round(bubble_fraction("1f1b", 4, 8), 4)
+    0.2727
+    """
+    p, m = stages, micro_batches
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / chunks / (m + (p - 1) / chunks)
+    return (p - 1) / (m + p - 1)
+
+
+def stage_indices(stage: int, pp_size: int, chunks: int) -> list[int]:
+    """Model chunks a pipeline rank holds: ``stage``, ``stage + P``, ... (looped placement,
+    which the interleaved schedule expects)."""
+    return [stage + i * pp_size for i in range(chunks)]
+
+
+def make_schedule(
+    name: str,
+    stages: list[PipelineStage],
+    micro_batches: int,
+    loss_fn: Callable[..., Any] | None,
+    pp_size: int,
+) -> Any:
+    """A schedule object; gradients are not rescaled by it (``loss_fn`` averages already)."""
+    if name == "interleaved_1f1b":
+        if micro_batches % pp_size:
+            raise ValueError(
+                f"gradient_accumulation_steps: the interleaved 1F1B schedule needs a number "
+                f"of micro-batches divisible by pipeline.stages ({pp_size}), got "
+                f"{micro_batches}; change gradient_accumulation_steps or use schedule '1f1b'"
+            )
+        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)

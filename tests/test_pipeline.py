@@ -1,0 +1,274 @@
+"""Pipeline stages x ZeRO data parallelism on 4 CPU ranks train to the weights of
+single-process training on the full batch; partitioning and bad specs; tied weights;
+full_state_dict and checkpoints across stages."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ds_strategy
+from ds_strategy.config import ConfigError
+from ds_strategy.core.pipeline import bubble_fraction, partition_layers
+from tests.distributed import run_ranks
+
+STEPS, MICRO, ACCUM, CLIP, D_IN = 3, 2, 4, 0.5, 6
+
+
+def mlp(layers: int = 8, width: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods += [nn.Linear(D_IN if i == 0 else width, width), nn.Tanh()]
+    return nn.Sequential(*mods)
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.emb(tokens)
+
+
+class Head(nn.Module):
+    def __init__(self, embed: Embed) -> None:
+        super().__init__()
+        self.weight = embed.emb.weight  # tied with the embedding
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight.t()
+
+
+def tied_lm(vocab: int = 11, d: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    emb = Embed(vocab, d)
+    return nn.Sequential(emb, nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), Head(emb))
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def lm_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _data(world_dp: int, kind: str = "mlp") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    n = MICRO * ACCUM * world_dp
+    if kind == "lm":
+        return [
+            (torch.randint(0, 11, (n, 5), generator=g), torch.randint(0, 11, (n, 5), generator=g))
+            for _ in range(STEPS)
+        ]
+    return [
+        (torch.randn(n, D_IN, generator=g), torch.randn(n, 6, generator=g)) for _ in range(STEPS)
+    ]
+
+
+def _reference(model: nn.Module, data: list, loss_fn) -> dict:  # noqa: ANN001
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in data:
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _config(stages: int, schedule: str, zero: int) -> dict:
+    return {
+        "pipeline": {"stages": stages, "schedule": schedule},
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": zero, "reduce_bucket_size": 50},
+    }
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def train_worker(rank: int, world: int, cases: list[tuple[int, str, int, str]]) -> dict:
+    out = {}
+    for stages, schedule, zero, kind in cases:
+        model, loss_fn = (tied_lm(), lm_ce) if kind == "lm" else (mlp(), mse)
+        dp = world // stages
+        data = _data(dp, kind)
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        ref = _reference(copy.deepcopy(model), data, loss_fn)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        engine = ds_strategy.initialize(
+            model, opt, _config(stages, schedule, zero), loss_fn=loss_fn
+        )
+        assert engine.num_stages == stages and engine.data_parallel_size == dp
+        per = MICRO * ACCUM
+        r = engine.data_parallel_rank
+        losses = []
+        for x, y in data:
+            losses.append(
+                float(engine.train_batch(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]))
+            )
+        full = engine.full_state_dict()
+        out[(stages, schedule, zero, kind)] = {
+            "diff": _diff(full, ref),
+            "moved": _diff(ref, initial),
+            "keys": list(full),
+            "ref_keys": list(ref),
+            "losses": losses,
+            "stage": engine.stage_id,
+            "norm": engine.get_global_grad_norm(),
+        }
+        engine.destroy()
+    return out
+
+
+CASES = [(2, "gpipe", 1, "mlp"), (2, "1f1b", 2, "mlp"), (4, "1f1b", 1, "mlp"), (2, "1f1b", 1, "lm")]
+
+
+def all_worker(rank: int, world: int, path: str) -> dict:
+    # one set of 4 processes for the whole module: spawning ranks costs more than the runs
+    return {
+        "train": train_worker(rank, world, CASES),
+        "checkpoint": checkpoint_worker(rank, world, path),
+        "errors": errors_worker(rank, world),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    path = tmp_path_factory.mktemp("pipeline") / "ckpt"
+    out = run_ranks(all_worker, 4, str(path), timeout=300)
+    for res in out:
+        res["path"] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(results: list[dict]) -> list[dict]:
+    return [r["train"] for r in results]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"P{c[0]}-{c[1]}-zero{c[2]}-{c[3]}" for c in CASES])
+def test_pipeline_matches_single_process(trained: list[dict], case: tuple) -> None:
+    for rank, res in enumerate(trained):
+        got = res[case]
+        assert got["diff"] <= 2e-5, f"rank {rank}: max |w - reference| = {got['diff']:.3g}"
+        assert got["keys"] == got["ref_keys"]
+        # every rank returns the same global loss, and training lowers it
+        assert got["losses"] == trained[0][case]["losses"]
+        assert got["norm"] == pytest.approx(trained[0][case]["norm"], rel=1e-6)
+    assert trained[0][case]["losses"][-1] < trained[0][case]["losses"][0]
+    assert trained[0][case]["moved"] > 1e-2  # equal weights mean nothing if nothing trained
+    assert sorted({res[case]["stage"] for res in trained}) == list(range(case[0]))
+
+
+def test_partition_methods() -> None:
+    layers = list(mlp())
+    assert partition_layers(layers, 2, "uniform") == [0, 8, 16]
+    assert partition_layers(layers, 4, "type:Linear") == [0, 4, 8, 12, 16]
+    big = [nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 50), nn.Tanh(), nn.Linear(50, 2)]
+    # the heaviest layer gets a stage to itself
+    assert partition_layers(big, 3, "parameters") == [0, 2, 4, 5]
+    with pytest.raises(ConfigError, match="partition_method"):
+        partition_layers(layers, 2, "best")
+    with pytest.raises(ConfigError, match="fewer than"):
+        partition_layers(layers, 4, "type:Conv")
+    with pytest.raises(ValueError, match="at least 20 layers"):
+        partition_layers(layers, 20, "uniform")
+
+
+def test_theoretical_bubble() -> None:
+    assert bubble_fraction("gpipe", 4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction("1f1b", 2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, chunks=2) < bubble_fraction("1f1b", 4, 8)
+
+
+def errors_worker(rank: int, world: int) -> dict:
+    out = {}
+
+    def attempt(name: str, fn) -> None:  # noqa: ANN001
+        try:
+            fn()
+            out[name] = "no error"
+        except (ValueError, TypeError, ConfigError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    attempt(
+        "not_sequential",
+        lambda: ds_strategy.initialize(nn.Linear(2, 2), None, _config(2, "1f1b", 1), loss_fn=mse),
+    )
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    attempt(
+        "not_divisible",
+        lambda: ds_strategy.initialize(m, opt(m), _config(3, "1f1b", 1), loss_fn=mse),
+    )
+    m = nn.Sequential(nn.Linear(2, 2))
+    attempt(
+        "too_few_layers",
+        lambda: ds_strategy.initialize(m, opt(m), _config(2, "1f1b", 1), loss_fn=mse),
+    )
+    m = mlp()
+    attempt("zero3", lambda: ds_strategy.initialize(m, opt(m), _config(2, "1f1b", 3), loss_fn=mse))
+    attempt("no_loss_fn", lambda: ds_strategy.initialize(m, opt(m), _config(2, "1f1b", 1)))
+    engine = ds_strategy.initialize(m, opt(m), _config(2, "gpipe", 1), loss_fn=mse)
+    attempt("bad_batch", lambda: engine.train_batch(torch.randn(7, D_IN), torch.randn(7, 6)))
+    engine.destroy()
+    return out
+
+
+def test_bad_specs_are_clear_errors(results: list[dict]) -> None:
+    res = results[0]["errors"]
+    assert "nn.Sequential" in res["not_sequential"]
+    assert "not divisible by 3" in res["not_divisible"]
+    assert "need at least 2 layers" in res["too_few_layers"]
+    assert "stage 0, 1 or 2" in res["zero3"]
+    assert "loss_fn" in res["no_loss_fn"]
+    assert "got 7 samples" in res["bad_batch"]
+    for other in results[1:]:  # every rank raised (no rank left waiting in the schedule)
+        assert other["errors"]["bad_batch"].startswith("ValueError")
+
+
+def checkpoint_worker(rank: int, world: int, path: str) -> dict:
+    data = _data(2)
+    cfg = _config(2, "1f1b", 1)
+    per = MICRO * ACCUM
+
+    def build() -> ds_strategy.PipelineEngine:
+        model = mlp()
+        return ds_strategy.initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, loss_fn=mse
+        )
+
+    a = build()
+    r = a.data_parallel_rank
+    shard = [(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]) for x, y in data]
+    a.train_batch(*shard[0])
+    a.save_checkpoint(path, client_state={"step": 1})
+    saved = a.full_state_dict()
+    a.train_batch(*shard[1])
+    after_a = a.full_state_dict()
+    a.destroy()
+    b = build()
+    state = b.load_checkpoint(path)
+    b.train_batch(*shard[1])
+    out = {"diff": _diff(b.full_state_dict(), after_a), "state": state}
+    out["moved"] = _diff(after_a, saved)
+    b.destroy()
+    return out
+
+
+def test_checkpoint_resumes_across_stages(results: list[dict]) -> None:
+    for res in results:
+        assert res["checkpoint"]["diff"] <= 1e-6
+        assert res["checkpoint"]["moved"] > 1e-3  # the step after loading changed the weights
+        assert res["checkpoint"]["state"] == {"step": 1}
+    assert sorted(p.name for p in results[0]["path"].iterdir()) == ["stage_0", "stage_1"]
