@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,14 +28,27 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class Work:
-    """A handle on an in-flight collective; ``wait()`` is idempotent."""
+    """A handle on an in-flight collective; ``wait()`` is idempotent. With a ``timer``
+    (``wall_clock_breakdown``), the time ``wait()`` blocks is reported as ``timer(kind, s)``."""
 
-    def __init__(self, handle: object | None) -> None:
+    def __init__(
+        self,
+        handle: object | None,
+        kind: str = "",
+        timer: Callable[[str, float], None] | None = None,
+    ) -> None:
         self._handle = handle
+        self._kind = kind
+        self._timer = timer if handle is not None else None
 
     def wait(self) -> None:
         if self._handle is not None:
-            self._handle.wait()  # type: ignore[attr-defined]
+            if self._timer is None:
+                self._handle.wait()  # type: ignore[attr-defined]
+            else:
+                start = time.perf_counter()
+                self._handle.wait()  # type: ignore[attr-defined]
+                self._timer(self._kind, time.perf_counter() - start)
             self._handle = None
 
     @property
@@ -53,6 +68,8 @@ class Comm:
     group: dist.ProcessGroup | None = None
     sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    sent_total: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # never reset
+    wait_timer: Callable[[str, float], None] | None = None  # see core/timers.py
 
     @property
     def active(self) -> bool:
@@ -68,7 +85,17 @@ class Comm:
 
     def _count(self, kind: str, nbytes: float) -> None:
         self.sent_bytes[kind] += int(nbytes)
+        self.sent_total[kind] += int(nbytes)
         self.calls[kind] += 1
+
+    def _work(self, handle: object | None, kind: str, async_op: bool, start: float) -> Work:
+        """Wrap a collective's handle; a synchronous one under a timer reports its time."""
+        if self.wait_timer is None:
+            return Work(handle)
+        if not async_op:
+            self.wait_timer(kind, time.perf_counter() - start)
+            return Work(None)
+        return Work(handle, kind, self.wait_timer)
 
     def take_report(self) -> dict[str, int]:
         """Bytes sent per collective kind since the previous call, then reset."""
@@ -94,7 +121,9 @@ class Comm:
             return Work(None)
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return Work(dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op))
+        start = time.perf_counter()
+        handle = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
+        return self._work(handle, kind, async_op, start)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
         """Sum ``full`` across ranks; this rank receives chunk ``rank`` of it in ``out``."""
@@ -103,7 +132,9 @@ class Comm:
             out.copy_(full)
             return Work(None)
         self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size())
-        return Work(_reduce_scatter(out, full, group=self.group, async_op=async_op))
+        start = time.perf_counter()
+        handle = _reduce_scatter(out, full, group=self.group, async_op=async_op)
+        return self._work(handle, "reduce_scatter", async_op, start)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
         """Fill ``full`` with every rank's ``shard``, in rank order."""
@@ -113,7 +144,9 @@ class Comm:
                 full.copy_(shard)
             return Work(None)
         self._count("all_gather", (n - 1) / n * full.numel() * full.element_size())
-        return Work(_all_gather(full, shard, group=self.group, async_op=async_op))
+        start = time.perf_counter()
+        handle = _all_gather(full, shard, group=self.group, async_op=async_op)
+        return self._work(handle, "all_gather", async_op, start)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group rank ``src`` (counted on the sender only)."""
@@ -122,7 +155,10 @@ class Comm:
         if self.rank == src:
             self._count("broadcast", tensor.numel() * tensor.element_size())
         global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        start = time.perf_counter()
         dist.broadcast(tensor, src=global_src, group=self.group)
+        if self.wait_timer is not None:
+            self.wait_timer("broadcast", time.perf_counter() - start)
 
     def barrier(self) -> None:
         if self.world_size > 1:

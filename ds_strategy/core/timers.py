@@ -1,0 +1,151 @@
+"""``wall_clock_breakdown``: where each training step's time goes, and the bytes it moved.
+
+[Note: what the phases measure]
+``forward``, ``backward`` and ``step`` are wall-clock intervals around ``engine(batch)``,
+``engine.backward(loss)`` and the optimizer step (gradient reduction finished, clipping,
+optimizer, post-step gather), summed over the micro-steps of one optimizer step.
+``reduce`` and ``gather`` are the time this rank spent *blocked* on gradient reductions
+(all-reduce / reduce-scatter) and parameter all-gathers: ``Comm`` times every wait on an
+in-flight collective and every synchronous one. Communication that overlapped computation
+costs nothing here, so ``reduce`` and ``gather`` lie inside the other three phases; they
+are the exposed communication, not extra time. Bytes are what this rank sent, per kind,
+counted by ``Comm`` (see [Note: byte accounting] in ``collectives.py``).
+
+On CUDA the phase boundaries synchronise the device, so the times are the GPU's; that costs
+a little overlap, which is why the breakdown is off by default. Disabled, the engine holds
+no ``StepTimers`` and a phase is a shared ``nullcontext``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .collectives import Comm
+
+__all__ = ["StepTimers", "format_report", "phase"]
+
+PHASES = ("forward", "backward", "reduce", "gather", "step")
+# Comm's byte kinds -> the phase whose blocked time they show up in.
+WAIT_KIND = {
+    "all_reduce": "reduce",
+    "reduce_scatter": "reduce",
+    "all_gather": "gather",
+    "broadcast": "gather",
+}
+Sink = Callable[[dict[str, float], int], None]
+
+_NULL = contextlib.nullcontext()
+
+
+def phase(timers: StepTimers | None, name: str) -> contextlib.AbstractContextManager[Any]:
+    """``timers.phase(name)``, or a no-op when the breakdown is off."""
+    return _NULL if timers is None else timers.phase(name)
+
+
+class StepTimers:
+    """Accumulates phase times and bytes per optimizer step; every ``steps_per_print`` steps
+    turns the window into a report (per-step means), prints it on rank 0 and hands it to the
+    sinks (front ends log it to Lightning loggers / Accelerate trackers)."""
+
+    def __init__(self, comm: Comm, steps_per_print: int, device: torch.device) -> None:
+        self.comm = comm
+        self.steps_per_print = max(1, int(steps_per_print))
+        self._sync = device.type == "cuda"
+        self._step_times: dict[str, float] = defaultdict(float)
+        self._window: dict[str, float] = defaultdict(float)
+        self._window_steps = 0
+        self._bytes_seen: dict[str, int] = {}
+        self._last_boundary = time.perf_counter()
+        self.last_report: dict[str, float] = {}
+        self.sinks: list[Sink] = []
+        self.printer: Callable[[str], None] = lambda line: print(line, flush=True)
+        comm.wait_timer = self.record_wait
+
+    @classmethod
+    def from_config(cls, config: Any, comm: Comm, device: torch.device) -> StepTimers | None:
+        """A ``StepTimers`` when ``config.wall_clock_breakdown`` is true, else None."""
+        if config.wall_clock_breakdown is not True:
+            return None
+        return cls(comm, config.steps_per_print, device)
+
+    def add_sink(self, sink: Sink) -> None:
+        """Call ``sink(report, global_step)`` with every report (on every rank)."""
+        self.sinks.append(sink)
+
+    # -- measuring ----------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        if self._sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._step_times[name] += self._now() - start
+
+    def record_wait(self, kind: str, seconds: float) -> None:
+        """Called by ``Comm`` with the time a collective of ``kind`` blocked this rank."""
+        name = WAIT_KIND.get(kind)
+        if name is not None:
+            self._step_times[name] += seconds
+
+    def _bytes_delta(self) -> dict[str, int]:
+        total = dict(self.comm.sent_total)
+        delta = {k: v - self._bytes_seen.get(k, 0) for k, v in total.items()}
+        self._bytes_seen = total
+        return delta
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def end_step(self, global_step: int) -> None:
+        """An optimizer step finished: fold it into the window; report when due."""
+        now = self._now()
+        self._step_times["iteration"] = now - self._last_boundary
+        self._last_boundary = now
+        for name, seconds in self._step_times.items():
+            self._window[f"{name}_ms"] += seconds * 1e3
+        for kind, n in self._bytes_delta().items():
+            self._window[f"{kind}_bytes"] += n
+        self._step_times.clear()
+        self._window_steps += 1
+        if global_step % self.steps_per_print == 0:
+            self._report(global_step)
+
+    def _report(self, global_step: int) -> None:
+        steps = self._window_steps
+        report = {k: v / steps for k, v in self._window.items()}
+        for name in (*PHASES, "iteration"):
+            report.setdefault(f"{name}_ms", 0.0)
+        report["sent_bytes"] = sum(v for k, v in report.items() if k.endswith("_bytes"))
+        self.last_report = report
+        self._window.clear()
+        self._window_steps = 0
+        if self.comm.rank == 0:
+            self.printer(format_report(report, global_step, steps))
+        for sink in self.sinks:
+            sink(report, global_step)
+
+
+def format_report(report: dict[str, float], global_step: int, steps: int = 1) -> str:
+    """One line: per-step milliseconds of each phase and MB sent per collective kind."""
+    times = "  ".join(f"{name} {report.get(f'{name}_ms', 0.0):.1f}" for name in PHASES)
+    moved = "  ".join(
+        f"{k[: -len('_bytes')]} {v / 1e6:.2f}"
+        for k, v in sorted(report.items())
+        if k.endswith("_bytes") and k != "sent_bytes"
+    )
+    return (
+        f"[wall_clock_breakdown] step {global_step} (mean of {steps}): ms/step: "
+        f"{times}  (iteration {report.get('iteration_ms', 0.0):.1f}) | MB sent/step: "
+        f"{moved or 'none'}"
+    )
