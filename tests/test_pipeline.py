@@ -12,6 +12,7 @@ from torch import nn
 
 import ds_strategy
 from ds_strategy.config import ConfigError
+from ds_strategy.core.activation_checkpointing import checkpointed_modules
 from ds_strategy.core.pipeline import bubble_fraction, partition_layers
 from tests.distributed import run_ranks
 
@@ -103,11 +104,13 @@ def train_worker(rank: int, world: int, cases: list[tuple[int, str, int, str]]) 
         dp = world // stages
         data = _data(dp, kind)
         initial = {k: v.clone() for k, v in model.state_dict().items()}
-        ref = _reference(copy.deepcopy(model), data, loss_fn)
+        reference = copy.deepcopy(model)
+        ref = _reference(reference, data, loss_fn)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        engine = ds_strategy.initialize(
-            model, opt, _config(stages, schedule, zero), loss_fn=loss_fn
-        )
+        config = _config(stages, schedule, zero)
+        if kind == "mlp-ac":
+            config["activation_checkpointing"] = {"enabled": True, "every": 2}
+        engine = ds_strategy.initialize(model, opt, config, loss_fn=loss_fn)
         assert engine.num_stages == stages and engine.data_parallel_size == dp
         per = MICRO * ACCUM
         r = engine.data_parallel_rank
@@ -117,20 +120,33 @@ def train_worker(rank: int, world: int, cases: list[tuple[int, str, int, str]]) 
                 float(engine.train_batch(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]))
             )
         full = engine.full_state_dict()
+        x, y = data[0]
+        with torch.no_grad():
+            ref_eval = float(loss_fn(reference(x), y))
+        evaluated = float(engine.eval_batch(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]))
         out[(stages, schedule, zero, kind)] = {
             "diff": _diff(full, ref),
             "moved": _diff(ref, initial),
             "keys": list(full),
             "ref_keys": list(ref),
             "losses": losses,
+            "eval": (evaluated, ref_eval),
             "stage": engine.stage_id,
             "norm": engine.get_global_grad_norm(),
+            "checkpointed": len(checkpointed_modules(engine.module)),
         }
         engine.destroy()
     return out
 
 
-CASES = [(2, "gpipe", 1, "mlp"), (2, "1f1b", 2, "mlp"), (4, "1f1b", 1, "mlp"), (2, "1f1b", 1, "lm")]
+CASES = [
+    (2, "gpipe", 1, "mlp"),
+    (2, "1f1b", 2, "mlp"),
+    (4, "1f1b", 1, "mlp"),
+    (2, "1f1b", 1, "lm"),
+    (2, "interleaved_1f1b", 1, "mlp"),
+    (2, "1f1b", 2, "mlp-ac"),
+]
 
 
 def all_worker(rank: int, world: int, path: str) -> dict:
@@ -167,6 +183,10 @@ def test_pipeline_matches_single_process(trained: list[dict], case: tuple) -> No
         assert got["norm"] == pytest.approx(trained[0][case]["norm"], rel=1e-6)
     assert trained[0][case]["losses"][-1] < trained[0][case]["losses"][0]
     assert trained[0][case]["moved"] > 1e-2  # equal weights mean nothing if nothing trained
+    evaluated, ref_eval = trained[0][case]["eval"]
+    assert evaluated == pytest.approx(ref_eval, abs=1e-5)
+    # every 2nd of a stage's 8 layers runs under activation checkpointing
+    assert all(res[case]["checkpointed"] == (4 if case[3] == "mlp-ac" else 0) for res in trained)
     assert sorted({res[case]["stage"] for res in trained}) == list(range(case[0]))
 
 
