@@ -2,9 +2,11 @@
 
     torchrun --nproc-per-node=2 examples/train_gpt.py            # 2 CPU processes (gloo)
     torchrun --nproc-per-node=2 examples/train_gpt.py --stage 1 --steps 100
+    torchrun --nproc-per-node=2 examples/train_gpt.py --precision bf16 --breakdown
 
 The corpus is the repository's own README (no download). Each rank reads a different slice
-of every global batch; the loss printed is the mean over ranks.
+of every global batch; the loss printed is the mean over ranks. At the end: a sample of
+generated text, and each rank's model-state memory next to the ZeRO formula and its time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -23,16 +26,65 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 import ds_strategy  # noqa: E402
+from ds_strategy.estimate import estimate, model_facts  # noqa: E402
+
+PERSISTENCE = 1000  # stage3_param_persistence_threshold: biases and norms stay whole
+
+
+def mean_over_ranks(x: torch.Tensor, world: int) -> float:
+    x = x.detach().float().clone()
+    if dist.is_initialized():
+        dist.all_reduce(x)
+        x /= world
+    return x.item()
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: list[int], n: int, seq: int) -> list[int]:
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.tensor([prompt])
+    for _ in range(n):
+        logits = model(idx[:, -seq:])[0, -1] / 0.8
+        idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1, generator=gen)[None]], 1)
+    return idx[0, len(prompt) :].tolist()
+
+
+def memory_line(engine: ds_strategy.ZeroEngine, cfg: GPTConfig, precision: str) -> str:
+    """This rank's model state against the paper's formula (all parameters sharded) and
+    against ``ds-strategy estimate``'s (parameters under the persistence threshold whole)."""
+    report = engine.memory_report()
+    world, stage = engine.world_size, engine.stage
+    psi = sum(p.numel() for p in GPT(cfg).parameters())
+    p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    paper = {
+        0: (p + g + k) * psi,
+        1: (p + g) * psi + k * psi / world,
+        2: p * psi + (g + k) * psi / world,
+        3: (p + g + k) * psi / world,
+    }[stage]
+    facts = model_facts(lambda: GPT(cfg), persistence_threshold=PERSISTENCE)
+    est = estimate(facts, world, stage, "none", precision).model_state
+    return (
+        f"rank {engine.rank}: model state {report['total'] / 1e6:.3f} MB (params "
+        f"{report['params'] / 1e6:.3f}, grads {report['grads'] / 1e6:.3f}, optimizer "
+        f"{report['optimizer_state'] / 1e6:.3f}); ZeRO-{stage} formula {paper / 1e6:.3f} MB "
+        f"({report['total'] / paper:.3f}x), estimate with persistent small parameters "
+        f"{est / 1e6:.3f} MB ({report['total'] / est:.3f}x); {psi / 1e6:.2f}M parameters, "
+        f"{precision}, {world} rank(s)"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stage", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--breakdown", action="store_true", help="wall_clock_breakdown every 20 steps")
+    ap.add_argument("--sample", type=int, default=200, help="characters to generate at the end")
     args = ap.parse_args()
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -42,14 +94,23 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(cfg)
     config = {
-        "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 1000},
+        "zero_optimization": {
+            "stage": args.stage,
+            "stage3_param_persistence_threshold": PERSISTENCE,
+        },
+        "bf16": {"enabled": args.precision == "bf16"},
         "gradient_clipping": 1.0,
         "train_batch_size": args.batch,
+        "wall_clock_breakdown": args.breakdown,
+        "steps_per_print": 20,
     }
     engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config)
     rank, world = engine.rank, engine.world_size
     micro = engine.config.train_micro_batch_size_per_gpu
+    if engine.timers is not None:
+        engine.timers.printer = tqdm.write  # keep the progress bar intact
     gen = torch.Generator().manual_seed(1234)
+    bar = tqdm(total=args.steps, desc=f"ZeRO-{args.stage}", disable=rank != 0, leave=True)
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
@@ -58,31 +119,35 @@ def main() -> None:
         loss = gpt_loss(engine, batch)
         engine.backward(loss)
         engine.step()
+        bar.update(1)
         if step % 10 == 0 or step == 1:
-            mean = loss.detach().clone()
-            if dist.is_initialized():
-                dist.all_reduce(mean)
-                mean /= world
+            mean = mean_over_ranks(loss, world)
+            bar.set_postfix(loss=f"{mean:.3f}")
             if rank == 0:
-                print(
-                    f"step {step:4d}  loss {mean.item():.3f}  {time.perf_counter() - t0:.1f}s",
-                    flush=True,
-                )
-    report = engine.memory_report()
-    psi = sum(p.numel() for p in GPT(cfg).parameters())
-    formula = {
-        0: 16 * psi,
-        1: 8 * psi + 8 * psi / world,
-        2: 4 * psi + 12 * psi / world,
-        3: 16 * psi / world,
-    }
-    line = (
-        f"rank {rank}: model state {report['total'] / 1e6:.2f} MB "
-        f"(params {report['params'] / 1e6:.2f}, grads {report['grads'] / 1e6:.2f}, "
-        f"optimizer {report['optimizer_state'] / 1e6:.2f}); ZeRO-{args.stage} formula "
-        f"{formula[args.stage] / 1e6:.2f} MB for {psi / 1e6:.2f}M parameters on {world} rank(s)"
-    )
-    print(line, flush=True)
+                tqdm.write(f"step {step:4d}  loss {mean:.3f}  {time.perf_counter() - t0:.1f}s")
+    bar.close()
+    elapsed = time.perf_counter() - t0
+
+    state = engine.full_state_dict()  # collective: every rank takes part in the gathers
+    if rank == 0 and args.sample > 0:
+        local = GPT(cfg)
+        local.load_state_dict(state)
+        local.eval()
+        prompt = "ZeRO"
+        out = sample(local, [chars.index(c) for c in prompt], args.sample, args.seq)
+        print(f"\nsample: {prompt}{''.join(chars[i] for i in out)}\n", flush=True)
+    del state
+    if dist.is_initialized():
+        dist.barrier()
+    line = memory_line(engine, cfg, args.precision)
+    step_ms = elapsed / args.steps * 1e3
+    lines = [f"{line}\nrank {rank}: {args.steps} steps in {elapsed:.1f}s ({step_ms:.0f} ms/step)"]
+    if dist.is_initialized():  # print in rank order
+        gathered: list[list[str] | None] = [None] * world
+        dist.all_gather_object(gathered, lines)
+        lines = [x for part in gathered if part for x in part]
+    if rank == 0:
+        print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
