@@ -62,4 +62,7 @@ def initialize(
     )
 
 
-from . import lightning as _lightning  # noqa: E402,F401  registers zero1..zero3_offload in Lightning and Fabric when lightning is installed
+from ._lightning_hook import register_when_lightning_is_imported  # noqa: E402
+
+# zero1..zero3_offload in Lightning's Trainer and Fabric registries, once Lightning is imported
+register_when_lightning_is_imported()

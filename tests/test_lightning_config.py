@@ -40,6 +40,24 @@ def test_import_registers_the_names_for_trainer_and_fabric() -> None:
         assert STRATEGY_REGISTRY[name]["strategy"] is FabricZeroStrategy
 
 
+def test_import_defers_lightning_until_the_user_imports_it() -> None:
+    """``import ds_strategy`` leaves Lightning unimported (seconds saved in every rank) and the
+    names appear the moment the user imports it, whichever submodule comes first."""
+    script = (
+        "import sys, ds_strategy\n"
+        "assert 'lightning' not in sys.modules, 'imported eagerly'\n"
+        "from lightning.fabric import Fabric\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'zero3' in StrategyRegistry and 'zero2_offload' in STRATEGY_REGISTRY\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "name, stage, opt_device, param_device",
     [
