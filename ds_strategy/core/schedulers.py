@@ -53,6 +53,12 @@ def _per_group(
     return [float(value)] * len(opt.param_groups)
 
 
+def _at_least_one(value: int, name: str) -> int:
+    if int(value) < 1:
+        raise ValueError(f"scheduler.params.{name}: {value}; must be >= 1")
+    return int(value)
+
+
 def _warmup_fraction(step: int, warmup_num_steps: int, warmup_type: str) -> float:
     """0 at step 0 rising to 1 at ``warmup_num_steps``, logarithmically or linearly."""
     if step >= warmup_num_steps:
@@ -108,9 +114,7 @@ class WarmupDecayLR(WarmupLR):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        if int(total_num_steps) < 1:
-            raise ValueError(f"scheduler.params.total_num_steps: {total_num_steps}; must be >= 1")
-        self.total_num_steps = int(total_num_steps)
+        self.total_num_steps = _at_least_one(total_num_steps, "total_num_steps")
         super().__init__(
             optimizer,
             warmup_min_lr,
@@ -142,9 +146,7 @@ class WarmupCosineLR(LRScheduler):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        if int(total_num_steps) < 1:
-            raise ValueError(f"scheduler.params.total_num_steps: {total_num_steps}; must be >= 1")
-        self.total_num_steps = int(total_num_steps)
+        self.total_num_steps = _at_least_one(total_num_steps, "total_num_steps")
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.warmup_num_steps = max(2, int(warmup_num_steps))
         self.cos_min_ratio = float(cos_min_ratio)
@@ -178,12 +180,8 @@ class LRRangeTest(LRScheduler):
         lr_range_test_staircase: bool = False,
         last_batch_iteration: int = -1,
     ) -> None:
-        if int(lr_range_test_step_size) < 1:
-            raise ValueError(
-                f"scheduler.params.lr_range_test_step_size: {lr_range_test_step_size}; must be >= 1"
-            )
         self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
-        self.step_size = int(lr_range_test_step_size)
+        self.step_size = _at_least_one(lr_range_test_step_size, "lr_range_test_step_size")
         self.step_rate = float(lr_range_test_step_rate)
         self.staircase = bool(lr_range_test_staircase)
         super().__init__(optimizer, last_epoch=last_batch_iteration)
