@@ -486,7 +486,7 @@ def run_cli(args: Any) -> int:
         f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
         f"{facts.largest_unit / 1e6:.2f}M"
         if args.model
-        else "; ZeRO-3's gathered parameters not included (give --model)"
+        else "; ZeRO-3 gathers counted as the prefetch bucket only (give --model for its units)"
     )
     print(
         f"{facts.params / 1e9:.3f}B parameters ({facts.n_trainable / 1e9:.3f}B trainable){unit}\n"
