@@ -21,7 +21,9 @@ GB, STEPS, ACC = 8, 3, 2
 BUCKET = 400  # elements: forces several buckets per step on the toy model
 
 
-def _config(stage: int, opt: str = "none", param: str = "none", path: str = "") -> dict:
+def _config(
+    stage: int, opt: str = "none", param: str = "none", path: str = "", bf16: bool = False
+) -> dict:
     zo: dict = {"stage": stage}
     if stage == 3:  # partition every parameter of the toy model, not just large ones
         zo["stage3_param_persistence_threshold"] = 0
@@ -29,7 +31,10 @@ def _config(stage: int, opt: str = "none", param: str = "none", path: str = "") 
         zo["offload_optimizer"] = {"device": opt, "nvme_path": path, "buffer_size": BUCKET}
     if param != "none":
         zo["offload_param"] = {"device": param, "nvme_path": path, "buffer_size": BUCKET}
-    return {"zero_optimization": zo, "gradient_clipping": 0.3, "gradient_accumulation_steps": ACC}
+    cfg = {"zero_optimization": zo, "gradient_clipping": 0.3, "gradient_accumulation_steps": ACC}
+    if bf16:  # fp32 master shards: swapped to files with the moments
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def _engine(config: dict, seed: int = 0) -> ds_strategy.ZeroEngine:
@@ -59,8 +64,12 @@ def _swap_facts(engine: ds_strategy.ZeroEngine) -> dict:
                 assert files[f"state_{i}_{k}.bin"] == pc.tensor.numel() * 4
                 assert v.untyped_storage().nbytes() == 0
                 state_files += 1
-    params = 0
+    params = masters = 0
     for i, g in enumerate(engine.plan.groups):
+        if f"master_{i}.bin" in files:
+            assert files[f"master_{i}.bin"] == g.master.numel() * 4
+            assert g.master.untyped_storage().nbytes() == 0
+            masters += 1
         if f"param_{i}.bin" in files:
             assert files[f"param_{i}.bin"] == g.shard.numel() * g.shard.element_size()
             assert g.shard.untyped_storage().nbytes() == 0
@@ -71,6 +80,7 @@ def _swap_facts(engine: ds_strategy.ZeroEngine) -> dict:
         "state_files": state_files,
         "all_files": len(files),
         "param_files": params,
+        "master_files": masters,
         "pieces": len(engine._sharded_opt.pieces),
         "report": report,
     }
@@ -82,8 +92,10 @@ def stage_worker(rank: int, world: int, tmp: str) -> dict:
     variants = [(s, "none", "none") for s in (1, 2, 3)]
     variants += [(s, o, "none") for s in (1, 2, 3) for o in ("cpu", "nvme")]
     variants += [(3, "none", "nvme"), (3, "nvme", "nvme")]
+    variants += [("3-bf16", "none", "none"), ("3-bf16", "nvme", "nvme")]
     for stage, opt, param in variants:
-        engine = _engine(_config(stage, opt, param, tmp))
+        bf16 = stage == "3-bf16"
+        engine = _engine(_config(3 if bf16 else int(stage), opt, param, tmp, bf16))
         _train(engine, data, rank, world)
         facts = _swap_facts(engine) if "nvme" in (opt, param) else None
         out[(stage, opt, param)] = {"state": engine.full_state_dict(), "facts": facts}
@@ -94,8 +106,9 @@ def stage_worker(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_offload_trains_like_no_offload(tmp_path: Path) -> None:
-    """Stages 1-3 with offload_optimizer cpu / nvme, stage 3 with offload_param nvme: 2 ranks,
-    AdamW with two param groups, accumulation and clipping, several buckets per step."""
+    """Stages 1-3 with offload_optimizer cpu / nvme, stage 3 with offload_param nvme (and
+    under bf16, with fp32 masters swapped too): 2 ranks, AdamW with two param groups,
+    accumulation and clipping, several buckets per step."""
     for res in run_ranks(stage_worker, 2, str(tmp_path)):
         for variant, got in res.items():
             stage = variant[0]
@@ -113,6 +126,7 @@ def test_offload_trains_like_no_offload(tmp_path: Path) -> None:
                 assert facts["report"]["offloaded_nvme"] > 0
             if variant[2] == "nvme":
                 assert facts["param_files"] > 0
+            assert (facts["master_files"] > 0) == (stage == "3-bf16")
             assert facts["removed"], facts["dir"]
     assert os.listdir(tmp_path) == []
 

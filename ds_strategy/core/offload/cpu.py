@@ -45,9 +45,11 @@ def place_on_host(groups: list[FlatParamGroup], pin: bool, params: bool) -> None
     for g in groups:
         if g.device.type == "cpu":
             continue
-        if g.trainable:
+        if g.trainable and (g.master is None or g.master.device.type != "cpu"):
             src = g.master if g.master is not None else g.shard
             g.master = host_copy(src, torch.float32, pin)
+        elif g.trainable and pin and not g.master.is_pinned():
+            g.master = host_copy(g.master, torch.float32, pin)
         if params and g.policy.shard_params:
             g.shard = host_copy(g.shard, g.dtype, pin)
             g.param_store = HostParamStore(g)

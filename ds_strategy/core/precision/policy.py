@@ -37,6 +37,9 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
     master_weights: bool = False  # an fp32 copy of this rank's shard is what the optimizer updates
     loss_scaling: bool = False
+    # optimizer offload: on an accelerator the fp32 master shard is allocated in host memory
+    # (always, fp32 training included), so the device never holds it (core/offload)
+    offload_master: bool = False
 
     @staticmethod
     def from_config(cfg: ZeroConfig) -> PrecisionPolicy:
@@ -47,7 +50,8 @@ class PrecisionPolicy:
         else:
             param, master, scaling = torch.float32, False, False
         reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else param
-        return PrecisionPolicy(param, reduce, master, scaling)
+        offload = cfg.zero_optimization.offload_optimizer.device != "none"
+        return PrecisionPolicy(param, reduce, master, scaling, offload)
 
     @property
     def mixed(self) -> bool:

@@ -112,8 +112,12 @@ class FlatParamGroup:
             self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
         # fp32 master copy of this rank's slice (mixed precision): what the optimizer updates
         self.master: torch.Tensor | None = None
-        if trainable and self.precision.master_weights and self.dtype != torch.float32:
-            self.master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        on_host = self.precision.offload_master and self.device.type != "cpu"
+        if trainable and (
+            on_host or (self.precision.master_weights and self.dtype != torch.float32)
+        ):
+            where = torch.device("cpu") if on_host else self.device
+            self.master = torch.zeros(hi - lo, dtype=torch.float32, device=where)
         self._staging: torch.Tensor | None = None
         # stage 3 with parameter offload: where the shard lives between gathers (core/offload)
         self.param_store: ParamStore | None = None
