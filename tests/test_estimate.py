@@ -30,6 +30,7 @@ from .distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 THRESHOLD = 1000  # stage3_param_persistence_threshold: biases and norms stay whole
+LIVE_CHECKED = {("fp32", 1), ("bf16", 3)}  # also counted from the live tensors
 PREFETCH = 20_000  # about one block: the gathered peak is the root and two blocks
 
 
@@ -67,7 +68,8 @@ def measure_worker(rank: int, world: int) -> dict:
     for precision in ("fp32", "bf16"):
         for stage in (1, 2, 3):
             torch.manual_seed(0)
-            before = live_tensor_bytes()
+            count_live = (precision, stage) in LIVE_CHECKED  # a heap walk each: keep few
+            before = live_tensor_bytes() if count_live else 0
             model = Net()
             config = {
                 "zero_optimization": {
@@ -86,7 +88,9 @@ def measure_worker(rank: int, world: int) -> dict:
             engine.backward(loss)
             engine.step()  # the optimizer state exists after the first step
             del loss
-            live = live_tensor_bytes() - before - idx.numel() * idx.element_size()
+            live = None
+            if count_live:
+                live = live_tensor_bytes() - before - idx.numel() * idx.element_size()
             out[(precision, stage)] = {"report": engine.memory_report(), "live": live}
             engine.destroy()
             del engine, model
@@ -102,13 +106,15 @@ def test_estimate_matches_measured_memory() -> None:
     assert facts.params == sum(p.numel() for p in Net().parameters())
     assert facts.persistent > 0 and facts.largest_unit > 0  # the model exercises both terms
     results = run_ranks(measure_worker, world, timeout=120)
+    assert sum(r["live"] is not None for r in results[0].values()) == len(LIVE_CHECKED)
     for rank in range(world):
         for (precision, stage), got in results[rank].items():
             est = estimate(facts, world, stage, "none", precision, prefetch_numel=PREFETCH)
             report = got["report"]
             where = f"rank {rank} {precision} stage {stage}"
             assert report["total"] == pytest.approx(est.model_state, rel=0.10), where
-            assert got["live"] == pytest.approx(est.model_state, rel=0.10), where
+            if got["live"] is not None:
+                assert got["live"] == pytest.approx(est.model_state, rel=0.10), where
             # Under mixed precision the report files the fp32 master shard with the params.
             held = report["params"] + report["optimizer_state"]
             assert held == pytest.approx(est.device["params"] + est.device["optimizer"], rel=0.10)
