@@ -105,7 +105,9 @@ class Offload:
         return self.param_cfg.device == "nvme"
 
     def place(self) -> None:
-        pin = bool(self.opt_cfg.pin_memory or self.param_cfg.pin_memory)
+        # Swapped tensors are resized as they come and go: plain host memory, never pinned.
+        swapped = self.nvme_optimizer or self.nvme_params
+        pin = bool(self.opt_cfg.pin_memory or self.param_cfg.pin_memory) and not swapped
         place_on_host(self.groups, pin, params=self.param_cfg.device != "none")
 
     # -- NVMe -------------------------------------------------------------------------------------
