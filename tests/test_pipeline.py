@@ -144,6 +144,7 @@ CASES = [
     (2, "1f1b", 2, "mlp"),
     (4, "1f1b", 1, "mlp"),
     (2, "1f1b", 1, "lm"),
+    (2, "gpipe", 2, "lm"),
     (2, "interleaved_1f1b", 1, "mlp"),
     (2, "1f1b", 2, "mlp-ac"),
 ]
