@@ -293,3 +293,12 @@ def test_checkpoint_resumes_across_stages(results: list[dict]) -> None:
         assert res["checkpoint"]["moved"] > 1e-3  # the step after loading changed the weights
         assert res["checkpoint"]["state"] == {"step": 1}
     assert sorted(p.name for p in results[0]["path"].iterdir()) == ["stage_0", "stage_1"]
+
+
+def test_zero_engine_refuses_a_pipeline_config() -> None:
+    # a front end that builds a ZeroEngine must not silently drop the pipeline section
+    model = mlp(2)
+    with pytest.raises(ValueError, match="loss_fn"):
+        ds_strategy.ZeroEngine(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), {"pipeline": {"stages": 2}}
+        )

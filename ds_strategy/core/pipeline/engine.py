@@ -115,7 +115,7 @@ class PipelineEngine:
         self.engine = ZeroEngine(
             self.module,
             optimizer,
-            self.config,
+            self.config.replace(**{"pipeline.stages": 1}),  # this stage's data-parallel part
             lr_scheduler=lr_scheduler,
             process_group=self.mesh.dp_group,
         )
