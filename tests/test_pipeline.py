@@ -13,7 +13,7 @@ from torch import nn
 import ds_strategy
 from ds_strategy.config import ConfigError
 from ds_strategy.core.activation_checkpointing import checkpointed_modules
-from ds_strategy.core.pipeline import bubble_fraction, partition_layers
+from ds_strategy.core.pipeline import Mesh, bubble_fraction, partition_layers
 from tests.distributed import run_ranks
 
 STEPS, MICRO, ACCUM, CLIP, D_IN = 3, 2, 4, 0.5, 6
@@ -302,3 +302,12 @@ def test_zero_engine_refuses_a_pipeline_config() -> None:
         ds_strategy.ZeroEngine(
             model, torch.optim.SGD(model.parameters(), lr=0.1), {"pipeline": {"stages": 2}}
         )
+
+
+def test_mesh_rank_layout() -> None:
+    # DeepSpeed's pipe/data order: the data-parallel index varies fastest
+    mesh = Mesh(pp_size=2, dp_size=3, rank=4, pp_group=None, dp_group=None)
+    assert (mesh.stage, mesh.dp_rank, mesh.world_size) == (1, 1, 6)
+    assert mesh.pp_ranks() == [1, 4]
+    assert mesh.dp_ranks() == [3, 4, 5]
+    assert mesh.global_rank(0, 2) == 2

@@ -306,7 +306,7 @@ class PipelineEngine:
 
     def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None) -> Path:
         """Every stage writes its ZeRO checkpoint to ``path/stage_<k>``. Collective. Loads
-        into a pipeline with the same stages and partition (any data-parallel size)."""
+        into a pipeline with the same stages and partition."""
         root = Path(path)
         self.engine.save_checkpoint(root / f"stage_{self.stage_id}", client_state=client_state)
         self._pp.barrier()
