@@ -3,10 +3,13 @@
 [Note: bounded memory]
 The output is written tensor by tensor: each parameter is read from the shards through
 DCP (only the chunks of that one tensor), converted, written and dropped, so peak memory is
-the largest single tensor, never the whole model. A ``.safetensors`` file is written by hand
-in its documented layout (an 8-byte little-endian header length, a JSON header of dtypes,
-shapes and byte offsets, then the raw tensors back to back), which is what allows streaming;
-a ``.pt`` file must be one pickle, so it is built in memory.
+about two copies of the largest single tensor (the chunks DCP reads, then the tensor they
+fill; one more for a dtype conversion), never the whole model. A ``.safetensors`` file is
+written by hand in its documented layout (an 8-byte little-endian header length, a JSON
+header of dtypes, shapes and byte offsets, then the raw tensors back to back), which is what
+allows streaming. A ``.pt`` file is one pickle that ``torch.save`` writes from a dict of
+tensors, so it is built in memory: its peak is the whole model's weights. Prefer
+``.safetensors`` for large models (``benchmarks/bench_consolidate.py`` measures both).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def _stream(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         yield name, t
+        del t  # before the next tensor is allocated
 
 
 def consolidate(
@@ -121,5 +125,6 @@ def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, t in _stream(src, dtype):
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t
     tmp.rename(out)
