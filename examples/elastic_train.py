@@ -10,11 +10,6 @@ batch stays ``--global-batch`` whatever the number of ranks (gradient accumulati
 the difference), so a restart with fewer ranks (``--nproc-per-node=2``) continues the same
 run. ``--fail-once RANK:STEP`` makes that rank kill itself (SIGKILL) once, after that step,
 to try it out; a marker file in the root makes it happen only once.
-
-With gloo (CPU) and torch 2.13, export ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` before
-torchrun: otherwise the restarted workers use the store the failed attempt wrote to, and we
-have seen the new gloo group try to connect to a dead worker's address (connection refused,
-or a hang) instead of the new one.
 """
 
 from __future__ import annotations

@@ -96,14 +96,7 @@ def _torchrun(tmp_path: Path, nproc: int, *args: str) -> str:
         str(REPO / "examples/elastic_train.py"),
         *args,
     ]
-    # see examples/elastic_train.py: a restarted gloo group must not share the failed
-    # attempt's rendezvous store
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO),
-        OMP_NUM_THREADS="1",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return run_command(cmd, tmp_path, env, timeout=240, name="torchrun")
 
 

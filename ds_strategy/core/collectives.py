@@ -202,5 +202,31 @@ def init_process_group_from_env(timeout_s: float | None = None) -> bool:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+    kwargs.update(_restart_store(env, kwargs.get("timeout")))
     dist.init_process_group(backend=backend, **kwargs)
     return True
+
+
+def _restart_store(env: os._Environ, timeout: datetime.timedelta | None) -> dict:
+    """After a torchrun restart, a store namespace of this attempt's own.
+
+    [Note: stale rendezvous keys]
+    torchrun's agent keeps one store for the whole job and its workers join it with the
+    same key prefix on every attempt, so the workers of a restarted group can read the
+    addresses the failed attempt's workers published; a gloo group then tries to connect to
+    a dead process (connection refused, or a hang). Prefixing the keys with the restart
+    count gives each attempt a clean namespace on the same store.
+    """
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world = int(env["WORLD_SIZE"])
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=10),
+    )
+    prefixed = dist.PrefixStore(f"ds_strategy/attempt_{attempt}/", store)
+    return {"store": prefixed, "rank": int(env["RANK"]), "world_size": world}
