@@ -260,3 +260,29 @@ def test_cpu_offload_on_cpu_moves_nothing() -> None:
     assert all(g.master is None for g in engine.plan.groups)
     assert engine._offload is not None and engine._offload.swap_dir is None
     assert engine.memory_report() == base.memory_report()
+
+
+def test_swapped_tensor_lifecycle(tmp_path: Path) -> None:
+    """Users are counted; the last release writes (only when changed) and frees the storage;
+    views of the tensor see the bytes again after a read."""
+    d = swap_mod.SwapDir(tmp_path, rank=0, needed_bytes=0, checkpoint_marker="x.json")
+    base = torch.arange(10.0)
+    view = base[2:5]
+    t = swap_mod.SwappedTensor(base, d.file("t"), d.pool)
+    t.acquire()  # two users
+    t.release(dirty=True)
+    assert t.resident and base.untyped_storage().nbytes() == 40
+    t.release(dirty=False)
+    t.wait()
+    assert t.state is swap_mod.SwapState.ON_DISK and base.untyped_storage().nbytes() == 0
+    assert (d.path / "t.bin").stat().st_size == 40
+    t.prefetch()
+    assert t.acquire() is base and view.tolist() == [2.0, 3.0, 4.0]
+    base.add_(1.0)
+    t.release(dirty=False)  # claimed unchanged: the stale file is kept, nothing written
+    assert t.acquire().tolist() == list(range(10))
+    t.release(dirty=True)
+    with pytest.raises(RuntimeError, match="released more often"):
+        t.release(dirty=True)
+    d.close()
+    assert not d.path.exists()

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ...config import ZeroConfig
+from ...config import UnsupportedConfigWarning, ZeroConfig
 from ..zero.flat_group import FlatParamGroup
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
@@ -92,6 +93,14 @@ class Offload:
         zc = config.zero_optimization
         if zc.offload_optimizer.device == "none" and zc.offload_param.device == "none":
             return None
+        if zc.offload_optimizer.ratio < 1.0:
+            warnings.warn(
+                f"zero_optimization.offload_optimizer.ratio={zc.offload_optimizer.ratio}: partial "
+                "offload is not implemented, the whole optimizer state is offloaded; set ratio "
+                "to 1.0 to silence this",
+                UnsupportedConfigWarning,
+                stacklevel=4,
+            )
         off = Offload(config, groups, rank)
         off.place()
         return off
