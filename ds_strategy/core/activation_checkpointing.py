@@ -219,6 +219,10 @@ class SavedTensorMeter:
             {p.untyped_storage().data_ptr() for p in model.parameters()} if model else set()
         )
         self._seen: set[int] = set()
+        # Storages counted so far stay referenced until the meter exits: a tensor dropped
+        # mid-forward could otherwise hand its address to a new one, which would then be
+        # mistaken for the first and not counted.
+        self._held: list[torch.UntypedStorage] = []
         self.bytes = 0
 
     def add(self, t: torch.Tensor) -> None:
@@ -229,6 +233,7 @@ class SavedTensorMeter:
         if key in self._seen or key in self._params or key == 0:
             return
         self._seen.add(key)
+        self._held.append(storage)
         self.bytes += storage.nbytes()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -243,6 +248,7 @@ class SavedTensorMeter:
                 yield self
         finally:
             _METER.reset(token)
+            self._held.clear()
 
     def __enter__(self) -> SavedTensorMeter:
         self._ctx = self._active()
