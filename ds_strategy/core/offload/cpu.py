@@ -13,9 +13,13 @@ device just for its all-gather.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..zero.flat_group import FlatParamGroup
+if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
+    from ..zero.flat_group import FlatParamGroup
+
 
 __all__ = ["HostParamStore", "host_copy", "place_on_host"]
 

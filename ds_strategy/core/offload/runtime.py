@@ -15,15 +15,17 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...config import UnsupportedConfigWarning, ZeroConfig
-from ..zero.flat_group import FlatParamGroup
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
 from .swap import SwapDir, SwappedTensor
+
+if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
+    from ..zero.flat_group import FlatParamGroup
 
 __all__ = ["Offload", "check_offload_config"]
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..zero.flat_group import FlatParamGroup
 from .swap import SwapDir, SwappedTensor
+
+if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
+    from ..zero.flat_group import FlatParamGroup
 
 __all__ = ["BucketedStep", "StateSwaps"]
 
