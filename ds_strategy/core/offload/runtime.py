@@ -56,14 +56,35 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     return n
 
 
+class _GatherOrder:
+    """[Note: reading parameter shards ahead]
+    Stage 3 gathers the units in the same order every step (forward, then backward in
+    reverse). Each gather records which group it followed; the next time a group is gathered,
+    the read of the group that followed it last time starts on the I/O threads, so that
+    shard is (mostly) in memory by the time its own gather asks for it."""
+
+    def __init__(self) -> None:
+        self.last: _SwappedParams | None = None
+        self.next_of: dict[int, _SwappedParams] = {}
+
+    def saw(self, store: _SwappedParams) -> None:
+        if self.last is not None and self.last is not store:
+            self.next_of[id(self.last)] = store
+        self.last = store
+        following = self.next_of.get(id(store))
+        if following is not None and following is not store:
+            following.swap.prefetch()
+
+
 class _SwappedParams:
     """``ParamStore`` of a partitioned group whose shard lives in a file between gathers."""
 
-    def __init__(self, group: FlatParamGroup, swap: SwappedTensor) -> None:
-        self.group, self.swap = group, swap
+    def __init__(self, group: FlatParamGroup, swap: SwappedTensor, order: _GatherOrder) -> None:
+        self.group, self.swap, self.order = group, swap, order
 
     def for_gather(self) -> torch.Tensor:
         shard = self.swap.acquire()
+        self.order.saw(self)
         if self.group.device.type == "cpu":
             return shard  # released once the gather has landed
         out = shard.to(self.group.device)
@@ -161,11 +182,12 @@ class Offload:
             io_threads=2,
         )
         pool = self.swap_dir.pool
+        order = _GatherOrder()
         for g, name, t in self._swapped_group_tensors():
             swap = SwappedTensor(t, self.swap_dir.file(name), pool)
             self.group_swaps.setdefault(id(g), []).append(swap)
             if name.startswith("param_"):
-                g.param_store = _SwappedParams(g, swap)
+                g.param_store = _SwappedParams(g, swap, order)
             swap.release(dirty=True)
         self.state = StateSwaps(sharded_opt, self.swap_dir) if self.nvme_optimizer else None
         self.stepper = BucketedStep(

@@ -124,6 +124,9 @@ class SwappedTensor:
         self.holds -= 1
         if self.holds > 0:
             return
+        self._free_or_write()
+
+    def _free_or_write(self) -> None:
         if self.dirty or not self.path.exists():
             self.state = SwapState.WRITING
             self._future = self._pool.submit(self._write_and_free)
