@@ -10,8 +10,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,7 +21,18 @@ from .config import ConfigError, ZeroConfig, load_config
 from .core.checkpoint.consolidate import consolidate
 from .core.engine import ZeroEngine
 
-__all__ = ["ConfigError", "ZeroConfig", "ZeroEngine", "consolidate", "initialize", "load_config"]
+if TYPE_CHECKING:
+    from .core.pipeline import PipelineEngine
+
+__all__ = [
+    "ConfigError",
+    "PipelineEngine",
+    "ZeroConfig",
+    "ZeroEngine",
+    "consolidate",
+    "initialize",
+    "load_config",
+]
 __version__ = "0.1.0"
 
 
@@ -32,7 +44,8 @@ def initialize(
     lr_scheduler: Any = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
-) -> ZeroEngine:
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> ZeroEngine | PipelineEngine:
     """Wrap ``model`` and ``optimizer`` in a :class:`ZeroEngine` sharded as ``config`` says.
 
     Args:
@@ -51,7 +64,14 @@ def initialize(
             ``torchrun`` / ``accelerate launch`` / SLURM variables when none exists).
         param_init_fn: ``fn(module)`` initialising a module's own parameters after
             materialisation from the meta device.
+        loss_fn: ``fn(output, target) -> loss`` of one micro-batch; giving it (with an
+            ``nn.Sequential`` model and a ``pipeline`` config section) returns a
+            :class:`~ds_strategy.core.pipeline.PipelineEngine` driven by ``train_batch``.
     """
+    if loss_fn is not None or _pipeline_stages(config) > 1:
+        return _pipeline_engine(
+            model, optimizer, config, loss_fn, lr_scheduler, process_group, param_init_fn
+        )
     return ZeroEngine(
         model,
         optimizer,
@@ -60,6 +80,45 @@ def initialize(
         process_group=process_group,
         param_init_fn=param_init_fn,
     )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PipelineEngine":
+        from .core.pipeline import PipelineEngine
+
+        return PipelineEngine
+    raise AttributeError(f"module 'ds_strategy' has no attribute {name!r}")
+
+
+def _pipeline_stages(config: Any) -> int:
+    with warnings.catch_warnings():  # the engine loads the config again and warns then
+        warnings.simplefilter("ignore")
+        return int(load_config(config).pipeline.stages)
+
+
+def _pipeline_engine(
+    model: Any,
+    optimizer: Any,
+    config: Any,
+    loss_fn: Any,
+    lr_scheduler: Any,
+    process_group: Any,
+    param_init_fn: Any,
+) -> PipelineEngine:
+    if loss_fn is None:
+        raise ValueError(
+            "pipeline.stages > 1: a pipeline computes the loss on its last stage; pass "
+            "loss_fn=fn(output, target) to ds_strategy.initialize and train with "
+            "engine.train_batch(inputs, targets)"
+        )
+    from .core.pipeline import PipelineEngine  # torch.distributed.pipelining is slow to import
+
+    if process_group is not None or param_init_fn is not None:
+        raise ValueError(
+            "process_group / param_init_fn: a pipeline builds its own groups from the default "
+            "group and needs a materialised model; leave both unset"
+        )
+    return PipelineEngine(model, optimizer, config, loss_fn, lr_scheduler=lr_scheduler)
 
 
 from ._lightning_hook import register_when_lightning_is_imported  # noqa: E402
