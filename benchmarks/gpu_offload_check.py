@@ -17,7 +17,9 @@ exceeds the machine's available memory are counted as failures without running.
 Printed: every try (layers, parameters, fp32 Adam state = 12 bytes a parameter for the fp32
 master and both moments, GPU peak, step time), then the largest model that trained, its step
 time, and whether its fp32 Adam state exceeds the GPU memory. ``--baseline`` also tries that
-model without offload, which is expected to run out of GPU memory.
+model without offload, which is expected to run out of GPU memory. Host memory bounds the
+model (about 18 bytes a parameter); where the GPU has more memory than the host can back,
+``--gpu-mem-gib`` caps the GPU so that a model whose state exceeds it can be shown.
 """
 
 from __future__ import annotations
