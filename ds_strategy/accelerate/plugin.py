@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,9 @@ class ZeroPlugin:
             means 0: the engine clips only when the loop calls
             ``accelerator.clip_grad_norm_``, as with a plain ``Accelerator``.
         overrides: dotted keys applied last, e.g. ``{"zero_optimization.stage": 3}``.
+        loss_fn: ``fn(output, target) -> loss`` of one micro-batch; required with a
+            ``pipeline`` section (``stages > 1``), where the last stage computes the loss
+            inside ``model.train_batch(inputs, targets)``.
 
     Example::
 
@@ -133,6 +136,7 @@ class ZeroPlugin:
     config: Any = None
     gradient_clipping: float | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    loss_fn: Callable[[Any, Any], Any] | None = None
 
     def load(self, environ: Mapping[str, str] | None = None) -> ZeroConfig:
         """The validated, not yet resolved config (``"auto"`` values kept); see the module note
