@@ -50,7 +50,7 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max(float((got[k] - want[k]).abs().max()) for k in want)
 
 
-def periodic_worker(rank: int, world: int, root: str) -> None:
+def periodic_worker(rank: int, world: int, root: str) -> list[str | None]:
     torch.manual_seed(0)
     model = ToyLM()
     config = {
@@ -58,19 +58,30 @@ def periodic_worker(rank: int, world: int, root: str) -> None:
         "checkpoint": {"save_dir": root, "save_interval": 2, "keep_last": 2, "async_save": True},
     }
     engine = ds_strategy.initialize(model, _opt(model), config)
-    train(engine, batches(6, 1, GB), rank, world)
+    in_background = []
+    for batch in batches(6, 1, GB):
+        train(engine, [batch], rank, world)
+        pending = engine._checkpoints._pending  # the save handed to the background writer
+        in_background.append(pending.final.name if pending is not None else None)
     engine.destroy()  # waits for the last asynchronous save
+    return in_background
+
+
+PERIODIC: dict[str, list] = {}
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six steps at world 2 / stage 3, saving every 2 steps asynchronously, keeping 2."""
     path = tmp_path_factory.mktemp("periodic") / "ckpt"
-    run_ranks(periodic_worker, 2, str(path))
+    PERIODIC["in_background"] = run_ranks(periodic_worker, 2, str(path))
     return path
 
 
 def test_periodic_async_saves_keep_the_last_two_and_point_latest_at_the_newest(root: Path) -> None:
+    # the periodic saves went to the background writer (each waited for by the next one)
+    steps = [None, "global_step2", "global_step2", "global_step4", "global_step4", "global_step6"]
+    assert PERIODIC["in_background"] == [steps, steps]
     assert (root / "latest").read_text() == "global_step6"
     assert sorted(p.name for p in root.iterdir()) == ["global_step4", "global_step6", "latest"]
     meta = json.loads((root / "global_step4" / "ds_strategy.json").read_text())
@@ -186,7 +197,9 @@ def test_damaged_checkpoints_fail_on_every_rank_naming_the_file(root: Path, tmp_
             assert name in err and PATTERNS[case] in err, (rank, case, err)
         shape_err = errors[-1]
         assert "ds_strategy.json: checkpoint does not match this model" in shape_err
-        assert re.search(r"'[\w.]+' has shape \[\d+, 24\] in the checkpoint, \[\d+, 16\]", shape_err)
+        assert re.search(
+            r"'[\w.]+' has shape \[\d+, 24\] in the checkpoint, \[\d+, 16\]", shape_err
+        )
     # the bit flip is in the share of files one rank verifies; the other learns it from that rank
     flip = [errors[CASES.index("bitflip")] for errors in results]
     assert sum("found by rank" in e for e in flip) == 1
