@@ -130,6 +130,7 @@ def test_unsupported_table_does_not_shadow_schema_keys() -> None:
             "fp16": schema_mod.FP16Config,
             "bf16": schema_mod.BF16Config,
             "optimizer": schema_mod.OptimizerConfig,
+            "checkpoint": schema_mod.CheckpointConfig,
         }
     )
     assert set(UNSUPPORTED_KEYS) <= set(sections)

@@ -207,6 +207,72 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint``: periodic checkpoints written by ``engine.step()``.
+
+    Every ``save_interval`` optimizer steps the engine saves to ``save_dir/global_step<N>`` and
+    points ``save_dir/latest`` at it; ``keep_last`` keeps only the newest k such checkpoints;
+    ``async_save`` writes in the background while training continues. DeepSpeed's own keys of
+    this section (``tag_validation``, ``load_universal``, ...) are not implemented and warn.
+
+    >>> CheckpointConfig(save_dir="ckpt", save_interval=100).keep_last is None
+    True
+    """
+
+    save_dir: Any = leaf(str, None)
+    save_interval: Any = leaf(int, None, ge=1)
+    keep_last: Any = leaf(int, None, ge=1)
+    async_save: Any = leaf(bool, False)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """``pipeline``: split an ``nn.Sequential`` into ``stages`` pipeline stages, each trained
+    data-parallel (ZeRO stage 0-2) over ``world_size / stages`` ranks.
+
+    ``partition_method`` balances ``"parameters"`` (trainable parameter counts), ``"uniform"``
+    (layer counts) or ``"type:<regex>"`` (layers whose class name matches). ``schedule`` is
+    ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``; ``stages_per_rank`` (ds_strategy's own
+    key) is the number of model chunks each rank holds (default 2 for the interleaved
+    schedule, else 1).
+
+    >>> PipelineConfig(stages=2).schedule
+    '1f1b'
+    """
+
+    stages: Any = leaf(int, 1, ge=1)
+    partition_method: Any = leaf(str, "parameters")
+    schedule: Any = leaf(str, "1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    stages_per_rank: Any = leaf(int, None, ge=1)
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: recompute chosen modules' activations in backward
+    (non-reentrant ``torch.utils.checkpoint``) instead of keeping them.
+
+    ds_strategy's own keys: ``enabled``; ``modules`` is ``"blocks"`` (every element of the
+    model's ``nn.ModuleList`` / ``nn.Sequential`` containers; under a pipeline every layer)
+    or ``"type:<regex>"`` (modules whose class name matches); ``every`` checkpoints one
+    chosen module in ``every``. Of DeepSpeed's keys, ``cpu_checkpointing`` keeps the
+    checkpointed inputs on the CPU; the others are accepted and warn.
+
+    >>> ActivationCheckpointingConfig(enabled=True).modules
+    'blocks'
+    """
+
+    enabled: Any = leaf(bool, False)
+    modules: Any = leaf(str, "blocks")
+    every: Any = leaf(int, 1, ge=1)
+    cpu_checkpointing: Any = leaf(bool, False)
+    partition_activations: Any = leaf(bool, False)
+    contiguous_memory_optimization: Any = leaf(bool, False)
+    number_checkpoints: Any = leaf(int, None, ge=1)
+    synchronize_checkpoint_boundary: Any = leaf(bool, False)
+    profile: Any = leaf(bool, False)
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """The whole configuration: top-level DeepSpeed keys plus one field per section.
 
@@ -235,8 +301,13 @@ class ZeroConfig:
     zero_optimization: ZeroOptimizationConfig = section(ZeroOptimizationConfig)
     fp16: FP16Config = section(FP16Config)
     bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
+    pipeline: PipelineConfig = section(PipelineConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = section(
+        ActivationCheckpointingConfig
+    )
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
 
     @classmethod
     def from_any(cls, source: Any = None) -> ZeroConfig:
@@ -309,7 +380,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         ),
         **_ignored(
             "not implemented yet",
-            "activation_checkpointing pipeline checkpoint data_types autotuning elasticity compile",
+            "data_types autotuning elasticity compile",
         ),
         **_ignored(
             "a DeepSpeed-specific feature with no equivalent here",
@@ -374,5 +445,11 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         "bf16_optimizer_states": "optimizer state is always fp32",
     },
     "optimizer": {"legacy_fusion": "there are no fused DeepSpeed optimizers here"},
+    "checkpoint": {
+        "tag_validation": "tags are not compared across ranks; every rank gets the same tag",
+        "load_universal": "every checkpoint reshards on load; there is no universal format",
+        "use_node_local_storage": "every rank writes to the shared save directory",
+        "parallel_write": "every rank always writes its own shards in parallel",
+    },
 }
 """DeepSpeed keys known but not implemented, per section; loading one warns and ignores it."""

@@ -18,11 +18,15 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig, load_config
-from .checkpoint.sharded import load_engine, save_engine
+from .activation_checkpointing import apply_activation_checkpointing
+from .checkpoint.manager import CheckpointManager
+from .checkpoint.sharded import META_FILE
 from .collectives import Comm, init_process_group_from_env
+from .offload import Offload, check_offload_config
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 from .schedulers import build_scheduler
+from .timers import StepTimers, phase
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, ShardedOptimizer, rebuild_optimizer
@@ -69,6 +73,7 @@ class ZeroEngine(nn.Module):
         self._check_supported()
         self.module = model
         self.device = _pick_device(model)
+        self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
         self.micro_steps = 0
         self.global_steps = 0
         self._no_sync = False
@@ -87,6 +92,14 @@ class ZeroEngine(nn.Module):
             self.config.prescale_gradients,
             self.config.gradient_predivide_factor,
         )
+        if self.config.pipeline.stages > 1:
+            raise ValueError(
+                f"pipeline.stages={self.config.pipeline.stages}: a pipeline is built by "
+                "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
+                "nn.Sequential and trained with engine.train_batch; this front end drives a "
+                "ZeroEngine, so set pipeline.stages to 1 here"
+            )
+        apply_activation_checkpointing(model, self.config.activation_checkpointing)
         self.plan: ShardingPlan = build_plan(
             model,
             self.comm,
@@ -100,11 +113,15 @@ class ZeroEngine(nn.Module):
             param_init_fn=param_init_fn,
             precision=self.precision,
         )
+        # offloaded masters move before the optimizer is built over them
+        self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)
         if optimizer is None:
             optimizer = _optimizer_from_config(self.config)
         opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
         self.optimizer = opt
         self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
+        if self._offload is not None:
+            self._offload.attach(self._sharded_opt, META_FILE)
         if self.config.scheduler is not None:
             if lr_scheduler is not None:
                 raise ValueError(
@@ -115,33 +132,21 @@ class ZeroEngine(nn.Module):
             self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
         else:
             self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
+        self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
 
     # -- configuration checks --------------------------------------------------------------------
 
     def _check_supported(self) -> None:
-        cfg = self.config
-        zc = cfg.zero_optimization
-        if zc.offload_param.device == "nvme" or zc.offload_optimizer.device == "nvme":
-            raise ValueError(
-                "NVMe offload is not available in this release of ds_strategy; set "
-                "zero_optimization.offload_optimizer.device / offload_param.device to 'none' or 'cpu'"
-            )
-        if torch.cuda.is_available() and "cpu" in (
-            zc.offload_param.device,
-            zc.offload_optimizer.device,
-        ):
-            raise ValueError(
-                "CPU offload on a GPU is not available in this release of ds_strategy; set "
-                "zero_optimization.offload_optimizer.device / offload_param.device to 'none'"
-            )
+        check_offload_config(self.config)  # offload needs stage >= 1; offload_param stage 3
 
     # -- the training loop ---------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; under mixed precision floating-point inputs are cast
         to the compute dtype and floating-point outputs come back in fp32."""
-        args, kwargs = self.precision.cast_inputs((args, kwargs))
-        return self.precision.cast_outputs(self.module(*args, **kwargs))
+        with phase(self.timers, "forward"):
+            args, kwargs = self.precision.cast_inputs((args, kwargs))
+            return self.precision.cast_outputs(self.module(*args, **kwargs))
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next :meth:`step` runs the optimizer: every
@@ -165,7 +170,8 @@ class ZeroEngine(nn.Module):
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         scaled = loss * self.loss_scale if self._scaler is not None else loss
-        scaled.backward(retain_graph=retain_graph)
+        with phase(self.timers, "backward"):
+            scaled.backward(retain_graph=retain_graph)
         return loss
 
     @contextlib.contextmanager
@@ -184,9 +190,13 @@ class ZeroEngine(nn.Module):
         """At an accumulation boundary: finish gradient reduction, clip by the global norm,
         run the optimizer and the lr scheduler, rebuild full parameters, zero gradients."""
         if self.is_gradient_accumulation_boundary():
-            self._optimizer_step()
+            with phase(self.timers, "step"):
+                self._optimizer_step()
             self.global_steps += 1
+            if self.timers is not None:
+                self.timers.end_step(self.global_steps)
         self.micro_steps += 1
+        self._checkpoints.after_step()  # the config's checkpoint.save_interval
 
     def _reduced_grad_norm(self) -> float:
         """Finish this boundary's gradient reduction (once) and return the global norm of the
@@ -295,25 +305,67 @@ class ZeroEngine(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every rank: the keys and shapes of the original
         ``model.state_dict()`` (buffers and every name of a tied weight included)."""
-        return self.plan.full_state_dict(self.module)
+        with self._offload_resident(dirty=False):
+            return self.plan.full_state_dict(self.module)
 
     def save_checkpoint(
-        self, path: str | os.PathLike, client_state: Any = None, *, include_optimizer: bool = True
+        self,
+        path: str | os.PathLike,
+        tag: str | None = None,
+        client_state: Any = None,
+        save_latest: bool = True,
+        *,
+        include_optimizer: bool = True,
+        async_save: bool | None = None,
     ) -> Path:
-        """Write the whole training state to the directory ``path``; every rank writes its
-        own shards in parallel. Collective: call it on every rank. The directory appears
-        atomically (a crash mid-save leaves a previous checkpoint at ``path`` intact) and
-        loads into any world size or ZeRO stage. ``client_state`` (any picklable object)
-        comes back from :meth:`load_checkpoint`. ``include_optimizer=False`` writes a
-        weights-only checkpoint."""
-        return save_engine(self, path, client_state, include_optimizer)
+        """Write the whole training state; every rank writes its own shards in parallel.
+        Collective: call it on every rank. Returns the checkpoint directory.
 
-    def load_checkpoint(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> Any:
+        With ``tag`` (DeepSpeed's layout) ``path`` is a root: the checkpoint goes to
+        ``path/tag`` and ``path/latest`` names it (unless ``save_latest=False``); the config's
+        ``checkpoint.keep_last`` prunes older tags. Without ``tag``, ``path`` is the
+        checkpoint directory itself (or, if it holds a ``latest`` file, a root and the tag is
+        ``global_step<N>``). The directory appears atomically (a crash mid-save leaves the
+        previous checkpoint and ``latest`` intact) and loads into any world size or ZeRO
+        stage. ``client_state`` (any picklable object) comes back from
+        :meth:`load_checkpoint`. ``include_optimizer=False`` writes a weights-only checkpoint.
+        ``async_save=True`` (default: the config's ``checkpoint.async_save``) copies the state
+        and writes it in the background; see :meth:`wait_for_checkpoint`.
+
+        >>> engine.save_checkpoint("ckpt", tag="step100", client_state={"epoch": 3})  # doctest: +SKIP
+        """
+        if self._offload is not None and self._offload.is_swap_path(path):
+            raise ValueError(
+                f"save_checkpoint({str(path)!r}): that is inside the offload swap "
+                "directory, which is deleted at exit; save elsewhere"
+            )
+        with self._offload_resident(dirty=False):
+            return self._checkpoints.save(
+                path, tag, client_state, save_latest, include_optimizer, async_save
+            )
+
+    def load_checkpoint(
+        self, path: str | os.PathLike, tag: str | None = None, *, load_optimizer: bool = True
+    ) -> Any:
         """Restore weights, optimizer state, lr scheduler, step counters and RNG state from a
-        directory written by :meth:`save_checkpoint`, at any world size or stage. Returns
-        the saved ``client_state``. ``load_optimizer=False`` restores the weights (and counters)
-        only, into an engine whose optimizer may differ, e.g. one built for evaluation."""
-        return load_engine(self, path, load_optimizer)
+        checkpoint written by :meth:`save_checkpoint`, at any world size or stage: ``path/tag``,
+        the checkpoint a root's ``latest`` file names, or the directory ``path``. Returns the
+        saved ``client_state``. ``load_optimizer=False`` restores the weights (and counters)
+        only, into an engine whose optimizer may differ, e.g. one built for evaluation. A
+        damaged or foreign checkpoint raises on every rank, naming the file."""
+        with self._offload_resident(dirty=True):
+            return self._checkpoints.load(path, tag, load_optimizer)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save has been written, renamed into place and
+        ``latest`` updated; re-raise its error if it failed."""
+        self._checkpoints.wait()
+
+    def _offload_resident(self, dirty: bool) -> contextlib.AbstractContextManager[None]:
+        """State swapped to NVMe is brought in for a save, a load or a consolidation."""
+        if self._offload is None:
+            return contextlib.nullcontext()
+        return self._offload.resident(dirty)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds, and the peak
@@ -321,7 +373,15 @@ class ZeroEngine(nn.Module):
         report = self.plan.memory_report()
         report["optimizer_state"] = self._sharded_opt.state_bytes()
         report["total"] = report["params"] + report["grads"] + report["optimizer_state"]
+        if self._offload is not None:  # bytes moved out to files: not in total
+            report.update(self._offload.report())
         return report
+
+    def timing_report(self) -> dict[str, float]:
+        """With ``wall_clock_breakdown``: the latest per-step means of the forward / backward
+        / reduce / gather / step milliseconds (``<phase>_ms``) and bytes sent per collective
+        kind (``<kind>_bytes``), refreshed every ``steps_per_print`` steps; else ``{}``."""
+        return dict(self.timers.last_report) if self.timers is not None else {}
 
     def comm_report(self) -> dict[str, int]:
         """Bytes this rank sent per collective kind since the previous call."""
@@ -336,8 +396,12 @@ class ZeroEngine(nn.Module):
         return self.comm.rank
 
     def destroy(self) -> None:
-        """Remove the engine's hooks from the model."""
+        """Wait for an asynchronous checkpoint save, then remove the engine's hooks from the
+        model and its offload swap files."""
+        self._checkpoints.wait()
         self.plan.remove_hooks()
+        if self._offload is not None:
+            self._offload.close()
 
 
 def _pick_device(model: nn.Module) -> torch.device:
