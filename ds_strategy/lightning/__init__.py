@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ZeroPrecision", "ZeroStrategy", "register_strategies"]
+__all__ = ["PipelineModule", "ZeroPrecision", "ZeroStrategy", "register_strategies"]
 
 try:
     import lightning  # noqa: F401  (only this import is optional; errors below are ours)
@@ -30,6 +30,7 @@ except ImportError:
         raise AttributeError(f"module 'ds_strategy.lightning' has no attribute {name!r}")
 
 else:
+    from ._pipeline import PipelineModule
     from ._registry import register_strategies
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy

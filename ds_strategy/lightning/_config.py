@@ -117,7 +117,11 @@ def _accumulation(cfg: ZeroConfig, accumulate: int, world_size: int, front: str)
     return accumulate
 
 
-def _clipping(cfg: ZeroConfig, clip_val: float | None, algorithm: str | None, front: str) -> float:
+def clipping(
+    cfg: ZeroConfig, clip_val: float | None, algorithm: str | None, front: str = "Trainer"
+) -> float:
+    """The clipping norm the loop's ``gradient_clip_val`` asks for, checked against the
+    config's ``gradient_clipping`` (clipping by value is an error)."""
     algorithm = getattr(algorithm, "value", algorithm)  # Lightning passes a str enum
     if algorithm is not None and str(algorithm).lower() == "value":
         raise ValueError(
@@ -174,6 +178,6 @@ def apply_loop_flags(
     changes: dict[str, Any] = {}
     if accumulate is not None:
         changes["gradient_accumulation_steps"] = _accumulation(cfg, accumulate, world_size, front)
-        changes["gradient_clipping"] = _clipping(cfg, clip_val, clip_algorithm, front)
+        changes["gradient_clipping"] = clipping(cfg, clip_val, clip_algorithm, front)
     changes.update(_precision(cfg, precision, front))
     return cfg.replace(**changes) if changes else cfg

@@ -20,6 +20,7 @@ __all__ = [
     "move_real_tensors",
     "save_consolidated",
     "step_with_clip",
+    "write_weights",
 ]
 
 
@@ -76,13 +77,18 @@ def save_consolidated(
         state = {k.removeprefix(prefix): v for k, v in state.items()}
     path = Path(path)
     if engine.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            save_file(_detach_shared({k: v.cpu() for k, v in state.items()}), str(path))
-        else:
-            torch.save({k: v.cpu() for k, v in state.items()}, path)
+        write_weights(state, path)
     if barrier:
         engine.comm.barrier()
     return path
+
+
+def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``state`` to one file: safetensors for a ``.safetensors`` path, else ``torch.save``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(_detach_shared({k: v.cpu() for k, v in state.items()}), str(path))
+    else:
+        torch.save({k: v.cpu() for k, v in state.items()}, path)

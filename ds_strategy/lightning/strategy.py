@@ -63,8 +63,10 @@ from torch.optim import Optimizer
 from ..config import ZeroConfig
 from ..core.checkpoint.sharded import META_FILE
 from ..core.engine import ZeroEngine
-from ._config import PRESETS, apply_loop_flags, base_config
+from ..core.pipeline import PipelineEngine
+from ._config import PRESETS, apply_loop_flags, base_config, clipping
 from ._engine_ops import inference_optimizer, move_real_tensors, save_consolidated
+from ._pipeline import LightningPipeline, pipeline_stages
 from ._summary import install_sharded_summary
 from .precision import ZeroPrecision
 
@@ -82,6 +84,15 @@ class _LightningRoot(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+
+def _timing_sink(trainer: pl.Trainer) -> Callable[[dict[str, float], int], None]:
+    def log(report: dict[str, float], step: int) -> None:
+        metrics = {f"wall_clock/{k}": float(v) for k, v in report.items()}
+        for logger in trainer.loggers:  # rank-zero-only inside Lightning's loggers
+            logger.log_metrics(metrics, step=step)
+
+    return log
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -152,6 +163,7 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._engine: ZeroEngine | None = None
         self._engine_trains = False  # built with the LightningModule's optimizer (not for eval)
+        self._pipeline: LightningPipeline | None = None  # with a pipeline config section
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -174,6 +186,18 @@ class ZeroStrategy(ParallelStrategy):
                 "(inside fit/validate/test/predict, or after them)"
             )
         return self._engine
+
+    @property
+    def pipeline(self) -> PipelineEngine:
+        """The :class:`~ds_strategy.core.pipeline.PipelineEngine` when the config has a
+        ``pipeline`` section (see :mod:`ds_strategy.lightning._pipeline` for what the
+        LightningModule provides then)."""
+        if self._pipeline is None:
+            raise RuntimeError(
+                "trainer.strategy.pipeline exists once the Trainer has set up a strategy whose "
+                "config has a pipeline section with stages > 1"
+            )
+        return self._pipeline.engine
 
     @property
     def precision_plugin(self) -> Precision:
@@ -211,6 +235,10 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        stages = pipeline_stages(self._base_config)
+        if stages > 1:  # shard by data-parallel rank: the Mesh's layout (rank = stage * D + dp)
+            dp_size = self.world_size // stages
+            return {"num_replicas": dp_size, "rank": self.global_rank % dp_size}
         # the engine's data-parallel group is the world: every rank gets a distinct shard of data
         if self._engine is not None:
             return {"num_replicas": self._engine.world_size, "rank": self._engine.rank}
@@ -320,6 +348,9 @@ class ZeroStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         pl_module = self.lightning_module
         assert pl_module is not None
+        if pipeline_stages(self._base_config) > 1:
+            self._setup_pipeline(trainer, fitting)
+            return
         if self._owns(pl_module) and (self._engine_trains or not fitting):
             self.model = self._engine  # fit then validate/test/predict: keep the trained engine
             return
@@ -342,6 +373,68 @@ class ZeroStrategy(ParallelStrategy):
         if engine.stage == 3:
             install_sharded_summary(trainer, engine)
         self.barrier("ZeroStrategy.setup")
+
+    def _setup_pipeline(self, trainer: pl.Trainer, fitting: bool) -> None:
+        pl_module = self.lightning_module
+        current = self._pipeline
+        if current is not None and current.pl_module is pl_module:
+            if fitting:
+                self.optimizers = [current.engine.optimizer]
+            return  # fit then validate/test: keep the trained pipeline
+        cfg = apply_loop_flags(
+            self._base_config,
+            world_size=self.world_size // pipeline_stages(self._base_config),
+            precision=str(self.precision_plugin.precision),
+            accumulate=None,  # the pipeline's micro-batches, see LightningPipeline.build
+        )
+        if fitting:
+            clip = clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            cfg = cfg.replace(gradient_clipping=clip)
+        self.model_to_device()
+        if fitting:
+            optimizer, schedulers = self._lightning_optimizer(trainer)
+            self._pipeline = LightningPipeline.build(self, trainer, cfg, optimizer, schedulers)
+            self.optimizers = [self._pipeline.engine.optimizer]
+        else:
+            self._pipeline = LightningPipeline.build_for_eval(self, trainer, cfg)
+        self.barrier("ZeroStrategy.setup")
+
+    # -- the loop's steps (a pipeline config replaces them, see _pipeline.py) -------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline.training_step(args[0] if args else kwargs["batch"])
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline.eval_step(args[0] if args else kwargs["batch"], "val")
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            return self._pipeline.eval_step(args[0] if args else kwargs["batch"], "test")
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise RuntimeError(
+                "predict is not available with a pipeline config: the pipeline returns losses, "
+                "not outputs; consolidate the weights (save_consolidated) and predict without it"
+            )
+        return super().predict_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            return closure_loss  # train_batch ran the backward of every micro-batch
+        return super().backward(closure_loss, *args, **kwargs)
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        if self._pipeline is not None:
+            return closure()  # the closure runs training_step, whose train_batch steps
+        return super().optimizer_step(optimizer, closure, *args, **kwargs)
 
     def _owns(self, pl_module: pl.LightningModule) -> bool:
         return self._engine is not None and self._engine.module.module is pl_module
@@ -389,7 +482,7 @@ class ZeroStrategy(ParallelStrategy):
         )
         self.model_to_device()
         try:
-            return ZeroEngine(
+            engine = ZeroEngine(
                 _LightningRoot(pl_module),
                 optimizer,
                 cfg,
@@ -404,6 +497,9 @@ class ZeroStrategy(ParallelStrategy):
                     f"config, which the engine rejected: {err}"
                 ) from err
             raise
+        if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
+            engine.timers.add_sink(_timing_sink(trainer))
+        return engine
 
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -463,6 +559,14 @@ class ZeroStrategy(ParallelStrategy):
         # Lightning leaves optimizer_states out of a weights-only checkpoint
         # (trainer.save_checkpoint(weights_only=True), ModelCheckpoint(save_weights_only=True))
         include_optimizer = "optimizer_states" in checkpoint
+        if self._pipeline is not None:
+            if not include_optimizer:
+                raise ValueError(
+                    "weights-only checkpoints are not available with a pipeline config; save a "
+                    "full checkpoint or export the weights with save_consolidated"
+                )
+            self._pipeline.engine.save_checkpoint(path, client_state=client_state)
+            return
         self.engine.save_checkpoint(
             path, client_state=client_state, include_optimizer=include_optimizer
         )
@@ -483,6 +587,8 @@ class ZeroStrategy(ParallelStrategy):
                 "ZeroStrategy. To start from a single-file state dict, load it into the "
                 "LightningModule before fit (model.load_state_dict(torch.load(path)['state_dict']))"
             )
+        if self._pipeline is not None:
+            return _lightning_state(path, self._pipeline.engine.load_checkpoint(path))
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and not _has_optimizer_state(path):
@@ -493,9 +599,7 @@ class ZeroStrategy(ParallelStrategy):
             )
         # evaluation needs the weights only: its engine's optimizer is a stand-in
         client_state = self.engine.load_checkpoint(path, load_optimizer=fitting)
-        if not isinstance(client_state, dict):
-            raise ValueError(f"{path}: not written by a Lightning Trainer (no Lightning state)")
-        return client_state
+        return _lightning_state(path, client_state)
 
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         """Delete a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` rotation)."""
@@ -515,6 +619,8 @@ class ZeroStrategy(ParallelStrategy):
             trainer.fit(model)
             trainer.strategy.save_consolidated("model.safetensors")
         """
+        if self._pipeline is not None:
+            return self._pipeline.save_consolidated(Path(path))
         return save_consolidated(self.engine, path, prefix=_ROOT_PREFIX)
 
     @classmethod
@@ -532,3 +638,9 @@ def _has_optimizer_state(path: Path) -> bool:
         return bool(json.loads(meta.read_text()).get("optimizer", True))
     except (OSError, ValueError):
         return True  # unreadable metadata: let the engine's load name the problem
+
+
+def _lightning_state(path: Path, client_state: Any) -> dict[str, Any]:
+    if not isinstance(client_state, dict):
+        raise ValueError(f"{path}: not written by a Lightning Trainer (no Lightning state)")
+    return client_state
