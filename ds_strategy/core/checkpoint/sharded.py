@@ -33,7 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from ..collectives import Comm
 from .flat_piece import FlatPiece
-from .validate import FORMAT, META_FILE, merge_checksums, record_checksums, validate
+from .validate import FORMAT, META_FILE, agree, merge_checksums, record_checksums, validate
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -213,20 +213,36 @@ def commit(
     """Every rank records its files' sizes and checksums; once all have, rank 0 writes
     ``ds_strategy.json``, renames ``tmp`` to ``final`` and runs ``after_rename`` (the
     ``latest`` pointer, pruning), and the ranks leave together."""
-    record_checksums(tmp, comm.rank)
-    comm.barrier()
+    # agree() doubles as the barrier: a rank that failed (a full disk) makes every rank raise
+    # instead of leaving the others waiting for it
+    agree(comm, _attempt(lambda: record_checksums(tmp, comm.rank)))
+    err = None
     if comm.rank == 0:
-        meta = dict(meta, files=merge_checksums(tmp))
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
+        err = _attempt(lambda: _finalize(tmp, final, meta, after_rename))
+    agree(comm, err)
+
+
+def _attempt(fn: Callable[[], None]) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - handed to agree(), which raises it on every rank
+        return e
+    return None
+
+
+def _finalize(
+    tmp: Path, final: Path, meta: dict[str, Any], after_rename: Callable[[], None] | None
+) -> None:
+    meta = dict(meta, files=merge_checksums(tmp))
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    old = final.with_name(final.name + ".old")
+    if final.exists():
         shutil.rmtree(old, ignore_errors=True)
-        if after_rename is not None:
-            after_rename()
-    comm.barrier()
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    if after_rename is not None:
+        after_rename()
 
 
 def save_engine(
