@@ -141,11 +141,28 @@ def _run(script: str, *overrides: str, tmp: Path) -> str:
 
 
 def test_lightning_recipe_trains_on_two_processes(tmp_path: Path) -> None:
-    out = _run("train.py", "trainer=smoke", "strategy=zero3", "precision=bf16", tmp=tmp_path)
+    out = _run(
+        "train.py",
+        "trainer=smoke",
+        "strategy=zero3",
+        "precision=bf16",
+        "strategy.wall_clock_breakdown=true",
+        "strategy.steps_per_print=2",
+        tmp=tmp_path,
+    )
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: stage 3, bf16-mixed, 4 steps", out), out[-3000:]
     sample = re.search(r"sample: '(.*)'", out)
     assert sample and len(sample.group(1)) == len("ZeRO ") + 16, out[-3000:]
+    # wall_clock_breakdown: printed on rank 0 at steps 2 and 4, and in the Trainer's logger.
+    assert len(re.findall(r"\[wall_clock_breakdown\] step [24] ", out)) == 2, out[-3000:]
+    (metrics,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
+    header, *rows = metrics.read_text().splitlines()
+    columns = header.split(",")
+    for name in ("forward_ms", "backward_ms", "gather_ms", "reduce_ms", "all_gather_bytes"):
+        assert f"wall_clock/{name}" in columns
+    col = columns.index("wall_clock/gather_ms")
+    assert sum(1 for r in rows if r.split(",")[col]) == 2
 
 
 def test_accelerate_recipe_spawns_and_trains(tmp_path: Path) -> None:
