@@ -142,7 +142,7 @@ def format_report(report: dict[str, float], global_step: int, steps: int = 1) ->
     moved = "  ".join(
         f"{k[: -len('_bytes')]} {v / 1e6:.2f}"
         for k, v in sorted(report.items())
-        if k.endswith("_bytes") and k != "sent_bytes"
+        if k.endswith("_bytes") and k != "sent_bytes" and v > 0
     )
     return (
         f"[wall_clock_breakdown] step {global_step} (mean of {steps}): ms/step: "
