@@ -229,3 +229,21 @@ def test_stale_tmp_directories_are_ignored_by_load_and_removed_by_the_next_save(
     assert any("global_step8.tmp" in str(w.message) for w in caught)
     assert not (run / "global_step8.tmp").exists()
     assert (run / "latest").read_text() == "after"
+
+
+def test_consolidate_follows_latest_and_refuses_a_damaged_checkpoint(
+    root: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    out = ds_strategy.consolidate(root, tmp_path / "model.safetensors")  # a root: its latest
+    model = ToyLM()
+    engine = ds_strategy.initialize(model, _opt(model), {})
+    engine.load_checkpoint(root / "global_step6")
+    want = engine.full_state_dict()
+    got = load_file(out)
+    assert got.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    name = _damage(root / "global_step6", tmp_path / "flipped", "bitflip")
+    with pytest.raises(ValueError, match="corrupt: CRC-32") as info:
+        ds_strategy.consolidate(tmp_path / "flipped", tmp_path / "bad.safetensors")
+    assert name in str(info.value) and not (tmp_path / "bad.safetensors").exists()

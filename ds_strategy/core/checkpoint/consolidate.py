@@ -25,7 +25,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .manager import resolve_load_dir
 from .sharded import _single_process_ok
+from .validate import check_files
 
 __all__ = ["consolidate"]
 
@@ -82,15 +84,18 @@ def consolidate(
     >>> ds_strategy.consolidate("ckpt/step100", "model.safetensors")  # doctest: +SKIP
 
     Runs in one process, with no process group, whatever world size wrote the checkpoint.
+    ``checkpoint_dir`` may be a checkpoint root: its ``latest`` checkpoint is exported. Every
+    file is checked against the sizes and checksums recorded at save time first.
     ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype). Tied weights
     appear once, under their first name; ``load_state_dict(strict=False)`` or re-tying after
     loading restores the other name.
     """
-    src, out = Path(checkpoint_dir), Path(output_path)
+    src, out = resolve_load_dir(Path(checkpoint_dir), None), Path(output_path)
     if not (src / "ds_strategy.json").is_file():
         raise FileNotFoundError(
             f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
         )
+    check_files(src)  # a damaged file is an error naming it, never a silently wrong export
     if out.suffix == ".safetensors":
         _write_safetensors(src, out, dtype)
     elif out.suffix in (".pt", ".pth", ".bin"):

@@ -30,7 +30,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..collectives import Comm
 
-__all__ = ["CheckpointError", "validate", "record_checksums", "merge_checksums", "agree"]
+__all__ = [
+    "CheckpointError",
+    "agree",
+    "check_files",
+    "merge_checksums",
+    "record_checksums",
+    "validate",
+]
 
 FORMAT = "ds_strategy-sharded-1"
 META_FILE = "ds_strategy.json"
@@ -85,6 +92,12 @@ def validate(path: Path, comm: Comm, shapes: dict[str, list[int]] | None) -> dic
     agree(comm, err)
     assert md is not None
     return md.state_dict_metadata
+
+
+def check_files(path: Path) -> None:
+    """The same checks in this process alone (every file's checksum, no model): for tools
+    such as consolidation that run outside the training job."""
+    _check(path, 0, 1, None)
 
 
 def agree(comm: Comm, err: BaseException | None) -> None:
