@@ -70,7 +70,14 @@ def test_train_batch_matches_one_process_on_the_global_batches(launched: dict[st
     # the engine stepped the LambdaLR once per train_batch
     assert run["lrs"] == pytest.approx([0.02 / (1 + 0.5 * k) for k in range(1, STEPS + 1)])
     # "auto" sizes: the loader's 4 samples per rank = 2 accumulation steps x micro-batches of 2
-    assert run["resolved"] == {"micro": 2, "accum": 2, "clip": 0.3}
+    assert run["resolved"] == {
+        "micro": 2,
+        "accum": 2,
+        "clip": 0.3,
+        "stage": 1,
+        "optimizer": "AdamW",
+        "weight_decay": 0.01,
+    }
     # eval_batch: the global batch's mean loss on every rank, without a step
     assert run["eval"] == pytest.approx(ref["eval"], abs=1e-5)
     assert run["bad_loader"] is not None and "use batch_size=4" in run["bad_loader"]
@@ -90,7 +97,10 @@ def test_loaders_are_sharded_by_the_data_parallel_rank(launched: dict[str, Any])
 
 
 def test_resumed_run_matches_uninterrupted(launched: dict[str, Any]) -> None:
+    """The saving and resuming runs use ZeRO-2 inside each stage, the config's optimizer
+    section through a DummyOptim and an engine-built scheduler from a DummyScheduler."""
     full, saved, loaded = launched["uninterrupted"], launched["save"], launched["load"]
+    assert loaded["resolved"] == {**full["resolved"], "stage": 2}
     assert saved["global_steps"] == STOP
     assert max_diff(saved["state"], full["state"]) > 1e-3  # the save really was mid-training
     assert loaded["steps_after_load"] == STOP

@@ -18,8 +18,10 @@ import os
 import torch
 import torch.distributed as dist
 from accelerate.utils import set_seed
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from common import arguments, save_on_main
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
 
@@ -45,14 +47,17 @@ def dataset(dp_size: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
-def config() -> dict:
-    return {
+def config(zero_stage: int, optimizer_section: bool) -> dict:
+    cfg = {
         "pipeline": {"stages": STAGES, "schedule": "1f1b"},
         "train_micro_batch_size_per_gpu": "auto",  # the loader's batch / accumulation steps
         "gradient_accumulation_steps": "auto",  # the Accelerator's
         "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": zero_stage},
     }
+    if optimizer_section:  # "auto" filled from the DummyOptim
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+    return cfg
 
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -63,11 +68,15 @@ def schedule(step: int) -> float:
     return 1.0 / (1.0 + 0.5 * step)
 
 
-def build(dp_size: int) -> tuple:
+def build(dp_size: int, dummy: bool) -> tuple:
     model = sequential()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(dataset(dp_size), batch_size=MICRO * ACCUM)
-    return model, opt, loader, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    if dummy:  # the optimizer from the config's section, the scheduler built by the engine
+        opt = DummyOptim(model.parameters(), lr=LR, weight_decay=0.01)
+        sched = DummyScheduler(opt, lr_scheduler_callable=lambda o: LambdaLR(o, schedule))
+        return model, opt, loader, sched
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    return model, opt, loader, LambdaLR(opt, schedule)
 
 
 def refusals(accelerator: ZeroAccelerator, model: nn.Module, x: torch.Tensor) -> dict:
@@ -78,7 +87,7 @@ def refusals(accelerator: ZeroAccelerator, model: nn.Module, x: torch.Tensor) ->
         "accumulate": lambda: accelerator.accumulate(model).__enter__(),
         "forward": lambda: model(x),
         "late_scheduler": lambda: accelerator.prepare(
-            torch.optim.lr_scheduler.LambdaLR(accelerator._optimizers[0].optimizer, schedule)
+            LambdaLR(accelerator._optimizers[0].optimizer, schedule)
         ),
     }
     for name, call in calls.items():
@@ -91,9 +100,11 @@ def refusals(accelerator: ZeroAccelerator, model: nn.Module, x: torch.Tensor) ->
 
 
 def run(phase: str, ckpt: str, dp_size: int) -> dict:
-    plugin = ZeroPlugin(config=config(), loss_fn=mse)
+    # the resumed runs: ZeRO-2 within each stage, DummyOptim / DummyScheduler
+    resumed = phase != "uninterrupted"
+    plugin = ZeroPlugin(config=config(2 if resumed else 1, resumed), loss_fn=mse)
     accelerator = ZeroAccelerator(zero_plugin=plugin, gradient_accumulation_steps=ACCUM)
-    model, optimizer, loader, scheduler = accelerator.prepare(*build(dp_size))
+    model, optimizer, loader, scheduler = accelerator.prepare(*build(dp_size, resumed))
     result: dict = {"losses": [], "seen": [], "lrs": []}
     skip = 0
     if phase == "load":
@@ -132,6 +143,9 @@ def run(phase: str, ckpt: str, dp_size: int) -> dict:
             "micro": model.engine.micro_batch_size,
             "accum": model.engine.micro_batches,
             "clip": model.engine.config.gradient_clipping,
+            "stage": model.engine.config.zero_optimization.stage,
+            "optimizer": type(optimizer.optimizer).__name__,
+            "weight_decay": optimizer.param_groups[0]["weight_decay"],
         },
         unwrapped=sorted(accelerator.unwrap_model(model).state_dict()),
         skipped=optimizer.step_was_skipped,
@@ -151,7 +165,7 @@ def reference(dp_size: int) -> dict:
     model = sequential()
     initial = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    sched = LambdaLR(opt, schedule)
     x, y = dataset(dp_size).tensors
     g = MICRO * ACCUM * dp_size
     losses = []
