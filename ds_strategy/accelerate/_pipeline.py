@@ -346,12 +346,21 @@ class PipelineFrontEnd:
         state = self.engine.full_state_dict()
         return state if unwrap else {f"module.{k}": v for k, v in state.items()}
 
-    def save_state(self, output_dir: str | None, safe_serialization: bool) -> str:
+    def save_state(
+        self, output_dir: str | None, safe_serialization: bool, unsupported: dict[str, Any]
+    ) -> str:
+        """Every stage's ZeRO checkpoint under ``<output_dir>/zero_checkpoint/stage_<k>``,
+        plus Accelerate's schedulers, samplers and RNG states. Collective."""
         assert self.engine is not None
+        if unsupported:
+            raise TypeError(f"ZeroAccelerator.save_state does not support {', '.join(unsupported)}")
         return _state.save_state(self.acc, self.engine, output_dir, safe_serialization)  # type: ignore[arg-type]
 
-    def load_state(self, input_dir: str | None) -> None:
+    def load_state(self, input_dir: str | None, unsupported: dict[str, Any]) -> None:
+        """Restore what :meth:`save_state` wrote, into a pipeline with the same stages."""
         assert self.engine is not None
+        if unsupported:
+            raise TypeError("ZeroAccelerator.load_state takes no load_kwargs or model kwargs")
         _state.load_state(self.acc, self.engine, input_dir)  # type: ignore[arg-type]
 
     def free(self) -> None:
