@@ -247,3 +247,27 @@ def test_consolidate_follows_latest_and_refuses_a_damaged_checkpoint(
     with pytest.raises(ValueError, match="corrupt: CRC-32") as info:
         ds_strategy.consolidate(tmp_path / "flipped", tmp_path / "bad.safetensors")
     assert name in str(info.value) and not (tmp_path / "bad.safetensors").exists()
+
+
+def test_periodic_saves_follow_optimizer_steps_not_micro_steps(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    config = {
+        "gradient_accumulation_steps": 2,
+        "checkpoint": {"save_dir": str(root), "save_interval": 2},
+    }
+    model = ToyLM()
+    engine = ds_strategy.initialize(model, _opt(model), config)
+    train(engine, batches(3, 1, GB), 0, 1)  # 6 micro-steps, 3 optimizer steps
+    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest"]
+    written = (root / "global_step2" / "ds_strategy.json").stat().st_mtime_ns
+    model = ToyLM()
+    engine = ds_strategy.initialize(model, _opt(model), config)
+    engine.load_checkpoint(root)
+    batch = batches(1, 1, GB)[0]
+    engine.backward(lm_loss(engine, batch[: GB // 2]))
+    engine.step()  # a micro-step right after the load: no save
+    assert (root / "global_step2" / "ds_strategy.json").stat().st_mtime_ns == written
+    engine.backward(lm_loss(engine, batch[GB // 2 :]))
+    engine.step()  # optimizer step 3: not a multiple of 2
+    train(engine, batches(1, 1, GB), 0, 1)  # step 4
+    assert (root / "latest").read_text() == "global_step4"

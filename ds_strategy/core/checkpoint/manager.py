@@ -64,7 +64,9 @@ class CheckpointManager:
             )
         self._pending: _BackgroundSave | None = None
         self._side: Comm | None = None
-        self._last_periodic = -1
+        # global_steps when after_step last ran: a save follows an optimizer step only, never
+        # a micro-step inside an accumulation, nor the first step after a load
+        self._seen_steps = engine.global_steps
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -111,9 +113,11 @@ class CheckpointManager:
         """Called by ``engine.step()``: the periodic save, every ``save_interval`` steps."""
         every = self.config.save_interval
         steps = self.engine.global_steps
-        if every is None or steps % every != 0 or steps == self._last_periodic:
+        if steps == self._seen_steps:
             return
-        self._last_periodic = steps
+        self._seen_steps = steps
+        if every is None or steps % every != 0:
+            return
         self.engine.save_checkpoint(self.config.save_dir, tag=f"global_step{steps}")
 
     def wait(self) -> None:
@@ -129,7 +133,11 @@ class CheckpointManager:
         self, path: str | os.PathLike, tag: str | None = None, load_optimizer: bool = True
     ) -> Any:
         self.wait()
-        return sharded.load_engine(self.engine, resolve_load_dir(Path(path), tag), load_optimizer)
+        client_state = sharded.load_engine(
+            self.engine, resolve_load_dir(Path(path), tag), load_optimizer
+        )
+        self._seen_steps = self.engine.global_steps
+        return client_state
 
     # -- helpers -------------------------------------------------------------------------------
 
