@@ -358,7 +358,8 @@ class ZeroEngine(nn.Module):
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written, renamed into place and
-        ``latest`` updated; re-raise its error if it failed."""
+        ``latest`` updated; re-raise its error if it failed. Call it (or :meth:`destroy`)
+        before destroying the process group: the writer's collectives need it."""
         self._checkpoints.wait()
 
     def _offload_resident(self, dirty: bool) -> contextlib.AbstractContextManager[None]:
