@@ -17,7 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds-strategy", description="ds_strategy tools")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write a sharded checkpoint's weights to one file")
-    c.add_argument("checkpoint_dir", help="a directory written by engine.save_checkpoint")
+    c.add_argument(
+        "checkpoint_dir",
+        help="a directory written by engine.save_checkpoint, or a checkpoint root (its latest)",
+    )
     c.add_argument("output", help="the file to write: .safetensors (streamed) or .pt")
     c.add_argument(
         "--dtype",
