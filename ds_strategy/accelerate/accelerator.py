@@ -33,6 +33,7 @@ from ._driver import (
     ZeroOptimizerWrapper,
     track_optimizer_step,
 )
+from ._pipeline import PipelineFrontEnd, pipeline_front_end
 from ._resolve import AcceleratorFacts, apply_mixed_precision, build_config_optimizer, resolve
 from .plugin import ZeroPlugin
 
@@ -100,6 +101,9 @@ class ZeroAccelerator(Accelerator):
                 scheduler.step()
                 optimizer.zero_grad()
         accelerator.save_model(model, "out")  # consolidated model.safetensors
+
+    With a ``pipeline`` section in the config, ``prepare`` takes an ``nn.Sequential`` and the
+    loop is ``loss = model.train_batch(x, y)`` (see ``ds_strategy.accelerate._pipeline``).
     """
 
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
@@ -121,6 +125,8 @@ class ZeroAccelerator(Accelerator):
         self._optimizer_wrapper: ZeroOptimizerWrapper | None = None
         self._user_optimizer: weakref.ref[Any] | None = None
         self._loader_batch_sizes: list[int | None] = []
+        # a `pipeline` section: the model becomes a PipelineEngine driven by train_batch
+        self._pipeline: PipelineFrontEnd | None = pipeline_front_end(self, self._zero_config_source)
         gas = self._zero_config_source.gradient_accumulation_steps
         if isinstance(gas, int):
             self._adopt_accumulation_steps(gas)
@@ -173,6 +179,8 @@ class ZeroAccelerator(Accelerator):
         and a wrapper of its rebuilt optimizer; schedulers are moved onto that optimizer."""
         if device_placement is not None:
             raise ValueError("prepare(device_placement=...) is not supported by ZeroAccelerator")
+        if self._pipeline is not None:
+            return self._pipeline.prepare(args)
         out = list(args)
         batch_sizes = []
         for i, obj in enumerate(args):
@@ -233,6 +241,8 @@ class ZeroAccelerator(Accelerator):
         if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to(self.device)  # a meta model is materialised by the engine, unit by unit
         engine = ZeroEngine(model, optimizer, resolved, lr_scheduler=engine_sched)
+        if engine.timers is not None:  # wall_clock_breakdown: also to the trackers, once started
+            engine.timers.add_sink(self._log_timings)
         self._adopt_accumulation_steps(engine.gradient_accumulation_steps)
         self._driver = EngineDriver(engine)
         wrapper = ZeroOptimizerWrapper(engine.optimizer, self._driver)
@@ -244,6 +254,10 @@ class ZeroAccelerator(Accelerator):
         if engine.lr_scheduler is not None:  # saved with the engine's checkpoint, not here
             owned = EngineSchedulerWrapper(engine.lr_scheduler, wrapper)
         return engine, wrapper, owned
+
+    def _log_timings(self, report: dict[str, float], step: int) -> None:
+        if self.trackers:  # init_trackers() was called; log() writes on the main process only
+            self.log({f"wall_clock/{k}": float(v) for k, v in report.items()}, step=step)
 
     def _engine_scheduler(self, cfg: ZeroConfig, dummy_scheds: list[tuple[int, Any]]) -> Any:
         """The scheduler the engine builds and steps: None when the config's ``scheduler``
@@ -300,6 +314,8 @@ class ZeroAccelerator(Accelerator):
         times each unless ``split_batches``), after moving it onto the engine's optimizer."""
         if _prepared(scheduler):
             return scheduler
+        if self._pipeline is not None:
+            self._pipeline.refuse("prepare_scheduler")
         wrapper = self._optimizer_wrapper
         if wrapper is None:
             raise ValueError(
@@ -356,11 +372,15 @@ class ZeroAccelerator(Accelerator):
     def zero_config(self) -> ZeroConfig:
         """The engine's resolved config after ``prepare``; before it, the loaded config."""
         engine = self.zero_engine
+        if self._pipeline is not None and self._pipeline.engine is not None:
+            return self._pipeline.engine.config
         return engine.config if engine is not None else self._zero_config_source
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``engine.backward``: the loss is divided by ``gradient_accumulation_steps`` and
         gradients are reduced into the shards while backward runs."""
+        if self._pipeline is not None:
+            self._pipeline.refuse("backward")
         if self._driver is None:
             return super().backward(loss, **kwargs)
         unknown = sorted(set(kwargs) - {"retain_graph"})
@@ -374,7 +394,16 @@ class ZeroAccelerator(Accelerator):
         )
 
     @contextlib.contextmanager
+    def accumulate(self, *models: Any) -> Iterator[None]:
+        if self._pipeline is not None:
+            self._pipeline.refuse("accumulate")
+        with super().accumulate(*models):
+            yield
+
+    @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if self._pipeline is not None:
+            self._pipeline.refuse("no_sync")
         engine = self._engine_of(model)
         if engine is None:
             with super().no_sync(model):
@@ -392,6 +421,8 @@ class ZeroAccelerator(Accelerator):
         ``max_norm`` exactly as ``torch.nn.utils.clip_grad_norm_`` would clip the full
         gradients. Call it at an accumulation boundary, after ``backward``, before
         ``optimizer.step()`` (which then applies the clipped gradients)."""
+        if self._pipeline is not None:
+            self._pipeline.refuse("clip_grad_norm_")
         if self._driver is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if float(norm_type) != 2.0:
@@ -430,6 +461,8 @@ class ZeroAccelerator(Accelerator):
             )
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        if self._pipeline is not None:
+            self._pipeline.refuse("clip_grad_value_")
         if self._driver is None:
             return super().clip_grad_value_(parameters, clip_value)
         raise RuntimeError(
@@ -451,12 +484,16 @@ class ZeroAccelerator(Accelerator):
         engine = self._engine_of(model)
         if engine is not None:
             return engine.module
+        if self._pipeline is not None and self._pipeline.owns(model):
+            return self._pipeline.model.module  # type: ignore[union-attr]  # this rank's stage
         return super().unwrap_model(model, *args, **kwargs)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every rank, keyed like ``model.state_dict()``
         (``unwrap=False``: prefixed ``module.`` like the engine's own keys). Collective under
         ZeRO-3: call it on every rank."""
+        if self._pipeline is not None and self._pipeline.owns(model):
+            return self._pipeline.state_dict(unwrap)  # every stage's layers
         engine = self._engine_of(model)
         if engine is None:
             return super().get_state_dict(model, unwrap)
@@ -469,6 +506,8 @@ class ZeroAccelerator(Accelerator):
         """Save the training state: the engine's sharded checkpoint (every rank writes its own
         shard, under ``<output_dir>/zero_checkpoint``), plus Accelerate's schedulers,
         samplers, RNG states and registered objects. Collective."""
+        if self._pipeline is not None and self._pipeline.model is not None:
+            return self._pipeline.save_state(output_dir, safe_serialization, kwargs)
         if self._driver is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
         if kwargs:
@@ -479,6 +518,8 @@ class ZeroAccelerator(Accelerator):
         self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
     ) -> None:
         """Restore what :meth:`save_state` wrote, at any world size or ZeRO stage. Collective."""
+        if self._pipeline is not None and self._pipeline.model is not None:
+            return self._pipeline.load_state(input_dir, {**(load_kwargs or {}), **kwargs})
         if self._driver is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
         if kwargs or load_kwargs:
@@ -487,6 +528,8 @@ class ZeroAccelerator(Accelerator):
         _state.load_state(self, self._driver.engine, input_dir)
 
     def free_memory(self, *objects: Any) -> Any:
+        if self._pipeline is not None:
+            self._pipeline.free()
         if self._driver is not None:
             self._driver.engine.destroy()
         self._driver = None
