@@ -1,4 +1,5 @@
-"""A small GPT (pre-norm blocks, causal attention, tied embedding/head) for benchmarks."""
+"""A small GPT (pre-norm blocks in an ``nn.ModuleList``, causal attention, tied embedding/head)
+for the benchmarks, the main job and the recipes."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ class GPTConfig:
     layers: int = 8
     heads: int = 8
     seq: int = 128
+    tie_embeddings: bool = True  # the head reuses the token embedding's weight
 
 
 class Block(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
+        if c.d % c.heads:
+            raise ValueError(f"d={c.d} must be divisible by heads={c.heads}")
         self.heads = c.heads
         self.ln1 = nn.LayerNorm(c.d)
         self.qkv = nn.Linear(c.d, 3 * c.d)
@@ -51,7 +55,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.d)
         self.head = nn.Linear(c.d, c.vocab, bias=False)
-        self.head.weight = self.wte.weight
+        if c.tie_embeddings:
+            self.head.weight = self.wte.weight
         self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
