@@ -31,7 +31,7 @@ from ..config import ZeroConfig
 from ..core.pipeline import PipelineEngine
 from . import _state
 from ._driver import EngineSchedulerWrapper
-from ._resolve import AcceleratorFacts, build_config_optimizer, resolve
+from ._resolve import AcceleratorFacts, resolve, torch_optimizer
 
 if TYPE_CHECKING:
     from .accelerator import ZeroAccelerator
@@ -320,7 +320,7 @@ class PipelineFrontEnd:
             )
         acc = self.acc
         cfg = self._resolved(acc._zero_config_source, user_optimizer)
-        optimizer = _torch_optimizer(cfg, user_optimizer)
+        optimizer = torch_optimizer(cfg, user_optimizer)
         lr_scheduler = sched
         if isinstance(sched, DummyScheduler):
             lr_scheduler = sched.lr_scheduler_callable
@@ -378,15 +378,3 @@ def _is_layers(obj: Any) -> bool:
     return (
         isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, nn.Module) for m in obj)
     )
-
-
-def _torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
-    if isinstance(optimizer, DummyOptim):
-        return build_config_optimizer(cfg, optimizer.params)
-    if cfg.optimizer is not None:
-        raise ValueError(
-            f"the ZeRO config has an 'optimizer' section ({cfg.optimizer.type}) and a "
-            f"{type(optimizer).__name__} was passed to prepare(); remove the section or pass "
-            "accelerate.utils.DummyOptim(model.parameters()) to use it"
-        )
-    return optimizer

@@ -20,7 +20,13 @@ import torch
 
 from ..config import AUTO, ConfigError, ZeroConfig
 
-__all__ = ["AcceleratorFacts", "apply_mixed_precision", "build_config_optimizer", "resolve"]
+__all__ = [
+    "AcceleratorFacts",
+    "apply_mixed_precision",
+    "build_config_optimizer",
+    "resolve",
+    "torch_optimizer",
+]
 
 _PRECISIONS = ("no", "fp16", "bf16")
 
@@ -183,3 +189,19 @@ def build_config_optimizer(cfg: ZeroConfig, params: Iterable[Any]) -> torch.opti
             f"only arguments torch.optim.{cls.__name__} accepts",
             key="optimizer.params",
         ) from None
+
+
+def torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
+    """The optimizer to shard: built from the config's section for a ``DummyOptim`` ("auto"
+    lr / weight decay filled from it), else the user's own, which must not meet a section."""
+    from accelerate.utils.deepspeed import DummyOptim
+
+    if isinstance(optimizer, DummyOptim):
+        return build_config_optimizer(cfg, optimizer.params)
+    if cfg.optimizer is not None:
+        raise ValueError(
+            f"the ZeRO config has an 'optimizer' section ({cfg.optimizer.type}) and a "
+            f"{type(optimizer).__name__} was passed to prepare(); remove the section or pass "
+            "accelerate.utils.DummyOptim(model.parameters()) to use it"
+        )
+    return optimizer

@@ -34,7 +34,7 @@ from ._driver import (
     track_optimizer_step,
 )
 from ._pipeline import PipelineFrontEnd, pipeline_front_end
-from ._resolve import AcceleratorFacts, apply_mixed_precision, build_config_optimizer, resolve
+from ._resolve import AcceleratorFacts, apply_mixed_precision, resolve, torch_optimizer
 from .plugin import ZeroPlugin
 
 __all__ = ["ZeroAccelerator"]
@@ -237,7 +237,7 @@ class ZeroAccelerator(Accelerator):
         cfg = self._zero_config_source
         engine_sched = self._engine_scheduler(cfg, dummy_scheds)
         resolved = resolve(cfg, self._facts(model, user_optimizer, dummy_scheds))
-        optimizer = _torch_optimizer(resolved, user_optimizer)
+        optimizer = torch_optimizer(resolved, user_optimizer)
         if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to(self.device)  # a meta model is materialised by the engine, unit by unit
         engine = ZeroEngine(model, optimizer, resolved, lr_scheduler=engine_sched)
@@ -550,18 +550,6 @@ def _refuse_other_engines(kwargs: dict[str, Any]) -> None:
                 "replaces; launch with a plain multi-GPU/CPU accelerate config (see "
                 "configs/accelerate/) and put the ZeRO settings in DS_STRATEGY_CONFIG"
             )
-
-
-def _torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
-    if isinstance(optimizer, DummyOptim):
-        return build_config_optimizer(cfg, optimizer.params)  # "auto" lr/wd filled from it
-    if cfg.optimizer is not None:
-        raise ValueError(
-            f"the ZeRO config has an 'optimizer' section ({cfg.optimizer.type}) and a "
-            f"{type(optimizer).__name__} was passed to prepare(); remove the section or pass "
-            "accelerate.utils.DummyOptim(model.parameters()) to use it"
-        )
-    return optimizer
 
 
 def _prepared(obj: Any) -> bool:
