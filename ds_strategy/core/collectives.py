@@ -148,6 +148,27 @@ class Comm:
         handle = _all_gather(full, shard, group=self.group, async_op=async_op)
         return self._work(handle, "all_gather", async_op, start)
 
+    def gather(self, full: torch.Tensor | None, shard: torch.Tensor, dst: int = 0) -> None:
+        """Group rank ``dst`` receives every rank's ``shard`` into ``full``, in rank order
+        (``full`` is ignored elsewhere, and may be None there)."""
+        n = self.world_size
+        if n == 1:
+            assert full is not None
+            if full.data_ptr() != shard.data_ptr():
+                full.copy_(shard)
+            return
+        global_dst = dst if self.group is None else dist.get_global_rank(self.group, dst)
+        parts = None
+        if self.rank == dst:
+            assert full is not None
+            parts = list(full.view(n, -1).unbind(0))
+        else:
+            self._count("gather", shard.numel() * shard.element_size())
+        start = time.perf_counter()
+        dist.gather(shard, parts, dst=global_dst, group=self.group)
+        if self.wait_timer is not None:
+            self.wait_timer("gather", time.perf_counter() - start)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group rank ``src`` (counted on the sender only)."""
         if self.world_size == 1:

@@ -302,11 +302,13 @@ class ZeroEngine(nn.Module):
 
     # -- state ---------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every rank: the keys and shapes of the original
-        ``model.state_dict()`` (buffers and every name of a tied weight included)."""
+        ``model.state_dict()`` (buffers and every name of a tied weight included).
+        Collective. ``rank0_only=True`` gathers them to rank 0 alone (the other ranks get
+        ``{}`` and never hold a full-size copy), for exports that rank 0 writes."""
         with self._offload_resident(dirty=False):
-            return self.plan.full_state_dict(self.module)
+            return self.plan.full_state_dict(self.module, rank0_only, self.rank)
 
     def save_checkpoint(
         self,

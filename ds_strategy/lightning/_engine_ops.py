@@ -72,7 +72,7 @@ def save_consolidated(
     ``torch.save``. ``prefix`` is stripped from every key (the Lightning front end wraps the
     LightningModule in one module, whose name it removes here).
     """
-    state = engine.full_state_dict()  # collective under stage 3: every rank must call it
+    state = engine.full_state_dict(rank0_only=True)  # collective: every rank must call it
     if prefix:
         state = {k.removeprefix(prefix): v for k, v in state.items()}
     path = Path(path)

@@ -107,16 +107,26 @@ class ShardingPlan:
         if self.stage3 is not None:
             self.stage3.remove_hooks()
 
-    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, module: nn.Module, rank0_only: bool = False, rank: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights keyed like ``module.state_dict()``; with ``rank0_only``
+        only group rank 0 builds them (this process is group rank ``rank``; the others take
+        part in the gathers and get ``{}``)."""
         self.wait_params()
         gathered: dict[int, torch.Tensor] = {}
         for g in self.groups:
             if g.policy.shard_params or g.dtype != torch.float32 or g.master is not None:
-                full = g.consolidated()  # fp32, from the masters when there are any
+                # fp32, from the masters when there are any
+                full = g.consolidated(0 if rank0_only else None)
+                if full is None:
+                    continue
                 for i, (slot, shape) in enumerate(zip(g.layout.slots, g.shapes, strict=True)):
                     gathered[id(g.params[i])] = (
                         full[slot.offset : slot.offset + slot.numel].view(shape).clone()
                     )
+        if rank0_only and rank != 0:
+            return {}
         out = {}
         for name, t in module.state_dict(keep_vars=True).items():
             src = gathered.get(id(t))

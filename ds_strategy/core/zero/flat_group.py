@@ -417,14 +417,24 @@ class FlatParamGroup:
         if self.master is not None and self.master.untyped_storage().nbytes() > 0:
             self.shard.copy_(self.master)
 
-    def consolidated(self) -> torch.Tensor:
+    def consolidated(self, only_rank: int | None = None) -> torch.Tensor | None:
         """The whole flat buffer in fp32 from every rank's master (or shard); collective when
-        sharded."""
+        sharded. With ``only_rank`` the buffer is gathered to that group rank alone and the
+        others get None (no full-size buffer on them)."""
         src = self.step_params if self.trainable else self.shard
+        if only_rank is not None and only_rank != self.rank and not self.policy.shard_optimizer:
+            return None
         if not self.policy.shard_optimizer:
             return src.float().clone()
+        src = src.to(device=self.device, dtype=torch.float32)
+        if only_rank is not None and only_rank != self.rank:
+            self.comm.gather(None, src, dst=only_rank)
+            return None
         full = torch.empty(self.layout.padded_total, dtype=torch.float32, device=self.device)
-        self.comm.all_gather(full, src.to(device=self.device, dtype=torch.float32))
+        if only_rank is None:
+            self.comm.all_gather(full, src)
+        else:
+            self.comm.gather(full, src, dst=only_rank)
         return full
 
     def all_gather_after_step(self) -> Work:
