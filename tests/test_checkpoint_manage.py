@@ -113,10 +113,14 @@ def test_root_without_a_tag_tags_by_step_and_bad_tags_are_errors(tmp_path: Path)
     train(engine, batches(1, 1, GB), 0, 1)
     out = engine.save_checkpoint(root, client_state={"k": 1})  # a root (has latest): tag by step
     assert out == root / "global_step1" and (root / "latest").read_text() == "global_step1"
-    assert not (root / "first").exists()  # keep_last=1
+    assert (root / "first").is_dir()  # keep_last prunes only the engine's global_step<N> tags
     engine.save_checkpoint(root, tag="side", save_latest=False)
     assert (root / "latest").read_text() == "global_step1" and (root / "global_step1").is_dir()
-    assert engine.load_checkpoint(root) == {"k": 1}
+    train(engine, batches(1, 1, GB, seed=9), 0, 1)
+    engine.save_checkpoint(root, client_state={"k": 2})
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["first", "global_step2", "latest", "side"]  # keep_last=1 of global_step*
+    assert engine.load_checkpoint(root) == {"k": 2}
     for bad in ("a/b", "x.tmp", "latest", ".."):
         with pytest.raises(ValueError, match="tag"):
             engine.save_checkpoint(root, tag=bad)

@@ -211,7 +211,8 @@ class CheckpointConfig:
     """``checkpoint``: periodic checkpoints written by ``engine.step()``.
 
     Every ``save_interval`` optimizer steps the engine saves to ``save_dir/global_step<N>`` and
-    points ``save_dir/latest`` at it; ``keep_last`` keeps only the newest k such checkpoints;
+    points ``save_dir/latest`` at it; ``keep_last`` keeps only the newest k such checkpoints
+    (checkpoints saved under other tags are never pruned);
     ``async_save`` writes in the background while training continues. DeepSpeed's own keys of
     this section (``tag_validation``, ``load_universal``, ...) are not implemented and warn.
 

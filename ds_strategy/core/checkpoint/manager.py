@@ -28,6 +28,7 @@ interleave with training's collectives on the engine's group. A later save, a lo
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import warnings
@@ -230,16 +231,24 @@ def _write_latest(root: Path, tag: str) -> None:
     os.replace(tmp, root / LATEST)
 
 
+_STEP_TAG = re.compile(r"global_step(\d+)")
+
+
 def _prune(root: Path, keep_last: int | None, keep: str) -> None:
-    """Delete complete checkpoints in ``root`` beyond the newest ``keep_last``; never the one
-    ``latest`` names, nor ``keep`` (just written)."""
+    """Delete the engine's own ``global_step<N>`` checkpoints in ``root`` beyond the newest
+    ``keep_last`` (by N); never the one ``latest`` names, nor ``keep`` (just written), and
+    never a checkpoint under any other name (a user's ``best``, another run's tags)."""
     if keep_last is None:
         return
     latest = root / LATEST
     protected = {keep, latest.read_text().strip() if latest.is_file() else keep}
-    done = [d for d in root.iterdir() if d.is_dir() and (d / META_FILE).is_file()]
-    done.sort(key=lambda d: (d / META_FILE).stat().st_mtime, reverse=True)
-    for d in done[keep_last:]:
+    steps = []
+    for d in root.iterdir():
+        m = _STEP_TAG.fullmatch(d.name)
+        if m and d.is_dir() and (d / META_FILE).is_file():
+            steps.append((int(m.group(1)), d))
+    steps.sort(reverse=True)
+    for _, d in steps[keep_last:]:
         if d.name not in protected:
             shutil.rmtree(d, ignore_errors=True)
 
