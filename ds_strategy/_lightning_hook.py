@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -28,6 +29,20 @@ def _register() -> None:
     register_strategies()
 
 
+def _register_after_import() -> None:
+    """Inside the user's ``import lightning``: a failure to register must not fail that import."""
+    try:
+        _register()
+    except Exception as e:  # noqa: BLE001 - reported, and the names stay unregistered
+        warnings.warn(
+            f"ds_strategy could not register its Lightning strategies ({e!r}); "
+            "Trainer(strategy='zero3') will not find them, ds_strategy.lightning.ZeroStrategy "
+            "can still be passed directly",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 class _RegisteringLoader(importlib.abc.Loader):
     """Runs the real loader of ``lightning``, then registers the strategies."""
 
@@ -39,7 +54,7 @@ class _RegisteringLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        _register()
+        _register_after_import()
 
     def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ...
         return getattr(self._loader, name)

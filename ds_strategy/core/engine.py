@@ -401,10 +401,12 @@ class ZeroEngine(nn.Module):
     def destroy(self) -> None:
         """Wait for an asynchronous checkpoint save, then remove the engine's hooks from the
         model and its offload swap files."""
-        self._checkpoints.wait()
-        self.plan.remove_hooks()
-        if self._offload is not None:
-            self._offload.close()
+        try:
+            self._checkpoints.wait()  # raises if that save failed, after cleaning up below
+        finally:
+            self.plan.remove_hooks()
+            if self._offload is not None:
+                self._offload.close()
 
 
 def _pick_device(model: nn.Module) -> torch.device:

@@ -416,6 +416,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         :meth:`save_checkpoint`, then the other entries of ``state`` from its client state.
         Returns the saved entries that ``state`` did not ask for."""
         path = Path(self.broadcast(str(path)))
+        if self._engine is not None:
+            self._engine.wait_for_checkpoint()  # an asynchronous save may still be renaming
         if not path.is_dir() or not isinstance(state, dict) or not state:
             if path.is_dir():
                 raise ValueError(

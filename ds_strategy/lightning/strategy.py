@@ -581,6 +581,8 @@ class ZeroStrategy(ParallelStrategy):
         directory's contents are written and read by the engine.
         """
         path = Path(self.broadcast(str(checkpoint_path)))
+        if self._engine is not None:
+            self._engine.wait_for_checkpoint()  # an asynchronous save may still be renaming
         if not path.is_dir():
             raise ValueError(
                 f"{path}: ZeroStrategy resumes from checkpoint directories written under "

@@ -168,7 +168,14 @@ class _BackgroundSave:
             try:
                 run()
             except BaseException as e:  # noqa: BLE001 - re-raised by join() on the caller
-                self.error = e
+                # said at once too: a script that never waits would otherwise end silently
+                warnings.warn(
+                    f"asynchronous checkpoint save to {final} failed: {e!r}; the previous "
+                    "checkpoint (and latest) are unchanged",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+                self.error = e.with_traceback(None)  # no frames holding the cloned state
 
         # Not a daemon: the interpreter waits for the write to finish before it exits.
         self.thread = threading.Thread(target=target, name=f"checkpoint {final.name}")
