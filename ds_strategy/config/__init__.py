@@ -24,6 +24,7 @@ from ._schema import (
     UnsupportedConfigWarning,
     ZeroConfig,
     ZeroOptimizationConfig,
+    type_pattern,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "ZeroOptimizationConfig",
     "config_schema",
     "load_config",
+    "type_pattern",
 ]

@@ -23,6 +23,7 @@ function registered in ``_load._CHECKS``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any
@@ -62,6 +63,23 @@ class LeafSpec:
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
+
+
+def type_pattern(spec: str, key: str) -> re.Pattern[str] | None:
+    """The compiled class-name regex of a ``"type:<regex>"`` value of ``key`` (None for any
+    other value); a bad regex is a :class:`ConfigError` naming the key.
+
+    >>> type_pattern("type:Block", "pipeline.partition_method").pattern
+    'Block'
+    """
+    if not spec.startswith("type:"):
+        return None
+    try:
+        return re.compile(spec[len("type:") :])
+    except re.error as e:
+        raise ConfigError(
+            f"{key}: {spec!r} is not a valid regular expression ({e})", key=key
+        ) from None
 
 
 def leaf(
@@ -303,9 +321,7 @@ class ZeroConfig:
     fp16: FP16Config = section(FP16Config)
     bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
     pipeline: PipelineConfig = section(PipelineConfig)
-    activation_checkpointing: ActivationCheckpointingConfig = section(
-        ActivationCheckpointingConfig
-    )
+    activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = section(CheckpointConfig)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -31,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ConfigError, UnsupportedConfigWarning
+from ..config import ConfigError, UnsupportedConfigWarning, type_pattern
 from ..config._schema import ActivationCheckpointingConfig
 
 __all__ = [
@@ -72,13 +71,7 @@ def select_modules(
         def chosen(parent: nn.Module, child: nn.Module) -> bool:
             return isinstance(parent, (nn.ModuleList, nn.Sequential))
 
-    elif modules.startswith("type:"):
-        try:
-            pattern = re.compile(modules[len("type:") :])
-        except re.error as e:
-            raise ConfigError(
-                f"{key}: {modules!r} is not a valid regular expression ({e})", key=key
-            ) from None
+    elif (pattern := type_pattern(modules, key)) is not None:
 
         def chosen(parent: nn.Module, child: nn.Module) -> bool:
             return pattern.fullmatch(type(child).__name__) is not None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..zero.layout import split_into_buckets
 from .swap import SwapDir, SwappedTensor
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
@@ -106,21 +107,10 @@ class BucketedStep:
     def buckets(self) -> list[list[int]]:
         """Indices of the pieces with a gradient, cut into runs of <= ``bucket_numel`` elements
         (a larger piece is a bucket of its own)."""
-        out: list[list[int]] = []
-        run: list[int] = []
-        size = 0
-        for i, pc in enumerate(self.sharded_opt.pieces):
-            if pc.group.grad_seen[pc.index] <= 0:
-                continue
-            n = pc.tensor.numel()
-            if run and size + n > self.bucket_numel:
-                out.append(run)
-                run, size = [], 0
-            run.append(i)
-            size += n
-        if run:
-            out.append(run)
-        return out
+        pieces = self.sharded_opt.pieces
+        live = [i for i, pc in enumerate(pieces) if pc.group.grad_seen[pc.index] > 0]
+        numels = [pieces[i].tensor.numel() for i in live]
+        return [[live[j] for j in b] for b in split_into_buckets(numels, self.bucket_numel)]
 
     def _groups(self, bucket: list[int]) -> list[FlatParamGroup]:
         seen: dict[int, FlatParamGroup] = {}

@@ -11,12 +11,11 @@ heaviest stage, as DeepSpeed does; every stage gets at least one layer. Layers o
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from torch import nn
 
-from ...config import ConfigError
+from ...config import ConfigError, type_pattern
 
 __all__ = ["layer_weights", "partition_layers"]
 
@@ -39,13 +38,8 @@ def layer_weights(layers: Sequence[nn.Module], method: str) -> list[int]:
                     n += p.numel()
             out.append(n)
         return out
-    if method.startswith("type:"):
-        try:
-            pattern = re.compile(method[len("type:") :])
-        except re.error as e:
-            raise ConfigError(
-                f"{_KEY}: {method!r} is not a valid regular expression ({e})", key=_KEY
-            ) from None
+    pattern = type_pattern(method, _KEY)
+    if pattern is not None:
         return [int(pattern.search(type(layer).__name__) is not None) for layer in layers]
     raise ConfigError(
         f"{_KEY}: unknown method {method!r}; use 'parameters', 'uniform' or "

@@ -64,25 +64,6 @@ def broadcast_tied(tied: list[TiedParam]) -> None:
                 t.comm.broadcast(t.param.data, 0)
 
 
-def _accumulated_grad(group: FlatParamGroup, index: int) -> torch.Tensor:
-    """The not-yet-reduced gradient of parameter ``index`` accumulated over the schedule."""
-    if group.grad_full is not None:  # stages 0/1: the flat buffer .grad views into
-        return group.grad_view(index)
-    # stage 2 under no_sync: gradients were moved into the group's full-size bucket
-    group._absorb(index)
-    if group._bucket is None:
-        group._bucket = torch.zeros(
-            group.layout.padded_total, dtype=group.dtype, device=group.device
-        )
-        group._filled = [False] * len(group.params)
-    slot = group.layout.slots[index]
-    view = group._bucket[slot.offset : slot.offset + slot.numel]
-    if not group._filled[index]:
-        view.zero_()
-        group._filled[index] = True
-    return view
-
-
 def sum_tied_grads(tied: list[TiedParam], groups: list[FlatParamGroup]) -> None:
     """Sum each tied parameter's local gradient over its owning stages."""
     where = {id(p): (g, i) for g in groups if g.trainable for i, p in enumerate(g.params)}
@@ -90,7 +71,7 @@ def sum_tied_grads(tied: list[TiedParam], groups: list[FlatParamGroup]) -> None:
         if t.comm is None or id(t.param) not in where:
             continue
         g, i = where[id(t.param)]
-        t.comm.all_reduce(_accumulated_grad(g, i))
+        t.comm.all_reduce(g.accumulated_grad(i))
         g.grad_seen[i] = 1.0
 
 

@@ -301,23 +301,41 @@ class FlatParamGroup:
         work = self.comm.reduce_scatter(out, full, async_op=True)
         self._pending.append((work, (full, out, scaling.post)))
 
-    def _absorb(self, index: int) -> None:
-        p = self.params[index]
-        if p.grad is None:
-            return
+    def _bucket_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s slot in the full-size gradient bucket (allocated on first
+        use; ``self._filled[index]`` says whether the slot holds a gradient yet)."""
         if self._bucket is None:
             self._bucket = torch.empty(
                 self.layout.padded_total, dtype=self.dtype, device=self.device
             )
             self._filled = [False] * len(self.params)
         slot = self.layout.slots[index]
-        dst = self._bucket[slot.offset : slot.offset + slot.numel]
+        return self._bucket[slot.offset : slot.offset + slot.numel]
+
+    def _absorb(self, index: int) -> None:
+        p = self.params[index]
+        if p.grad is None:
+            return
+        dst = self._bucket_view(index)
         if self._filled[index]:
             dst.add_(p.grad.reshape(-1))
         else:
             dst.copy_(p.grad.reshape(-1))
             self._filled[index] = True
         p.grad = None
+
+    def accumulated_grad(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s gradient accumulated since the last reduction, not yet
+        reduced, as a flat view the coming reduction reads (so changing it in place changes
+        what is reduced): the flat gradient buffer under stages 0/1, the bucket under 2/3."""
+        if self.grad_full is not None:
+            return self.grad_view(index)
+        self._absorb(index)
+        view = self._bucket_view(index)
+        if not self._filled[index]:
+            view.zero_()
+            self._filled[index] = True
+        return view
 
     def _take_bucket(self) -> torch.Tensor:
         """The flat gradients of this group (zeros where no gradient arrived); the group
