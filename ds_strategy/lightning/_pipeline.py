@@ -24,7 +24,7 @@ must stay 1: the micro-batches are the config's ``gradient_accumulation_steps``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,10 +32,7 @@ import torch.distributed as dist
 
 from ..config import ZeroConfig
 from ..core.pipeline import PipelineEngine
-from ._engine_ops import inference_optimizer, write_weights
-
-if TYPE_CHECKING:
-    from .strategy import ZeroStrategy
+from ._engine_ops import write_weights
 
 __all__ = ["LightningPipeline", "PipelineModule", "pipeline_stages"]
 
@@ -125,42 +122,16 @@ class LightningPipeline:
 
     @classmethod
     def build(
-        cls,
-        strategy: ZeroStrategy,
-        trainer: pl.Trainer,
-        cfg: ZeroConfig,
-        optimizer: Any,
-        schedulers: list[Any],
+        cls, pl_module: pl.LightningModule, cfg: ZeroConfig, optimizer: Any, schedulers: list[Any]
     ) -> LightningPipeline:
-        pl_module = strategy.lightning_module
-        assert pl_module is not None
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with a "
-                "pipeline config: a pipeline step already runs the config's "
-                "gradient_accumulation_steps micro-batches; leave accumulate_grad_batches at 1"
-            )
-        layers = _hook(pl_module, "pipeline_layers")()
-        loss_fn = _hook(pl_module, "pipeline_loss")
-        engine = PipelineEngine(layers, optimizer, cfg, loss_fn)
-        # Lightning steps the schedulers itself; point them at the stage's rebuilt optimizer
+        """The pipeline of ``pl_module``'s layers; ``schedulers`` (Lightning's, which it steps
+        itself) are pointed at this stage's rebuilt optimizer."""
+        engine = PipelineEngine(
+            _hook(pl_module, "pipeline_layers")(), optimizer, cfg, _hook(pl_module, "pipeline_loss")
+        )
         for scheduler in schedulers:
             scheduler.optimizer = engine.optimizer
         return cls(engine, pl_module)
-
-    @staticmethod
-    def build_for_eval(
-        strategy: ZeroStrategy, trainer: pl.Trainer, cfg: ZeroConfig
-    ) -> LightningPipeline:
-        pl_module = strategy.lightning_module
-        assert pl_module is not None
-        engine = PipelineEngine(
-            _hook(pl_module, "pipeline_layers")(),
-            inference_optimizer,
-            cfg,
-            _hook(pl_module, "pipeline_loss"),
-        )
-        return LightningPipeline(engine, pl_module)
 
     def training_step(self, batch: Any) -> torch.Tensor:
         x, y = _split(batch, "training batch")

@@ -385,18 +385,23 @@ class ZeroStrategy(ParallelStrategy):
             self._base_config,
             world_size=self.world_size // pipeline_stages(self._base_config),
             precision=str(self.precision_plugin.precision),
-            accumulate=None,  # the pipeline's micro-batches, see LightningPipeline.build
+            accumulate=None,  # the micro-batches are the config's gradient_accumulation_steps
         )
-        if fitting:
-            clip = clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-            cfg = cfg.replace(gradient_clipping=clip)
         self.model_to_device()
         if fitting:
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with a "
+                    "pipeline config: a pipeline step already runs the config's "
+                    "gradient_accumulation_steps micro-batches; leave accumulate_grad_batches at 1"
+                )
+            clip = clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            cfg = cfg.replace(gradient_clipping=clip)
             optimizer, schedulers = self._lightning_optimizer(trainer)
-            self._pipeline = LightningPipeline.build(self, trainer, cfg, optimizer, schedulers)
+            self._pipeline = LightningPipeline.build(pl_module, cfg, optimizer, schedulers)
             self.optimizers = [self._pipeline.engine.optimizer]
         else:
-            self._pipeline = LightningPipeline.build_for_eval(self, trainer, cfg)
+            self._pipeline = LightningPipeline.build(pl_module, cfg, inference_optimizer, [])
         self.barrier("ZeroStrategy.setup")
 
     # -- the loop's steps (a pipeline config replaces them, see _pipeline.py) -------------------
