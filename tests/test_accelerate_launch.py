@@ -9,47 +9,17 @@ with a plain ``accelerate.Accelerator`` (DDP) in the same launch, or an uninterr
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed import free_port, run_command
+from tests.accelerate_scripts.launch import launch
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "accelerate_scripts"
-CPU_CONFIG = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
 TOL = 2e-5
 MAX_NORM = 0.3  # tests/accelerate_scripts/common.py
 BOUNDARIES = 12  # 2 epochs x (5 full accumulation windows + the odd last batch)
-
-
-def launch(
-    script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 240
-) -> None:
-    """``accelerate launch --config_file cpu_2proc.yaml --main_process_port <free> script``;
-    kills the whole process tree on timeout so a hang fails fast."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.accelerate_cli",
-        "launch",
-        "--config_file",
-        str(CPU_CONFIG),
-        "--main_process_port",
-        str(free_port()),
-        str(SCRIPTS / script),
-        *args,
-    ]
-    # the launch under test decides these, not whatever the calling shell had set
-    full_env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("DS_STRATEGY_", "ACCELERATE_"))
-    }
-    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
-    run_command(cmd, ROOT, full_env, timeout, script)
 
 
 def load(path: Path) -> dict[str, Any]:

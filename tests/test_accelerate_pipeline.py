@@ -5,22 +5,15 @@ pipeline config raises at construction are checked in one process."""
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
-from tests.distributed import free_port, run_command
+from tests.accelerate_scripts.launch import launch
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "accelerate_scripts" / "pipeline.py"
-CPU_CONFIG = ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"
 TOL = 2e-5
 WORLD, STAGES, DP = 4, 2, 2
 STEPS, STOP, PER_RANK = 3, 1, 4  # tests/accelerate_scripts/pipeline.py
@@ -35,26 +28,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("pipeline")
     out, ckpt = tmp / "results.pt", tmp / "ckpt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.accelerate_cli",
-        "launch",
-        "--config_file",
-        str(CPU_CONFIG),
-        "--num_processes",
-        str(WORLD),
-        "--main_process_port",
-        str(free_port()),
-        str(SCRIPT),
-        "--out",
-        str(out),
-        "--ckpt",
-        str(ckpt),
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DS_STRATEGY_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1")
-    run_command(cmd, ROOT, env, 300, "pipeline.py")
+    launch("pipeline.py", "--out", str(out), "--ckpt", str(ckpt), num_processes=WORLD, timeout=300)
     results = torch.load(out, weights_only=False)
     results["dir"] = tmp
     return results
@@ -135,18 +109,6 @@ def test_plain_accelerate_calls_name_train_batch(launched: dict[str, Any]) -> No
 
 
 # -- one process: what fails before any model is built ---------------------------------------
-
-
-@pytest.fixture
-def clean_accelerate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in list(os.environ):
-        if name.startswith(("DS_STRATEGY_", "ACCELERATE_")) or name in ("WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(name)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 PIPE = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}}

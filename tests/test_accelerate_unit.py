@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import ProjectConfiguration
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
@@ -23,18 +20,7 @@ from ds_strategy.accelerate._resolve import AcceleratorFacts, apply_mixed_precis
 from ds_strategy.accelerate.plugin import overrides_from_env
 from ds_strategy.config import ConfigError, load_config
 
-
-@pytest.fixture(autouse=True)
-def clean_accelerate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Accelerate keeps process-wide singletons; every test starts from none."""
-    for name in list(os.environ):
-        if name.startswith(("DS_STRATEGY_", "ACCELERATE_")) or name in ("WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(name)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("clean_accelerate")  # tests/conftest.py
 
 
 # -- config sources -------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from ds_strategy.core.activation_checkpointing import (
     select_modules,
 )
 from tests.distributed import run_ranks
-from tests.models import Block, ToyLM, batches, lm_loss, make_optimizer
+from tests.loops import parity_config, train_engine, train_reference
+from tests.models import Block, ToyLM, batches, lm_loss
 
 STEPS, ACCUM, GLOBAL_BATCH, CLIP = 3, 2, 8, 0.5
 
@@ -100,38 +101,16 @@ def test_eval_and_no_grad_run_the_plain_forward() -> None:
 
 
 def _train(model: nn.Module, stage: int, ac: bool, data: list, rank: int, world: int) -> dict:
-    config = {
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 2000,
-            "stage3_param_persistence_threshold": 30,
-        },
-        "gradient_accumulation_steps": ACCUM,
-        "gradient_clipping": CLIP,
-        "activation_checkpointing": {"enabled": ac},
-    }
-    engine = ds_strategy.initialize(model, make_optimizer("adamw", model), config)
+    config = parity_config(stage, ACCUM, CLIP, activation_checkpointing={"enabled": ac})
+    engine = train_engine(model, "adamw", config, data, rank, world, STEPS)
     assert (checkpointed_modules(model) == list(model.blocks)) == ac
-    per = GLOBAL_BATCH // world
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            local = data[step * ACCUM + micro][rank * per : (rank + 1) * per]
-            engine.backward(lm_loss(engine, local))
-            engine.step()
     out = engine.full_state_dict()
     engine.destroy()
     return out
 
 
 def _reference(model: nn.Module, data: list) -> dict:
-    opt = make_optimizer("adamw", model)
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            (lm_loss(model, data[step * ACCUM + micro]) / ACCUM).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model.state_dict()
+    return train_reference(model, "adamw", data, STEPS, ACCUM, CLIP)
 
 
 def _diff(a: dict, b: dict) -> float:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ds_strategy
 from tests.distributed import run_ranks
+from tests.loops import parity_config, train_engine, train_reference
 from tests.models import ToyLM, batches, lm_loss, make_optimizer
 
 STEPS, ACCUM, GLOBAL_BATCH, CLIP = 10, 2, 12, 0.5
@@ -21,14 +21,7 @@ CASES = [(stage, opt) for stage in (0, 1, 2, 3) for opt in ("adamw", "sgd")]
 def _reference(
     model: torch.nn.Module, kind: str, data: list[torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    opt = make_optimizer(kind, model)
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            (lm_loss(model, data[step * ACCUM + micro]) / ACCUM).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model.state_dict()
+    return train_reference(model, kind, data, STEPS, ACCUM, CLIP)
 
 
 def _ddp(
@@ -54,22 +47,8 @@ def _ddp(
 def _engine(
     model: torch.nn.Module, kind: str, stage: int, data: list, rank: int, world: int
 ) -> dict:
-    config = {
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 2000,
-            "stage3_param_persistence_threshold": 30,
-        },
-        "gradient_accumulation_steps": ACCUM,
-        "gradient_clipping": CLIP,
-    }
-    engine = ds_strategy.initialize(model, make_optimizer(kind, model), config)
-    per = GLOBAL_BATCH // world
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            local = data[step * ACCUM + micro][rank * per : (rank + 1) * per]
-            engine.backward(lm_loss(engine, local))
-            engine.step()
+    config = parity_config(stage, ACCUM, CLIP)
+    engine = train_engine(model, kind, config, data, rank, world, STEPS)
     assert engine.global_steps == STEPS
     return engine.full_state_dict()
 

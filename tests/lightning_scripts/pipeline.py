@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 from _common import loader, out_dir, rank, trainer
 from safetensors.torch import load_file
@@ -113,16 +112,13 @@ if rank() == 0:
     results["ref_val"] = sum(batch_losses) / len(batch_losses)
     results["file"] = load_file(str(ROOT / "pipe.safetensors"))
     # the same PipelineModule under a single-device Trainer trains as a plain model
-    single = L.Trainer(
-        accelerator="cpu",
+    single = trainer(
+        "auto",
+        ROOT / "single",
         devices=1,
         max_epochs=1,
+        accumulate_grad_batches=1,
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        default_root_dir=str(ROOT / "single"),
     )
     plain = PipeModule()
     single.fit(plain, shuffled_like_lightning())
