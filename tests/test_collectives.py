@@ -1,0 +1,71 @@
+"""``Comm``'s reduce-scatter and all-gather on gloo (built from all-to-all and broadcasts,
+see [Note: gloo's reduce-scatter and all-gather]) give the native collectives' results and
+count the same bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_strategy.core.collectives import Comm
+from tests.distributed import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def worker(rank: int, world: int) -> dict:
+    comm = Comm()
+    out: dict = {"composed": comm.reduce_needs_scratch}
+    for dtype in DTYPES:
+        g = torch.Generator().manual_seed(10 + rank)
+        full = (torch.randn(world * 13, generator=g) * 4).to(dtype)
+        mine, native = torch.empty(13, dtype=dtype), torch.empty(13, dtype=dtype)
+        work = comm.reduce_scatter(mine, full, async_op=True)
+        scratch = work.scratch_nbytes
+        work.wait()
+        dist.reduce_scatter_tensor(native, full.clone())
+        exact = sum(  # every rank's input, summed in float64
+            (torch.randn(world * 13, generator=torch.Generator().manual_seed(10 + r)) * 4)
+            .to(dtype)
+            .double()
+            for r in range(world)
+        )[rank * 13 : (rank + 1) * 13]
+        shard = torch.randn(13, generator=g).to(dtype)
+        gathered, native_gathered = torch.empty(world * 13, dtype=dtype), torch.empty_like(full)
+        comm.all_gather(gathered, shard)
+        dist.all_gather_into_tensor(native_gathered, shard)
+        out[dtype] = {
+            "rs_err": float((mine.double() - exact).abs().max()),
+            "native_err": float((native.double() - exact).abs().max()),
+            "scratch": scratch,
+            "full_bytes": full.numel() * full.element_size(),
+            "gather_equal": torch.equal(gathered, native_gathered),
+        }
+    # a shard that is already the rank's chunk of the output (stages 1/2) is not copied
+    full = torch.zeros(world * 5)
+    full.view(world, -1)[rank].fill_(rank + 1)
+    comm.all_gather(full, full.view(world, -1)[rank])
+    out["in_place"] = full.view(world, -1)[:, 0].tolist()
+    out["report"] = comm.take_report()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_composed_collectives_match_native(world: int) -> None:
+    for rank, r in enumerate(run_ranks(worker, world)):
+        assert r["composed"]
+        for dtype in DTYPES:
+            d = r[dtype]
+            # no worse than gloo's own reduce-scatter against the float64 sum
+            tol = 0 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps * 16
+            assert d["rs_err"] <= max(d["native_err"], 1e-5) + tol, (rank, dtype, d)
+            assert d["scratch"] == d["full_bytes"], (rank, dtype, d)
+            assert d["gather_equal"], (rank, dtype)
+        assert r["in_place"] == [float(i + 1) for i in range(world)]
+        # bytes of the ring algorithms: (N-1)/N of the full buffer per collective (each
+        # call's count is truncated to whole bytes)
+        per_kind = sum((world - 1) * 13 * torch.empty(0, dtype=dt).element_size() for dt in DTYPES)
+        assert abs(r["report"]["reduce_scatter"] - per_kind) < len(DTYPES), r["report"]
+        in_place = (world - 1) * 5 * 4
+        assert abs(r["report"]["all_gather"] - per_kind - in_place) < len(DTYPES) + 1
