@@ -93,12 +93,13 @@ def _construct(cls: type, groups: list[dict], defaults: dict[str, Any]) -> torch
 
     [Note: fused by default] The pieces are plain dense tensors of one dtype on one device,
     which is what torch's fused Adam/AdamW/SGD/Adagrad kernels want; on CPU they are several
-    times faster than the per-tensor loop torch picks by default. A user who chose
-    ``foreach`` or ``fused`` explicitly keeps that choice.
+    times faster than the per-tensor loop torch picks by default. A user who set ``foreach``
+    (True or False) or ``fused`` explicitly keeps that choice.
     """
 
     def left_to_torch(d: dict[str, Any]) -> bool:
-        return d.get("fused") is None and not d.get("foreach") and not d.get("differentiable")
+        # foreach=False is a choice too (the per-tensor loop), not only foreach=True
+        return d.get("fused") is None and d.get("foreach") is None and not d.get("differentiable")
 
     if "fused" in defaults and left_to_torch(defaults) and all(left_to_torch(g) for g in groups):
         # the copied groups carry fused=None too, which would override the default
