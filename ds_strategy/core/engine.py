@@ -133,6 +133,7 @@ class ZeroEngine(nn.Module):
         else:
             self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
+        self._count_resident()
 
     # -- configuration checks --------------------------------------------------------------------
 
@@ -256,6 +257,7 @@ class ZeroEngine(nn.Module):
             self._sharded_opt.scale_grads(self._clipped_norm, clip)
         self._sharded_opt.attach_grads()
         self._sharded_opt.step()
+        self._count_resident()  # optimizer state appears at the first step
         if self._scaler is not None:
             self._scaler.update(overflow=False)
         if self.lr_scheduler is not None:
@@ -356,7 +358,9 @@ class ZeroEngine(nn.Module):
         only, into an engine whose optimizer may differ, e.g. one built for evaluation. A
         damaged or foreign checkpoint raises on every rank, naming the file."""
         with self._offload_resident(dirty=True):
-            return self._checkpoints.load(path, tag, load_optimizer)
+            client_state = self._checkpoints.load(path, tag, load_optimizer)
+        self._count_resident()
+        return client_state
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written, renamed into place and
@@ -371,14 +375,29 @@ class ZeroEngine(nn.Module):
         return self._offload.resident(dirty)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds, and the peak
-        bytes of parameters gathered at once (ZeRO-3)."""
+        """Bytes of model state this rank holds now: ``params``, ``grads`` and
+        ``optimizer_state`` (``total`` is their sum; bytes swapped to NVMe files are not in
+        it, ``offloaded_nvme`` counts them); ``peak``, the most model-state bytes held at
+        any moment since the engine was built or :meth:`reset_peak_memory` was called,
+        transient buffers included (ZeRO-3's gathered parameters, full-size gradient
+        buckets, reductions in flight, the step's fp32 gradient copies); and
+        ``peak_gathered_params``, the bytes of ZeRO-3 parameters gathered at once."""
         report = self.plan.memory_report()
         report["optimizer_state"] = self._sharded_opt.state_bytes()
         report["total"] = report["params"] + report["grads"] + report["optimizer_state"]
         if self._offload is not None:  # bytes moved out to files: not in total
             report.update(self._offload.report())
+        report["peak"] = self.plan.meter.peak
         return report
+
+    def reset_peak_memory(self) -> None:
+        """Start ``memory_report()["peak"]`` again from the bytes held now."""
+        self.plan.meter.reset_peak()
+
+    def _count_resident(self) -> None:
+        report = self.plan.memory_report()
+        resident = report["params"] + report["grads"] + self._sharded_opt.state_bytes()
+        self.plan.meter.set_resident(resident)
 
     def timing_report(self) -> dict[str, float]:
         """With ``wall_clock_breakdown``: the latest per-step means of the forward / backward

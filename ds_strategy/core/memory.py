@@ -1,18 +1,80 @@
-"""Counting memory from the tensors a process really holds, not from bookkeeping."""
+"""Counting memory: the engine's own high-water mark of model state (``ModelStateMeter``),
+and, independent of any bookkeeping, the bytes of the tensors a process really holds
+(``live_tensor_bytes``) at every point of a training step (``StepMemoryProbe``).
+
+[Note: measuring where it hurts]
+Model state is not constant through a step. Under ZeRO-2/3 full-size gradients exist only
+between the moment autograd produces them and the moment their reduce-scatter completes;
+ZeRO-3's parameters exist only while gathered; mixed precision adds an fp32 copy of the
+gradient shard during the optimizer step. A figure taken once, after the step, sees none of
+it. The meter is told of every such buffer where the engine allocates and frees it; the
+probe counts live tensors after forward, inside backward (at every parameter's gradient
+hook), after backward, inside the optimizer step and after it, so the two can be checked
+against each other and against the ZeRO formulas.
+"""
 
 from __future__ import annotations
 
 import gc
+import time
 import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["live_tensor_bytes"]
+__all__ = ["ModelStateMeter", "StepMemoryProbe", "live_tensor_bytes"]
 
 
-def live_tensor_bytes(device_type: str | None = None) -> int:
+class ModelStateMeter:
+    """Model-state bytes of one rank: ``resident`` (parameters, gradient buffers, fp32
+    masters and optimizer state, as ``memory_report`` counts them) plus ``transient``
+    buffers (gathered ZeRO-3 parameters, full-size gradient buckets, reductions in flight,
+    the step's fp32 gradient copies), with the high-water mark of their sum.
+
+    >>> m = ModelStateMeter()
+    >>> m.set_resident(100); m.alloc(40); m.free(40); m.peak
+    140
+    >>> m.reset_peak(); m.peak
+    100
+    """
+
+    def __init__(self) -> None:
+        self.resident = 0
+        self.transient = 0
+        self.peak = 0
+
+    @property
+    def current(self) -> int:
+        return self.resident + self.transient
+
+    def set_resident(self, nbytes: int) -> None:
+        self.resident = int(nbytes)
+        self.peak = max(self.peak, self.current)
+
+    def alloc(self, nbytes: int) -> None:
+        self.transient += int(nbytes)
+        self.peak = max(self.peak, self.current)
+
+    def free(self, nbytes: int) -> None:
+        self.transient -= int(nbytes)
+
+    def touch(self, nbytes: int) -> None:
+        """A buffer the engine did not allocate but is about to free (a gradient autograd
+        just produced): counted at this instant only."""
+        self.peak = max(self.peak, self.current + int(nbytes))
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+def live_tensor_bytes(device_type: str | None = None, exclude: set[int] | None = None) -> int:
     """Bytes of every distinct storage reachable from a live tensor, its ``.grad``, or the
-    local shard of a ``DTensor``; optionally only storages on ``device_type``.
+    local shard of a ``DTensor``; optionally only storages on ``device_type``, and without
+    the storages whose ``data_ptr()`` is in ``exclude``.
 
     Used by the memory tests and benchmarks to check the engine's own report against what is
     actually allocated.
@@ -33,4 +95,112 @@ def live_tensor_bytes(device_type: str | None = None) -> int:
                 st = t.untyped_storage()
                 if st.nbytes() > 0:
                     storages[st.data_ptr()] = st.nbytes()
+    for ptr in exclude or ():
+        storages.pop(ptr, None)
     return sum(storages.values())
+
+
+class StepMemoryProbe:
+    """Live-tensor bytes above a baseline at the points of a training step, activations
+    excluded; the worst reading per point is kept in ``readings``.
+
+    Points: ``after_forward`` / ``after_backward`` / ``after_step`` (call :meth:`mark`),
+    ``in_backward`` (every trainable parameter's gradient hook, and the backward of every
+    module in ``modules``), ``in_step`` (the optimizer's step pre-hook, see
+    :meth:`watch_optimizer`). Activations are the tensors autograd saves for backward
+    during :meth:`forward` (recorded through saved-tensor hooks); a saved tensor that is a
+    parameter's storage (ZeRO-3's gathered weights) stays counted as model state.
+
+    Register it *before* building the engine: gradient hooks run in registration order, so
+    the probe then reads each gradient while it still exists, before the engine moves it
+    into a bucket and frees it. Call :meth:`exclude_existing` before building the model:
+    what existed then is left out of every count (the baseline is then 0), and counting
+    gets cheap enough to run at every gradient hook.
+
+    >>> StepMemoryProbe.exclude_existing()
+    >>> model = nn.Linear(4, 4)
+    >>> probe = StepMemoryProbe(model, baseline=0)
+    >>> with probe.forward():
+    ...     loss = model(torch.randn(2, 4)).sum()
+    >>> loss.backward(); probe.readings["in_backward"] > 0
+    True
+    >>> probe.close()
+    """
+
+    POINTS = ("after_forward", "in_backward", "after_backward", "in_step", "after_step")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: list[nn.Module] | None = None,
+        baseline: int | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        self.model = model
+        self.device_type = device_type
+        self.baseline = live_tensor_bytes(device_type) if baseline is None else baseline
+        self.readings: dict[str, int] = {}
+        self.armed = True
+        self._saved: list[weakref.ref[torch.Tensor]] = []
+        self._handles: list[Any] = []
+        for p in model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._in_backward))
+        for m in modules or []:
+            self._handles.append(m.register_full_backward_pre_hook(self._in_backward))
+
+    @staticmethod
+    def exclude_existing() -> None:
+        """Leave every object alive now out of later counts (``gc.freeze``: the collector
+        then neither scans nor lists them), until :meth:`close`."""
+        gc.collect()
+        gc.freeze()
+
+    def _in_backward(self, *_: Any) -> None:
+        self.mark("in_backward")
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Read ``in_step`` right before every ``optimizer.step()``."""
+        self._handles.append(optimizer.register_step_pre_hook(self._in_step))
+
+    def _in_step(self, *_: Any) -> None:
+        self.mark("in_step")
+
+    def mark(self, point: str) -> int:
+        """Read now and keep the worst reading of ``point``; returns this reading."""
+        if not self.armed:
+            return 0
+        # A collective that just completed can still be referenced by gloo's worker thread
+        # for a moment (it drops the work object after marking it done): let it.
+        time.sleep(0.001)
+        alive = [t for t in (r() for r in self._saved) if t is not None]
+        exclude = {t.untyped_storage().data_ptr() for t in alive}
+        nbytes = live_tensor_bytes(self.device_type, exclude) - self.baseline
+        self.readings[point] = max(self.readings.get(point, nbytes), nbytes)
+        return nbytes
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Run the forward inside this to tell activations from model state."""
+        self._saved = [r for r in self._saved if r() is not None]
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if not isinstance(t, nn.Parameter) and ptr not in self._param_storages():
+            self._saved.append(weakref.ref(t))
+        return t
+
+    def _param_storages(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        gc.unfreeze()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -17,8 +17,10 @@ from torch import nn
 from ...config import ZeroConfig
 from ..collectives import Comm, Work
 from ..materialize import has_meta, materialize_modules
+from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from .flat_group import FlatParamGroup, GradScaling, GroupPolicy
+from .inflight import ReductionQueue
 from .layout import split_into_buckets
 from .reducer import GradReducer
 from .stage3 import Stage3Runtime, Unit, build_groups
@@ -47,6 +49,7 @@ class ShardingPlan:
     reducer: GradReducer | None
     stage3: Stage3Runtime | None = None
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+    meter: ModelStateMeter = field(default_factory=ModelStateMeter)
     overlap_gather: bool = False
     _gathers: dict[int, Work] = field(default_factory=dict)
     _hooks: list[Any] = field(default_factory=list)
@@ -58,7 +61,13 @@ class ShardingPlan:
         if self.reducer is not None:
             self.reducer.finish()
 
+    def __post_init__(self) -> None:
+        for g in self.groups:
+            g.meter = self.meter
+
     def after_optimizer_step(self) -> None:
+        if self.stage3 is not None:
+            self.stage3.release_all()  # a unit kept gathered by a forward without backward
         for g in self.groups:
             g.sync_from_master()
         for g in reversed(self.groups):  # groups are in backward order; gather in forward order
@@ -69,6 +78,8 @@ class ShardingPlan:
 
     def after_load(self) -> None:
         """Shards were overwritten from a checkpoint: rebuild the resident full parameters."""
+        if self.stage3 is not None:
+            self.stage3.release_all()
         for g in self.groups:
             g.sync_from_master()
         for g in self.groups:
@@ -146,6 +157,25 @@ class ShardingPlan:
         return {"params": params, "grads": grads, "peak_gathered_params": peak}
 
 
+def group_numel(config: ZeroConfig, comm: Comm) -> int:
+    """Elements per flat group: a reduce bucket (``reduce_bucket_size``), or half of one
+    where a reduce-scatter needs a receive buffer as large as its input (gloo), so that a
+    group being filled plus one in flight with its receive buffer stay within two buckets."""
+    zc = config.zero_optimization
+    bucket = int(zc.reduce_bucket_size)
+    if zc.stage >= 1 and comm.reduce_needs_scratch:
+        return max(1, bucket // 2)
+    return bucket
+
+
+def max_in_flight(config: ZeroConfig, comm: Comm) -> int | None:
+    """One reduction in flight where waiting for it frees memory (see inflight.py)."""
+    stage = config.zero_optimization.stage
+    if stage >= 2 or (stage == 1 and comm.reduce_needs_scratch):
+        return 1
+    return None
+
+
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
 
@@ -199,7 +229,7 @@ def _bucketed_groups(
     precision: PrecisionPolicy,
 ) -> list[FlatParamGroup]:
     groups = []
-    for bucket in _buckets(params, bucket_numel):
+    for bucket in _buckets(params, bucket_numel):  # one flat group per bucket
         g = FlatParamGroup(bucket, comm, policy, device=device, precision=precision)
         g.load_from_params()
         g.broadcast_and_bind()
@@ -239,12 +269,11 @@ def build_plan(
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     policy = POLICIES[zc.stage]
-    groups = _bucketed_groups(
-        trainable, comm, policy, int(zc.reduce_bucket_size), device, precision
-    )
+    groups = _bucketed_groups(trainable, comm, policy, group_numel(config, comm), device, precision)
     _broadcast_loose([*frozen, *model.buffers()], comm, precision)
     when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
-    plan = ShardingPlan(groups, GradReducer(groups, scaling, when), replaced=replaced)
+    queue = ReductionQueue(max_in_flight(config, comm))
+    plan = ShardingPlan(groups, GradReducer(groups, scaling, when, queue), replaced=replaced)
     if zc.overlap_comm and policy.shard_optimizer:
         plan.overlap_gather = True
         plan.install_gather_waits(model)
@@ -271,7 +300,7 @@ def _build_stage3(
         # Materialise and shard one unit at a time: no rank ever holds the whole model.
         materialize_modules(plan.owned_modules[id(module)], device, replaced, param_init_fn, names)
         params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
-        groups = build_groups(params, comm, device, precision) if params else []
+        groups = build_groups(params, comm, device, precision, group_numel(config, comm))
         for g in groups:
             g.load_from_params()
             g.broadcast_and_bind()
@@ -280,16 +309,18 @@ def _build_stage3(
     persistent = [replaced.get(id(p), p) for p in plan.persistent]
     trainable_small = [p for p in persistent if p.requires_grad]
     small = _bucketed_groups(
-        trainable_small, comm, POLICIES[2], int(zc.reduce_bucket_size), device, precision
+        trainable_small, comm, POLICIES[2], group_numel(config, comm), device, precision
     )
     frozen_small = [p for p in persistent if not p.requires_grad]
     _broadcast_loose([*frozen_small, *model.buffers()], comm, precision)
+    queue = ReductionQueue(max_in_flight(config, comm))  # shared: one bound for both
     runtime = Stage3Runtime(
         units,
         scaling,
         should_reduce,
         prefetch_numel=int(zc.stage3_prefetch_bucket_size),
         max_live_numel=int(zc.stage3_max_live_parameters),
+        queue=queue,
     )
-    reducer = GradReducer(small, scaling, should_reduce)
+    reducer = GradReducer(small, scaling, should_reduce, queue)
     return ShardingPlan(all_groups + small, reducer, runtime, replaced)

@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from ..collectives import Comm, Work
+from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
+from .inflight import Fold, Gather, Reduction
 from .layout import FlatLayout
 
 __all__ = ["FlatParamGroup", "GroupPolicy", "ShardState"]
@@ -105,7 +107,9 @@ class FlatParamGroup:
         self._full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
         self._full_nbytes = self._full.untyped_storage().nbytes()
         self.state = ShardState.GATHERED
-        self._gather_work: Work | None = None
+        self._gather: Gather | None = None
+        # where transient buffers are counted (the plan shares one meter among its groups)
+        self.meter = ModelStateMeter()
         if not policy.shard_params:
             self.shard = self._full[lo:hi]
         else:
@@ -121,7 +125,6 @@ class FlatParamGroup:
         self._staging: torch.Tensor | None = None
         # stage 3 with parameter offload: where the shard lives between gathers (core/offload)
         self.param_store: ParamStore | None = None
-        self._gather_src: torch.Tensor | None = None
         self._step_grad: torch.Tensor | None = None
         # gradients
         self.grad_full: torch.Tensor | None = None
@@ -139,7 +142,6 @@ class FlatParamGroup:
         self._shard_empty = True  # stages 2/3: grad_shard holds no reduction yet
         self._bucket: torch.Tensor | None = None  # stages 2/3: gradients not yet reduced
         self._filled: list[bool] = []
-        self._pending: list[tuple[Work, object]] = []
 
     # -- initial values ------------------------------------------------------------------------
 
@@ -206,17 +208,16 @@ class FlatParamGroup:
         if self.state is not ShardState.SHARDED:
             return
         self._full.untyped_storage().resize_(self._full_nbytes)
+        self.meter.alloc(self._full_nbytes)
         src = self.shard if self.param_store is None else self.param_store.for_gather()
-        self._gather_src = src  # alive until the collective has read it
-        self._gather_work = self.comm.all_gather(self._full, src, async_op=async_op)
+        self._gather = Gather(self.comm.all_gather(self._full, src, async_op=async_op), src)
         self.state = ShardState.GATHERING
 
     def wait_gathered(self) -> None:
         if self.state is ShardState.GATHERING:
-            assert self._gather_work is not None
-            self._gather_work.wait()
-            self._gather_work = None
-            self._gather_src = None
+            assert self._gather is not None
+            self._gather.complete()
+            self._gather = None
             if self.param_store is not None:
                 self.param_store.after_gather()
             self._bind_params()
@@ -233,6 +234,7 @@ class FlatParamGroup:
         for p in self.params:
             p.data = empty
         self._full.untyped_storage().resize_(0)
+        self.meter.free(self._full_nbytes)
         self.state = ShardState.SHARDED
 
     # -- gradients ------------------------------------------------------------------------------
@@ -260,46 +262,54 @@ class FlatParamGroup:
     def all_ready(self) -> bool:
         return self._ready >= len(self.params)
 
-    def launch_reduce(self, scaling: GradScaling) -> None:
-        """Start the (async) reduction of this backward's gradients."""
+    def launch_reduce(self, scaling: GradScaling) -> Reduction | None:
+        """Start the (async) reduction of this backward's gradients; None when there is
+        nothing to reduce (a frozen group, or one already launched in this backward)."""
         if not self.trainable or self._launched:
-            return
+            return None
         self._launched = True
+        held = 0  # bytes the reduction frees when it completes
         if self.policy.shard_grads:
             full = self._take_bucket()
+            held = _nbytes(full)
         else:
             assert self.grad_full is not None
             full = self.grad_full
         if scaling.pre != 1.0:
             full.div_(scaling.pre)
         rdt = self.precision.reduce_dtype
+        send = full
         if full.dtype != rdt:  # communication_data_type differs from the gradients' dtype
             send = full.to(rdt)
-            out = torch.empty(
-                self.shard.numel() if self.policy.shard_optimizer else 0,
-                dtype=rdt,
-                device=self.device,
-            )
-            if self.policy.shard_optimizer:
-                work = self.comm.reduce_scatter(out, send, async_op=True)
-                self._pending.append((work, (send, out, scaling.post)))
-            else:
-                work = self.comm.all_reduce(send, async_op=True)
-                self._pending.append((work, (full, send, scaling.post)))
-            return
-        if not self.policy.shard_optimizer:
-            work = self.comm.all_reduce(full, async_op=True)
-            self._pending.append((work, (full, None, scaling.post)))
-            return
-        if self.policy.shard_grads and self._shard_empty:
+            self.meter.alloc(_nbytes(send))
+            self.meter.free(held)  # a bucket is dropped once converted
+            held = _nbytes(send)
+        del full
+        assert self.grad_shard is not None
+        if not self.policy.shard_optimizer:  # stage 0: all-reduce the whole buffer
+            assert self.grad_full is not None
+            work = self.comm.all_reduce(send, async_op=True)
+            fold = Fold.IN_PLACE if send is self.grad_full else Fold.REPLACE
+            return Reduction(self, work, send, send, self.grad_full, fold, scaling.post, held)
+        if self.policy.shard_grads and self._shard_empty and send.dtype == self.grad_shard.dtype:
             # the first reduction since zero_grad writes straight into the gradient shard
             self._shard_empty = False
-            work = self.comm.reduce_scatter(self.grad_shard, full, async_op=True)
-            self._pending.append((work, (full, self.grad_shard, scaling.post)))
-            return
-        out = torch.empty(self.shard.numel(), dtype=self.dtype, device=self.device)
-        work = self.comm.reduce_scatter(out, full, async_op=True)
-        self._pending.append((work, (full, out, scaling.post)))
+            out, fold = self.grad_shard, Fold.IN_PLACE
+        else:
+            out = torch.empty(self.shard.numel(), dtype=rdt, device=self.device)
+            self.meter.alloc(_nbytes(out))
+            held += _nbytes(out)
+            fold = Fold.ADD if self.policy.shard_grads else Fold.REPLACE
+        work = self.comm.reduce_scatter(out, send, async_op=True)
+        self.meter.alloc(work.scratch_nbytes)  # gloo's receive buffer
+        held += work.scratch_nbytes
+        return Reduction(self, work, send, out, self.grad_shard, fold, scaling.post, held)
+
+    def reduction_done(self, reduction: Reduction) -> None:
+        """A reduction of this group completed (``Reduction.complete``)."""
+        self.meter.free(reduction.held)
+        if reduction.fold is Fold.REPLACE:  # the slice holds the averaged result now
+            self._accumulation_form = False
 
     def _bucket_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s slot in the full-size gradient bucket (allocated on first
@@ -308,6 +318,7 @@ class FlatParamGroup:
             self._bucket = torch.empty(
                 self.layout.padded_total, dtype=self.dtype, device=self.device
             )
+            self.meter.alloc(_nbytes(self._bucket))
             self._filled = [False] * len(self.params)
         slot = self.layout.slots[index]
         return self._bucket[slot.offset : slot.offset + slot.numel]
@@ -322,6 +333,7 @@ class FlatParamGroup:
         else:
             dst.copy_(p.grad.reshape(-1))
             self._filled[index] = True
+        self.meter.touch(p.grad.numel() * p.grad.element_size())  # alive until this line
         p.grad = None
 
     def accumulated_grad(self, index: int) -> torch.Tensor:
@@ -345,7 +357,9 @@ class FlatParamGroup:
         bucket, filled = self._bucket, self._filled
         self._bucket, self._filled = None, []
         if bucket is None:
-            return torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+            bucket = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+            self.meter.alloc(_nbytes(bucket))
+            return bucket
         bucket[self.layout.total :].zero_()  # padding
         for slot, ok in zip(self.layout.slots, filled, strict=True):
             if not ok:
@@ -376,28 +390,10 @@ class FlatParamGroup:
             self.grad_shard.mul_(scaling.post / scaling.pre)
             self._accumulation_form = False
 
-    def finish_reduce(self) -> None:
-        """Wait for launched reductions and fold them into this rank's gradient slice."""
-        for work, (full, out, post) in self._pending:
-            work.wait()
-            assert self.grad_shard is not None
-            if out is None:  # all-reduce: the whole buffer is the reduced result
-                if post != 1.0:
-                    full.mul_(post)
-            elif not self.policy.shard_optimizer:  # all-reduce in another dtype
-                full.copy_(out).mul_(post)
-            elif out is self.grad_shard:
-                if post != 1.0:
-                    out.mul_(post)
-            elif self.policy.shard_grads:
-                self.grad_shard.add_(out, alpha=post)
-            else:  # stage 1: the result replaces the slice, in final (averaged) form
-                self.grad_shard.copy_(out).mul_(post)
-                self._accumulation_form = False
-        self._pending.clear()
-
     def zero_grad(self) -> None:
-        self._step_grad = None
+        if self._step_grad is not None:
+            self.meter.free(_nbytes(self._step_grad))
+            self._step_grad = None
         self._accumulation_form = False
         self._shard_empty = True
         self.grad_seen.zero_()
@@ -407,6 +403,8 @@ class FlatParamGroup:
             self.grad_full.zero_()
             self._bind_grads()  # the user may have set .grad to None meanwhile
         elif self.trainable:
+            if self._bucket is not None:  # gradients kept by no_sync, never reduced
+                self.meter.free(_nbytes(self._bucket))
             self._bucket, self._filled = None, []
             for p in self.params:
                 p.grad = None
@@ -427,6 +425,7 @@ class FlatParamGroup:
             return self.grad_shard
         if self._step_grad is None:  # (offload on a GPU: the copy lands in host memory)
             self._step_grad = self.grad_shard.to(device=target.device, dtype=target.dtype)
+            self.meter.alloc(_nbytes(self._step_grad))
         return self._step_grad
 
     def sync_from_master(self) -> None:
@@ -478,3 +477,7 @@ class FlatParamGroup:
         elif self.grad_shard is not None:
             grad = self.grad_shard.untyped_storage().nbytes()
         return {"params": param, "grads": grad}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

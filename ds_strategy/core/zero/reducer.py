@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .flat_group import FlatParamGroup, GradScaling
+from .inflight import ReductionQueue
 
 __all__ = ["GradReducer"]
 
@@ -32,7 +33,8 @@ class GradReducer:
     reductions in a fixed order.
 
     ``should_reduce()`` says whether this backward reduces (False inside ``no_sync`` and, for
-    stages 0/1, before the accumulation boundary): gradients then just accumulate.
+    stages 0/1, before the accumulation boundary): gradients then just accumulate. Reductions
+    go through ``queue``, which bounds how many are in flight (see inflight.py).
     """
 
     def __init__(
@@ -40,10 +42,12 @@ class GradReducer:
         groups: list[FlatParamGroup],
         scaling: GradScaling,
         should_reduce: Callable[[], bool],
+        queue: ReductionQueue,
     ) -> None:
         self.groups = [g for g in groups if g.trainable]
         self.scaling = scaling
         self.should_reduce = should_reduce
+        self.queue = queue
         self._next = 0
         self._in_backward = False
         self._reducing = False
@@ -84,7 +88,7 @@ class GradReducer:
 
     def _launch_ready(self) -> None:
         while self._next < len(self.groups) and self.groups[self._next].all_ready:
-            self.groups[self._next].launch_reduce(self.scaling)
+            self.queue.launch(self.groups[self._next], self.scaling)
             self._next += 1
 
     def _end_backward(self) -> None:
@@ -94,16 +98,16 @@ class GradReducer:
             return
         self.launch_all()
         # Stages 0/1 reduce the buffer autograd accumulates into: finish before another
-        # backward can write to it (only the tail of the reduction is exposed by waiting).
+        # backward can write to it; stages 2/3 free their last buckets. Only the tail of
+        # the reduction is exposed by waiting here.
+        self.queue.drain()
         for g in self.groups:
-            if g.grad_full is not None:
-                g.finish_reduce()
-                g.to_accumulation_form(self.scaling)
+            g.to_accumulation_form(self.scaling)
 
     def launch_all(self) -> None:
         """Launch every group not launched yet, in order."""
         for g in self.groups[self._next :]:
-            g.launch_reduce(self.scaling)
+            self.queue.launch(g, self.scaling)
         self._next = len(self.groups)
         self._dirty = False
 
@@ -115,8 +119,8 @@ class GradReducer:
                 g.begin_backward()
             self._next = 0
             self.launch_all()
+        self.queue.drain()
         for g in self.groups:
-            g.finish_reduce()
             g.to_final_form(self.scaling)
 
     def remove_hooks(self) -> None:

@@ -5,11 +5,21 @@ prefetch the next unit, reduce-scatter its gradients as soon as backward has pro
 forward:  pre-hook  -> gather (or wait for the prefetch), prefetch the next unit(s)
           post-hook -> release; hook the outputs so backward announces itself
 backward: first gradient w.r.t. an output -> gather again, prefetch the previous unit
-          last parameter gradient of the unit -> reduce-scatter (async), release
-          end of backward -> reduce what never got a gradient, release everything
+          last parameter gradient of one of its flat groups -> reduce-scatter that group
+          (async, through the plan's ReductionQueue, which bounds the buckets in flight)
+          every group launched -> release
+          end of backward -> reduce what never got a gradient, wait for every reduction,
+          release everything
 The forward order is recorded on the first step and replayed for prefetching; if a later
 step runs units in another order, prefetching stops for that pass (correctness does not
 depend on it, only overlap does).
+
+[Note: no release just before a re-gather]
+Backward starts with the root (head, final norm) and the last unit forward ran. Releasing
+them at the end of a forward that backward follows would only gather them again at once, so
+after a forward under grad mode they stay gathered (FSDP2 keeps its root the same way); the
+bound ``stage3_max_live_parameters`` still holds, since they count as live. The optimizer
+step, a checkpoint load and the next forward without grad release them.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from torch.utils._pytree import tree_flatten
 from ..collectives import Comm
 from ..precision.policy import PrecisionPolicy
 from .flat_group import FlatParamGroup, GradScaling, GroupPolicy, ShardState
+from .inflight import ReductionQueue
+from .layout import split_into_buckets
 from .reducer import queue_end_of_backward
 
 __all__ = ["Stage3Runtime", "Unit"]
@@ -39,13 +51,14 @@ class TrainingState(enum.Enum):
 
 
 class Unit:
-    """One module's parameters, in one flat group per (dtype, trainable)."""
+    """One module's parameters, in flat groups of one (dtype, trainable) each and at most
+    a bucket's worth of elements (a parameter larger than that gets a group of its own)."""
 
     def __init__(self, module: nn.Module, groups: list[FlatParamGroup], index: int) -> None:
         self.module = module
         self.groups = groups
         self.index = index
-        self.reduced = False
+        self.launched = 0  # trainable groups whose reduction started in this backward
 
     @property
     def numel(self) -> int:
@@ -63,23 +76,43 @@ class Unit:
     def has_frozen(self) -> bool:
         return any(not g.trainable for g in self.groups)
 
+    @property
+    def reduced(self) -> bool:
+        return self.launched >= len(self.trainable_groups)
+
 
 def build_groups(
     params: list[nn.Parameter],
     comm: Comm,
     device: torch.device,
     precision: PrecisionPolicy | None = None,
+    bucket_numel: int | None = None,
 ) -> list[FlatParamGroup]:
-    """One flat group per (dtype, requires_grad): frozen weights get no gradient buffers."""
-    buckets: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
-    for p in params:
-        buckets.setdefault((p.dtype, p.requires_grad), []).append(p)
-    return [
-        FlatParamGroup(
-            ps, comm, STAGE3_POLICY, trainable=trainable, device=device, precision=precision
-        )
-        for (_, trainable), ps in buckets.items()
-    ]
+    """Flat groups of one (dtype, requires_grad) each (frozen weights get no gradient
+    buffers) and at most ``bucket_numel`` elements, so no gradient bucket is larger than a
+    reduce bucket. Like stage 2's buckets they run in reverse registration order, roughly
+    the order backward produces gradients, which is the order a unit launches them in."""
+    by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+    for p in reversed(params):
+        by_kind.setdefault((p.dtype, p.requires_grad), []).append(p)
+    groups = []
+    for (_, trainable), ps in by_kind.items():
+        for piece in split_into_buckets([p.numel() for p in ps], bucket_numel or _numel(ps)):
+            groups.append(
+                FlatParamGroup(
+                    [ps[i] for i in piece],
+                    comm,
+                    STAGE3_POLICY,
+                    trainable=trainable,
+                    device=device,
+                    precision=precision,
+                )
+            )
+    return groups
+
+
+def _numel(params: list[nn.Parameter]) -> int:
+    return max(1, sum(p.numel() for p in params))
 
 
 class Stage3Runtime:
@@ -92,11 +125,13 @@ class Stage3Runtime:
         should_reduce: Callable[[], bool],
         prefetch_numel: int,
         max_live_numel: int,
+        queue: ReductionQueue,
     ) -> None:
         self.units = units
         self.root = units[-1]
         self.scaling = scaling
         self.should_reduce = should_reduce
+        self.queue = queue
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.state = TrainingState.IDLE
@@ -162,8 +197,8 @@ class Stage3Runtime:
                     tensors, self._pre_backward(unit, index), mode="any"
                 )
             if unit is self.root:
-                self._end_forward()
-            else:
+                self._end_forward(backward_follows=bool(tensors))
+            elif not (tensors and self._ran_last(unit, index)):
                 self._release(unit)
             return None
 
@@ -186,12 +221,20 @@ class Stage3Runtime:
             if self.state is not TrainingState.BACKWARD:
                 self._start_backward()
             group.mark_ready(index)
-            if self._reducing and all(g.all_ready for g in unit.trainable_groups):
-                self._reduce(unit)
-                if not unit.has_frozen:
-                    self._release(unit)
+            if self._reducing:
+                self._launch_ready(unit)
 
         return hook
+
+    def _launch_ready(self, unit: Unit) -> None:
+        """Launch the unit's groups whose gradients are complete, in the unit's order (the
+        same on every rank); release the unit once all are launched."""
+        groups = unit.trainable_groups
+        while unit.launched < len(groups) and groups[unit.launched].all_ready:
+            self.queue.launch(groups[unit.launched], self.scaling)
+            unit.launched += 1
+        if unit.reduced and not unit.has_frozen:
+            self._release(unit)
 
     # -- transitions --------------------------------------------------------------------------
 
@@ -204,10 +247,28 @@ class Stage3Runtime:
         self._call_index = 0
         self._order_ok = True
 
-    def _end_forward(self) -> None:
+    def _ran_last(self, unit: Unit, index: int) -> bool:
+        """Whether ``unit`` is the last unit of the recorded forward order."""
+        order = self._order
+        return (
+            not self._recording and self._order_ok and index == len(order) - 1 == order.index(unit)
+        )
+
+    def _end_forward(self, backward_follows: bool) -> None:
+        keep: set[int] = set()
+        if backward_follows:  # see [Note: no release just before a re-gather]
+            keep.add(id(self.root))
+            if self._order and self._ran_last(self._order[-1], len(self._order) - 1):
+                keep.add(id(self._order[-1]))
         for u in self.units:  # including prefetches that the forward never used
-            self._release(u)
+            if id(u) not in keep:
+                self._release(u)
         self.state = TrainingState.IDLE
+
+    def release_all(self) -> None:
+        """Release every unit (before the optimizer step or a load changes the shards)."""
+        for u in self.units:
+            self._release(u)
 
     def _start_backward(self) -> None:
         self.state = TrainingState.BACKWARD
@@ -215,27 +276,23 @@ class Stage3Runtime:
         if self._reducing:
             self._dirty = False  # this backward's reduction carries the accumulated .grad
         for u in self.units:
-            u.reduced = False
+            u.launched = 0
             for g in u.trainable_groups:
                 g.begin_backward()
         queue_end_of_backward(self._end_backward)
 
     def _end_backward(self) -> None:
         if self._reducing:
-            for u in self.units:
-                self._reduce(u)
+            for u in self.units:  # groups with a parameter that got no gradient
+                for g in u.trainable_groups[u.launched :]:
+                    self.queue.launch(g, self.scaling)
+                u.launched = len(u.trainable_groups)
+            self.queue.drain()
         else:
             self._dirty = True
         for u in self.units:
             self._release(u)
         self.state = TrainingState.IDLE
-
-    def _reduce(self, unit: Unit) -> None:
-        if unit.reduced:
-            return
-        unit.reduced = True
-        for g in unit.trainable_groups:
-            g.launch_reduce(self.scaling)
 
     def flush_unreduced(self) -> None:
         """Launch reductions for gradients accumulated under ``no_sync`` (optimizer step)."""
@@ -245,12 +302,10 @@ class Stage3Runtime:
         for u in self.units:
             for g in u.trainable_groups:
                 g.begin_backward()
-                g.launch_reduce(self.scaling)
+                self.queue.launch(g, self.scaling)
 
     def finish(self) -> None:
-        for u in self.units:
-            for g in u.trainable_groups:
-                g.finish_reduce()
+        self.queue.drain()
 
     # -- gather / release with live-memory accounting ----------------------------------------
 

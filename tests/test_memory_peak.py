@@ -1,0 +1,198 @@
+"""Model state at every point of a step, counted from live tensors: after forward, inside
+backward (at every parameter's gradient hook), after backward, inside the optimizer step and
+after it. Stages 2 and 3 stay within the ZeRO formula plus the stated bound on full-size
+gradient buckets (and, for stage 3, gathered parameters), and the engine's own
+``memory_report()["peak"]`` agrees with the worst live reading.
+
+[Note: the bound the tests hold the engine to]
+G is the largest flat group: half a reduce bucket on gloo (``reduce_bucket_size`` / 2), or a
+single parameter larger than that. During backward a rank holds at most one group being
+filled and one in flight (its input and gloo's receive buffer, 2G), plus the gradient
+autograd just produced (at most the largest parameter) and a reduced slice (G/N). Stage 3
+adds the gathered parameters (at most ``stage3_max_live_parameters``) and the gradients of
+the small parameters that stay whole (``persistent``, filled throughout backward). Under
+mixed precision the optimizer step adds an fp32 copy of the gradient shard (4 Psi / N).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ds_strategy
+from benchmarks.gpt import GPT, GPTConfig
+from ds_strategy.core.memory import StepMemoryProbe
+from tests.distributed import run_ranks
+
+CFG = GPTConfig(vocab=512, d=128, layers=3, heads=4, seq=32)
+BUCKET = 100_000  # elements: several groups per block, so buckets really come and go
+THRESHOLD = 1_000  # stage 3: biases and norms stay whole ("persistent")
+SLACK = 64 * 1024  # bytes of bookkeeping outside model state (flags, the batch, the loss)
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
+
+
+def _sizes() -> dict[str, int]:
+    m = _model()
+    numels = [p.numel() for p in m.parameters()]
+    block = sum(p.numel() for p in m.blocks[0].parameters())
+    root = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("blocks."))
+    return {
+        "psi": sum(numels),
+        "persistent": sum(n for n in numels if n < THRESHOLD),
+        "largest": max(numels),
+        "block": block,
+        "root": root,
+    }
+
+
+def _config(stage: int, precision: str, accumulation: int, sizes: dict[str, int]) -> dict:
+    zc: dict = {"stage": stage, "reduce_bucket_size": BUCKET}
+    if stage == 3:
+        zc.update(
+            stage3_param_persistence_threshold=THRESHOLD,
+            stage3_prefetch_bucket_size=sizes["block"],
+            stage3_max_live_parameters=sizes["root"] + 2 * sizes["block"],
+        )
+    config: dict = {"zero_optimization": zc, "gradient_accumulation_steps": accumulation}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def formula(stage: int, precision: str, psi: int, persistent: int, n: int) -> float:
+    """The ZeRO paper's model state with Adam: K = 12 bytes of fp32 master + moments."""
+    e = 2 if precision == "bf16" else 4  # bytes per parameter and per gradient
+    k = 12 if precision == "bf16" else 8  # (fp32 training: the parameter is the master)
+    if stage == 2:
+        return e * psi + (e + k) * psi / n
+    sharded = psi - persistent
+    return (2 * e + k) * sharded / n + e * persistent + (e + k) * persistent / n
+
+
+def bound(stage: int, precision: str, sizes: dict[str, int], n: int) -> dict[str, float]:
+    """Bytes allowed above the formula at each point (see the note at the top)."""
+    e = 2 if precision == "bf16" else 4
+    group = max(BUCKET // 2, sizes["largest"])
+    grads = (3 * group + sizes["largest"] + group / n) * e
+    gathered = (sizes["root"] + 2 * sizes["block"]) * e if stage == 3 else 0
+    persistent = sizes["persistent"] * e if stage == 3 else 0
+    step_copy = 4 * sizes["psi"] / n if precision == "bf16" else 0
+    return {
+        "after_forward": gathered,
+        "in_backward": gathered + grads + persistent,
+        "after_backward": 0,
+        "in_step": step_copy,
+        "after_step": 0,
+    }
+
+
+def _probed_step(
+    engine: ds_strategy.ZeroEngine, probe: StepMemoryProbe, batches: list[torch.Tensor]
+) -> None:
+    """One optimizer step over ``batches`` (one micro-batch each), read at every point."""
+    for batch in batches:
+        with probe.forward():
+            loss = _loss(engine, batch)
+        probe.mark("after_forward")
+        engine.backward(loss)
+        del loss
+        probe.mark("after_backward")
+        engine.step()
+    probe.mark("after_step")
+
+
+def measure(
+    stage: int, precision: str, accumulation: int, data: list[torch.Tensor], sizes: dict
+) -> dict:
+    StepMemoryProbe.exclude_existing()  # the batches, the imports: not model state
+    model = _model()
+    probe = StepMemoryProbe(model, baseline=0)  # before the engine: see its docs
+    probe.armed = False
+    engine = ds_strategy.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        _config(stage, precision, accumulation, sizes),
+    )
+    probe.watch_optimizer(engine.optimizer)
+    micro = [data[i % len(data)] for i in range(3 * accumulation)]
+    _probed_step(engine, probe, micro[:accumulation])  # stage 3 records its order; Adam's state
+    engine.reset_peak_memory()
+    probe.armed = True
+    for i in range(1, 3):
+        _probed_step(engine, probe, micro[i * accumulation : (i + 1) * accumulation])
+    result = {"readings": dict(probe.readings), "peak": engine.memory_report()["peak"]}
+    probe.close()
+    engine.destroy()
+    return result
+
+
+def memory_worker(rank: int, world: int, cases: list[tuple[int, str, int]]) -> dict:
+    sizes = _sizes()
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, CFG.vocab, (2, CFG.seq + 1), generator=g) for _ in range(4)]
+    out: dict = {"sizes": sizes}
+    for case in cases:
+        out[case] = measure(*case, data, sizes)
+    return out
+
+
+CASES = [
+    (stage, precision, accumulation)
+    for stage in (2, 3)
+    for precision in ("fp32", "bf16")
+    for accumulation in (1, 2)
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def measured(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    world = request.param
+    return world, run_ranks(memory_worker, world, CASES, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"stage{s}-{p}-acc{a}" for s, p, a in CASES])
+def test_model_state_within_formula_plus_bound_at_every_point(
+    measured: tuple[int, list[dict]], case: tuple[int, str, int]
+) -> None:
+    world, results = measured
+    stage, precision, _ = case
+    for rank, r in enumerate(results):
+        sizes = r["sizes"]
+        f = formula(stage, precision, sizes["psi"], sizes["persistent"], world)
+        allowed = bound(stage, precision, sizes, world)
+        got = r[case]["readings"]
+        assert set(got) == set(StepMemoryProbe.POINTS), got
+        for point, extra in allowed.items():
+            assert got[point] <= 1.01 * (f + extra) + SLACK, (
+                f"rank {rank} {case} {point}: {got[point]} bytes > formula {f:.0f} + "
+                f"bound {extra:.0f} ({got[point] / f:.3f}x the formula)"
+            )
+        # the probe counts model state: at rest it is the formula, not less
+        assert got["after_step"] >= 0.99 * f, (rank, case, got["after_step"], f)
+        # buckets really were alive inside backward (the probe sees what it must bound)
+        assert got["in_backward"] > got["after_backward"], (rank, case, got)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"stage{s}-{p}-acc{a}" for s, p, a in CASES])
+def test_reported_peak_agrees_with_live_tensor_peak(
+    measured: tuple[int, list[dict]], case: tuple[int, str, int]
+) -> None:
+    _, results = measured
+    for rank, r in enumerate(results):
+        live = max(r[case]["readings"].values())
+        peak = r[case]["peak"]
+        assert abs(peak - live) <= 0.05 * live, (
+            f"rank {rank} {case}: memory_report peak {peak} vs live-tensor peak {live} "
+            f"({peak / live:.3f}x)"
+        )
