@@ -1,22 +1,28 @@
 """DDP vs FSDP2 vs ZeRO stages 1/2/3 on one GPT, side by side in one run.
 
-    python benchmarks/bench_zero.py                 # 2 CPU ranks (gloo), ~30M parameters
+    python benchmarks/bench_zero.py                      # 2 CPU ranks (gloo), ~30M parameters
+    python benchmarks/bench_zero.py --fused-everywhere   # every engine on torch's fused AdamW
     python benchmarks/bench_zero.py --steps 8 --layers 4
-
     python benchmarks/bench_zero.py --engines ddp zero1 zero1-bf16 zero2 zero2-bf16 zero3 zero3-bf16
+    python benchmarks/bench_zero.py --world 1 --device cuda   # on a GPU
 
-Prints, per engine: median step time and its ratio to DDP, per-rank model-state bytes
-(counted from the live tensors) and their ratio to the ZeRO formula, and bytes sent per
+Prints two tables. Memory: per-rank model state (counted from live tensors, activations
+excluded) after forward, inside backward (the worst of every gradient hook and block
+backward), after backward, inside the optimizer step and after it, each as a ratio to the
+engine's ZeRO formula, and, for ds_strategy, ``memory_report()["peak"]`` next to the worst
+live reading. Speed: median step time and its ratio to DDP and to FSDP2, bytes sent per
 optimizer step (ours and DDP's counted the same way; FSDP2's are not instrumented).
+DDP keeps its gradient buckets in C++, where the live-tensor count cannot see them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
-import gc
 import os
+import queue as queue_mod
 import socket
 import statistics
 import sys
@@ -35,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 import ds_strategy  # noqa: E402
-from ds_strategy.core.memory import live_tensor_bytes  # noqa: E402
+from ds_strategy.core.memory import StepMemoryProbe  # noqa: E402
 
 # None: each engine runs AdamW as torch picks it for a user who wrote AdamW(params, lr)
 # (ds_strategy then picks torch's fused kernel for its shards); True: every engine fused.
@@ -57,13 +63,38 @@ def formula(name: str, psi: int, n: int) -> float:
 
 Step = Callable[[torch.Tensor], None]
 Sent = Callable[[], float]  # bytes sent since the previous call (nan: not instrumented)
+POINTS = StepMemoryProbe.POINTS
+
+
+class Probed:
+    """The probe of the engine being measured (None while timing: no probe runs then)."""
+
+    probe: StepMemoryProbe | None = None
+
+    @classmethod
+    def forward(cls) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if cls.probe is None else cls.probe.forward()
+
+    @classmethod
+    def mark(cls, point: str) -> None:
+        if cls.probe is not None:
+            cls.probe.mark(point)
 
 
 def plain_step(model: nn.Module, opt: torch.optim.Optimizer) -> Step:
+    if Probed.probe is not None:
+        Probed.probe.watch_optimizer(opt)
+
     def step(batch: torch.Tensor) -> None:
-        gpt_loss(model, batch).backward()
+        with Probed.forward():
+            loss = gpt_loss(model, batch)
+        Probed.mark("after_forward")
+        loss.backward()
+        del loss
+        Probed.mark("after_backward")
         opt.step()
         opt.zero_grad(set_to_none=False)
+        Probed.mark("after_step")
 
     return step
 
@@ -92,7 +123,7 @@ def setup_fsdp2(model: nn.Module, n: int) -> tuple[Step, Sent]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (n,))
+    mesh = init_device_mesh(next(model.parameters()).device.type, (n,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -100,86 +131,132 @@ def setup_fsdp2(model: nn.Module, n: int) -> tuple[Step, Sent]:
     return plain_step(model, opt), lambda: float("nan")
 
 
-def setup_zero(stage: int, model: nn.Module, extra: dict | None = None) -> tuple[Step, Sent]:
+def setup_zero(
+    stage: int, model: nn.Module, extra: dict | None = None
+) -> tuple[Step, Sent, ds_strategy.ZeroEngine]:
+    block = sum(p.numel() for p in model.blocks[0].parameters())
     config = {
         "zero_optimization": {
             "stage": stage,
             "reduce_bucket_size": 6_250_000,  # DDP's 25 MB buckets
             "stage3_param_persistence_threshold": 1e4,
+            "stage3_prefetch_bucket_size": block,  # one block ahead, as FSDP2 prefetches
         },
         **(extra or {}),
     }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=FUSED)
     engine = ds_strategy.initialize(model, opt, config)
+    if Probed.probe is not None:
+        Probed.probe.watch_optimizer(engine.optimizer)
 
     def step(batch: torch.Tensor) -> None:
-        engine.backward(gpt_loss(engine, batch))
+        with Probed.forward():
+            loss = gpt_loss(engine, batch)
+        Probed.mark("after_forward")
+        engine.backward(loss)
+        del loss
+        Probed.mark("after_backward")
         engine.step()
+        Probed.mark("after_step")
 
-    return step, lambda: float(engine.comm_report()["total"])
+    return step, lambda: float(engine.comm_report()["total"]), engine
 
 
 def timed(step: Step, batch: torch.Tensor) -> float:
+    sync = torch.cuda.synchronize if batch.is_cuda else (lambda: None)
+    sync()
     dist.barrier()
     t0 = time.perf_counter()
     step(batch)
+    sync()
     dist.barrier()
     return time.perf_counter() - t0
 
 
 def worker(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
     """[Note: interleaved timing]
-    Every engine is built and warmed up in turn (its model state is what the live tensors
-    grew by, its bytes per step what one more step sent), then all engines stay alive and
-    the timed steps go round-robin, engine after engine, so a slow minute on a shared
-    machine slows every engine alike instead of whichever happened to run then.
+    Every engine is built and warmed up in turn (its model state at each point of a step is
+    what the live tensors grew by since just before its model was built, read by a
+    ``StepMemoryProbe`` over two probed steps; its bytes per step what one more step sent),
+    then all engines stay alive and the timed steps go round-robin, engine after engine, so
+    a slow minute on a shared machine slows every engine alike instead of whichever happened
+    to run then.
     """
     global FUSED
     FUSED = True if args.fused_everywhere else None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600)
+        "nccl" if device.type == "cuda" else "gloo",
+        rank=rank,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=600),
     )
     c = GPTConfig(layers=args.layers, d=args.d)
     torch.manual_seed(0)
-    base = GPT(c)
+    base = GPT(c).to(device)
     psi = sum(p.numel() for p in base.parameters())
     g = torch.Generator().manual_seed(1 + rank)
-    data = [torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g) for _ in range(4)]
+    data = [
+        torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g).to(device) for _ in range(4)
+    ]
     steps: dict[str, Step] = {}
-    state: dict[str, int] = {}
+    memory: dict[str, dict[str, int]] = {}
     sent: dict[str, float] = {}
     for name in args.engines:
-        gc.collect()
-        before = live_tensor_bytes()
-        model = copy.deepcopy(base)
-        if name == "ddp":
-            step, take = setup_ddp(model, n)
-        elif name == "fsdp2":
-            step, take = setup_fsdp2(model, n)
-        else:  # zeroN or zeroN-bf16 / zeroN-fp16
-            stage_name, _, prec = name.partition("-")
-            extra = {prec: {"enabled": True}} if prec else None
-            step, take = setup_zero(int(stage_name[-1]), model, extra)
-        del model
-        for i in range(args.warmup):  # stage 3 records its unit order on the first step
-            step(data[i % len(data)])
-        take()
-        step(data[0])
-        sent[name] = take()
-        state[name] = live_tensor_bytes() - before
-        steps[name] = step
+        memory[name], steps[name], sent[name] = measure_engine(name, base, data, n, args)
     times: dict[str, list[float]] = {name: [] for name in args.engines}
     for i in range(args.steps):
         for name in args.engines:
             times[name].append(timed(steps[name], data[i % len(data)]))
     rows = [
-        (name, statistics.median(times[name]), state[name], sent[name]) for name in args.engines
+        (name, statistics.median(times[name]), memory[name], sent[name]) for name in args.engines
     ]
     if rank == 0:
         queue.put((psi, rows))
     dist.destroy_process_group()
+
+
+def measure_engine(
+    name: str, base: nn.Module, data: list[torch.Tensor], n: int, args: argparse.Namespace
+) -> tuple[dict[str, int], Step, float]:
+    """Build one engine, warm it up, read its memory over two probed steps and its bytes
+    over one more; returns (readings per point, the step, bytes per step)."""
+    device_type = data[0].device.type
+    StepMemoryProbe.exclude_existing()  # earlier engines and the data are not this one's
+    model = copy.deepcopy(base)
+    probe = StepMemoryProbe(model, modules=list(model.blocks), baseline=0, device_type=device_type)
+    probe.armed = False
+    Probed.probe = probe
+    engine = None
+    if name == "ddp":
+        step, take = setup_ddp(model, n)
+    elif name == "fsdp2":
+        step, take = setup_fsdp2(model, n)
+    else:  # zeroN or zeroN-bf16 / zeroN-fp16
+        stage_name, _, prec = name.partition("-")
+        extra = {prec: {"enabled": True}} if prec else None
+        step, take, engine = setup_zero(int(stage_name[-1]), model, extra)
+    del model
+    for i in range(args.warmup):  # stage 3 records its unit order on the first step
+        step(data[i % len(data)])
+    if engine is not None:
+        engine.reset_peak_memory()
+    probe.armed = True
+    for i in range(2):
+        step(data[i % len(data)])
+    readings = dict(probe.readings)
+    if engine is not None:
+        readings["reported_peak"] = engine.memory_report()["peak"]
+    probe.close()
+    Probed.probe = None
+    take()
+    step(data[0])
+    return readings, step, take()
 
 
 def main() -> None:
@@ -194,6 +271,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--engines", nargs="+", default=["ddp", "fsdp2", "zero1", "zero2", "zero3"])
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     ap.add_argument(
         "--fused-everywhere",
         action="store_true",
@@ -211,26 +289,54 @@ def main() -> None:
     ]
     for p in procs:
         p.start()
-    psi, rows = queue.get()
+    while True:  # a rank that died would otherwise leave the parent waiting forever
+        try:
+            psi, rows = queue.get(timeout=5)
+            break
+        except queue_mod.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.kill()
+                sys.exit(f"a rank failed (exit codes {failed}); its traceback is above")
     for p in procs:
         p.join()
+    print(
+        f"GPT {psi / 1e6:.1f}M parameters, {args.world} ranks x {args.threads} thread(s) on "
+        f"{args.device}, micro-batch {args.micro}x{GPTConfig().seq}, median of {args.steps} "
+        f"steps, AdamW {'fused for every engine' if args.fused_everywhere else 'as torch picks it'}"
+    )
+    print_memory(rows, psi, args.world)
+    print()
+    print_speed(rows)
+
+
+def print_memory(rows: list, psi: int, world: int) -> None:
+    print("Model state per rank at each point of a step, MB (x the engine's formula):")
+    print(f"| engine | formula | {' | '.join(POINTS)} | worst | reported peak |")
+    print("|---|---|" + "---|" * (len(POINTS) + 2))
+    for name, _, mem, _ in rows:
+        f = formula(name, psi, world)
+        cells = [f"{mem[p] / 1e6:.1f} ({mem[p] / f:.2f}x)" for p in POINTS]
+        worst = max(mem[p] for p in POINTS)
+        reported = mem.get("reported_peak")
+        rep_cell = (
+            "n/a" if reported is None else f"{reported / 1e6:.1f} ({reported / worst:.3f}x worst)"
+        )
+        print(f"| {name} | {f / 1e6:.1f} | {' | '.join(cells)} | {worst / f:.2f}x | {rep_cell} |")
+
+
+def print_speed(rows: list) -> None:
     ddp_time = next((t for name, t, _, _ in rows if name == "ddp"), float("nan"))
+    fsdp_time = next((t for name, t, _, _ in rows if name == "fsdp2"), float("nan"))
     ddp_sent = next((s for name, _, _, s in rows if name == "ddp"), float("nan"))
-    print(
-        f"GPT {psi / 1e6:.1f}M parameters, {args.world} ranks x {args.threads} thread(s), "
-        f"micro-batch {args.micro}x{GPTConfig().seq}, median of {args.steps} steps, "
-        f"AdamW {'fused for every engine' if args.fused_everywhere else 'as torch picks it'}"
-    )
-    print(
-        "| engine | step (s) | vs DDP | model state / rank (MB) | vs formula | sent / step (MB) | vs DDP |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for name, t, live, sent in rows:
-        f = formula(name, psi, args.world)
+    print("| engine | step (s) | vs DDP | vs FSDP2 | sent / step (MB) | vs DDP |")
+    print("|---|---|---|---|---|---|")
+    for name, t, _, sent in rows:
         sent_s = "n/a" if sent != sent else f"{sent / 1e6:.1f}"
         sent_r = "n/a" if sent != sent else f"{sent / ddp_sent:.2f}x"
         print(
-            f"| {name} | {t:.3f} | {t / ddp_time:.2f}x | {live / 1e6:.1f} | {live / f:.3f}x | {sent_s} | {sent_r} |"
+            f"| {name} | {t:.3f} | {t / ddp_time:.2f}x | {t / fsdp_time:.2f}x | {sent_s} | {sent_r} |"
         )
 
 

@@ -69,8 +69,9 @@ def memory_line(engine: ds_strategy.ZeroEngine, cfg: GPTConfig, precision: str) 
         f"{report['params'] / 1e6:.3f}, grads {report['grads'] / 1e6:.3f}, optimizer "
         f"{report['optimizer_state'] / 1e6:.3f}); ZeRO-{stage} formula {paper / 1e6:.3f} MB "
         f"({report['total'] / paper:.3f}x), estimate with persistent small parameters "
-        f"{est / 1e6:.3f} MB ({report['total'] / est:.3f}x); {psi / 1e6:.2f}M parameters, "
-        f"{precision}, {world} rank(s)"
+        f"{est / 1e6:.3f} MB ({report['total'] / est:.3f}x); peak within a step "
+        f"{report['peak'] / 1e6:.3f} MB (gathered parameters and gradient buckets in flight "
+        f"included); {psi / 1e6:.2f}M parameters, {precision}, {world} rank(s)"
     )
 
 

@@ -124,3 +124,32 @@ def test_bytes_per_step_vs_ddp() -> None:
         assert data >= 0.9 * limit * ddp, f"stage {stage} moved suspiciously little: {report}"
         # the bookkeeping reduction (which parameters got gradients, the norm) stays tiny
         assert report.get("control", 0) < 0.01 * ddp
+
+
+def accumulation_comm_worker(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 2):
+        for accumulation in (1, 2):
+            m = mlp()
+            config = {
+                "zero_optimization": {"stage": stage},
+                "gradient_accumulation_steps": accumulation,
+            }
+            engine = ds_strategy.initialize(m, torch.optim.Adam(m.parameters(), lr=1e-3), config)
+            _train(engine, rank, steps=accumulation)  # one optimizer step
+            engine.comm_report()
+            _train(engine, rank, steps=accumulation)
+            report = engine.comm_report()
+            out[(stage, accumulation)] = report["reduce_scatter"]
+    return out
+
+
+def test_stage2_reduces_every_micro_step_stage1_once_per_step() -> None:
+    """DeepSpeed's ZeRO-2 reduce-scatters each micro-step into the gradient shard (so no
+    full-size gradient outlives a backward); ZeRO-1 keeps full gradients and reduces once,
+    at the accumulation boundary."""
+    r = run_ranks(accumulation_comm_worker, 2)[0]
+    one = r[(2, 1)]
+    assert one > 0
+    assert r[(2, 2)] == 2 * one  # one reduce-scatter of every bucket per micro-step
+    assert r[(1, 2)] == r[(1, 1)] == one  # stage 1: once per optimizer step

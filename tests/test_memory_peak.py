@@ -21,6 +21,7 @@ import torch
 
 import ds_strategy
 from benchmarks.gpt import GPT, GPTConfig
+from ds_strategy.core.activation_checkpointing import SavedTensorMeter
 from ds_strategy.core.memory import StepMemoryProbe
 from tests.distributed import run_ranks
 
@@ -113,7 +114,12 @@ def _probed_step(
 
 
 def measure(
-    stage: int, precision: str, accumulation: int, data: list[torch.Tensor], sizes: dict
+    stage: int,
+    precision: str,
+    accumulation: int,
+    data: list[torch.Tensor],
+    sizes: dict,
+    extra: dict | None = None,
 ) -> dict:
     StepMemoryProbe.exclude_existing()  # the batches, the imports: not model state
     model = _model()
@@ -122,7 +128,7 @@ def measure(
     engine = ds_strategy.initialize(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-3),
-        _config(stage, precision, accumulation, sizes),
+        _merge(_config(stage, precision, accumulation, sizes), extra or {}),
     )
     probe.watch_optimizer(engine.optimizer)
     micro = [data[i % len(data)] for i in range(3 * accumulation)]
@@ -135,6 +141,13 @@ def measure(
     probe.close()
     engine.destroy()
     return result
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
 
 
 def memory_worker(rank: int, world: int, cases: list[tuple[int, str, int]]) -> dict:
@@ -196,3 +209,80 @@ def test_reported_peak_agrees_with_live_tensor_peak(
             f"rank {rank} {case}: memory_report peak {peak} vs live-tensor peak {live} "
             f"({peak / live:.3f}x)"
         )
+
+
+# -- offload and activation checkpointing keep the bound ---------------------------------------
+
+NVME_BUFFER, NVME_COUNT = 20_000, 2  # the NVMe step holds at most this many elements' state
+
+
+def _block_activations(precision: str) -> int:
+    """Bytes a checkpointed block recomputes in backward and its input, which the probe
+    cannot tell from model state (torch.utils.checkpoint keeps them itself)."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    block = _model().blocks[0].to(dtype)
+    x = torch.randn(2, CFG.seq, CFG.d, dtype=dtype, requires_grad=True)
+    with SavedTensorMeter(block) as meter:
+        block(x).sum()
+    return meter.bytes + CFG.layers * x.numel() * x.element_size()
+
+
+def extras_worker(rank: int, world: int, nvme_path: str) -> dict:
+    sizes = _sizes()
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, CFG.vocab, (2, CFG.seq + 1), generator=g) for _ in range(4)]
+    nvme = {
+        "zero_optimization": {
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "buffer_count": NVME_COUNT,
+                "buffer_size": NVME_BUFFER,
+            }
+        }
+    }
+    ac = {"activation_checkpointing": {"enabled": True}}
+    return {
+        "sizes": sizes,
+        "nvme": measure(2, "fp32", 1, data, sizes, nvme),
+        "ac2": measure(2, "fp32", 2, data, sizes, ac),
+        "ac3": measure(3, "bf16", 1, data, sizes, ac),
+        "activations": {p: _block_activations(p) for p in ("fp32", "bf16")},
+    }
+
+
+@pytest.fixture(scope="module")
+def extras(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_ranks(extras_worker, 2, str(tmp_path_factory.mktemp("nvme")), timeout=300)
+
+
+def _check(r: dict, name: str, f: float, allowed: dict[str, float]) -> None:
+    got = r[name]["readings"]
+    for point, extra in allowed.items():
+        assert got[point] <= 1.01 * (f + extra) + SLACK, (
+            f"{name} {point}: {got[point]} bytes > formula {f:.0f} + bound {extra:.0f}"
+        )
+    assert got["after_step"] >= 0.99 * f, (name, got["after_step"], f)
+    live = max(got.values())
+    assert abs(r[name]["peak"] - live) <= 0.05 * live, (name, r[name]["peak"], live)
+
+
+def test_nvme_optimizer_offload_keeps_the_bound(extras: list[dict]) -> None:
+    """Adam's state lives in files: resident model state is the parameters and the
+    gradient shard; the step brings in at most buffer_count x buffer_size elements' state."""
+    for r in extras:
+        psi = r["sizes"]["psi"]
+        f = 4 * psi + 4 * psi / 2
+        allowed = bound(2, "fp32", r["sizes"], 2)
+        allowed["in_step"] += NVME_COUNT * NVME_BUFFER * 8  # two fp32 moments per element
+        _check(r, "nvme", f, allowed)
+
+
+def test_activation_checkpointing_keeps_the_bound(extras: list[dict]) -> None:
+    for r in extras:
+        s = r["sizes"]
+        for name, stage, precision in (("ac2", 2, "fp32"), ("ac3", 3, "bf16")):
+            f = formula(stage, precision, s["psi"], s["persistent"], 2)
+            activations = r["activations"][precision]
+            allowed = {k: v + activations for k, v in bound(stage, precision, s, 2).items()}
+            _check(r, name, f, allowed)

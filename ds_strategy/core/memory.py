@@ -193,7 +193,9 @@ class StepMemoryProbe:
         return t
 
     def _param_storages(self) -> set[int]:
-        return {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        # FSDP2 swaps its unsharded parameters in during forward; DTensors hold a local shard
+        params = (getattr(p, "_local_tensor", p) for p in self.model.parameters())
+        return {p.untyped_storage().data_ptr() for p in params}
 
     def close(self) -> None:
         for h in self._handles:

@@ -327,6 +327,14 @@ class FlatParamGroup:
         p = self.params[index]
         if p.grad is None:
             return
+        if self._bucket is None and self._can_adopt(p.grad):
+            # a group of one parameter and no padding: the gradient itself is the bucket,
+            # which saves a copy and a second full-size buffer (an embedding's, say)
+            self._bucket = p.grad.detach().view(-1)
+            self.meter.alloc(_nbytes(self._bucket))
+            self._filled = [True]
+            p.grad = None
+            return
         dst = self._bucket_view(index)
         if self._filled[index]:
             dst.add_(p.grad.reshape(-1))
@@ -335,6 +343,17 @@ class FlatParamGroup:
             self._filled[index] = True
         self.meter.touch(p.grad.numel() * p.grad.element_size())  # alive until this line
         p.grad = None
+
+    def _can_adopt(self, grad: torch.Tensor) -> bool:
+        return (
+            len(self.params) == 1
+            and self.layout.padding == 0
+            and grad.dtype == self.dtype
+            and grad.device == self.device
+            and grad.is_contiguous()
+            and grad._base is None  # owns its storage, all of it
+            and grad.untyped_storage().nbytes() == _nbytes(grad)
+        )
 
     def accumulated_grad(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s gradient accumulated since the last reduction, not yet
