@@ -25,7 +25,7 @@ from ds_strategy.core.activation_checkpointing import SavedTensorMeter
 from ds_strategy.core.memory import StepMemoryProbe
 from tests.distributed import run_ranks
 
-CFG = GPTConfig(vocab=512, d=128, layers=3, heads=4, seq=32)
+CFG = GPTConfig(vocab=512, d=128, layers=6, heads=4, seq=32)
 BUCKET = 100_000  # elements: several groups per block, so buckets really come and go
 THRESHOLD = 1_000  # stage 3: biases and norms stay whole ("persistent")
 SLACK = 64 * 1024  # bytes of bookkeeping outside model state (flags, the batch, the loss)

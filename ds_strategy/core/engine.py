@@ -179,8 +179,10 @@ class ZeroEngine(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally without reducing them (like DDP's ``no_sync``).
         The first backward outside the context (or the next optimizer step) reduces the
-        accumulated gradients. Under stages 2/3 the unreduced gradients are full-size while
-        inside the context."""
+        accumulated gradients. Under stages 2/3 this gives up their memory bound: every
+        full-size gradient bucket stays alive from the first backward inside the context
+        until that reduction (without ``no_sync``, each micro-step reduce-scatters into the
+        gradient shard and at most two buckets are alive at any moment)."""
         previous, self._no_sync = self._no_sync, True
         try:
             yield
