@@ -62,6 +62,7 @@ class ZeroEngine(nn.Module):
         lr_scheduler: SchedulerLike | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        _stage_of: nn.Module | None = None,
     ) -> None:
         super().__init__()
         init_process_group_from_env()
@@ -115,8 +116,20 @@ class ZeroEngine(nn.Module):
         )
         # offloaded masters move before the optimizer is built over them
         self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)
-        if optimizer is None:
+        self.trainable = any(p.requires_grad for p in model.parameters())
+        if not self.trainable:
+            if optimizer is not None or self.config.optimizer is not None:
+                raise ValueError(
+                    f"{type(model).__name__} has no trainable parameters (requires_grad is "
+                    "False on all of them), so an optimizer would train nothing; unfreeze the "
+                    "parameters to train, or pass optimizer=None (and no optimizer section) to "
+                    "build an engine for evaluation"
+                )
+            optimizer = _evaluation_only
+        elif optimizer is None:
             optimizer = _optimizer_from_config(self.config)
+        else:
+            _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
         opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
         self.optimizer = opt
         self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
@@ -170,6 +183,11 @@ class ZeroEngine(nn.Module):
         loss scale); gradients are reduced bucket by bucket while backward runs."""
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
+        if not self.trainable:
+            raise RuntimeError(
+                "backward() on an engine built for evaluation: the model has no trainable "
+                "parameters"
+            )
         scaled = loss * self.loss_scale if self._scaler is not None else loss
         with phase(self.timers, "backward"):
             scaled.backward(retain_graph=retain_graph)
@@ -351,16 +369,23 @@ class ZeroEngine(nn.Module):
             )
 
     def load_checkpoint(
-        self, path: str | os.PathLike, tag: str | None = None, *, load_optimizer: bool = True
+        self,
+        path: str | os.PathLike,
+        tag: str | None = None,
+        *,
+        load_optimizer: bool = True,
+        require_checksums: bool = True,
     ) -> Any:
         """Restore weights, optimizer state, lr scheduler, step counters and RNG state from a
         checkpoint written by :meth:`save_checkpoint`, at any world size or stage: ``path/tag``,
         the checkpoint a root's ``latest`` file names, or the directory ``path``. Returns the
         saved ``client_state``. ``load_optimizer=False`` restores the weights (and counters)
         only, into an engine whose optimizer may differ, e.g. one built for evaluation. A
-        damaged or foreign checkpoint raises on every rank, naming the file."""
+        damaged or foreign checkpoint raises on every rank, naming the file; so does one that
+        records no checksums, unless ``require_checksums=False``, and one whose ``latest`` or
+        metadata points outside its directory."""
         with self._offload_resident(dirty=True):
-            client_state = self._checkpoints.load(path, tag, load_optimizer)
+            client_state = self._checkpoints.load(path, tag, load_optimizer, require_checksums)
         self._count_resident()
         return client_state
 
@@ -470,6 +495,36 @@ def _optimizer_from_config(config: ZeroConfig) -> Callable[[Any], torch.optim.Op
         return cls(tensors, **params)
 
     return factory
+
+
+def _evaluation_only(params: Any) -> torch.optim.Optimizer:
+    """The optimizer of an engine whose model has no trainable parameters: nothing to step."""
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def _check_optimizer_params(
+    optimizer: OptimizerLike,
+    model: nn.Module,
+    replaced: dict[int, nn.Parameter],
+    whole_model: nn.Module | None,
+) -> None:
+    """An optimizer built over another model's parameters would train nothing, silently.
+    ``whole_model``: a pipeline stage's engine gets the optimizer of the whole model, whose
+    other parameters belong to the other stages."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return  # a factory: it is called with the shards
+    held = [replaced.get(id(p), p) for g in optimizer.param_groups for p in g["params"]]
+    mine = {id(p) for p in model.parameters()}
+    allowed = mine | ({id(p) for p in whole_model.parameters()} if whole_model else set())
+    belong = sum(id(p) in mine for p in held)
+    foreign = sum(id(p) not in allowed for p in held)
+    if held and (belong == 0 or foreign):
+        raise ValueError(
+            f"the optimizer holds {len(held)} parameters and {belong} of them belong to the "
+            f"model ({type(model).__name__}, {len(mine)} parameters): build it over this "
+            "model's parameters (torch.optim.AdamW(model.parameters(), ...)), after any "
+            "weight tying or freezing, and pass that same model to initialize"
+        )
 
 
 def _bind_scheduler(sched: SchedulerLike | None, opt: torch.optim.Optimizer) -> Any:

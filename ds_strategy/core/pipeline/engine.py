@@ -118,6 +118,7 @@ class PipelineEngine:
             self.config.replace(**{"pipeline.stages": 1}),  # this stage's data-parallel part
             lr_scheduler=lr_scheduler,
             process_group=self.mesh.dp_group,
+            _stage_of=nn.Sequential(*layers),  # the optimizer holds every stage's parameters
         )
         device = self.engine.device
         self._chunks = [
