@@ -28,12 +28,22 @@ def main(argv: list[str] | None = None) -> int:
         default="fp32",
         help="floating-point dtype of the output (keep: as saved)",
     )
+    c.add_argument(
+        "--no-require-checksums",
+        action="store_true",
+        help="accept a checkpoint that records no checksums (only one you trust)",
+    )
     add_cli_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return run_cli(args)
     try:
-        out = consolidate(args.checkpoint_dir, args.output, _DTYPES[args.dtype])
+        out = consolidate(
+            args.checkpoint_dir,
+            args.output,
+            _DTYPES[args.dtype],
+            require_checksums=not args.no_require_checksums,
+        )
     except (FileNotFoundError, ValueError) as e:
         print(f"ds-strategy consolidate: {e}", file=sys.stderr)
         return 2

@@ -78,6 +78,7 @@ def consolidate(
     checkpoint_dir: str | os.PathLike,
     output_path: str | os.PathLike,
     dtype: torch.dtype | None = torch.float32,
+    require_checksums: bool = True,
 ) -> Path:
     """Write the weights of a sharded checkpoint to one ``.safetensors`` or ``.pt`` file.
 
@@ -86,7 +87,8 @@ def consolidate(
     Runs in one process, with no process group, whatever world size wrote the checkpoint.
     ``checkpoint_dir`` may be a checkpoint root: its ``latest`` checkpoint is exported. Every
     file is checked against the sizes and checksums recorded at save time first.
-    ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype). Tied weights
+    ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype);
+    ``require_checksums=False`` accepts a checkpoint that records no checksums. Tied weights
     appear once, under their first name; ``load_state_dict(strict=False)`` or re-tying after
     loading restores the other name.
     """
@@ -95,7 +97,9 @@ def consolidate(
         raise FileNotFoundError(
             f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
         )
-    check_files(src)  # a damaged file is an error naming it, never a silently wrong export
+    check_files(
+        src, require_checksums
+    )  # a damaged file is an error naming it, never a silently wrong export
     if out.suffix == ".safetensors":
         _write_safetensors(src, out, dtype)
     elif out.suffix in (".pt", ".pth", ".bin"):

@@ -131,11 +131,15 @@ class CheckpointManager:
     # -- loading -------------------------------------------------------------------------------
 
     def load(
-        self, path: str | os.PathLike, tag: str | None = None, load_optimizer: bool = True
+        self,
+        path: str | os.PathLike,
+        tag: str | None = None,
+        load_optimizer: bool = True,
+        require_checksums: bool = True,
     ) -> Any:
         self.wait()
         client_state = sharded.load_engine(
-            self.engine, resolve_load_dir(Path(path), tag), load_optimizer
+            self.engine, resolve_load_dir(Path(path), tag), load_optimizer, require_checksums
         )
         self._seen_steps = self.engine.global_steps
         return client_state
@@ -199,11 +203,17 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
     if (path / META_FILE).exists() or not latest.is_file():
         return path
     name = latest.read_text().strip()
+    if name and ("/" in name or os.sep in name or name in (".", "..")):
+        raise ValueError(
+            f"{latest} names {name!r}, which is not a checkpoint directory inside {path}; "
+            "a 'latest' file holds one tag (such as 'global_step100'), never a path"
+        )
     target = path / name
     if not name or not (target / META_FILE).is_file():
+        tags = sorted(d.name for d in path.iterdir() if (d / META_FILE).is_file())
         raise FileNotFoundError(
             f"{latest} names {name!r}, which is not a complete checkpoint in {path}; pass "
-            "tag= to load another one"
+            f"tag= to load another one (complete checkpoints there: {', '.join(tags) or 'none'})"
         )
     return target
 

@@ -266,14 +266,19 @@ def save_engine(
     return final
 
 
-def load_engine(engine: ZeroEngine, path: str | os.PathLike, load_optimizer: bool = True) -> Any:
+def load_engine(
+    engine: ZeroEngine,
+    path: str | os.PathLike,
+    load_optimizer: bool = True,
+    require_checksums: bool = True,
+) -> Any:
     """Restore ``engine`` from ``path`` (any world size or stage); returns ``client_state``.
 
     ``load_optimizer=False`` restores weights, buffers, counters and RNG only, into an engine
     whose optimizer may differ (e.g. one built just for evaluation)."""
     path = Path(path)
     comm = engine.comm
-    saved = validate(path, comm, _param_shapes(engine))
+    saved = validate(path, comm, _param_shapes(engine), require_checksums)
     reader = FileSystemReader(path)
     if load_optimizer and "optim_groups" not in saved:
         raise ValueError(

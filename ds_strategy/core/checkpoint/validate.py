@@ -79,14 +79,20 @@ def merge_checksums(tmp: Path) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
-def validate(path: Path, comm: Comm, shapes: dict[str, list[int]] | None) -> dict[str, Any]:
+def validate(
+    path: Path,
+    comm: Comm,
+    shapes: dict[str, list[int]] | None,
+    require_checksums: bool = True,
+) -> dict[str, Any]:
     """Check the checkpoint at ``path`` on every rank (see the notes above); return DCP's
     ``state_dict_metadata``. ``shapes``: this model's parameter shapes, or None to skip that
-    check. Raises the same error on every rank."""
+    check. ``require_checksums=False`` accepts a checkpoint that records no checksums.
+    Raises the same error on every rank."""
     err: BaseException | None = None
     md: Metadata | None = None
     try:
-        md = _check(path, comm.rank, comm.world_size, shapes)
+        md = _check(path, comm.rank, comm.world_size, shapes, require_checksums)
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         err = e
     agree(comm, err)
@@ -94,10 +100,10 @@ def validate(path: Path, comm: Comm, shapes: dict[str, list[int]] | None) -> dic
     return md.state_dict_metadata
 
 
-def check_files(path: Path) -> None:
+def check_files(path: Path, require_checksums: bool = True) -> None:
     """The same checks in this process alone (every file's checksum, no model): for tools
     such as consolidation that run outside the training job."""
-    _check(path, 0, 1, None)
+    _check(path, 0, 1, None, require_checksums)
 
 
 def agree(comm: Comm, err: BaseException | None) -> None:
@@ -125,9 +131,22 @@ def agree(comm: Comm, err: BaseException | None) -> None:
     raise CheckpointError(f"{message} (found by rank {failing})")
 
 
-def _check(path: Path, rank: int, world: int, shapes: dict[str, list[int]] | None) -> Metadata:
+def _check(
+    path: Path,
+    rank: int,
+    world: int,
+    shapes: dict[str, list[int]] | None,
+    require_checksums: bool,
+) -> Metadata:
     meta = _read_meta(path)
     sums: dict[str, dict[str, int]] = meta.get("files") or {}
+    if not sums and require_checksums:
+        raise CheckpointError(
+            f"{path / META_FILE}: records no checksums ('files'), so damaged or altered data "
+            "would load silently; every checkpoint this library saves has them. If you trust "
+            "this one anyway, load it with require_checksums=False (ds-strategy consolidate: "
+            "--no-require-checksums)"
+        )
     dcp_meta = path / DCP_META
     if not dcp_meta.is_file():
         raise CheckpointError(f"{dcp_meta}: missing; the checkpoint cannot be read without it")
@@ -144,8 +163,14 @@ def _check(path: Path, rank: int, world: int, shapes: dict[str, list[int]] | Non
     for info in md.storage_data.values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    root = path.resolve()
     for i, (rel, end) in enumerate(sorted(needed.items())):
         f = path / rel
+        if not f.resolve().is_relative_to(root):
+            raise CheckpointError(
+                f"{dcp_meta}: references {rel!r}, which lies outside the checkpoint directory "
+                f"{path}; refusing to read it"
+            )
         if not f.is_file():
             raise CheckpointError(f"{f}: missing (the checkpoint's {DCP_META} references it)")
         size = f.stat().st_size
