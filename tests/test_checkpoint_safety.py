@@ -1,9 +1,12 @@
-"""A checkpoint from elsewhere cannot point reads outside itself or switch its checksums off."""
+"""A checkpoint from elsewhere cannot run code, point reads outside itself or switch its
+checksums off."""
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,64 @@ def test_checkpoint_without_checksums_needs_an_explicit_option(
     out = tmp_path / "b.safetensors"
     assert cli(["consolidate", str(ckpt), str(out), "--no-require-checksums"]) == 0
     assert out.is_file()
+
+
+# -- nothing in a checkpoint runs code -----------------------------------------------------------
+
+
+class Planted:
+    """Unpickling this runs a shell command: what a crafted checkpoint would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _fix_checksum(ckpt: Path, name: str) -> None:
+    f = ckpt / name
+
+    def fix(meta: dict) -> None:
+        meta["files"][name] = {"size": f.stat().st_size, "crc32": crc32(f)}
+
+    _rewrite_json(ckpt, fix)
+
+
+def test_planted_metadata_runs_nothing_in_load_or_consolidate(tmp_path: Path) -> None:
+    engine = _engine()
+    ckpt = tmp_path / "ckpt"
+    engine.save_checkpoint(ckpt)
+    marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    _fix_checksum(ckpt, ".metadata")  # all an attacker needs
+    with pytest.raises(ValueError, match=r"names posix\.system.*refusing"):
+        engine.load_checkpoint(ckpt)
+    with pytest.raises(ValueError, match=r"names posix\.system"):
+        ds_strategy.consolidate(ckpt, tmp_path / "out.safetensors")
+    assert cli(["consolidate", str(ckpt), str(tmp_path / "out.pt")]) == 2
+    assert not marker.exists()
+
+
+def test_planted_client_state_runs_nothing(tmp_path: Path) -> None:
+    engine = _engine()
+    marker = tmp_path / "pwned"
+    engine.save_checkpoint(tmp_path / "ckpt", client_state={"step": 3, "x": Planted(marker)})
+    assert not marker.exists()  # saving pickles the reduce tuple, it runs nothing
+    with pytest.raises(ValueError, match=r"'client_state'.*holds posix\.system.*trust_checkpoint"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    assert not marker.exists()
+
+
+def test_plain_client_state_loads_and_objects_need_trust(tmp_path: Path) -> None:
+    engine = _engine()
+    plain = {"epoch": 3, "name": "run", "best": torch.tensor(0.25), "hist": [1.0, (2, 3)]}
+    engine.save_checkpoint(tmp_path / "plain", client_state=plain)
+    got = engine.load_checkpoint(tmp_path / "plain")
+    assert got["epoch"] == 3 and got["hist"] == [1.0, (2, 3)] and float(got["best"]) == 0.25
+    engine.save_checkpoint(tmp_path / "obj", client_state={"ratio": Fraction(1, 3)})
+    with pytest.raises(ValueError, match=r"fractions\.Fraction"):
+        engine.load_checkpoint(tmp_path / "obj")
+    assert engine.load_checkpoint(tmp_path / "obj", trust_checkpoint=True) == {
+        "ratio": Fraction(1, 3)
+    }

@@ -375,6 +375,7 @@ class ZeroEngine(nn.Module):
         *,
         load_optimizer: bool = True,
         require_checksums: bool = True,
+        trust_checkpoint: bool = False,
     ) -> Any:
         """Restore weights, optimizer state, lr scheduler, step counters and RNG state from a
         checkpoint written by :meth:`save_checkpoint`, at any world size or stage: ``path/tag``,
@@ -383,9 +384,14 @@ class ZeroEngine(nn.Module):
         only, into an engine whose optimizer may differ, e.g. one built for evaluation. A
         damaged or foreign checkpoint raises on every rank, naming the file; so does one that
         records no checksums, unless ``require_checksums=False``, and one whose ``latest`` or
-        metadata points outside its directory."""
+        metadata points outside its directory. Nothing in the checkpoint can run code:
+        metadata and saved objects are read by allow-listing unpicklers, so a
+        ``client_state`` (or scheduler state) holding objects other than tensors and plain
+        data is refused, naming the type, unless ``trust_checkpoint=True``."""
         with self._offload_resident(dirty=True):
-            client_state = self._checkpoints.load(path, tag, load_optimizer, require_checksums)
+            client_state = self._checkpoints.load(
+                path, tag, load_optimizer, require_checksums, trust_checkpoint
+            )
         self._count_resident()
         return client_state
 

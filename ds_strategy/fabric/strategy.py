@@ -426,7 +426,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
                 )
             return super().load_checkpoint(path, state, strict, weights_only)
         engine = self._engine_in(state)
-        saved = engine.load_checkpoint(path) or {}
+        # weights_only=False is Fabric's (and torch.load's) way of saying "I trust this file"
+        saved = engine.load_checkpoint(path, trust_checkpoint=weights_only is False) or {}
         wanted = [k for k, v in state.items() if v is not engine and v is not engine.optimizer]
         _validate_keys_for_strict_loading(wanted, saved.keys(), strict=strict)
         for name in wanted:

@@ -582,9 +582,12 @@ class ZeroStrategy(ParallelStrategy):
         """Restore weights, optimizer and engine counters from a directory written by
         :meth:`save_checkpoint` (any world size or stage); returns Lightning's dict.
 
-        ``weights_only`` concerns ``torch.load`` of single files and does not apply: the
-        directory's contents are written and read by the engine.
+        Nothing in the directory is unpickled beyond tensors and plain data unless
+        ``weights_only=False`` (``Trainer.fit(..., weights_only=False)``), Lightning's and
+        torch's way of saying the file is trusted: then it loads with
+        ``trust_checkpoint=True`` (hyper-parameters holding custom objects need it).
         """
+        trusted = weights_only is False
         path = Path(self.broadcast(str(checkpoint_path)))
         if self._engine is not None:
             self._engine.wait_for_checkpoint()  # an asynchronous save may still be renaming
@@ -595,7 +598,8 @@ class ZeroStrategy(ParallelStrategy):
                 "LightningModule before fit (model.load_state_dict(torch.load(path)['state_dict']))"
             )
         if self._pipeline is not None:
-            return _lightning_state(path, self._pipeline.engine.load_checkpoint(path))
+            saved = self._pipeline.engine.load_checkpoint(path, trust_checkpoint=trusted)
+            return _lightning_state(path, saved)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and not _has_optimizer_state(path):
@@ -605,7 +609,9 @@ class ZeroStrategy(ParallelStrategy):
                 "to validate/test/predict, or resume fit from a full checkpoint"
             )
         # evaluation needs the weights only: its engine's optimizer is a stand-in
-        client_state = self.engine.load_checkpoint(path, load_optimizer=fitting)
+        client_state = self.engine.load_checkpoint(
+            path, load_optimizer=fitting, trust_checkpoint=trusted
+        )
         return _lightning_state(path, client_state)
 
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:

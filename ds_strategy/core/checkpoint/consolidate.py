@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .manager import resolve_load_dir
 from .sharded import _single_process_ok
+from .trust import SafeReader
 from .validate import check_files
 
 __all__ = ["consolidate"]
@@ -43,7 +43,7 @@ _ST_DTYPES = {
 }
 
 
-def _entries(reader: FileSystemReader) -> dict[str, TensorStorageMetadata]:
+def _entries(reader: SafeReader) -> dict[str, TensorStorageMetadata]:
     md = reader.read_metadata().state_dict_metadata
     out = {}
     for key, m in md.items():
@@ -59,12 +59,12 @@ def _shapes(path: Path) -> dict[str, list[int]]:
 
 
 def _stream(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    reader = FileSystemReader(path)
+    reader = SafeReader(path)
     shapes = _shapes(path)
     for key, m in sorted(_entries(reader).items()):
         t = torch.empty(m.size, dtype=m.properties.dtype)
         with _single_process_ok(False):
-            dcp.load({key: t}, storage_reader=FileSystemReader(path), no_dist=True)
+            dcp.load({key: t}, storage_reader=SafeReader(path), no_dist=True)
         name = key.split("/", 1)[1]
         if name in shapes:
             t = t.view(shapes[name])
@@ -110,7 +110,7 @@ def consolidate(
 
 
 def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None) -> None:
-    reader = FileSystemReader(src)
+    reader = SafeReader(src)
     shapes = _shapes(src)
     header: dict[str, dict] = {}
     offset = 0

@@ -136,10 +136,15 @@ class CheckpointManager:
         tag: str | None = None,
         load_optimizer: bool = True,
         require_checksums: bool = True,
+        trust_checkpoint: bool = False,
     ) -> Any:
         self.wait()
         client_state = sharded.load_engine(
-            self.engine, resolve_load_dir(Path(path), tag), load_optimizer, require_checksums
+            self.engine,
+            resolve_load_dir(Path(path), tag),
+            load_optimizer,
+            require_checksums,
+            trust_checkpoint,
         )
         self._seen_steps = self.engine.global_steps
         return client_state

@@ -8,7 +8,7 @@ Keys in the checkpoint (``<p>`` is the parameter's name in ``model.named_paramet
 - ``buffer/<b>``: persistent buffers (replicated);
 - ``optim/<p>/<k>``: optimizer state with one value per element (Adam's moments, momentum),
   chunked like the parameter; ``optim_scalar/<p>/<k>``: other tensors (Adam's ``step``);
-  ``optim_obj/<p>/<k>``: non-tensor state, pickled;
+  ``optim_obj/<p>/<k>``: non-tensor state, as ``trust.pack`` writes it;
 - ``optim_groups``, ``engine``, ``client_state``: hyper-parameters, counters and lr-scheduler
   state, the caller's ``client_state``; ``rng/<rank>``: each rank's random state.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import random
 import shutil
 import warnings
@@ -29,10 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 
 from ..collectives import Comm
 from .flat_piece import FlatPiece
+from .trust import SafeReader
+from .trust import pack as _pack
+from .trust import unpack as _unpack
 from .validate import FORMAT, META_FILE, agree, merge_checksums, record_checksums, validate
 
 if TYPE_CHECKING:
@@ -51,16 +53,6 @@ def _single_process_ok(distributed: bool) -> Iterator[None]:
                 "ignore", message=".*assuming the intent is to", category=UserWarning
             )
         yield
-
-
-def _pack(obj: Any) -> torch.Tensor:
-    """Python objects travel as uint8 tensors: DCP would otherwise flatten nested dicts and
-    lists into separate keys whose names depend on the object's contents."""
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def _unpack(t: torch.Tensor) -> Any:
-    return pickle.loads(t.numpy().tobytes())
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -271,6 +263,7 @@ def load_engine(
     path: str | os.PathLike,
     load_optimizer: bool = True,
     require_checksums: bool = True,
+    trust_checkpoint: bool = False,
 ) -> Any:
     """Restore ``engine`` from ``path`` (any world size or stage); returns ``client_state``.
 
@@ -279,7 +272,7 @@ def load_engine(
     path = Path(path)
     comm = engine.comm
     saved = validate(path, comm, _param_shapes(engine), require_checksums)
-    reader = FileSystemReader(path)
+    reader = SafeReader(path)
     if load_optimizer and "optim_groups" not in saved:
         raise ValueError(
             f"{path}: this checkpoint was saved without optimizer state "
@@ -303,10 +296,15 @@ def load_engine(
         )
     with _single_process_ok(comm.active):
         dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
-    for key in packed:
-        state[key] = _unpack(state[key])
-    if load_optimizer:
-        _install_optimizer_state(engine, state)
+    err: BaseException | None = None
+    try:  # an untrusted object on one rank (its own RNG entry, say) fails every rank
+        for key in packed:
+            state[key] = _unpack(state[key], f"{path}: '{key}'", trust_checkpoint)
+        if load_optimizer:
+            _install_optimizer_state(engine, state, path, trust_checkpoint)
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        err = e
+    agree(comm, err)
     _restore_engine(engine, state, rng_key, load_optimizer)
     engine.plan.after_load()
     return state["client_state"]
@@ -341,7 +339,9 @@ def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, 
     return out
 
 
-def _install_optimizer_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
+def _install_optimizer_state(
+    engine: ZeroEngine, state: dict[str, Any], path: Path, trust: bool
+) -> None:
     opt = engine.optimizer
     by_name = _saved_optim_keys(state)
     for pc, name, _ in _pieces(engine):
@@ -349,7 +349,7 @@ def _install_optimizer_state(engine: ZeroEngine, state: dict[str, Any]) -> None:
             if key.startswith("optim_scalar/"):
                 opt.state[pc.tensor][k] = value
             elif key.startswith("optim_obj/"):
-                opt.state[pc.tensor][k] = _unpack(value)
+                opt.state[pc.tensor][k] = _unpack(value, f"{path}: optimizer state", trust)
     groups = state["optim_groups"]
     if len(groups) != len(opt.param_groups):
         raise ValueError(

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..collectives import Comm
+from .trust import SafeReader, UntrustedContentError
 
 __all__ = [
     "CheckpointError",
@@ -153,7 +153,9 @@ def _check(
     if DCP_META in sums:
         _check_file(dcp_meta, sums[DCP_META], verify_crc=True)
     try:
-        md = FileSystemReader(path).read_metadata()
+        md = SafeReader(path).read_metadata()
+    except UntrustedContentError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(
             f"{dcp_meta}: cannot be read ({type(e).__name__}: {e}); the file is truncated "

@@ -313,15 +313,16 @@ class PipelineEngine:
         self._pp.barrier()
         return root
 
-    def load_checkpoint(self, path: str | os.PathLike) -> Any:
-        """Restore what :meth:`save_checkpoint` wrote; returns the ``client_state``."""
+    def load_checkpoint(self, path: str | os.PathLike, *, trust_checkpoint: bool = False) -> Any:
+        """Restore what :meth:`save_checkpoint` wrote; returns the ``client_state`` (see
+        ``ZeroEngine.load_checkpoint`` for ``trust_checkpoint``)."""
         stage_dir = Path(path) / f"stage_{self.stage_id}"
         if not stage_dir.is_dir():
             raise FileNotFoundError(
                 f"{stage_dir}: no checkpoint for pipeline stage {self.stage_id}; was it saved "
                 f"with pipeline.stages={self.num_stages}?"
             )
-        state = self.engine.load_checkpoint(stage_dir)
+        state = self.engine.load_checkpoint(stage_dir, trust_checkpoint=trust_checkpoint)
         self.global_steps = self.engine.global_steps
         return state
 

@@ -1,0 +1,127 @@
+"""What loading a checkpoint trusts: nothing in it may run code unless the caller says so.
+
+[Note: pickles in a checkpoint]
+Two kinds of content in a checkpoint are pickles: DCP's ``.metadata`` (written by
+``torch.distributed.checkpoint``), and the small Python objects saved beside the shards
+(``client_state``, optimizer hyper-parameters, counters, lr-scheduler and loss-scaler state,
+RNG state). Unpickling calls whatever global a file names, so a planted ``__reduce__`` runs
+``os.system`` as soon as the file is loaded, and fixing a checksum is all it takes to plant
+one. So:
+
+- ``.metadata`` is read by ``SafeReader``, whose unpickler resolves exactly the classes DCP's
+  metadata is made of (its dataclasses and enum, ``torch.Size``, dtypes and layouts, paths)
+  and refuses any other global, naming it.
+- The small objects are written with ``torch.save`` and read with ``torch.load(...,
+  weights_only=True)``: tensors and plain data (numbers, strings, lists, tuples, dicts) load;
+  any other type is refused, naming it, unless the caller passed ``trust_checkpoint=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+__all__ = ["SafeReader", "UntrustedContentError", "pack", "unpack"]
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_ALLOWED = _METADATA_CLASSES | {
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class UntrustedContentError(ValueError):
+    """A checkpoint holds content that loading will not unpickle without trust."""
+
+
+UntrustedContentError.__module__ = "ds_strategy"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UntrustedContentError(
+            f"{self.source}: names {module}.{name}, which is not part of a checkpoint's "
+            "metadata; refusing to load it (the file may have been crafted to run code)"
+        )
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with ``.metadata`` read by an allow-listed unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(str(self.path)) / ".metadata"
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, str(path)).load()
+        if not isinstance(metadata, Metadata):
+            raise UntrustedContentError(f"{path}: holds a {type(metadata).__name__}, not metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def pack(obj: Any) -> torch.Tensor:
+    """A Python object as a uint8 tensor (DCP would otherwise flatten nested dicts and lists
+    into keys named after their contents), in ``torch.save``'s format."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def unpack(t: torch.Tensor, where: str, trusted: bool) -> Any:
+    """The object ``pack`` wrote; without ``trusted`` only tensors and plain data load."""
+    data = t.numpy().tobytes()
+    if not data.startswith(b"PK"):  # a bare pickle (not torch.save's zip): never untrusted
+        if trusted:
+            return pickle.loads(data)
+        raise UntrustedContentError(
+            f"{where}: stored as a bare pickle, which loading does not unpickle unless the "
+            "checkpoint is trusted; pass trust_checkpoint=True if you trust who wrote it"
+        )
+    try:
+        return torch.load(io.BytesIO(data), weights_only=not trusted)
+    except pickle.UnpicklingError as e:
+        refused = _refused_global(str(e))
+        raise UntrustedContentError(
+            f"{where}: holds {refused}, which loading does not unpickle unless the checkpoint "
+            "is trusted (only tensors and plain data load by default); pass "
+            "trust_checkpoint=True if you trust who wrote it"
+        ) from None
+
+
+def _refused_global(message: str) -> str:
+    found = re.search(r"GLOBAL ([\w.]+)", message)
+    return found.group(1) if found else "an object of a type that is not plain data"
