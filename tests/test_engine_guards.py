@@ -10,6 +10,7 @@ from torch import nn
 
 import ds_strategy
 from ds_strategy.core.offload.swap import check_nvme_path
+from tests.distributed import run_ranks
 
 
 def test_optimizer_over_another_models_parameters_is_refused() -> None:
@@ -62,3 +63,71 @@ def test_nvme_space_message_uses_a_readable_unit(tmp_path: Path) -> None:
         check_nvme_path(tmp_path / "missing", 5000, "ds_strategy.json", "offload_optimizer")
     with pytest.raises(FileNotFoundError, match=r"\(3\.0 GiB\)"):
         check_nvme_path(tmp_path / "missing", 3 * 2**30, "ds_strategy.json", "offload_optimizer")
+
+
+# -- ranks that disagree fail together, naming the difference -------------------------------------
+
+
+def disagreeing_worker(rank: int, world: int, what: str) -> str:
+    torch.manual_seed(0)
+    width = 8 if what == "model" and rank == 1 else 4
+    model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))
+    stage = 3 if what == "config" and rank == 1 else 2
+    try:
+        ds_strategy.initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            {"zero_optimization": {"stage": stage}},
+        )
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.parametrize(
+    "what, expected",
+    [
+        (
+            "config",
+            "rank 0 has config zero_optimization.stage = 2, rank 1 has config "
+            "zero_optimization.stage = 3",
+        ),
+        ("model", "rank 0 has parameter 0.weight: shape [4, 4]"),
+    ],
+)
+def test_ranks_with_different_configs_or_models_fail_together(what: str, expected: str) -> None:
+    results = run_ranks(disagreeing_worker, 2, what, timeout=60)
+    for message in results:  # every rank raised (none waits), with the same message
+        assert expected in message, message
+        assert "every rank must build the same model" in message
+
+
+def test_nonfinite_skips_without_loss_scaling_stop_after_the_limit() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    engine = ds_strategy.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        {"max_consecutive_skipped_steps": 3, "bf16": {"enabled": True}},
+    )
+    before = engine.full_state_dict()
+    x = torch.randn(2, 4)
+
+    def step(loss_factor: float) -> None:
+        engine.backward(engine(x).sum() * loss_factor)
+        engine.step()
+
+    step(float("nan"))
+    step(float("nan"))
+    step(1.0)  # a good step resets the count
+    after_good = engine.full_state_dict()
+    assert not torch.equal(after_good["weight"], before["weight"])
+    step(float("inf"))
+    step(float("nan"))
+    with pytest.raises(FloatingPointError, match="3 optimizer steps in a row.*learning rate"):
+        step(float("nan"))
+    assert engine.skipped_steps == 5
+    got = engine.full_state_dict()
+    assert all(torch.equal(got[k], after_good[k]) for k in got)  # the last good step's
+    with pytest.raises(ValueError, match="max_consecutive_skipped_steps"):
+        ds_strategy.initialize(nn.Linear(2, 2), None, {"max_consecutive_skipped_steps": 0})

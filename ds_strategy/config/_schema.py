@@ -312,6 +312,9 @@ class ZeroConfig:
     gradient_accumulation_steps: Any = leaf(int, None, ge=1)
     gradient_clipping: Any = leaf(float, 0.0, ge=0.0)
     steps_per_print: Any = leaf(int, 10, ge=1)
+    # without fp16 loss scaling a non-finite gradient norm skips the step; this many in a row
+    # is an error (fp16 stops at fp16.min_loss_scale instead). Not a DeepSpeed key.
+    max_consecutive_skipped_steps: Any = leaf(int, 20, ge=1)
     wall_clock_breakdown: Any = leaf(bool, False)
     gradient_predivide_factor: Any = leaf(float, 1.0, gt=0.0)
     prescale_gradients: Any = leaf(bool, False)

@@ -218,6 +218,15 @@ class Comm:
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order (small Python objects between this job's own
+        ranks: diagnostics, never checkpoint content)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def gather(self, full: torch.Tensor | None, shard: torch.Tensor, dst: int = 0) -> None:
         """Group rank ``dst`` receives every rank's ``shard`` into ``full``, in rank order
         (``full`` is ignored elsewhere, and may be None there)."""

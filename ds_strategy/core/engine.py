@@ -22,6 +22,7 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.sharded import META_FILE
 from .collectives import Comm, init_process_group_from_env
+from .fingerprint import check_ranks_agree
 from .offload import Offload, check_offload_config
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
@@ -71,6 +72,7 @@ class ZeroEngine(nn.Module):
         self.config: ZeroConfig = raw.resolve(world_size=self.comm.world_size)
         zc = self.config.zero_optimization
         self.stage = zc.stage
+        check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
         self._check_supported()
         self.module = model
         self.device = _pick_device(model)
@@ -83,6 +85,7 @@ class ZeroEngine(nn.Module):
         self._ready_norm: float | None = None  # this boundary's reduced-gradient norm (scaled)
         self._clipped_norm: float | None = None  # their norm after clip_grad_norm_ (unscaled)
         self.skipped_steps = 0
+        self._skips_in_a_row = 0
         self.precision = PrecisionPolicy.from_config(self.config)
         self._scaler = (
             LossScaler.from_config(self.config.fp16) if self.precision.loss_scaling else None
@@ -275,6 +278,7 @@ class ZeroEngine(nn.Module):
             self._sharded_opt.scale_grads(norm, clip, scale)
         elif clip > 0:  # clip_grad_norm_ already removed the loss scale
             self._sharded_opt.scale_grads(self._clipped_norm, clip)
+        self._skips_in_a_row = 0
         self._sharded_opt.attach_grads()
         self._sharded_opt.step()
         self._count_resident()  # optimizer state appears at the first step
@@ -288,10 +292,21 @@ class ZeroEngine(nn.Module):
     def _skip_step(self, norm: float) -> None:
         """An overflow: weights, optimizer state and lr schedule stay untouched."""
         self.skipped_steps += 1
+        self._skips_in_a_row += 1
         self._global_grad_norm = norm
         scale = self.loss_scale
         if self._scaler is not None:
             self._scaler.update(overflow=True)  # raises once stuck at min_loss_scale
+        elif self._skips_in_a_row >= self.config.max_consecutive_skipped_steps:
+            self.zero_grad()
+            raise FloatingPointError(
+                f"step {self.global_steps}: the gradient norm was {norm} on "
+                f"{self._skips_in_a_row} optimizer steps in a row, each skipped "
+                f"(max_consecutive_skipped_steps={self.config.max_consecutive_skipped_steps}); "
+                "training is not progressing. Usual causes: a learning rate too high, a NaN in "
+                "the data or the loss, an operation unstable in bf16. Weights and optimizer "
+                "state are those of the last good step."
+            )
         if self.rank == 0:
             log.warning(
                 "step %d: gradient overflow (norm %s); step skipped, loss scale %g -> %g",
