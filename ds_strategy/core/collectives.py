@@ -163,10 +163,9 @@ class Comm:
         def add_up() -> None:
             torch.sum(recv.view(n, -1), 0, out=out)
 
-        work = Work(handle, "reduce_scatter", self.wait_timer, then=add_up, scratch=recv)
-        if not async_op:
-            work.wait()
-        return work
+        return self._settle(
+            Work(handle, "reduce_scatter", self.wait_timer, then=add_up, scratch=recv), async_op
+        )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
         """Fill ``full`` with every rank's ``shard``, in rank order."""
@@ -189,7 +188,11 @@ class Comm:
             dist.broadcast(chunks[r], src=self._global(r), group=self.group, async_op=True)
             for r in range(n)
         ]
-        work = Work(handles, "all_gather", self.wait_timer)
+        return self._settle(Work(handles, "all_gather", self.wait_timer), async_op)
+
+    @staticmethod
+    def _settle(work: Work, async_op: bool) -> Work:
+        """A composed collective is always issued asynchronously; a synchronous call waits."""
         if not async_op:
             work.wait()
         return work

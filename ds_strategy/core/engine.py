@@ -430,9 +430,7 @@ class ZeroEngine(nn.Module):
         transient buffers included (ZeRO-3's gathered parameters, full-size gradient
         buckets, reductions in flight, the step's fp32 gradient copies); and
         ``peak_gathered_params``, the bytes of ZeRO-3 parameters gathered at once."""
-        report = self.plan.memory_report()
-        report["optimizer_state"] = self._sharded_opt.state_bytes()
-        report["total"] = report["params"] + report["grads"] + report["optimizer_state"]
+        report = self._resident_report()
         if self._offload is not None:  # bytes moved out to files: not in total
             report.update(self._offload.report())
         report["peak"] = self.plan.meter.peak
@@ -442,10 +440,14 @@ class ZeroEngine(nn.Module):
         """Start ``memory_report()["peak"]`` again from the bytes held now."""
         self.plan.meter.reset_peak()
 
-    def _count_resident(self) -> None:
+    def _resident_report(self) -> dict[str, int]:
         report = self.plan.memory_report()
-        resident = report["params"] + report["grads"] + self._sharded_opt.state_bytes()
-        self.plan.meter.set_resident(resident)
+        report["optimizer_state"] = self._sharded_opt.state_bytes()
+        report["total"] = report["params"] + report["grads"] + report["optimizer_state"]
+        return report
+
+    def _count_resident(self) -> None:
+        self.plan.meter.set_resident(self._resident_report()["total"])
 
     def timing_report(self) -> dict[str, float]:
         """With ``wall_clock_breakdown``: the latest per-step means of the forward / backward

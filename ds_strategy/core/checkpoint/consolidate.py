@@ -97,9 +97,8 @@ def consolidate(
         raise FileNotFoundError(
             f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
         )
-    check_files(
-        src, require_checksums
-    )  # a damaged file is an error naming it, never a silently wrong export
+    # a damaged file is an error naming it, never a silently wrong export
+    check_files(src, require_checksums)
     if out.suffix == ".safetensors":
         _write_safetensors(src, out, dtype)
     elif out.suffix in (".pt", ".pth", ".bin"):

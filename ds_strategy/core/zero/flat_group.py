@@ -341,7 +341,7 @@ class FlatParamGroup:
         else:
             dst.copy_(p.grad.reshape(-1))
             self._filled[index] = True
-        self.meter.touch(p.grad.numel() * p.grad.element_size())  # alive until this line
+        self.meter.touch(_nbytes(p.grad))  # alive until this line
         p.grad = None
 
     def _can_adopt(self, grad: torch.Tensor) -> bool:
