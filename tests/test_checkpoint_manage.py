@@ -119,14 +119,17 @@ def test_root_without_a_tag_tags_by_step_and_bad_tags_are_errors(tmp_path: Path)
     train(engine, batches(1, 1, GB, seed=9), 0, 1)
     engine.save_checkpoint(root, client_state={"k": 2})
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["first", "global_step2", "latest", "side"]  # keep_last=1 of global_step*
+    # keep_last=1 of global_step*; the lock this run holds on the root until destroy()
+    assert names == [".ds_strategy.lock", "first", "global_step2", "latest", "side"]
     assert engine.load_checkpoint(root) == {"k": 2}
-    for bad in ("a/b", "x.tmp", "latest", ".."):
+    for bad in ("a/b", "x.tmp", "x.old", "latest", ".."):
         with pytest.raises(ValueError, match="tag"):
             engine.save_checkpoint(root, tag=bad)
     (root / "latest").write_text("gone")
     with pytest.raises(FileNotFoundError, match="latest names 'gone'"):
         engine.load_checkpoint(root)
+    engine.destroy()
+    assert not (root / ".ds_strategy.lock").exists()
     with pytest.raises(ConfigError, match="save_dir"):
         ds_strategy.initialize(model, _opt(model), {"checkpoint": {"save_interval": 5}})
 
@@ -262,7 +265,7 @@ def test_periodic_saves_follow_optimizer_steps_not_micro_steps(tmp_path: Path) -
     model = ToyLM()
     engine = ds_strategy.initialize(model, _opt(model), config)
     train(engine, batches(3, 1, GB), 0, 1)  # 6 micro-steps, 3 optimizer steps
-    assert sorted(p.name for p in root.iterdir()) == ["global_step2", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == [".ds_strategy.lock", "global_step2", "latest"]
     written = (root / "global_step2" / "ds_strategy.json").stat().st_mtime_ns
     model = ToyLM()
     engine = ds_strategy.initialize(model, _opt(model), config)

@@ -356,12 +356,14 @@ class PipelineFrontEnd:
             raise TypeError(f"ZeroAccelerator.save_state does not support {', '.join(unsupported)}")
         return _state.save_state(self.acc, self.engine, output_dir, safe_serialization)  # type: ignore[arg-type]
 
-    def load_state(self, input_dir: str | None, unsupported: dict[str, Any]) -> None:
+    def load_state(
+        self, input_dir: str | None, unsupported: dict[str, Any], trust_checkpoint: bool
+    ) -> None:
         """Restore what :meth:`save_state` wrote, into a pipeline with the same stages."""
         assert self.engine is not None
         if unsupported:
             raise TypeError("ZeroAccelerator.load_state takes no load_kwargs or model kwargs")
-        _state.load_state(self.acc, self.engine, input_dir)  # type: ignore[arg-type]
+        _state.load_state(self.acc, self.engine, input_dir, trust_checkpoint)  # type: ignore[arg-type]
 
     def free(self) -> None:
         if self.engine is not None:

@@ -15,16 +15,19 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accelerate.checkpointing import (
     load_accelerator_state,
-    load_custom_state,
     save_accelerator_state,
     save_custom_state,
 )
 
 from ..core import ZeroEngine
+from ..core.checkpoint.trust import loads
+from ..core.collectives import Comm
+from ..core.faults import together
 
 if TYPE_CHECKING:
     from .accelerator import ZeroAccelerator
@@ -73,10 +76,21 @@ def save_state(
     acc: ZeroAccelerator, engine: ZeroEngine, output_dir: str | None, safe_serialization: bool
 ) -> str:
     path = _save_dir(acc, output_dir)
-    os.makedirs(path, exist_ok=True)
-    for hook in acc._save_model_state_pre_hook.values():
-        hook(acc._models, [], path)  # as with DeepSpeed: the engine, no consolidated weights
+    world = Comm()
+    # a rank failing in its own part (a read-only mount, a hook raising) fails every rank
+    # instead of leaving them waiting in the next collective (see core/faults.py)
+    with together(world):
+        os.makedirs(path, exist_ok=True)
+        for hook in acc._save_model_state_pre_hook.values():
+            hook(acc._models, [], path)  # as with DeepSpeed: the engine, no consolidated weights
     engine.save_checkpoint(os.path.join(path, ENGINE_DIR))
+    with together(world):
+        _save_rest(acc, path, safe_serialization)
+    acc.project_configuration.iteration += 1
+    return path
+
+
+def _save_rest(acc: ZeroAccelerator, path: str, safe_serialization: bool) -> None:
     save_accelerator_state(
         path,
         [],
@@ -93,12 +107,25 @@ def save_state(
         save_custom_state(
             obj, path, i, save_on_each_node=acc.project_configuration.save_on_each_node
         )
-    acc.project_configuration.iteration += 1
-    acc.wait_for_everyone()
-    return path
 
 
-def load_state(acc: ZeroAccelerator, engine: ZeroEngine, input_dir: str | None) -> None:
+def load_state(
+    acc: ZeroAccelerator, engine: ZeroEngine, input_dir: str | None, trust_checkpoint: bool
+) -> None:
+    """Nothing is unpickled beyond tensors and plain data unless ``trust_checkpoint``: the
+    engine's checkpoint, and the objects registered with ``register_for_checkpointing``
+    (which Accelerate itself would unpickle in full)."""
+    world = Comm()
+    with together(world):
+        path = _load_dir(acc, input_dir)
+        for hook in acc._load_model_state_pre_hook.values():
+            hook(acc._models, path)
+    engine.load_checkpoint(os.path.join(path, ENGINE_DIR), trust_checkpoint=trust_checkpoint)
+    with together(world):
+        _load_rest(acc, path, trust_checkpoint)
+
+
+def _load_dir(acc: ZeroAccelerator, input_dir: str | None) -> str:
     if input_dir is not None:
         path = os.path.expanduser(os.fspath(input_dir))
     elif acc.project_configuration.automatic_checkpoint_naming:
@@ -112,9 +139,10 @@ def load_state(acc: ZeroAccelerator, engine: ZeroEngine, input_dir: str | None) 
         raise FileNotFoundError(
             f"{path}: no {ENGINE_DIR}/ here; pass a directory written by ZeroAccelerator.save_state"
         )
-    for hook in acc._load_model_state_pre_hook.values():
-        hook(acc._models, path)
-    engine.load_checkpoint(os.path.join(path, ENGINE_DIR))
+    return path
+
+
+def _load_rest(acc: ZeroAccelerator, path: str, trust_checkpoint: bool) -> None:
     restored = load_accelerator_state(
         path, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index, None, "cpu"
     )
@@ -127,4 +155,5 @@ def load_state(acc: ZeroAccelerator, engine: ZeroEngine, input_dir: str | None) 
             "object(s) registered with register_for_checkpointing; register the same objects"
         )
     for i, obj in enumerate(acc._custom_objects):
-        load_custom_state(obj, path, i)
+        f = Path(path) / f"custom_checkpoint_{i}.pkl"
+        obj.load_state_dict(loads(f.read_bytes(), str(f), trust_checkpoint))

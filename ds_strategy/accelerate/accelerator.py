@@ -515,17 +515,29 @@ class ZeroAccelerator(Accelerator):
         return _state.save_state(self, self._driver.engine, output_dir, safe_serialization)
 
     def load_state(
-        self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any
+        self,
+        input_dir: str | None = None,
+        load_kwargs: dict | None = None,
+        *,
+        trust_checkpoint: bool = False,
+        **kwargs: Any,
     ) -> None:
-        """Restore what :meth:`save_state` wrote, at any world size or ZeRO stage. Collective."""
+        """Restore what :meth:`save_state` wrote, at any world size or ZeRO stage. Collective.
+
+        Only tensors and plain data are unpickled, from the engine's checkpoint and from the
+        objects registered with ``register_for_checkpointing``, unless
+        ``trust_checkpoint=True`` (for a checkpoint from a source you trust that holds other
+        objects)."""
         if self._pipeline is not None and self._pipeline.model is not None:
-            return self._pipeline.load_state(input_dir, {**(load_kwargs or {}), **kwargs})
+            return self._pipeline.load_state(
+                input_dir, {**(load_kwargs or {}), **kwargs}, trust_checkpoint
+            )
         if self._driver is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
         if kwargs or load_kwargs:
             raise TypeError("ZeroAccelerator.load_state takes no load_kwargs or model kwargs")
         self._driver.step_pending = False
-        _state.load_state(self, self._driver.engine, input_dir)
+        _state.load_state(self, self._driver.engine, input_dir, trust_checkpoint)
 
     def free_memory(self, *objects: Any) -> Any:
         if self._pipeline is not None:

@@ -20,8 +20,9 @@ from torch import nn
 from ..config import ZeroConfig, load_config
 from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
-from .checkpoint.sharded import META_FILE
+from .checkpoint.validate import META_FILE
 from .collectives import Comm, init_process_group_from_env
+from .faults import together
 from .fingerprint import check_ranks_agree
 from .offload import Offload, check_offload_config
 from .precision.loss_scaler import LossScaler
@@ -68,42 +69,45 @@ class ZeroEngine(nn.Module):
         super().__init__()
         init_process_group_from_env()
         self.comm = Comm(process_group)
-        raw = load_config(config)
-        self.config: ZeroConfig = raw.resolve(world_size=self.comm.world_size)
+        # [Note: agreement points] in faults.py: local work that may fail on one rank only is
+        # agreed on before the next collective, so every rank raises instead of waiting
+        with together(self.comm):
+            self.config: ZeroConfig = load_config(config).resolve(world_size=self.comm.world_size)
         zc = self.config.zero_optimization
         self.stage = zc.stage
         check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
-        self._check_supported()
-        self.module = model
-        self.device = _pick_device(model)
-        self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
-        self.micro_steps = 0
-        self.global_steps = 0
-        self._no_sync = False
-        self._global_grad_norm: float | None = None
-        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
-        self._ready_norm: float | None = None  # this boundary's reduced-gradient norm (scaled)
-        self._clipped_norm: float | None = None  # their norm after clip_grad_norm_ (unscaled)
-        self.skipped_steps = 0
-        self._skips_in_a_row = 0
-        self.precision = PrecisionPolicy.from_config(self.config)
-        self._scaler = (
-            LossScaler.from_config(self.config.fp16) if self.precision.loss_scaling else None
-        )
-        self.gradient_accumulation_steps: int = self.config.gradient_accumulation_steps
-        scaling = GradScaling.of(
-            self.comm.world_size,
-            self.config.prescale_gradients,
-            self.config.gradient_predivide_factor,
-        )
-        if self.config.pipeline.stages > 1:
-            raise ValueError(
-                f"pipeline.stages={self.config.pipeline.stages}: a pipeline is built by "
-                "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
-                "nn.Sequential and trained with engine.train_batch; this front end drives a "
-                "ZeroEngine, so set pipeline.stages to 1 here"
+        with together(self.comm):
+            self._check_supported()
+            self.module = model
+            self.device = _pick_device(model)
+            self.micro_steps = 0
+            self.global_steps = 0
+            self._no_sync = False
+            self._global_grad_norm: float | None = None
+            self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+            self._ready_norm: float | None = None  # this boundary's reduced-gradient norm
+            self._clipped_norm: float | None = None  # their norm after clip_grad_norm_
+            self.skipped_steps = 0
+            self._skips_in_a_row = 0
+            self.precision = PrecisionPolicy.from_config(self.config)
+            self._scaler = (
+                LossScaler.from_config(self.config.fp16) if self.precision.loss_scaling else None
             )
-        apply_activation_checkpointing(model, self.config.activation_checkpointing)
+            self.gradient_accumulation_steps: int = self.config.gradient_accumulation_steps
+            scaling = GradScaling.of(
+                self.comm.world_size,
+                self.config.prescale_gradients,
+                self.config.gradient_predivide_factor,
+            )
+            if self.config.pipeline.stages > 1:
+                raise ValueError(
+                    f"pipeline.stages={self.config.pipeline.stages}: a pipeline is built by "
+                    "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
+                    "nn.Sequential and trained with engine.train_batch; this front end drives "
+                    "a ZeroEngine, so set pipeline.stages to 1 here"
+                )
+            apply_activation_checkpointing(model, self.config.activation_checkpointing)
+        self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
         self.plan: ShardingPlan = build_plan(
             model,
             self.comm,
@@ -117,37 +121,38 @@ class ZeroEngine(nn.Module):
             param_init_fn=param_init_fn,
             precision=self.precision,
         )
-        # offloaded masters move before the optimizer is built over them
-        self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)
-        self.trainable = any(p.requires_grad for p in model.parameters())
-        if not self.trainable:
-            if optimizer is not None or self.config.optimizer is not None:
-                raise ValueError(
-                    f"{type(model).__name__} has no trainable parameters (requires_grad is "
-                    "False on all of them), so an optimizer would train nothing; unfreeze the "
-                    "parameters to train, or pass optimizer=None (and no optimizer section) to "
-                    "build an engine for evaluation"
-                )
-            optimizer = _evaluation_only
-        elif optimizer is None:
-            optimizer = _optimizer_from_config(self.config)
-        else:
-            _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
-        opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
-        self.optimizer = opt
-        self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
-        if self._offload is not None:
-            self._offload.attach(self._sharded_opt, META_FILE)
-        if self.config.scheduler is not None:
-            if lr_scheduler is not None:
-                raise ValueError(
-                    f"the config has a scheduler section ({self.config.scheduler.type}) and "
-                    "lr_scheduler= was passed too: keep one of them"
-                )
-            section = self.config.scheduler
-            self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
-        else:
-            self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
+        with together(self.comm):
+            # offloaded masters move before the optimizer is built over them
+            self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)
+            self.trainable = any(p.requires_grad for p in model.parameters())
+            if not self.trainable:
+                if optimizer is not None or self.config.optimizer is not None:
+                    raise ValueError(
+                        f"{type(model).__name__} has no trainable parameters (requires_grad is "
+                        "False on all of them), so an optimizer would train nothing; unfreeze "
+                        "the parameters to train, or pass optimizer=None (and no optimizer "
+                        "section) to build an engine for evaluation"
+                    )
+                optimizer = _evaluation_only
+            elif optimizer is None:
+                optimizer = _optimizer_from_config(self.config)
+            else:
+                _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
+            opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
+            self.optimizer = opt
+            self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
+            if self._offload is not None:
+                self._offload.attach(self._sharded_opt, META_FILE)
+            if self.config.scheduler is not None:
+                if lr_scheduler is not None:
+                    raise ValueError(
+                        f"the config has a scheduler section ({self.config.scheduler.type}) "
+                        "and lr_scheduler= was passed too: keep one of them"
+                    )
+                section = self.config.scheduler
+                self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
+            else:
+                self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
 
@@ -473,6 +478,7 @@ class ZeroEngine(nn.Module):
         try:
             self._checkpoints.wait()  # raises if that save failed, after cleaning up below
         finally:
+            self._checkpoints.release()  # the checkpoint roots it locked
             self.plan.remove_hooks()
             if self._offload is not None:
                 self._offload.close()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModelStateMeter", "StepMemoryProbe", "live_tensor_bytes"]
+__all__ = ["ModelStateMeter", "StepMemoryProbe", "human_bytes", "live_tensor_bytes"]
 
 
 class ModelStateMeter:
@@ -206,3 +206,13 @@ class StepMemoryProbe:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def human_bytes(nbytes: int) -> str:
+    """1536 -> '1.5 KiB': the unit that keeps the figure readable (never '0.00 GiB')."""
+    size = float(nbytes)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..config import ZeroConfig
-from ..core.checkpoint.sharded import META_FILE
+from ..core.checkpoint.validate import META_FILE
 from ..core.engine import ZeroEngine
 from ..core.pipeline import PipelineEngine
 from ._config import PRESETS, apply_loop_flags, base_config, clipping

@@ -87,7 +87,9 @@ report = summary._summary(t, m)
 z3["summary"] = (report.total_parameters, report.trainable_parameters, report.param_nums)
 z3["summary_names"] = report.layer_names
 plain = Regressor()
-z3["plain_counts"] = {n: sum(p.numel() for p in mod.parameters()) for n, mod in plain.named_modules()}
+z3["plain_counts"] = {
+    n: sum(p.numel() for p in mod.parameters()) for n, mod in plain.named_modules()
+}
 z3["released"] = sum(p.numel() for p in m.parameters())
 z3["engine_stage"] = t.strategy.engine.stage
 z3["memory"] = t.strategy.engine.memory_report()

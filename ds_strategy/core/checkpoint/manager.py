@@ -12,10 +12,18 @@ unless ``path`` is a root already (it holds ``latest``): then the tag is
 ``global_step<N>``. ``load_checkpoint(root)`` follows ``latest``.
 
 [Note: ordering that keeps a crash harmless]
-The checkpoint is written under ``<tag>.tmp`` and renamed when every rank has finished
-(``sharded.commit``); only then does rank 0 replace ``latest`` (write ``latest.tmp``, then
-``os.replace``) and prune old tags. A crash at any point leaves ``latest`` naming a complete
-checkpoint; the next save into the root removes leftover ``.tmp`` directories with a warning.
+The checkpoint is written under ``<tag>.tmp`` and put in place when every rank has finished
+(``sharded.commit``, ``swap.put_in_place``); only then does rank 0 replace ``latest`` (write
+``latest.tmp``, then ``os.replace``) and prune old tags. A crash at any point leaves ``latest``
+naming a complete checkpoint (``swap.py`` says how, for a tag saved again); the next save into
+the root rolls back or removes what the crash left.
+
+[Note: every phase agrees]
+A save is three phases with an agreement point after each (``faults.together``): rank 0 takes
+the root's lock (``lock.py``), recovers it and makes ``<tag>.tmp``; every rank collects its
+state; every rank writes and then commits. A failure on any rank in any phase (a read-only
+mount, a full disk, an unpicklable ``client_state``) raises on every rank, and rank 0 removes
+``<tag>.tmp``. A load agrees the same way on the directory it resolves to.
 
 [Note: asynchronous saves]
 The state is copied (every tensor cloned, so training may change the live ones), then a
@@ -39,9 +47,11 @@ import torch
 
 from ...config import ConfigError
 from ..collectives import Comm
-from . import sharded
+from ..faults import together
+from . import sharded, swap
 from .flat_piece import FlatPiece
-from .validate import META_FILE
+from .lock import LOCK_FILE, acquire, release
+from .validate import META_FILE, CheckpointError
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -83,10 +93,16 @@ class CheckpointManager:
         self.wait()
         root, final = self._target(Path(path), tag)
         comm = self.engine.comm
-        if root is not None and comm.rank == 0:
-            _remove_leftovers(root)
-        tmp = sharded.begin(comm, final)
-        state, meta = sharded.collect_state(self.engine, client_state, include_optimizer)
+        lock_path = root / LOCK_FILE if root is not None else final.with_name(final.name + ".lock")
+        with together(comm, CheckpointError):  # phase 1, rank 0: lock, recover, a fresh .tmp
+            if comm.rank == 0:
+                acquire(lock_path, root or final, self)
+                if root is None:
+                    swap.recover(final)
+                else:
+                    swap.recover_root(root)
+                sharded.fresh_tmp(final)
+        tmp = swap.tmp_dir(final)
 
         def after_rename() -> None:
             if root is not None:
@@ -94,18 +110,44 @@ class CheckpointManager:
                     _write_latest(root, final.name)
                 _prune(root, self.config.keep_last, keep=final.name)
 
-        use_async = self.config.async_save if async_save is None else async_save
-        if not use_async:
-            sharded.write(state, tmp, comm)
-            sharded.commit(comm, tmp, final, meta, after_rename)
-            return final
-        side = self._side_comm()
-        staged = _copy(state)
-        del state
+        def finish(ok: bool) -> None:  # rank 0, once the save has succeeded or failed
+            if not ok:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if root is None:  # a bare directory is locked for its save only
+                release(self, lock_path)
+
+        done = False
+        try:
+            with together(comm, CheckpointError):  # phase 2: what each rank saves
+                state, meta = sharded.collect_state(self.engine, client_state, include_optimizer)
+            needed = sharded.total_bytes(comm, state)
+            use_async = self.config.async_save if async_save is None else async_save
+            if not use_async:
+                sharded.write(state, tmp, comm, final, needed)  # phase 3
+                sharded.commit(comm, tmp, final, meta, after_rename)
+                done = True
+                return final
+            side = self._side_comm()
+            with together(comm, CheckpointError):
+                staged = _copy(state)
+            del state
+        except BaseException:
+            if comm.rank == 0:
+                finish(ok=False)
+            raise
+        finally:
+            if done and comm.rank == 0:
+                finish(ok=True)
 
         def run() -> None:
-            sharded.write(staged, tmp, side)
-            sharded.commit(side, tmp, final, meta, after_rename)
+            ok = False
+            try:
+                sharded.write(staged, tmp, side, final, needed)
+                sharded.commit(side, tmp, final, meta, after_rename)
+                ok = True
+            finally:
+                if side.rank == 0:
+                    finish(ok)
 
         self._pending = _BackgroundSave(run, final)
         return final
@@ -128,6 +170,10 @@ class CheckpointManager:
         if pending is not None:
             pending.join()
 
+    def release(self) -> None:
+        """Give up this engine's hold on the roots it saved into (``engine.destroy()``)."""
+        release(self)
+
     # -- loading -------------------------------------------------------------------------------
 
     def load(
@@ -139,9 +185,11 @@ class CheckpointManager:
         trust_checkpoint: bool = False,
     ) -> Any:
         self.wait()
+        with together(self.engine.comm, CheckpointError):
+            directory = resolve_load_dir(Path(path), tag)
         client_state = sharded.load_engine(
             self.engine,
-            resolve_load_dir(Path(path), tag),
+            directory,
             load_optimizer,
             require_checksums,
             trust_checkpoint,
@@ -200,20 +248,21 @@ class _BackgroundSave:
 
 def resolve_load_dir(path: Path, tag: str | None) -> Path:
     """The checkpoint directory to load: ``path/tag``, the one ``path/latest`` names, or
-    ``path`` itself."""
+    ``path`` itself; each, when a save replacing it was interrupted, read from the previous
+    content it left (``swap.committed``)."""
     if tag is not None:
-        _check_tag(tag)
-        return path / tag
+        _check_tag(tag, saving=False)
+        return swap.committed(path / tag)
     latest = path / LATEST
     if (path / META_FILE).exists() or not latest.is_file():
-        return path
+        return swap.committed(path)
     name = latest.read_text().strip()
     if name and ("/" in name or os.sep in name or name in (".", "..")):
         raise ValueError(
             f"{latest} names {name!r}, which is not a checkpoint directory inside {path}; "
             "a 'latest' file holds one tag (such as 'global_step100'), never a path"
         )
-    target = path / name
+    target = swap.committed(path / name) if name else path
     if not name or not (target / META_FILE).is_file():
         tags = sorted(d.name for d in path.iterdir() if (d / META_FILE).is_file())
         raise FileNotFoundError(
@@ -223,33 +272,19 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
     return target
 
 
-def _check_tag(tag: str) -> None:
+def _check_tag(tag: str, saving: bool = True) -> None:
     if not tag or "/" in tag or os.sep in tag or tag in (".", "..", LATEST):
         raise ValueError(f"checkpoint tag {tag!r}: use a plain directory name such as 'step100'")
-    if tag.endswith((".tmp", ".old")):
-        raise ValueError(f"checkpoint tag {tag!r}: names ending in .tmp / .old are reserved")
-
-
-def _remove_leftovers(root: Path) -> None:
-    """Rank 0, before a save into ``root``: directories an interrupted save left behind."""
-    if not root.is_dir():
-        return
-    for d in sorted(root.iterdir()):
-        if d.is_dir() and d.name.endswith(".tmp"):
-            warnings.warn(
-                f"{d}: removing the leftover of an interrupted checkpoint save",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            shutil.rmtree(d, ignore_errors=True)
+    if saving and tag.endswith((".tmp", ".old", ".lock")):
+        raise ValueError(
+            f"checkpoint tag {tag!r}: names ending in .tmp, .old or .lock are reserved for "
+            "saves in progress and the previous content of a tag saved again"
+        )
 
 
 def _write_latest(root: Path, tag: str) -> None:
     tmp = root / (LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
+    swap.write_synced(tmp, tag)
     os.replace(tmp, root / LATEST)
 
 
@@ -272,7 +307,7 @@ def _prune(root: Path, keep_last: int | None, keep: str) -> None:
     steps.sort(reverse=True)
     for _, d in steps[keep_last:]:
         if d.name not in protected:
-            shutil.rmtree(d, ignore_errors=True)
+            swap.remove(d)
 
 
 def _copy(state: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ Keys in the checkpoint (``<p>`` is the parameter's name in ``model.named_paramet
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -29,18 +30,28 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..collectives import Comm
+from ..faults import together
+from ..memory import human_bytes
+from . import swap
 from .flat_piece import FlatPiece
 from .trust import SafeReader
 from .trust import pack as _pack
 from .trust import unpack as _unpack
-from .validate import FORMAT, META_FILE, agree, merge_checksums, record_checksums, validate
+from .validate import (
+    FORMAT,
+    CheckpointError,
+    merge_checksums,
+    record_checksums,
+    validate,
+)
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
 
-__all__ = ["load_engine", "save_engine", "FORMAT"]
+__all__ = ["CheckpointWriteError", "FORMAT", "commit", "load_engine", "write"]
 
 
 @contextlib.contextmanager
@@ -169,30 +180,87 @@ def collect_state(
     return state, meta
 
 
-def tmp_dir(final: Path) -> Path:
-    """Where a save to ``final`` writes until every rank has finished."""
-    return final.with_name(final.name + ".tmp")
-
-
-def begin(comm: Comm, final: Path) -> Path:
-    """Rank 0 makes an empty ``<final>.tmp`` for every rank to write into."""
-    tmp = tmp_dir(final)
-    if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    comm.barrier()
+def fresh_tmp(final: Path) -> Path:
+    """Rank 0, before a save: an empty ``<final>.tmp`` for every rank to write into."""
+    tmp = swap.tmp_dir(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     return tmp
 
 
-def write(state: dict[str, Any], tmp: Path, comm: Comm) -> None:
-    """Every rank writes its pieces into ``tmp`` (DCP names them ``__<rank>_<n>.distcp``)."""
-    with _single_process_ok(comm.active):
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(tmp),
-            process_group=comm.group,
-            no_dist=not comm.active,
+def total_bytes(comm: Comm, state: dict[str, Any]) -> int:
+    """What every rank's ``state`` takes together: the size of the checkpoint to write."""
+    mine = 0
+    for v in state.values():
+        if isinstance(v, FlatPiece):
+            v = v._local
+        if torch.is_tensor(v):
+            mine += v.numel() * v.element_size()
+    total = torch.tensor([mine], dtype=torch.int64)
+    comm.all_reduce(total, kind="control")
+    return int(total.item())
+
+
+def write(state: dict[str, Any], tmp: Path, comm: Comm, final: Path, needed: int) -> None:
+    """Every rank writes its pieces into ``tmp`` (DCP names them ``__<rank>_<n>.distcp``).
+    DCP gathers every rank's outcome, so a failure raises on all of them, here translated to
+    one line saying what happened and where (:class:`CheckpointWriteError`)."""
+    try:
+        with _single_process_ok(comm.active):
+            dcp.save(
+                state,
+                storage_writer=FileSystemWriter(tmp),
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
+    except (Exception, CheckpointException) as e:
+        raise write_error(e, tmp, final, needed) from e
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the previous checkpoint and ``latest`` are
+    unchanged); ``errno`` is the underlying error's, when there was one."""
+
+
+CheckpointWriteError.__module__ = "ds_strategy"
+
+
+def write_error(e: BaseException, tmp: Path, final: Path, needed: int) -> CheckpointWriteError:
+    rank, cause = _first_failure(e)
+    errno_ = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
+    where = getattr(cause, "filename", None) or tmp
+    unchanged = f"the previous checkpoint at {final} (if any) and latest are unchanged"
+    if errno_ == errno.ENOSPC:
+        try:
+            free = f"{human_bytes(shutil.disk_usage(tmp.parent).free)} free there"
+        except OSError:
+            free = "free space unknown"
+        message = (
+            f"no space left on device writing {where}: needed {needed} bytes "
+            f"({human_bytes(needed)}) for this checkpoint, {free}; free some space or save "
+            f"elsewhere ({unchanged})"
         )
+    elif errno_:
+        message = (
+            f"{os.strerror(errno_).lower()} writing {where} (rank {rank}): {cause}; {unchanged}"
+        )
+    else:
+        message = (
+            f"checkpoint save to {final} failed on rank {rank}: {type(cause).__name__}: "
+            f"{cause}; {unchanged}"
+        )
+    out = CheckpointWriteError(message)
+    out.errno = errno_
+    return out
+
+
+def _first_failure(e: BaseException) -> tuple[int | str, BaseException]:
+    """(rank, exception) of the first failing rank in DCP's gathered failures."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank = min(e.failures)
+        cause = e.failures[rank]
+        return rank, cause[0] if isinstance(cause, tuple) else cause
+    return "?", e
 
 
 def commit(
@@ -203,59 +271,18 @@ def commit(
     after_rename: Callable[[], None] | None = None,
 ) -> None:
     """Every rank records its files' sizes and checksums; once all have, rank 0 writes
-    ``ds_strategy.json``, renames ``tmp`` to ``final`` and runs ``after_rename`` (the
-    ``latest`` pointer, pruning), and the ranks leave together."""
-    # agree() doubles as the barrier: a rank that failed (a full disk) makes every rank raise
-    # instead of leaving the others waiting for it
-    agree(comm, _attempt(lambda: record_checksums(tmp, comm.rank)))
-    err = None
-    if comm.rank == 0:
-        err = _attempt(lambda: _finalize(tmp, final, meta, after_rename))
-    agree(comm, err)
-
-
-def _attempt(fn: Callable[[], None]) -> BaseException | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - handed to agree(), which raises it on every rank
-        return e
-    return None
-
-
-def _finalize(
-    tmp: Path, final: Path, meta: dict[str, Any], after_rename: Callable[[], None] | None
-) -> None:
-    meta = dict(meta, files=merge_checksums(tmp))
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-    if after_rename is not None:
-        after_rename()
-
-
-def save_engine(
-    engine: ZeroEngine,
-    path: str | os.PathLike,
-    client_state: Any = None,
-    include_optimizer: bool = True,
-) -> Path:
-    """Write ``engine``'s state to the directory ``path`` (collective: every rank calls it).
-
-    The directory appears whole or not at all: ranks write into ``<path>.tmp`` and rank 0
-    renames it once every rank has finished, so a crash mid-save leaves any previous
-    checkpoint at ``path`` intact. ``include_optimizer=False`` writes weights, buffers and
-    counters only (a weights-only checkpoint, about a quarter of the size with Adam).
-    """
-    final = Path(path)
-    tmp = begin(engine.comm, final)
-    state, meta = collect_state(engine, client_state, include_optimizer)
-    write(state, tmp, engine.comm)
-    commit(engine.comm, tmp, final, meta)
-    return final
+    ``ds_strategy.json``, puts ``tmp`` in place of ``final`` (``swap.put_in_place``) and runs
+    ``after_rename`` (the ``latest`` pointer, pruning), and the ranks leave together."""
+    # the agreement doubles as the barrier: a rank that failed (a full disk) makes every rank
+    # raise instead of leaving the others waiting for it
+    with together(comm, CheckpointError):
+        record_checksums(tmp, comm.rank)
+    with together(comm, CheckpointError):
+        if comm.rank == 0:
+            meta = dict(meta, files=merge_checksums(tmp))
+            swap.put_in_place(tmp, final, json.dumps(meta, indent=2))
+            if after_rename is not None:
+                after_rename()
 
 
 def load_engine(
@@ -273,39 +300,37 @@ def load_engine(
     comm = engine.comm
     saved = validate(path, comm, _param_shapes(engine), require_checksums)
     reader = SafeReader(path)
-    if load_optimizer and "optim_groups" not in saved:
-        raise ValueError(
-            f"{path}: this checkpoint was saved without optimizer state "
-            "(include_optimizer=False); load it with load_optimizer=False"
-        )
-    engine.plan.wait_params()
-    state: dict[str, Any] = dict(_model_entries(engine))
-    if load_optimizer:
-        state.update(_optim_destinations(engine, saved))
     rng_key = f"rng/{comm.rank}"
     packed = ["engine", "client_state"] + (["optim_groups"] if load_optimizer else [])
     packed += [rng_key] if rng_key in saved else []
-    for key in packed:
-        md = saved.get(key)
-        state[key] = torch.empty(md.size, dtype=torch.uint8) if md is not None else None
-    missing = [k for k in state if k not in saved]
-    if missing:
-        raise ValueError(
-            f"{path}: checkpoint does not match this model: {len(missing)} entr"
-            f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
-        )
+    with together(comm, CheckpointError):  # whatever one rank refuses, every rank does
+        if load_optimizer and "optim_groups" not in saved:
+            raise ValueError(
+                f"{path}: this checkpoint was saved without optimizer state "
+                "(include_optimizer=False); load it with load_optimizer=False"
+            )
+        engine.plan.wait_params()
+        state: dict[str, Any] = dict(_model_entries(engine))
+        if load_optimizer:
+            state.update(_optim_destinations(engine, saved))
+        for key in packed:
+            md = saved.get(key)
+            state[key] = torch.empty(md.size, dtype=torch.uint8) if md is not None else None
+        missing = [k for k in state if k not in saved]
+        if missing:
+            raise ValueError(
+                f"{path}: checkpoint does not match this model: {len(missing)} entr"
+                f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
+            )
     with _single_process_ok(comm.active):
         dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
-    err: BaseException | None = None
-    try:  # an untrusted object on one rank (its own RNG entry, say) fails every rank
+    # an untrusted object on one rank (its own RNG entry, say) fails every rank
+    with together(comm, CheckpointError):
         for key in packed:
             state[key] = _unpack(state[key], f"{path}: '{key}'", trust_checkpoint)
         if load_optimizer:
             _install_optimizer_state(engine, state, path, trust_checkpoint)
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        err = e
-    agree(comm, err)
-    _restore_engine(engine, state, rng_key, load_optimizer)
+        _restore_engine(engine, state, rng_key, load_optimizer)
     engine.plan.after_load()
     return state["client_state"]
 

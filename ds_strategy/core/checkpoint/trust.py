@@ -103,7 +103,12 @@ def pack(obj: Any) -> torch.Tensor:
 
 def unpack(t: torch.Tensor, where: str, trusted: bool) -> Any:
     """The object ``pack`` wrote; without ``trusted`` only tensors and plain data load."""
-    data = t.numpy().tobytes()
+    return loads(t.numpy().tobytes(), where, trusted)
+
+
+def loads(data: bytes, where: str, trusted: bool) -> Any:
+    """An object ``torch.save`` wrote (``where`` names it in errors); without ``trusted``
+    only tensors and plain data load."""
     if not data.startswith(b"PK"):  # a bare pickle (not torch.save's zip): never untrusted
         if trusted:
             return pickle.loads(data)

@@ -24,10 +24,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..collectives import Comm
+from ..faults import agree as _agree
 from .trust import SafeReader, UntrustedContentError
 
 __all__ = [
@@ -43,7 +43,6 @@ FORMAT = "ds_strategy-sharded-1"
 META_FILE = "ds_strategy.json"
 DCP_META = ".metadata"
 _SUMS = ".checksums-{}.json"
-_MSG_BYTES = 2048
 
 
 class CheckpointError(ValueError):
@@ -109,26 +108,7 @@ def check_files(path: Path, require_checksums: bool = True) -> None:
 def agree(comm: Comm, err: BaseException | None) -> None:
     """Raise on every rank if any rank has ``err``: a rank raises its own error, the others
     a :class:`CheckpointError` carrying the first failing rank's message."""
-    n = comm.world_size
-    if n == 1:
-        if err is not None:
-            raise err
-        return
-    flag = torch.tensor([0 if err is None else 1], dtype=torch.int64)
-    comm.all_reduce(flag, kind="control")
-    if int(flag.item()) == 0:
-        return
-    buf = torch.zeros(n, _MSG_BYTES, dtype=torch.int32)
-    if err is not None:
-        text = str(err).encode()[:_MSG_BYTES]
-        buf[comm.rank, : len(text)] = torch.tensor(list(text), dtype=torch.int32)
-    comm.all_reduce(buf, kind="control")
-    if err is not None:
-        raise err
-    failing = int(torch.nonzero(buf.any(dim=1))[0])
-    row = buf[failing]
-    message = bytes(row[row > 0].tolist()).decode(errors="replace")
-    raise CheckpointError(f"{message} (found by rank {failing})")
+    _agree(comm, err, CheckpointError)
 
 
 def _check(

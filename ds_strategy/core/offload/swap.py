@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..memory import human_bytes
+
 __all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path"]
 
 DIR_PREFIX = "ds_strategy_swap_"
@@ -139,23 +141,13 @@ class SwappedTensor:
         return self.state is SwapState.RESIDENT
 
 
-def _human(nbytes: int) -> str:
-    """1536 -> '1.5 KiB': the unit that keeps the figure readable (never '0.00 GiB')."""
-    size = float(nbytes)
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def check_nvme_path(
     path: str | os.PathLike, needed_bytes: int, checkpoint_marker: str, key: str
 ) -> Path:
     """Errors before training starts: the directory must exist, be writable, have room for
     ``needed_bytes``, and not be (or lie inside) a checkpoint directory."""
     p = Path(path).expanduser().resolve()
-    need = f"{needed_bytes:,} bytes ({_human(needed_bytes)}) of swap space"
+    need = f"{needed_bytes:,} bytes ({human_bytes(needed_bytes)}) of swap space"
     if not p.is_dir():
         raise FileNotFoundError(
             f"{key}: nvme_path {str(p)!r} is not an existing directory; create it (on a fast "

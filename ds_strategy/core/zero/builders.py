@@ -16,6 +16,7 @@ from torch import nn
 
 from ...config import ZeroConfig
 from ..collectives import Comm, Work
+from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
@@ -230,8 +231,9 @@ def _bucketed_groups(
 ) -> list[FlatParamGroup]:
     groups = []
     for bucket in _buckets(params, bucket_numel):  # one flat group per bucket
-        g = FlatParamGroup(bucket, comm, policy, device=device, precision=precision)
-        g.load_from_params()
+        with together(comm):  # an allocation failing on one rank fails all, before broadcast
+            g = FlatParamGroup(bucket, comm, policy, device=device, precision=precision)
+            g.load_from_params()
         g.broadcast_and_bind()
         groups.append(g)
     return groups
@@ -264,7 +266,8 @@ def build_plan(
     replaced: dict[int, nn.Parameter] = {}
     if has_meta(model):
         names = {id(m): n or "<root>" for n, m in model.named_modules()}
-        materialize_modules(list(model.modules()), device, replaced, param_init_fn, names)
+        with together(comm):  # see faults.py: one rank failing fails all, before a broadcast
+            materialize_modules(list(model.modules()), device, replaced, param_init_fn, names)
     params = _unique_params(model)
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
@@ -297,12 +300,17 @@ def _build_stage3(
     units: list[Unit] = []
     all_groups: list[FlatParamGroup] = []
     for index, module in enumerate(plan.units):
-        # Materialise and shard one unit at a time: no rank ever holds the whole model.
-        materialize_modules(plan.owned_modules[id(module)], device, replaced, param_init_fn, names)
-        params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
-        groups = build_groups(params, comm, device, precision, group_numel(config, comm))
+        # Materialise and shard one unit at a time: no rank ever holds the whole model. A
+        # rank failing to (out of memory, a raising param_init_fn) fails every rank before
+        # the unit's broadcast.
+        with together(comm):
+            owned = plan.owned_modules[id(module)]
+            materialize_modules(owned, device, replaced, param_init_fn, names)
+            params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
+            groups = build_groups(params, comm, device, precision, group_numel(config, comm))
+            for g in groups:
+                g.load_from_params()
         for g in groups:
-            g.load_from_params()
             g.broadcast_and_bind()
         units.append(Unit(module, groups, index))
         all_groups.extend(groups)

@@ -1,0 +1,137 @@
+"""One job writes into a checkpoint directory at a time.
+
+[Note: the lock]
+Two jobs saving into one root would replace each other's ``latest``, prune each other's
+checkpoints and collide mid-save on the same files. So rank 0 of a job holds an exclusive
+``flock`` on ``<root>/.ds_strategy.lock`` from its first save into the root until
+``engine.destroy()`` or the end of the process; the kernel drops the lock of a process that
+dies, even by ``kill -9``, so a lock is never stale. The file names its holder (host, pid,
+start time, command line) for the error any other writer gets at once. A checkpoint saved to
+a bare directory (no root) is locked the same way, by ``<dir>.lock`` beside it, for that save
+only. Engines in one process share a lock: one process is one job. Releasing (also at the
+exit of the process) removes the file while still holding the lock; a writer that opened the
+file before it was removed finds, after locking, that the path now names another file (or
+none) and tries again, so two writers never both believe they hold it.
+
+Where ``fcntl`` does not exist (Windows) nothing is locked.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["CheckpointBusyError", "LOCK_FILE", "acquire", "release"]
+
+LOCK_FILE = ".ds_strategy.lock"
+
+
+class CheckpointBusyError(RuntimeError):
+    """Another job is saving checkpoints into the same directory."""
+
+
+CheckpointBusyError.__module__ = "ds_strategy"
+
+
+@dataclass
+class _Held:
+    fd: int
+    path: Path
+    owners: set[int] = field(default_factory=set)
+
+
+_held: dict[str, _Held] = {}
+_mutex = threading.Lock()
+
+
+def acquire(lock_path: Path, directory: Path, owner: object) -> None:
+    """Hold ``lock_path`` for ``owner`` (shared with other owners in this process), or raise
+    :class:`CheckpointBusyError` naming the job that holds it."""
+    if fcntl is None:
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(lock_path)
+    with _mutex:
+        held = _held.get(key)
+        if held is None:
+            held = _held[key] = _Held(_lock(lock_path, directory), lock_path)
+        held.owners.add(id(owner))
+
+
+def release(owner: object | None, lock_path: Path | None = None) -> None:
+    """Drop ``owner``'s hold on ``lock_path`` (on every lock when None; every owner's when
+    ``owner`` is None); a lock nobody in this process holds any more is removed and
+    released."""
+    with _mutex:
+        for key, held in list(_held.items()):
+            if lock_path is not None and key != os.path.realpath(lock_path):
+                continue
+            if owner is None:
+                held.owners.clear()
+            held.owners.discard(id(owner))
+            if not held.owners:
+                del _held[key]
+                with contextlib.suppress(OSError):
+                    held.path.unlink()
+                os.close(held.fd)
+
+
+@atexit.register
+def _release_at_exit() -> None:  # a process killed outright leaves the file, never the lock
+    release(None)
+
+
+def _lock(path: Path, directory: Path) -> int:
+    assert fcntl is not None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise CheckpointBusyError(
+                f"{directory}: another job is saving checkpoints here ({holder}; lock file "
+                f"{path}); save into another directory, or stop that job (it releases the "
+                "directory when it exits or calls engine.destroy())"
+            ) from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # removed by its last holder after we opened it: lock the new one
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv)[:300],
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    return fd
+
+
+def _describe(raw: bytes) -> str:
+    try:
+        h = json.loads(raw.decode())
+        return (
+            f"held by pid {h['pid']} on {h['host']} since {h['since']}, "
+            f"command: {h['command'] or '?'}"
+        )
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
