@@ -19,7 +19,9 @@ from torch import nn
 
 from .config import ConfigError, ZeroConfig, load_config
 from .core.checkpoint.consolidate import consolidate
+from .core.collectives import Comm, init_process_group_from_env
 from .core.engine import ZeroEngine
+from .core.faults import together
 
 if TYPE_CHECKING:
     from .core.pipeline import PipelineEngine
@@ -68,7 +70,10 @@ def initialize(
             ``nn.Sequential`` model and a ``pipeline`` config section) returns a
             :class:`~ds_strategy.core.pipeline.PipelineEngine` driven by ``train_batch``.
     """
-    if loss_fn is not None or _pipeline_stages(config) > 1:
+    init_process_group_from_env()
+    with together(Comm(process_group)):  # a config one rank cannot read fails every rank
+        stages = _pipeline_stages(config)
+    if loss_fn is not None or stages > 1:
         return _pipeline_engine(
             model, optimizer, config, loss_fn, lr_scheduler, process_group, param_init_fn
         )

@@ -124,7 +124,7 @@ class CheckpointManager:
             use_async = self.config.async_save if async_save is None else async_save
             if not use_async:
                 sharded.write(state, tmp, comm, final, needed)  # phase 3
-                sharded.commit(comm, tmp, final, meta, after_rename)
+                sharded.commit(comm, tmp, final, meta, needed, after_rename)
                 done = True
                 return final
             side = self._side_comm()
@@ -143,7 +143,7 @@ class CheckpointManager:
             ok = False
             try:
                 sharded.write(staged, tmp, side, final, needed)
-                sharded.commit(side, tmp, final, meta, after_rename)
+                sharded.commit(side, tmp, final, meta, needed, after_rename)
                 ok = True
             finally:
                 if side.rank == 0:
@@ -241,9 +241,9 @@ class _BackgroundSave:
     def join(self) -> None:
         self.thread.join()
         if self.error is not None:
-            raise RuntimeError(f"asynchronous checkpoint save to {self.final} failed") from (
-                self.error
-            )
+            raise RuntimeError(
+                f"asynchronous checkpoint save to {self.final} failed: {self.error}"
+            ) from self.error
 
 
 def resolve_load_dir(path: Path, tag: str | None) -> Path:

@@ -214,7 +214,7 @@ def write(state: dict[str, Any], tmp: Path, comm: Comm, final: Path, needed: int
                 no_dist=not comm.active,
             )
     except (Exception, CheckpointException) as e:
-        raise write_error(e, tmp, final, needed) from e
+        raise write_error(e, tmp, final, needed, comm.rank) from e
 
 
 class CheckpointWriteError(OSError):
@@ -225,10 +225,19 @@ class CheckpointWriteError(OSError):
 CheckpointWriteError.__module__ = "ds_strategy"
 
 
-def write_error(e: BaseException, tmp: Path, final: Path, needed: int) -> CheckpointWriteError:
-    rank, cause = _first_failure(e)
-    errno_ = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
-    where = getattr(cause, "filename", None) or tmp
+def write_error(
+    e: BaseException, tmp: Path, final: Path, needed: int, rank: int
+) -> CheckpointWriteError:
+    """One line saying what happened and where; DCP's gathered failures are unwrapped to the
+    first failing rank's."""
+    rank, cause = _first_failure(e, rank)
+    os_error = _os_error(cause)
+    errno_ = os_error.errno if os_error is not None else None
+    if errno_ is None and _does_not_fit(tmp, needed):
+        # torch.save reports a failed write of its zip writer as "unexpected pos": a full
+        # disk, when what is left to write no longer fits
+        errno_ = errno.ENOSPC
+    where = getattr(os_error, "filename", None) or tmp
     unchanged = f"the previous checkpoint at {final} (if any) and latest are unchanged"
     if errno_ == errno.ENOSPC:
         try:
@@ -254,13 +263,31 @@ def write_error(e: BaseException, tmp: Path, final: Path, needed: int) -> Checkp
     return out
 
 
-def _first_failure(e: BaseException) -> tuple[int | str, BaseException]:
+def _os_error(e: BaseException | None) -> OSError | None:
+    """``e`` or the first error it was raised from that carries an ``errno``."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _does_not_fit(tmp: Path, needed: int) -> bool:
+    try:
+        written = sum(f.stat().st_size for f in tmp.iterdir()) if tmp.is_dir() else 0
+        return shutil.disk_usage(tmp.parent).free < needed - written
+    except OSError:
+        return False
+
+
+def _first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
     """(rank, exception) of the first failing rank in DCP's gathered failures."""
     if isinstance(e, CheckpointException) and e.failures:
-        rank = min(e.failures)
-        cause = e.failures[rank]
-        return rank, cause[0] if isinstance(cause, tuple) else cause
-    return "?", e
+        first = min(e.failures)
+        cause = e.failures[first]
+        return first, cause[0] if isinstance(cause, tuple) else cause
+    return rank, e
 
 
 def commit(
@@ -268,6 +295,7 @@ def commit(
     tmp: Path,
     final: Path,
     meta: dict[str, Any],
+    needed: int,
     after_rename: Callable[[], None] | None = None,
 ) -> None:
     """Every rank records its files' sizes and checksums; once all have, rank 0 writes
@@ -275,14 +303,22 @@ def commit(
     ``after_rename`` (the ``latest`` pointer, pruning), and the ranks leave together."""
     # the agreement doubles as the barrier: a rank that failed (a full disk) makes every rank
     # raise instead of leaving the others waiting for it
-    with together(comm, CheckpointError):
+    with together(comm, CheckpointError), _io_errors(tmp, final, needed, comm.rank):
         record_checksums(tmp, comm.rank)
-    with together(comm, CheckpointError):
+    with together(comm, CheckpointError), _io_errors(tmp, final, needed, comm.rank):
         if comm.rank == 0:
             meta = dict(meta, files=merge_checksums(tmp))
             swap.put_in_place(tmp, final, json.dumps(meta, indent=2))
             if after_rename is not None:
                 after_rename()
+
+
+@contextlib.contextmanager
+def _io_errors(tmp: Path, final: Path, needed: int, rank: int) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise write_error(e, tmp, final, needed, rank) from e
 
 
 def load_engine(
