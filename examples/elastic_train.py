@@ -97,6 +97,10 @@ def main() -> None:
         if args.out:
             torch.save(state, args.out)
     engine.destroy()
+    # the process group ds_strategy started from torchrun's variables: closed before exit, so
+    # no rank's communication threads are torn down by interpreter shutdown
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _maybe_fail(spec: str | None, rank: int, step: int, root: Path) -> None:

@@ -29,6 +29,8 @@ from ds_strategy.core.checkpoint.lock import CheckpointBusyError
 from tests.distributed import run_ranks
 from tests.models import ToyLM, batches
 from tests.test_checkpoint_manage import GB, _opt, train
+from tests.test_pipeline import _config as _pipe_config
+from tests.test_pipeline import mlp, mse
 
 # -- one rank fails, the others must fail within seconds ---------------------------------------
 
@@ -229,6 +231,48 @@ def test_disk_full_first_line_names_the_file_and_the_bytes_needed(
     assert ".tmp" in first and "needed " in first and " bytes" in first
 
 
+def pipeline_stage_fails_worker(rank: int, world: int, shared: str) -> dict[str, Any]:
+    """Two pipeline stages, one rank each: one stage's save or load fails."""
+    shared_dir = Path(shared)
+    root = shared_dir / "pipe"
+    model = mlp()
+    engine = ds_strategy.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _pipe_config(2, "1f1b", 1), loss_fn=mse
+    )
+
+    def read_only(self: Path, *a: Any, **k: Any) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    out = {
+        "save": _attempt(
+            "pipe save",
+            rank,
+            shared_dir,
+            lambda: engine.save_checkpoint(root),
+            lambda: mock.patch.object(Path, "mkdir", read_only),
+            1,
+            root / f"stage_{rank}",
+        )
+    }
+    engine.save_checkpoint(root)
+    if rank == 1:
+        shutil.rmtree(root / "stage_1")
+    out["load"] = _attempt(
+        "pipe load", rank, shared_dir, lambda: engine.load_checkpoint(root), None, 1, root
+    )
+    return out
+
+
+def test_one_pipeline_stage_failing_fails_every_stage(tmp_path: Path) -> None:
+    results = run_ranks(pipeline_stage_fails_worker, 2, str(tmp_path), timeout=300, pg_timeout=60)
+    for phase, message in (("save", "Read-only file system"), ("load", "no checkpoint for")):
+        for rank, out in enumerate(results):
+            got = out[phase]
+            assert got["error"] is not None and message in got["error"], (phase, rank, got)
+            assert got["seconds"] < SECONDS, (phase, rank, got["seconds"])
+        assert "(found by rank 1)" in results[0][phase]["error"]
+
+
 # -- a save killed at every step of putting the checkpoint in place ------------------------------
 
 _MUTATIONS = ("mkdir", "rename", "replace", "unlink", "rmdir", "fsync")
@@ -336,6 +380,19 @@ def test_a_save_killed_at_every_step_never_loses_latest(tmp_path: Path, scenario
         window = [r for r in results if "t.old" in r["names"] and "t" not in r["names"]]
         assert window, [r["names"] for r in results]
         assert all(r["loaded"] == "A" and r["fell_back"] and r["latest"] == "t" for r in window)
+
+
+def test_the_previous_content_of_a_tag_loads_by_name_and_the_name_is_reserved(
+    tmp_path: Path,
+) -> None:
+    model = nn.Linear(4, 4)
+    engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    engine.save_checkpoint(tmp_path, tag="t")
+    shutil.copytree(tmp_path / "t", tmp_path / "t.old")
+    assert engine.load_checkpoint(tmp_path, tag="t.old") is None
+    with pytest.raises(ValueError, match="reserved"):
+        engine.save_checkpoint(tmp_path, tag="t.old")
+    engine.destroy()
 
 
 # -- two jobs, one directory ---------------------------------------------------------------------
