@@ -19,16 +19,25 @@ from torch import nn
 
 from .config import ConfigError, ZeroConfig, load_config
 from .core.checkpoint.consolidate import consolidate
+from .core.checkpoint.lock import CheckpointBusyError
+from .core.checkpoint.sharded import CheckpointWriteError
+from .core.checkpoint.trust import UntrustedContentError
+from .core.checkpoint.validate import CheckpointError
 from .core.collectives import Comm, init_process_group_from_env
 from .core.engine import ZeroEngine
-from .core.faults import together
+from .core.faults import RankFailedError, together
 
 if TYPE_CHECKING:
     from .core.pipeline import PipelineEngine
 
 __all__ = [
+    "CheckpointBusyError",
+    "CheckpointError",
+    "CheckpointWriteError",
     "ConfigError",
     "PipelineEngine",
+    "RankFailedError",
+    "UntrustedContentError",
     "ZeroConfig",
     "ZeroEngine",
     "consolidate",

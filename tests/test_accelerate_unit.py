@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
 from ds_strategy.accelerate._resolve import AcceleratorFacts, apply_mixed_precision, resolve
 from ds_strategy.accelerate.plugin import overrides_from_env
 from ds_strategy.config import ConfigError, load_config
+from ds_strategy.core.checkpoint.trust import UntrustedContentError
 
 pytestmark = pytest.mark.usefixtures("clean_accelerate")  # tests/conftest.py
 
@@ -278,6 +280,35 @@ def test_save_and_load_state_with_automatic_naming(tmp_path: Path) -> None:
     state = accelerator.get_state_dict(model)
     assert all(torch.equal(state[k], expected[k]) for k in expected)
     assert accelerator.zero_engine.global_steps == 2
+
+
+class _Tracker:
+    """An object registered for checkpointing whose state holds a non-plain object."""
+
+    def __init__(self) -> None:
+        self.seen = Fraction(0)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def test_load_state_unpickles_registered_objects_only_when_trusted(tmp_path: Path) -> None:
+    accelerator = _accelerator()
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tracker = _Tracker()
+    tracker.seen = Fraction(3, 7)
+    accelerator.register_for_checkpointing(tracker)
+    accelerator.save_state(tmp_path / "ckpt")
+    tracker.seen = Fraction(0)
+    with pytest.raises(UntrustedContentError, match="fractions.Fraction"):
+        accelerator.load_state(tmp_path / "ckpt")
+    assert tracker.seen == 0
+    accelerator.load_state(tmp_path / "ckpt", trust_checkpoint=True)
+    assert tracker.seen == Fraction(3, 7)
 
 
 def test_what_zero_cannot_do_raises_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
