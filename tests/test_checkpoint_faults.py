@@ -461,6 +461,10 @@ def test_a_bare_directory_is_locked_for_its_save_only(tmp_path: Path) -> None:
     engine.save_checkpoint(tmp_path / "ckpt", async_save=True)
     engine.wait_for_checkpoint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    refused = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    with mock.patch.object(sharded, "fresh_tmp", side_effect=refused), pytest.raises(OSError):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nor after a failed one
 
 
 # -- a disk that is really full ------------------------------------------------------------------

@@ -94,14 +94,19 @@ class CheckpointManager:
         root, final = self._target(Path(path), tag)
         comm = self.engine.comm
         lock_path = root / LOCK_FILE if root is not None else final.with_name(final.name + ".lock")
-        with together(comm, CheckpointError):  # phase 1, rank 0: lock, recover, a fresh .tmp
-            if comm.rank == 0:
-                acquire(lock_path, root or final, self)
-                if root is None:
-                    swap.recover(final)
-                else:
-                    swap.recover_root(root)
-                sharded.fresh_tmp(final)
+        try:
+            with together(comm, CheckpointError):  # phase 1, rank 0: lock, recover, a .tmp
+                if comm.rank == 0:
+                    acquire(lock_path, root or final, self)
+                    if root is None:
+                        swap.recover(final)
+                    else:
+                        swap.recover_root(root)
+                    sharded.fresh_tmp(final)
+        except BaseException:
+            if comm.rank == 0 and root is None:  # a bare directory is locked for its save only
+                release(self, lock_path)
+            raise
         tmp = swap.tmp_dir(final)
 
         def after_rename() -> None:
