@@ -25,9 +25,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .manager import resolve_load_dir
-from .sharded import _single_process_ok
+from .sharded import single_process_ok
 from .trust import SafeReader
-from .validate import check_files
+from .validate import META_FILE, check_files
 
 __all__ = ["consolidate"]
 
@@ -54,7 +54,7 @@ def _entries(reader: SafeReader) -> dict[str, TensorStorageMetadata]:
 
 
 def _shapes(path: Path) -> dict[str, list[int]]:
-    meta = json.loads((path / "ds_strategy.json").read_text())
+    meta = json.loads((path / META_FILE).read_text())
     return meta.get("shapes", {})
 
 
@@ -63,7 +63,7 @@ def _stream(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.
     shapes = _shapes(path)
     for key, m in sorted(_entries(reader).items()):
         t = torch.empty(m.size, dtype=m.properties.dtype)
-        with _single_process_ok(False):
+        with single_process_ok(False):
             dcp.load({key: t}, storage_reader=SafeReader(path), no_dist=True)
         name = key.split("/", 1)[1]
         if name in shapes:
@@ -93,7 +93,7 @@ def consolidate(
     loading restores the other name.
     """
     src, out = resolve_load_dir(Path(checkpoint_dir), None), Path(output_path)
-    if not (src / "ds_strategy.json").is_file():
+    if not (src / META_FILE).is_file():
         raise FileNotFoundError(
             f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
         )

@@ -55,7 +55,7 @@ __all__ = ["CheckpointWriteError", "FORMAT", "commit", "load_engine", "write"]
 
 
 @contextlib.contextmanager
-def _single_process_ok(distributed: bool) -> Iterator[None]:
+def single_process_ok(distributed: bool) -> Iterator[None]:
     """DCP warns that it assumes a single process when no process group exists; for a world
     of one that is exactly the intent."""
     with warnings.catch_warnings():
@@ -206,7 +206,7 @@ def write(state: dict[str, Any], tmp: Path, comm: Comm, final: Path, needed: int
     DCP gathers every rank's outcome, so a failure raises on all of them, here translated to
     one line saying what happened and where (:class:`CheckpointWriteError`)."""
     try:
-        with _single_process_ok(comm.active):
+        with single_process_ok(comm.active):
             dcp.save(
                 state,
                 storage_writer=FileSystemWriter(tmp),
@@ -358,7 +358,7 @@ def load_engine(
                 f"{path}: checkpoint does not match this model: {len(missing)} entr"
                 f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
             )
-    with _single_process_ok(comm.active):
+    with single_process_ok(comm.active):
         dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):
