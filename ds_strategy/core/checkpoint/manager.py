@@ -121,7 +121,6 @@ class CheckpointManager:
             if root is None:  # a bare directory is locked for its save only
                 release(self, lock_path)
 
-        done = False
         try:
             with together(comm, CheckpointError):  # phase 2: what each rank saves
                 state, meta = sharded.collect_state(self.engine, client_state, include_optimizer)
@@ -130,7 +129,8 @@ class CheckpointManager:
             if not use_async:
                 sharded.write(state, tmp, comm, final, needed)  # phase 3
                 sharded.commit(comm, tmp, final, meta, needed, after_rename)
-                done = True
+                if comm.rank == 0:
+                    finish(ok=True)
                 return final
             side = self._side_comm()
             with together(comm, CheckpointError):
@@ -140,9 +140,6 @@ class CheckpointManager:
             if comm.rank == 0:
                 finish(ok=False)
             raise
-        finally:
-            if done and comm.rank == 0:
-                finish(ok=True)
 
         def run() -> None:
             ok = False

@@ -205,16 +205,14 @@ def write(state: dict[str, Any], tmp: Path, comm: Comm, final: Path, needed: int
     """Every rank writes its pieces into ``tmp`` (DCP names them ``__<rank>_<n>.distcp``).
     DCP gathers every rank's outcome, so a failure raises on all of them, here translated to
     one line saying what happened and where (:class:`CheckpointWriteError`)."""
-    try:
-        with single_process_ok(comm.active):
-            dcp.save(
-                state,
-                storage_writer=FileSystemWriter(tmp),
-                process_group=comm.group,
-                no_dist=not comm.active,
-            )
-    except (Exception, CheckpointException) as e:
-        raise write_error(e, tmp, final, needed, comm.rank) from e
+    failures = (Exception, CheckpointException)  # DCP's is a BaseException
+    with _as_write_error(tmp, final, needed, comm.rank, failures), single_process_ok(comm.active):
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp),
+            process_group=comm.group,
+            no_dist=not comm.active,
+        )
 
 
 class CheckpointWriteError(OSError):
@@ -303,9 +301,9 @@ def commit(
     ``after_rename`` (the ``latest`` pointer, pruning), and the ranks leave together."""
     # the agreement doubles as the barrier: a rank that failed (a full disk) makes every rank
     # raise instead of leaving the others waiting for it
-    with together(comm, CheckpointError), _io_errors(tmp, final, needed, comm.rank):
+    with together(comm, CheckpointError), _as_write_error(tmp, final, needed, comm.rank):
         record_checksums(tmp, comm.rank)
-    with together(comm, CheckpointError), _io_errors(tmp, final, needed, comm.rank):
+    with together(comm, CheckpointError), _as_write_error(tmp, final, needed, comm.rank):
         if comm.rank == 0:
             meta = dict(meta, files=merge_checksums(tmp))
             swap.put_in_place(tmp, final, json.dumps(meta, indent=2))
@@ -314,10 +312,17 @@ def commit(
 
 
 @contextlib.contextmanager
-def _io_errors(tmp: Path, final: Path, needed: int, rank: int) -> Iterator[None]:
+def _as_write_error(
+    tmp: Path,
+    final: Path,
+    needed: int,
+    rank: int,
+    failures: tuple[type[BaseException], ...] = (OSError,),
+) -> Iterator[None]:
+    """``failures`` raised in the block become one :class:`CheckpointWriteError`."""
     try:
         yield
-    except OSError as e:
+    except failures as e:
         raise write_error(e, tmp, final, needed, rank) from e
 
 

@@ -13,8 +13,8 @@ size is caught without every rank reading the whole checkpoint.
 [Note: why the ranks agree]
 Files are checked on every rank, but a rank may see a different problem (or none, when the
 damaged file is another rank's share of the checksums). A rank that raised alone would leave
-the others waiting in DCP's first collective until the process-group timeout. ``agree``
-all-reduces an error flag and then the messages, so every rank raises, naming the file.
+the others waiting in DCP's first collective until the process-group timeout. So the checks
+end in an agreement point (``faults.together``): every rank raises, naming the file.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..collectives import Comm
-from ..faults import agree as _agree
+from ..faults import together
 from .trust import SafeReader, UntrustedContentError
 
 __all__ = [
     "CheckpointError",
-    "agree",
     "check_files",
     "merge_checksums",
     "record_checksums",
@@ -88,14 +87,8 @@ def validate(
     ``state_dict_metadata``. ``shapes``: this model's parameter shapes, or None to skip that
     check. ``require_checksums=False`` accepts a checkpoint that records no checksums.
     Raises the same error on every rank."""
-    err: BaseException | None = None
-    md: Metadata | None = None
-    try:
+    with together(comm, CheckpointError):  # every failure must reach the other ranks
         md = _check(path, comm.rank, comm.world_size, shapes, require_checksums)
-    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-        err = e
-    agree(comm, err)
-    assert md is not None
     return md.state_dict_metadata
 
 
@@ -103,12 +96,6 @@ def check_files(path: Path, require_checksums: bool = True) -> None:
     """The same checks in this process alone (every file's checksum, no model): for tools
     such as consolidation that run outside the training job."""
     _check(path, 0, 1, None, require_checksums)
-
-
-def agree(comm: Comm, err: BaseException | None) -> None:
-    """Raise on every rank if any rank has ``err``: a rank raises its own error, the others
-    a :class:`CheckpointError` carrying the first failing rank's message."""
-    _agree(comm, err, CheckpointError)
 
 
 def _check(

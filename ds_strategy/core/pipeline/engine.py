@@ -29,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from ...config import ZeroConfig, load_config
 from ..collectives import Comm, init_process_group_from_env
 from ..engine import ZeroEngine
-from ..faults import agree
+from ..faults import together
 from .mesh import Mesh
 from .partition import partition_layers
 from .schedules import bubble_fraction, make_schedule, stage_indices
@@ -310,30 +310,21 @@ class PipelineEngine:
         """Every stage writes its ZeRO checkpoint to ``path/stage_<k>``. Collective. Loads
         into a pipeline with the same stages and partition."""
         root = Path(path)
-        err: BaseException | None = None
-        try:  # agreed within the stage by the engine; across stages here (core/faults.py)
+        with together(self._pp):  # agreed within the stage by the engine, across stages here
             self.engine.save_checkpoint(root / f"stage_{self.stage_id}", client_state=client_state)
-        except Exception as e:  # noqa: BLE001 - raised on every stage by agree()
-            err = e
-        agree(self._pp, err)
         return root
 
     def load_checkpoint(self, path: str | os.PathLike, *, trust_checkpoint: bool = False) -> Any:
         """Restore what :meth:`save_checkpoint` wrote; returns the ``client_state`` (see
         ``ZeroEngine.load_checkpoint`` for ``trust_checkpoint``)."""
         stage_dir = Path(path) / f"stage_{self.stage_id}"
-        err: BaseException | None = None
-        state = None
-        try:  # agreed within the stage by the engine; across stages here (core/faults.py)
+        with together(self._pp):  # agreed within the stage by the engine, across stages here
             if not stage_dir.is_dir():
                 raise FileNotFoundError(
                     f"{stage_dir}: no checkpoint for pipeline stage {self.stage_id}; was it "
                     f"saved with pipeline.stages={self.num_stages}?"
                 )
             state = self.engine.load_checkpoint(stage_dir, trust_checkpoint=trust_checkpoint)
-        except Exception as e:  # noqa: BLE001 - raised on every stage by agree()
-            err = e
-        agree(self._pp, err)
         self.global_steps = self.engine.global_steps
         return state
 
