@@ -16,19 +16,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
-
-import ds_strategy  # noqa: E402
-from ds_strategy.core.activation_checkpointing import SavedTensorMeter  # noqa: E402
+import ds_strategy
+from ds_strategy.core.activation_checkpointing import SavedTensorMeter
+from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss
 
 
 def _sync(device: torch.device) -> None:

@@ -4,7 +4,7 @@
     python benchmarks/bench_cpu_adam.py                  # GPT, ~25M parameters
     python benchmarks/bench_cpu_adam.py --layers 12 --d 768 --steps 10
 
-Parameters are those of ``benchmarks/gpt.py``'s GPT (one tensor per parameter, its real
+Parameters are those of ``ds_strategy/demos/gpt.py``'s GPT (one tensor per parameter, its real
 shapes). Each variant runs the same number of AdamW steps on the same gradients; the
 median step time is printed side by side with the per-parameter loop's, and the final
 weights are compared (they agree to float round-off).
@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpt import GPT, GPTConfig  # noqa: E402
+from ds_strategy.demos.gpt import GPT, GPTConfig
 
 
 def make_params(cfg: GPTConfig) -> list[torch.Tensor]:

@@ -27,12 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
-
-import ds_strategy  # noqa: E402
+import ds_strategy
+from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss
 
 
 def _status_kb(field: str) -> int:

@@ -28,20 +28,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
-
-import ds_strategy  # noqa: E402
-from ds_strategy.core.memory import StepMemoryProbe  # noqa: E402
+import ds_strategy
+from ds_strategy.core.memory import StepMemoryProbe
+from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss
 
 # None: each engine runs AdamW as torch picks it for a user who wrote AdamW(params, lr)
 # (ds_strategy then picks torch's fused kernel for its shards); True: every engine fused.

@@ -5,7 +5,7 @@ not fit in the GPU's memory.
     python benchmarks/gpu_offload_check.py --gpu-mem-gib 24   # cap the GPU at 24 GiB
     python benchmarks/gpu_offload_check.py --d 4096 --heads 32 --max-layers 256
 
-Every try trains a GPT (``benchmarks/gpt.py``: width ``--d``, a number of layers the search
+Every try trains a GPT (``ds_strategy/demos/gpt.py``: width ``--d``, a number of layers the search
 chooses) for ``--steps`` steps under ZeRO stage 3 with bf16 compute, on the meta device first
 and materialised unit by unit, with ``offload_optimizer`` and ``offload_param`` on the CPU
 (pinned): the fp32 master shards, Adam's moments and the parameter shards live in host
@@ -54,11 +54,8 @@ def _params(d: int, layers: int, vocab: int, seq: int) -> int:
 def child(args: argparse.Namespace) -> dict:
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpt import GPT, GPTConfig, gpt_loss, init_weights
-
     import ds_strategy
+    from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss, init_weights
 
     total = torch.cuda.get_device_properties(0).total_memory
     if args.gpu_mem_gib:

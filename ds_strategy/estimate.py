@@ -244,7 +244,7 @@ def _import_factory(spec: str) -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
-            f"--model {spec!r}: expected 'package.module:factory' (e.g. 'benchmarks.gpt:GPT' "
+            f"--model {spec!r}: expected 'package.module:factory' (e.g. 'ds_strategy.demos.gpt:GPT' "
             "or 'mypkg.models:build_model')"
         )
     if str(Path.cwd()) not in sys.path:

@@ -12,7 +12,6 @@ generated text, and each rank's model-state memory next to the ZeRO formula and 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -20,13 +19,11 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+import ds_strategy
+from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss
+from ds_strategy.estimate import estimate, model_facts
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
-
-import ds_strategy  # noqa: E402
-from ds_strategy.estimate import estimate, model_facts  # noqa: E402
 
 PERSISTENCE = 1000  # stage3_param_persistence_threshold: biases and norms stay whole
 

@@ -1,4 +1,4 @@
-"""The recipes' model: the repository's GPT (``benchmarks/gpt.py``: pre-norm blocks in an
+"""The recipes' model: the package's demo GPT (``ds_strategy/demos/gpt.py``: pre-norm blocks in an
 ``nn.ModuleList``, each one ZeRO-3 unit; causal attention; tied embedding and head) over
 characters, its loss and a sampler. Plain PyTorch; nothing here knows about ds_strategy."""
 
@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from benchmarks.gpt import GPT, GPTConfig
+from ds_strategy.demos.gpt import GPT, GPTConfig
 
 
 def build_model(vocab: int, cfg: Any) -> GPT:
-    """The repository's GPT (``benchmarks/gpt.py``) sized by a ``model`` config node."""
+    """The package's demo GPT (``ds_strategy/demos/gpt.py``) sized by a ``model`` config node."""
     return GPT(GPTConfig(vocab, cfg.d, cfg.layers, cfg.heads, cfg.seq, cfg.tie_embeddings))
 
 

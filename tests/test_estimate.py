@@ -4,8 +4,6 @@ what the engine really holds on CPU, and the command's table and recommendation.
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from torch import nn
 import ds_strategy
 from ds_strategy.cli import main as cli
 from ds_strategy.core.memory import live_tensor_bytes
+from ds_strategy.demos.gpt import GPT, GPTConfig
 from ds_strategy.estimate import (
     CANDIDATES,
     ModelFacts,
@@ -28,7 +27,6 @@ from ds_strategy.estimate import (
 
 from .distributed import run_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
 THRESHOLD = 1000  # stage3_param_persistence_threshold: biases and norms stay whole
 LIVE_CHECKED = {("fp32", 1), ("bf16", 3)}  # also counted from the live tensors
 PREFETCH = 20_000  # about one block: the gathered peak is the root and two blocks
@@ -199,35 +197,29 @@ def test_cli_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_cli_model_factory_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
     """A model factory is counted on the meta device, config-object factories included."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.gpt import GPT, GPTConfig
-
-        real = GPT(GPTConfig(layers=2, d=64, vocab=300, heads=4))
-        facts = model_facts(
-            "benchmarks.gpt:GPT",
-            {"layers": 2, "d": 64, "vocab": 300, "heads": 4},
-            persistence_threshold=0,
-        )
-        assert facts.params == sum(p.numel() for p in real.parameters())
-        assert facts.largest_unit == sum(p.numel() for p in real.blocks[0].parameters())
-        rc = cli(
-            [
-                "estimate",
-                "--model",
-                "benchmarks.gpt:GPT",
-                "--model-arg",
-                "layers=2",
-                "--world-size",
-                "2",
-                "--gpu-mem",
-                "1GB",
-            ]
-        )
-        out = capsys.readouterr().out
-        assert rc == 0 and "largest block" in out and "recommended: zero0" in out
-    finally:
-        sys.path.remove(str(ROOT))
+    real = GPT(GPTConfig(layers=2, d=64, vocab=300, heads=4))
+    facts = model_facts(
+        "ds_strategy.demos.gpt:GPT",
+        {"layers": 2, "d": 64, "vocab": 300, "heads": 4},
+        persistence_threshold=0,
+    )
+    assert facts.params == sum(p.numel() for p in real.parameters())
+    assert facts.largest_unit == sum(p.numel() for p in real.blocks[0].parameters())
+    rc = cli(
+        [
+            "estimate",
+            "--model",
+            "ds_strategy.demos.gpt:GPT",
+            "--model-arg",
+            "layers=2",
+            "--world-size",
+            "2",
+            "--gpu-mem",
+            "1GB",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "largest block" in out and "recommended: zero0" in out
     rc = cli(["estimate", "--model", "no_such_module:build", "--world-size", "2"])
     assert rc == 2 and "cannot import" in capsys.readouterr().err
     rc = cli(["estimate", "--params", "7x", "--world-size", "2"])

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import ds_strategy
-from benchmarks.gpt import GPT, GPTConfig
 from ds_strategy.core.activation_checkpointing import SavedTensorMeter
 from ds_strategy.core.memory import StepMemoryProbe
+from ds_strategy.demos.gpt import GPT, GPTConfig
 from tests.distributed import run_ranks
 
 CFG = GPTConfig(vocab=512, d=128, layers=6, heads=4, seq=32)

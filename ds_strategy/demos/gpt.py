@@ -1,5 +1,6 @@
-"""A small GPT (pre-norm blocks in an ``nn.ModuleList``, causal attention, tied embedding/head)
-for the benchmarks, the main job and the recipes."""
+"""A demo module of ds_strategy: a small GPT (pre-norm blocks in an ``nn.ModuleList``, each one
+a ZeRO-3 unit; causal attention; tied embedding/head), its initialisation and loss, for the
+example, the recipes and the benchmarks. Plain PyTorch; imports only torch and the stdlib."""
 
 from __future__ import annotations
 
