@@ -5,6 +5,8 @@ full_state_dict and checkpoints across stages."""
 from __future__ import annotations
 
 import copy
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +313,129 @@ def test_mesh_rank_layout() -> None:
     assert mesh.pp_ranks() == [1, 4]
     assert mesh.dp_ranks() == [3, 4, 5]
     assert mesh.global_rank(0, 2) == 2
+
+
+# -- the stage engine's own features under a pipeline (2 ranks: 2 stages x 1) ------------------------
+
+
+def _features_config(**extra: object) -> dict:
+    return {**_config(2, "1f1b", 1), **extra}
+
+
+def _two_stage(config: dict, loss_fn=mse) -> ds_strategy.PipelineEngine:  # noqa: ANN001
+    model = mlp(4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return ds_strategy.initialize(model, opt, config, loss_fn=loss_fn)
+
+
+def periodic_save_worker(root: str, async_save: bool) -> dict:
+    data = _data(1)
+    ckpt = {"save_dir": root, "save_interval": 2, "async_save": async_save}
+    a = _two_stage(_features_config(checkpoint=ckpt))
+    for x, y in data[:2]:
+        a.train_batch(x, y)  # step 2 saves into <root>/stage_<k>/global_step2
+    a.wait_for_checkpoint()
+    at_save = a.full_state_dict()
+    a.train_batch(*data[2])
+    after_a = a.full_state_dict()
+    a.destroy()
+    b = _two_stage(_config(2, "1f1b", 1))
+    b.load_checkpoint(root)  # follows <root>/stage_<k>/latest
+    resumed = (b.global_steps, _diff(b.full_state_dict(), at_save))
+    b.train_batch(*data[2])
+    out = {
+        "resumed": resumed,
+        "diff": _diff(b.full_state_dict(), after_a),
+        "moved": _diff(after_a, at_save),
+        "steps": b.global_steps,
+    }
+    b.destroy()
+    return out
+
+
+def timing_worker() -> dict:
+    engine = _two_stage(_features_config(wall_clock_breakdown=True, steps_per_print=2))
+    printed: list[str] = []
+    engine.engine.timers.printer = printed.append
+    reports = []
+    for x, y in _data(1)[:2]:
+        engine.train_batch(x, y)
+        reports.append(engine.timing_report())
+    engine.destroy()
+    return {"reports": reports, "printed": printed}
+
+
+def overflow_worker() -> dict:
+    factor = [1.0]
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return mse(out, y) * factor[0]
+
+    engine = _two_stage(_features_config(max_consecutive_skipped_steps=2), loss_fn)
+    data = _data(1)
+    out: dict = {}
+    engine.train_batch(*data[0])
+    before = engine.full_state_dict()
+    factor[0] = float("inf")  # every gradient of this step is inf or nan
+    engine.train_batch(*data[1])
+    out["skipped"] = (engine.skipped_steps, engine.global_steps, engine.get_global_grad_norm())
+    out["unchanged"] = _diff(engine.full_state_dict(), before)
+    try:
+        engine.train_batch(*data[2])  # the second skip in a row
+        out["raised"] = "no error"
+    except FloatingPointError as e:
+        out["raised"] = str(e)
+    engine.destroy()
+    return out
+
+
+def features_worker(rank: int, world: int, path: str) -> dict:
+    return {
+        "sync_save": periodic_save_worker(f"{path}/sync", async_save=False),
+        "async_save": periodic_save_worker(f"{path}/async", async_save=True),
+        "timing": timing_worker(),
+        "overflow": overflow_worker(),
+    }
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    path = tmp_path_factory.mktemp("pipeline_features")
+    return run_ranks(features_worker, 2, str(path), timeout=180), path
+
+
+@pytest.mark.parametrize("kind", ["sync_save", "async_save"])
+def test_periodic_saves_go_per_stage_and_resume(features: tuple, kind: str) -> None:
+    results, path = features
+    root = path / kind.partition("_")[0]
+    for k in (0, 1):
+        stage = root / f"stage_{k}"
+        assert (stage / "latest").read_text().strip() == "global_step2"
+        assert sorted(p.name for p in stage.iterdir() if p.is_dir()) == ["global_step2"]
+    for res in results:
+        r = res[kind]
+        assert r["resumed"] == (2, 0.0)  # the step counter and the weights of step 2
+        assert r["diff"] <= 1e-6 and r["moved"] > 1e-3
+        assert r["steps"] == 3
+
+
+def test_wall_clock_breakdown_times_schedule_and_step(features: tuple) -> None:
+    results, _ = features
+    for rank, res in enumerate(results):
+        first, second = res["timing"]["reports"]
+        assert first == {}  # reported every steps_per_print=2 steps
+        assert second["schedule_ms"] > 0 and second["step_ms"] > 0
+        assert second["schedule_ms"] + second["step_ms"] <= second["iteration_ms"] * 1.01
+        # every stage's data-parallel rank 0 prints its own stage's line
+        assert len(res["timing"]["printed"]) == 1, rank
+        assert "schedule" in res["timing"]["printed"][0]
+
+
+def test_overflow_skips_on_every_rank_then_raises(features: tuple) -> None:
+    results, _ = features
+    for res in results:
+        r = res["overflow"]
+        skipped, steps, norm = r["skipped"]
+        assert (skipped, steps) == (1, 2) and not math.isfinite(norm)
+        assert r["unchanged"] == 0.0  # weights (and so optimizer state) of the last good step
+        assert "max_consecutive_skipped_steps=2" in r["raised"]

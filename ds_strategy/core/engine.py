@@ -6,7 +6,6 @@ config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 import os
@@ -25,13 +24,14 @@ from .collectives import Comm, init_process_group_from_env
 from .faults import together
 from .fingerprint import check_ranks_agree
 from .offload import Offload, check_offload_config
+from .optimizers import optimizer_factory, track_optimizer_step
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 from .schedulers import build_scheduler
 from .timers import StepTimers, phase
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
-from .zero.optimizer import OptimizerLike, ShardedOptimizer, rebuild_optimizer
+from .zero.optimizer import OptimizerLike, OptimizerPiece, ShardedOptimizer, rebuild_optimizer
 
 __all__ = ["ZeroEngine"]
 
@@ -135,7 +135,13 @@ class ZeroEngine(nn.Module):
                     )
                 optimizer = _evaluation_only
             elif optimizer is None:
-                optimizer = _optimizer_from_config(self.config)
+                if self.config.optimizer is None:
+                    raise ValueError(
+                        "no optimizer: pass a torch.optim.Optimizer (or a callable params -> "
+                        "Optimizer) to ds_strategy.initialize, or add an 'optimizer' section to "
+                        "the config"
+                    )
+                optimizer = optimizer_factory(self.config.optimizer)
             else:
                 _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
             opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
@@ -215,24 +221,42 @@ class ZeroEngine(nn.Module):
         finally:
             self._no_sync = previous
 
-    def step(self) -> None:
+    def step(self, grad_norm: float | None = None) -> None:
         """At an accumulation boundary: finish gradient reduction, clip by the global norm,
-        run the optimizer and the lr scheduler, rebuild full parameters, zero gradients."""
+        run the optimizer and the lr scheduler, rebuild full parameters, zero gradients; a
+        non-finite norm skips the step instead. Then the config's periodic checkpoint.
+
+        ``grad_norm`` replaces the norm of this engine's gradients for clipping and overflow
+        detection: a caller that trains a larger model of which this engine holds one part
+        (a pipeline stage) passes the whole model's L2 norm, loss scale included, after
+        :meth:`reduced_grad_norm`. It must be the same on every rank of this engine."""
         if self.is_gradient_accumulation_boundary():
             with phase(self.timers, "step"):
-                self._optimizer_step()
+                self._optimizer_step(grad_norm)
             self.global_steps += 1
             if self.timers is not None:
                 self.timers.end_step(self.global_steps)
+        elif grad_norm is not None:
+            raise RuntimeError(
+                "step(grad_norm=...) between accumulation boundaries: there is no optimizer "
+                "step for the norm to apply to; pass it at a boundary only"
+            )
         self.micro_steps += 1
         self._checkpoints.after_step()  # the config's checkpoint.save_interval
 
-    def _reduced_grad_norm(self) -> float:
-        """Finish this boundary's gradient reduction (once) and return the global norm of the
-        gradients as reduced, loss scale included.
+    def reduced_grad_norm(self) -> float:
+        """Finish this boundary's gradient reduction (once; later calls return the same value)
+        and return the global L2 norm of the gradients over this engine's ranks, as reduced,
+        loss scale included. Collective; call it at an accumulation boundary, before
+        :meth:`step`, on every rank.
 
         The norm is all-reduced, so an inf/nan gradient on any rank makes it non-finite on
         every rank: all ranks agree to skip without a separate overflow collective."""
+        if not self.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                "reduced_grad_norm() between accumulation boundaries: the gradients are still "
+                "being accumulated; call it when is_gradient_accumulation_boundary() is True"
+            )
         if self._ready_norm is None:
             self.plan.wait_params()  # the optimizer writes slices a late all-gather still reads
             self.plan.finish_reduction()
@@ -260,7 +284,7 @@ class ZeroEngine(nn.Module):
                 "the backward of the last micro-batch, when is_gradient_accumulation_boundary() "
                 "is True, or let the config's gradient_clipping clip at every step"
             )
-        norm = self._reduced_grad_norm()
+        norm = self.reduced_grad_norm()
         if not math.isfinite(norm):
             return norm
         if self._clipped_norm is None:  # the first clip also removes the loss scale
@@ -271,8 +295,10 @@ class ZeroEngine(nn.Module):
         self._clipped_norm = current * min(float(max_norm) / (current + 1e-6), 1.0)
         return current
 
-    def _optimizer_step(self) -> None:
-        norm = self._reduced_grad_norm()
+    def _optimizer_step(self, grad_norm: float | None) -> None:
+        norm = self.reduced_grad_norm()  # finishes the reduction even when grad_norm is given
+        if grad_norm is not None:
+            norm = float(grad_norm)
         scale = self.loss_scale
         if not math.isfinite(norm):
             self._skip_step(norm)
@@ -343,6 +369,41 @@ class ZeroEngine(nn.Module):
         return [g["lr"] for g in self.optimizer.param_groups]
 
     # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def optimizer_pieces(self) -> tuple[OptimizerPiece, ...]:
+        """The tensors :attr:`optimizer` updates on this rank, one per piece of a trainable
+        parameter that this rank owns (its ``group``, parameter ``index``, ``tensor``, and
+        ``start``, its offset in the flattened parameter); ``piece.grad()`` is its reduced
+        gradient. Checkpoints save the optimizer state by these; read-only."""
+        return tuple(self._sharded_opt.pieces)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The training-loop state a checkpoint records besides weights and optimizer state:
+        ``global_steps``, ``micro_steps``, ``skipped_steps``, the lr scheduler's and the fp16
+        loss scaler's ``state_dict()`` (``None`` without one). Plain data, the same on every
+        rank; :meth:`restore_checkpoint_state` puts it back."""
+        sched = self.lr_scheduler
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "lr_scheduler": sched.state_dict() if sched is not None else None,
+            "loss_scaler": self._scaler.state_dict() if self._scaler is not None else None,
+        }
+
+    def restore_checkpoint_state(self, state: dict[str, Any], *, lr_scheduler: bool = True) -> None:
+        """Put back what :meth:`checkpoint_state` returned (keys missing from an older
+        checkpoint keep their defaults). ``lr_scheduler=False`` leaves the schedule alone: it
+        belongs to the optimizer, which a weights-only load does not restore."""
+        self.global_steps = int(state["global_steps"])
+        self.micro_steps = int(state["micro_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        sched_state = state.get("lr_scheduler")
+        if lr_scheduler and self.lr_scheduler is not None and sched_state is not None:
+            self.lr_scheduler.load_state_dict(sched_state)
+        if self._scaler is not None and state.get("loss_scaler") is not None:
+            self._scaler.load_state_dict(state["loss_scaler"])
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every rank: the keys and shapes of the original
@@ -456,8 +517,9 @@ class ZeroEngine(nn.Module):
 
     def timing_report(self) -> dict[str, float]:
         """With ``wall_clock_breakdown``: the latest per-step means of the forward / backward
-        / reduce / gather / step milliseconds (``<phase>_ms``) and bytes sent per collective
-        kind (``<kind>_bytes``), refreshed every ``steps_per_print`` steps; else ``{}``."""
+        / reduce / gather / step milliseconds (``<phase>_ms``; a pipeline stage adds
+        ``schedule_ms``, see ``timers.py``) and bytes sent per collective kind
+        (``<kind>_bytes``), refreshed every ``steps_per_print`` steps; else ``{}``."""
         return dict(self.timers.last_report) if self.timers is not None else {}
 
     def comm_report(self) -> dict[str, int]:
@@ -491,39 +553,6 @@ def _pick_device(model: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _optimizer_from_config(config: ZeroConfig) -> Callable[[Any], torch.optim.Optimizer]:
-    section = config.optimizer
-    if section is None:
-        raise ValueError(
-            "no optimizer: pass a torch.optim.Optimizer (or a callable params -> Optimizer) to "
-            "ds_strategy.initialize, or add an 'optimizer' section to the config"
-        )
-    names = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)}
-    name = section.type
-    cls_name = names.get(name.lower())
-    if cls_name is None:
-        raise ValueError(
-            f"optimizer.type: unknown optimizer {name!r}; use one of torch.optim's classes "
-            f"({', '.join(sorted(v for v in names.values() if v[0].isupper() and v != 'Optimizer'))})"
-        )
-    cls = getattr(torch.optim, cls_name)
-    params = dict(section.params)
-
-    accepted = inspect.signature(cls.__init__).parameters
-    unknown = sorted(k for k in params if k not in accepted)
-    if unknown:
-        raise ValueError(
-            f"optimizer.params: {unknown} are not arguments of torch.optim.{cls.__name__} "
-            f"(DeepSpeed-only options such as torch_adam / adam_w_mode have no meaning here); "
-            f"remove them. {cls.__name__} takes: {', '.join(k for k in accepted if k not in ('self', 'params'))}"
-        )
-
-    def factory(tensors: Any) -> torch.optim.Optimizer:
-        return cls(tensors, **params)
-
-    return factory
 
 
 def _evaluation_only(params: Any) -> torch.optim.Optimizer:
@@ -564,18 +593,7 @@ def _bind_scheduler(sched: SchedulerLike | None, opt: torch.optim.Optimizer) -> 
     # A scheduler built on the user's optimizer: point it at the rebuilt one. The param
     # groups kept every key (initial_lr included), so its schedule is unchanged.
     sched.optimizer = opt
-    _mark_step_tracked(opt)
-    return sched
-
-
-def _mark_step_tracked(opt: torch.optim.Optimizer) -> None:
     # LRScheduler warns when optimizer.step lacks its wrapper; the rebuilt optimizer's step is
     # still the one it expects to be called before scheduler.step().
-    step = opt.step
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        opt._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    opt.step = wrapper  # type: ignore[method-assign]
+    track_optimizer_step(opt)
+    return sched

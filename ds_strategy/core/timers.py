@@ -11,6 +11,12 @@ costs nothing here, so ``reduce`` and ``gather`` lie inside the other three phas
 are the exposed communication, not extra time. Bytes are what this rank sent, per kind,
 counted by ``Comm`` (see [Note: byte accounting] in ``collectives.py``).
 
+Under a pipeline config there is no ``engine(batch)`` / ``engine.backward`` per micro-batch:
+the schedule interleaves the forward and backward of every micro-batch with the transfers
+between stages, so that whole interval is one phase, ``schedule`` (in the report only when
+measured); ``step`` is then the tied-weight sum, the gradient reduction, the norm exchanged
+between stages and the stage engine's optimizer step.
+
 On CUDA the phase boundaries synchronise the device, so the times are the GPU's; that costs
 a little overlap, which is why the breakdown is off by default. Disabled, the engine holds
 no ``StepTimers`` and a phase is a shared ``nullcontext``.
@@ -28,9 +34,12 @@ import torch
 
 from .collectives import Comm
 
-__all__ = ["StepTimers", "format_report", "phase"]
+__all__ = ["OPTIONAL_PHASES", "PHASES", "StepTimers", "format_report", "phase"]
 
 PHASES = ("forward", "backward", "reduce", "gather", "step")
+# reported only by the engines that measure them: a pipeline's forward + backward of all
+# micro-batches (see the note above)
+OPTIONAL_PHASES = ("schedule",)
 # Comm's byte kinds -> the phase whose blocked time they show up in.
 WAIT_KIND = {
     "all_reduce": "reduce",
@@ -138,7 +147,8 @@ class StepTimers:
 
 def format_report(report: dict[str, float], global_step: int, steps: int = 1) -> str:
     """One line: per-step milliseconds of each phase and MB sent per collective kind."""
-    times = "  ".join(f"{name} {report.get(f'{name}_ms', 0.0):.1f}" for name in PHASES)
+    shown = [*PHASES, *(p for p in OPTIONAL_PHASES if f"{p}_ms" in report)]
+    times = "  ".join(f"{name} {report.get(f'{name}_ms', 0.0):.1f}" for name in shown)
     moved = "  ".join(
         f"{k[: -len('_bytes')]} {v / 1e6:.2f}"
         for k, v in sorted(report.items())

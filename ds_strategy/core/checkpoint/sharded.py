@@ -112,7 +112,7 @@ def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
 def _pieces(engine: ZeroEngine) -> Iterator[tuple[Any, str, int]]:
     """(piece, parameter name, parameter numel) for every optimizer piece on this rank."""
     names = _names(engine.module)
-    for pc in engine._sharded_opt.pieces:
+    for pc in engine.optimizer_pieces:
         yield pc, names[id(pc.group.params[pc.index])], pc.group.layout.slots[pc.index].numel
 
 
@@ -131,16 +131,12 @@ def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
 
 
 def _engine_entry(engine: ZeroEngine) -> dict[str, Any]:
-    sched = engine.lr_scheduler
+    # counters, lr scheduler and loss scaler: engine.restore_checkpoint_state takes them back
     return {
         "format": FORMAT,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
         "stage": engine.stage,
         "world_size": engine.world_size,
-        "lr_scheduler": sched.state_dict() if sched is not None else None,
-        "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
-        "skipped_steps": engine.skipped_steps,
+        **engine.checkpoint_state(),
     }
 
 
@@ -429,15 +425,8 @@ def _install_optimizer_state(
 def _restore_engine(
     engine: ZeroEngine, state: dict[str, Any], rng_key: str, with_optimizer: bool
 ) -> None:
-    meta = state["engine"]
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
     # the lr schedule belongs to the optimizer it drives
-    if with_optimizer and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    if engine._scaler is not None and meta.get("loss_scaler") is not None:
-        engine._scaler.load_state_dict(meta["loss_scaler"])
-    engine.skipped_steps = meta.get("skipped_steps", 0)
+    engine.restore_checkpoint_state(state["engine"], lr_scheduler=with_optimizer)
     rng = state.get(rng_key)
     if rng is not None:
         torch.set_rng_state(rng["torch"])

@@ -6,10 +6,18 @@ data-parallel by a :class:`~ds_strategy.core.engine.ZeroEngine` over its ranks.
    schedule runs forward and backward of ``gradient_accumulation_steps`` micro-batches and
    gradients accumulate locally (the loss function divides by the micro-batch count).
 2. Tied weights sum their gradients across the stages that hold them.
-3. The engine's plan reduces (ZeRO-1: all-reduce into the sharded slice; ZeRO-2:
-   reduce-scatter of the accumulated bucket) over the stage's data-parallel group.
-4. The squared gradient norms of all stages are summed over the pipeline group, so clipping
-   uses the global norm of the whole model, then every stage steps its shard.
+3. ``engine.reduced_grad_norm()`` reduces (ZeRO-1: all-reduce into the sharded slice; ZeRO-2:
+   reduce-scatter of the accumulated bucket) over the stage's data-parallel group and returns
+   the stage's gradient norm.
+4. The squared gradient norms of all stages are summed over the pipeline group (each tied
+   weight counted once), and ``engine.step(grad_norm=...)`` clips by that global norm of the
+   whole model, or skips the step on every rank when it is not finite. The stage engine's own
+   step does the rest: lr scheduler, counters, ``max_consecutive_skipped_steps``,
+   ``wall_clock_breakdown`` and the periodic checkpoint (``checkpoint.save_interval``, into
+   ``<save_dir>/stage_<k>``, which :meth:`PipelineEngine.load_checkpoint` reads).
+
+The stage engine treats every ``step()`` as an accumulation boundary: the schedule, not the
+engine, counts micro-batches.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from ...config import ZeroConfig, load_config
 from ..collectives import Comm, init_process_group_from_env
 from ..engine import ZeroEngine
 from ..faults import together
+from ..timers import phase
 from .mesh import Mesh
 from .partition import partition_layers
 from .schedules import bubble_fraction, make_schedule, stage_indices
@@ -116,11 +125,12 @@ class PipelineEngine:
         self.engine = ZeroEngine(
             self.module,
             optimizer,
-            self.config.replace(**{"pipeline.stages": 1}),  # this stage's data-parallel part
+            self._stage_config(),
             lr_scheduler=lr_scheduler,
             process_group=self.mesh.dp_group,
             _stage_of=nn.Sequential(*layers),  # the optimizer holds every stage's parameters
         )
+        self.engine.set_gradient_accumulation_boundary(True)  # one step() per train_batch
         device = self.engine.device
         self._chunks = [
             nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(bounds[c], bounds[c + 1])))
@@ -138,9 +148,15 @@ class PipelineEngine:
         self._has_last = n_chunks - 1 in mine
         self._pp = Comm(self.mesh.pp_group)
         self._dp = Comm(self.mesh.dp_group)
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self._global_grad_norm: float | None = None
+
+    def _stage_config(self) -> ZeroConfig:
+        """This stage's data-parallel part of the config; its periodic checkpoints go to
+        ``<save_dir>/stage_<k>``, where :meth:`load_checkpoint` looks."""
+        changes: dict[str, Any] = {"pipeline.stages": 1}
+        save_dir = self.config.checkpoint.save_dir
+        if save_dir:
+            changes["checkpoint.save_dir"] = str(Path(save_dir) / f"stage_{self.stage_id}")
+        return self.config.replace(**changes)
 
     @staticmethod
     def _check_supported(cfg: ZeroConfig) -> None:
@@ -187,6 +203,16 @@ class PipelineEngine:
     def lr_scheduler(self) -> Any:
         return self.engine.lr_scheduler
 
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (skipped ones included), as the stage engine counts them."""
+        return self.engine.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite gradient norm."""
+        return self.engine.skipped_steps
+
     def bubble_fraction(self) -> float:
         """The schedule's theoretical idle fraction for this configuration."""
         return bubble_fraction(self.schedule_name, self.num_stages, self.micro_batches, self.chunks)
@@ -226,7 +252,7 @@ class PipelineEngine:
         if self._has_last:
             kwargs = {"target": targets, "losses": losses}
         if train:
-            with self.engine.no_sync():
+            with self.engine.no_sync(), phase(self.engine.timers, "schedule"):
                 self._schedule.step(*args, **kwargs)
         else:
             with torch.no_grad():
@@ -257,39 +283,36 @@ class PipelineEngine:
         return self._run(inputs, targets, train=False)
 
     def _step(self) -> None:
+        """Steps 2-4 of [Note: one training step]."""
         e = self.engine
-        opt = e._sharded_opt
-        sum_tied_grads(self.tied, e.plan.groups)
-        e.plan.wait_params()
-        e.plan.finish_reduction()
-        stage_norm = opt.sync_grad_flags_and_norm()  # over this stage's data-parallel group
-        dup = torch.tensor(
-            [duplicate_sq_norm(self.tied, opt.pieces, self.stage_id)], dtype=torch.float64
-        )
-        if opt.sharded:
-            self._dp.all_reduce(dup, kind="control")
-        sq = torch.tensor([stage_norm**2], dtype=torch.float64) - dup
-        self._pp.all_reduce(sq, kind="control")
-        norm = math.sqrt(max(float(sq), 0.0)) if math.isfinite(float(sq)) else float("inf")
-        self._global_grad_norm = norm
-        if not math.isfinite(norm):
-            self.skipped_steps += 1
-            e.zero_grad()
-            return
-        opt.scale_grads(norm, float(self.config.gradient_clipping or 0.0))
-        opt.attach_grads()
-        opt.step()
-        if e.lr_scheduler is not None:
-            e.lr_scheduler.step()
-        e.plan.after_optimizer_step()
-        e.plan.wait_params()
-        e.zero_grad()
-        e.global_steps += 1
-        self.global_steps += 1
+        with phase(e.timers, "step"):  # the engine's step adds its own part
+            sum_tied_grads(self.tied, e.plan.groups)
+            stage_norm = e.reduced_grad_norm()  # over this stage's data-parallel group
+            dup = torch.tensor(
+                [duplicate_sq_norm(self.tied, e.optimizer_pieces, self.stage_id)],
+                dtype=torch.float64,
+            )
+            if e.stage > 0:  # the pieces are this rank's slices: sum them over the group
+                self._dp.all_reduce(dup, kind="control")
+            sq = torch.tensor([stage_norm**2], dtype=torch.float64) - dup
+            self._pp.all_reduce(sq, kind="control")
+        total = float(sq)
+        norm = math.sqrt(max(total, 0.0)) if math.isfinite(total) else float("inf")
+        # A failure on one stage (a periodic save's disk, max_consecutive_skipped_steps) fails
+        # every stage, instead of leaving the others waiting in the next schedule.
+        with together(self._pp):
+            e.step(grad_norm=norm)
+        e.plan.wait_params()  # the schedule runs the chunks, not the engine's forward
 
     def get_global_grad_norm(self) -> float | None:
         """L2 norm of the whole model's gradients at the last step, before clipping."""
-        return self._global_grad_norm
+        return self.engine.get_global_grad_norm()
+
+    def timing_report(self) -> dict[str, float]:
+        """With ``wall_clock_breakdown``: the stage engine's per-step means (see
+        ``ZeroEngine.timing_report``); ``schedule_ms`` is the forward and backward of all
+        micro-batches, which a pipeline schedule interleaves. Else ``{}``."""
+        return self.engine.timing_report()
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -325,8 +348,12 @@ class PipelineEngine:
                     f"saved with pipeline.stages={self.num_stages}?"
                 )
             state = self.engine.load_checkpoint(stage_dir, trust_checkpoint=trust_checkpoint)
-        self.global_steps = self.engine.global_steps
         return state
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until this stage's asynchronous save (``checkpoint.async_save``) is written;
+        re-raise its error (see ``ZeroEngine.wait_for_checkpoint``)."""
+        self.engine.wait_for_checkpoint()
 
     def destroy(self) -> None:
         self.engine.destroy()

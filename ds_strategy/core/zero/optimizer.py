@@ -22,13 +22,15 @@ from torch import nn
 from ..collectives import Comm
 from .flat_group import FlatParamGroup
 
-__all__ = ["ShardedOptimizer", "rebuild_optimizer"]
+__all__ = ["OptimizerPiece", "ShardedOptimizer", "rebuild_optimizer"]
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
 
 
 @dataclass
-class _Piece:
+class OptimizerPiece:
+    """One tensor the optimizer updates: this rank's piece of one parameter of ``group``."""
+
     group: FlatParamGroup
     index: int  # parameter index inside the group
     tensor: torch.Tensor  # what the optimizer updates
@@ -41,15 +43,15 @@ class _Piece:
         return self.group.step_grad()[self.sl]
 
 
-def _pieces_of(group: FlatParamGroup) -> list[_Piece]:
+def _pieces_of(group: FlatParamGroup) -> list[OptimizerPiece]:
     if not group.policy.shard_optimizer and group.master is None:
         # stage 0 without a master copy: the parameters themselves, shapes and all
-        return [_Piece(group, i, p, None) for i, p in enumerate(group.params)]
+        return [OptimizerPiece(group, i, p, None) for i, p in enumerate(group.params)]
     flat = group.step_params
     out = []
     for pc in group.layout.pieces(group.rank):
         sl = slice(pc.shard_start, pc.shard_start + pc.length)
-        out.append(_Piece(group, pc.index, flat[sl], sl, pc.param_start))
+        out.append(OptimizerPiece(group, pc.index, flat[sl], sl, pc.param_start))
     return out
 
 
@@ -57,7 +59,7 @@ def rebuild_optimizer(
     optimizer: OptimizerLike,
     groups: list[FlatParamGroup],
     replaced: dict[int, nn.Parameter],
-) -> tuple[torch.optim.Optimizer, list[_Piece]]:
+) -> tuple[torch.optim.Optimizer, list[OptimizerPiece]]:
     """Build the optimizer over this rank's pieces.
 
     ``replaced`` maps ``id(original parameter)`` to the parameter now in the model (they
@@ -117,7 +119,7 @@ class ShardedOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        pieces: list[_Piece],
+        pieces: list[OptimizerPiece],
         groups: list[FlatParamGroup],
         comm: Comm,
     ) -> None:

@@ -1,0 +1,149 @@
+"""Single-process tests of the core's public interfaces: building an optimizer from a config
+section, and the engine's step with an outside gradient norm and its checkpoint state."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ds_strategy
+from ds_strategy.config import ConfigError, OptimizerConfig, load_config
+from ds_strategy.core.optimizers import (
+    build_optimizer,
+    optimizer_class,
+    optimizer_factory,
+    track_optimizer_step,
+)
+
+# -- optimizers from a config section ----------------------------------------------------------------
+
+
+def test_optimizer_class_is_case_insensitive_and_names_the_valid_ones() -> None:
+    assert optimizer_class("adamw") is torch.optim.AdamW
+    assert optimizer_class("SGD") is torch.optim.SGD
+    with pytest.raises(ConfigError, match="unknown optimizer 'FusedAdam'") as info:
+        optimizer_class("FusedAdam")
+    assert info.value.key == "optimizer.type"
+    assert "is not a torch.optim optimizer" in str(info.value)
+    assert "AdamW" in str(info.value) and "Optimizer," not in str(info.value)
+
+
+def test_build_optimizer_keeps_param_groups() -> None:
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+    section = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}).optimizer
+    opt = build_optimizer(section, [{"params": [a]}, {"params": [b], "lr": 0.5}])
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+
+
+def test_unknown_params_are_named_before_anything_is_built() -> None:
+    section = OptimizerConfig("AdamW", {"lr": 1e-3, "torch_adam": True, "adam_w_mode": True})
+    for build in (lambda: optimizer_factory(section), lambda: build_optimizer(section, [])):
+        with pytest.raises(ConfigError, match=r"\['adam_w_mode', 'torch_adam'\] are not") as info:
+            build()
+        assert info.value.key == "optimizer.params"
+        assert "DeepSpeed-only" in str(info.value) and "weight_decay" in str(info.value)
+
+
+def test_a_rejected_value_is_a_config_error() -> None:
+    factory = optimizer_factory(OptimizerConfig("SGD", {"lr": "fast"}))  # the keys are fine
+    with pytest.raises(ConfigError, match="SGD rejected") as info:
+        factory([nn.Parameter(torch.zeros(1))])
+    assert info.value.key == "optimizer.params"
+    with pytest.raises(ConfigError, match="no 'optimizer' section") as info:
+        optimizer_factory(None)
+    assert info.value.key == "optimizer"
+
+
+def test_track_optimizer_step_is_idempotent_and_silences_the_scheduler() -> None:
+    p = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    # what the engine does: a rebuilt optimizer's step has no scheduler wrapper
+    rebuilt = torch.optim.SGD([p], lr=0.1)
+    sched.optimizer = rebuilt
+    track_optimizer_step(rebuilt)
+    wrapper = rebuilt.step
+    track_optimizer_step(rebuilt)
+    assert rebuilt.step is wrapper  # not wrapped twice
+    p.grad = torch.ones(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
+        rebuilt.step()
+        sched.step()
+    assert float(p.detach()) == pytest.approx(0.9)
+
+
+# -- the engine's step with an outside norm, and its checkpoint state --------------------------------
+
+
+def _engine(clip: float = 0.0, **extra: object) -> ds_strategy.ZeroEngine:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    config = {"zero_optimization": {"stage": 1}, "gradient_clipping": clip, **extra}
+    return ds_strategy.initialize(model, opt, config)
+
+
+def _backward(engine: ds_strategy.ZeroEngine) -> None:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).square().sum())
+
+
+def test_step_clips_by_the_norm_it_is_given() -> None:
+    engine = _engine(clip=1.0)
+    before = copy.deepcopy(engine.full_state_dict())
+    _backward(engine)
+    own = engine.reduced_grad_norm()
+    assert engine.reduced_grad_norm() == own  # once per boundary
+    grads = {id(pc.tensor): pc.grad().clone() for pc in engine.optimizer_pieces}
+    engine.step(grad_norm=10 * own)  # the norm of a larger model this engine is part of
+    assert engine.get_global_grad_norm() == pytest.approx(10 * own)
+    coef = 1.0 / (10 * own + 1e-6)
+    after = engine.full_state_dict()
+    moved = sum(float((after[k] - before[k]).abs().sum()) for k in after)
+    want = sum(float(g.abs().sum()) for g in grads.values()) * coef  # SGD, lr 1
+    assert moved == pytest.approx(want, rel=1e-5)
+
+
+def test_step_skips_on_a_non_finite_outside_norm() -> None:
+    engine = _engine(max_consecutive_skipped_steps=2)
+    before = copy.deepcopy(engine.full_state_dict())
+    _backward(engine)
+    engine.step(grad_norm=float("nan"))
+    assert (engine.skipped_steps, engine.global_steps) == (1, 1)
+    assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
+    _backward(engine)
+    with pytest.raises(FloatingPointError, match="max_consecutive_skipped_steps=2"):
+        engine.step(grad_norm=float("inf"))
+    engine.set_gradient_accumulation_boundary(False)
+    with pytest.raises(RuntimeError, match="between accumulation boundaries"):
+        engine.step(grad_norm=1.0)
+
+
+def test_checkpoint_state_round_trip() -> None:
+    engine = _engine()
+    sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, 1, gamma=0.5)
+    engine.lr_scheduler = sched
+    for _ in range(2):
+        _backward(engine)
+        engine.step()
+    state = engine.checkpoint_state()
+    assert state["global_steps"] == 2 and state["micro_steps"] == 2
+    assert state["skipped_steps"] == 0 and state["loss_scaler"] is None
+    assert state["lr_scheduler"]["last_epoch"] == 2
+    fresh = _engine()
+    fresh.lr_scheduler = torch.optim.lr_scheduler.StepLR(fresh.optimizer, 1, gamma=0.5)
+    fresh.restore_checkpoint_state(state, lr_scheduler=False)
+    assert fresh.global_steps == 2 and fresh.lr_scheduler.last_epoch == 0
+    fresh.restore_checkpoint_state(state)
+    assert fresh.lr_scheduler.get_last_lr() == sched.get_last_lr() == [0.25]
+    # the optimizer's pieces: what it updates on this rank, all of it in a world of one
+    pieces = fresh.optimizer_pieces
+    held = {id(t) for g in fresh.optimizer.param_groups for t in g["params"]}
+    assert {id(pc.tensor) for pc in pieces} == held
+    assert sum(pc.tensor.numel() for pc in pieces) == 4 * 3 + 3
