@@ -11,6 +11,7 @@ package is a leaf: it imports only the standard library and omegaconf.
 2
 """
 
+from . import _resolve  # noqa: F401  (registers ZeroConfig.resolve)
 from ._load import config_schema, load_config
 from ._schema import (
     AUTO,

@@ -36,6 +36,7 @@ from ._schema import (
     UnsupportedConfigWarning,
     ZeroConfig,
     ZeroOptimizationConfig,
+    register_operations,
 )
 
 Found = list[tuple[str, str]]  # (dotted key, reason) of unsupported keys met while parsing
@@ -510,3 +511,6 @@ def replace_config(cfg: ZeroConfig, changes: Mapping[str, Any]) -> ZeroConfig:
     new = _build_top(data, found)
     _emit(found, None, stacklevel=3)
     return new
+
+
+register_operations(load=_load, to_dict=config_to_dict, replace=replace_config)

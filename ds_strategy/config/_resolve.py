@@ -22,7 +22,7 @@ from ._load import (
     _schema,
     config_to_dict,
 )
-from ._schema import AUTO, ConfigError, ZeroConfig
+from ._schema import AUTO, ConfigError, ZeroConfig, register_operations
 
 
 def _auto_default(f: _Field, key: str, default_obj: Any, fills: Mapping[str, Any]) -> Any:
@@ -127,3 +127,6 @@ def resolve_config(
         train_micro_batch_size_per_gpu=mb,
         gradient_accumulation_steps=gas,
     )
+
+
+register_operations(resolve=resolve_config)

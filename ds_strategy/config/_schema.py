@@ -336,9 +336,7 @@ class ZeroConfig:
         >>> ZeroConfig.from_any({"bf16": {"enabled": True}}).bf16.enabled
         True
         """
-        from ._load import _load  # _load imports this module; import late to avoid a cycle
-
-        return _load(source, stacklevel=3)
+        return _OPERATIONS["load"](source, stacklevel=3)
 
     def to_dict(self) -> dict[str, Any]:
         """A DeepSpeed-shaped nested dict that :func:`load_config` turns back into ``self``.
@@ -346,9 +344,7 @@ class ZeroConfig:
         >>> ZeroConfig().to_dict()["zero_optimization"]["stage"]
         0
         """
-        from ._load import config_to_dict
-
-        return config_to_dict(self)
+        return _OPERATIONS["to_dict"](self)
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A new, validated config with dotted keys changed; a mapping merges into a section.
@@ -357,9 +353,7 @@ class ZeroConfig:
         >>> (cfg.zero_optimization.stage, cfg.fp16.enabled, cfg.fp16.loss_scale_window)
         (3, True, 1000)
         """
-        from ._load import replace_config
-
-        return replace_config(self, changes)
+        return _OPERATIONS["replace"](self, changes)
 
     def resolve(self, world_size: int, auto_values: Mapping[str, Any] | None = None) -> ZeroConfig:
         """Fill every ``"auto"`` and settle the batch sizes for ``world_size`` data-parallel ranks.
@@ -377,9 +371,18 @@ class ZeroConfig:
         >>> (r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps, r.gradient_clipping)
         (8, 1, 1.0)
         """
-        from ._resolve import resolve_config
+        return _OPERATIONS["resolve"](self, world_size, auto_values)
 
-        return resolve_config(self, world_size, auto_values)
+
+# [Note: operations registered by the modules that implement them]
+# Loading, replacing and resolving walk this schema, so their modules (_load.py, _resolve.py)
+# import this one; ZeroConfig's methods reach them through this table, which those modules
+# fill when imported (ds_strategy.config imports both), so no module imports back.
+_OPERATIONS: dict[str, Callable[..., Any]] = {}
+
+
+def register_operations(**operations: Callable[..., Any]) -> None:
+    _OPERATIONS.update(operations)
 
 
 def _ignored(reason: str, keys: str) -> dict[str, str]:
