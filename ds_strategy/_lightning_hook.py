@@ -18,15 +18,31 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["register_when_lightning_is_imported"]
+__all__ = ["register_strategies", "register_when_lightning_is_imported"]
 
 _PACKAGE = "lightning"
 
 
-def _register() -> None:
-    from .lightning import register_strategies
+def register_strategies() -> None:
+    """Make ``Trainer(strategy="zero3")`` and ``Fabric(strategy="zero3")`` work (also ``zero1``,
+    ``zero2``, ``zero2_offload``, ``zero3_offload``); calling it again is harmless.
 
-    register_strategies()
+    >>> import ds_strategy
+    >>> from lightning.pytorch.strategies import StrategyRegistry
+    >>> "zero3" in StrategyRegistry
+    True
+    """
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .fabric.strategy import ZeroStrategy as FabricZeroStrategy
+    from .lightning.strategy import ZeroStrategy
+
+    ZeroStrategy.register_strategies(StrategyRegistry)
+    FabricZeroStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+_register = register_strategies
 
 
 def _register_after_import() -> None:

@@ -58,12 +58,11 @@ class CharLM(L.LightningModule):
 
 def sample(trainer: L.Trainer, lm: CharLM, corpus: CharCorpus, n: int) -> str | None:
     """Consolidate the weights (collective) and generate ``n`` characters on rank 0."""
-    state = trainer.strategy.engine.full_state_dict()
+    state = trainer.strategy.engine.full_state_dict()  # keyed like lm.state_dict()
     if trainer.global_rank != 0 or n <= 0:
         return None
     local = build_model(corpus.vocab, lm.cfg.model)
-    prefix = "module.model."
-    local.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+    local.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     local.eval()
     prompt = corpus.encode("ZeRO ")
     return "ZeRO " + corpus.decode(generate(local, prompt, n))

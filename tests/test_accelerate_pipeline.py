@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from torch import nn
 
+import ds_strategy
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
 from tests.accelerate_scripts.launch import launch
 
@@ -133,4 +135,6 @@ def test_pipeline_config_errors_before_the_model() -> None:
     AcceleratorState._reset_state(True)
     # stages: 1 is no pipeline: the ordinary ZeRO path, no loss_fn needed
     one = ZeroAccelerator(zero_plugin=ZeroPlugin(config={"pipeline": {"stages": 1}}), cpu=True)
-    assert one._pipeline is None
+    layers = nn.Sequential(nn.Linear(2, 2))
+    model, _ = one.prepare(layers, torch.optim.SGD(layers.parameters(), lr=0.1))
+    assert isinstance(model, ds_strategy.ZeroEngine) and one.zero_engine is model

@@ -17,10 +17,11 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
 
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
-from ds_strategy.accelerate._resolve import AcceleratorFacts, apply_mixed_precision, resolve
-from ds_strategy.accelerate.plugin import overrides_from_env
 from ds_strategy.config import ConfigError, load_config
+from ds_strategy.config._auto import LoopFacts, fill_auto
+from ds_strategy.config._env import overrides_from_env
 from ds_strategy.core.checkpoint.trust import UntrustedContentError
+from ds_strategy.frontends.flags import apply_mixed_precision
 
 pytestmark = pytest.mark.usefixtures("clean_accelerate")  # tests/conftest.py
 
@@ -111,7 +112,7 @@ def test_auto_values_filled_and_explicit_values_kept() -> None:
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "eps": "auto"}},
         }
     )
-    facts = AcceleratorFacts(
+    facts = LoopFacts(
         world_size=2,
         gradient_accumulation_steps=2,
         micro_batch_size=8,
@@ -119,7 +120,7 @@ def test_auto_values_filled_and_explicit_values_kept() -> None:
         hidden_size=10,
         optimizer_lr=0.1,
     )
-    r = resolve(cfg, facts)
+    r = fill_auto(cfg, facts)
     assert r.gradient_accumulation_steps == 4  # written in the config: it wins
     assert (r.train_micro_batch_size_per_gpu, r.train_batch_size) == (8, 64)
     assert r.gradient_clipping == 1.0
@@ -127,10 +128,10 @@ def test_auto_values_filled_and_explicit_values_kept() -> None:
     assert r.zero_optimization.stage3_param_persistence_threshold == 100_000  # not "auto"
     assert r.optimizer.params == {"lr": 0.1}  # "auto" eps dropped: AdamW's default
     # absent keys take the Accelerator's values too ...
-    r = resolve(load_config({}), facts)
+    r = fill_auto(load_config({}), facts)
     assert (r.gradient_accumulation_steps, r.train_micro_batch_size_per_gpu) == (2, 8)
     # ... unless the config fixes them through the other two sizes (as DeepSpeed computes them)
-    r = resolve(load_config({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}), facts)
+    r = fill_auto(load_config({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}), facts)
     assert r.gradient_accumulation_steps == 6
 
 

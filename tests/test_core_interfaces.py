@@ -147,3 +147,25 @@ def test_checkpoint_state_round_trip() -> None:
     held = {id(t) for g in fresh.optimizer.param_groups for t in g["params"]}
     assert {id(pc.tensor) for pc in pieces} == held
     assert sum(pc.tensor.numel() for pc in pieces) == 4 * 3 + 3
+
+
+def test_both_engines_answer_the_training_engine_calls() -> None:
+    """Front ends save, load, export and destroy either engine through the same calls."""
+    import inspect
+
+    from ds_strategy.core.pipeline import PipelineEngine
+    from ds_strategy.core.training import TrainingEngine
+
+    calls = ["save_checkpoint", "load_checkpoint", "full_state_dict", "save_weights"]
+    calls += ["wait_for_checkpoint", "destroy"]
+    for cls in (ds_strategy.ZeroEngine, PipelineEngine):
+        for name in calls:
+            want = list(inspect.signature(getattr(TrainingEngine, name)).parameters.values())
+            have = inspect.signature(getattr(cls, name)).parameters
+            positional = list(have)
+            for i, p in enumerate(want):
+                assert p.name in have, f"{cls.__name__}.{name} lacks {p.name}"
+                got = have[p.name]
+                assert (got.kind, got.default) == (p.kind, p.default), f"{cls.__name__}.{name}"
+                if p.kind is p.POSITIONAL_OR_KEYWORD:
+                    assert positional[i] == p.name, f"{cls.__name__}.{name}: {p.name} moved"

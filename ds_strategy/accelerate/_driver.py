@@ -17,25 +17,18 @@ loop's order and each call's meaning are exactly those of plain Accelerate.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 
 from ..core import ZeroEngine
 
-__all__ = [
-    "EngineDriver",
-    "EngineSchedulerWrapper",
-    "ZeroOptimizerWrapper",
-    "track_optimizer_step",
-]
+__all__ = ["EngineDriver", "EngineSchedulerWrapper", "ZeroOptimizerWrapper"]
 
 
 class EngineDriver:
-    """The state Accelerate's loop needs on top of the engine: whether a boundary backward is
-    waiting for its optimizer step, and whether the last step was skipped."""
+    """The engine under Accelerate's loop: whether a boundary backward is waiting for its
+    optimizer step (see the notes above), and whether the last step was skipped."""
 
     def __init__(self, engine: ZeroEngine) -> None:
         self.engine = engine
@@ -54,10 +47,6 @@ class EngineDriver:
             self.step_pending = True
         elif not self.step_pending:
             engine.step()  # not a boundary: only counts the micro-step
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the pending step's gradients by their global norm; returns it before clipping."""
-        return self.engine.clip_grad_norm_(max_norm)
 
     def step(self) -> None:
         """Run the pending optimizer step."""
@@ -109,19 +98,3 @@ class EngineSchedulerWrapper(AcceleratedScheduler):
 
     def step(self, *args: object, **kwargs: object) -> None:
         pass
-
-
-def track_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` the way ``LRScheduler`` does when it is built, for a scheduler
-    moved onto the engine's rebuilt optimizer: otherwise its first ``step()`` warns that the
-    optimizer never stepped."""
-    step: Any = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    def wrapper(*args: object, **kwargs: object) -> object:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = wrapper  # type: ignore[method-assign,assignment]

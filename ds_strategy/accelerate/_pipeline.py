@@ -18,25 +18,23 @@ model is built). One loader batch is this data-parallel rank's share of a step:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any, NoReturn
 
 import torch
+from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
 
 from ..config import ZeroConfig
+from ..config._auto import fill_auto
 from ..core.pipeline import PipelineEngine
-from . import _state
-from ._driver import EngineSchedulerWrapper
-from ._resolve import AcceleratorFacts, resolve, torch_optimizer
+from ._front import Front, is_optimizer, is_scheduler, prepared, scheduler_of, torch_optimizer
+from .plugin import ZeroPlugin
 
-if TYPE_CHECKING:
-    from .accelerator import ZeroAccelerator
-
-__all__ = ["PipelineFrontEnd", "PipelineModel", "PipelineOptimizer", "pipeline_front_end"]
+__all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
 
 _LOOP = "loss = model.train_batch(inputs, targets)"
 _REFUSED = {
@@ -67,34 +65,6 @@ _REFUSED = {
         "the scheduler to the same prepare() call as the model and optimizer"
     ),
 }
-
-
-def pipeline_front_end(acc: ZeroAccelerator, cfg: ZeroConfig) -> PipelineFrontEnd | None:
-    """The pipeline side of ``acc`` when ``cfg`` has ``pipeline.stages > 1``, else None.
-    Checks now what would otherwise fail after the model is built."""
-    stages = int(cfg.pipeline.stages)
-    if stages <= 1:
-        return None
-    loss_fn = acc.zero_plugin.loss_fn
-    if loss_fn is None or not callable(loss_fn):
-        raise ValueError(
-            f"pipeline.stages={stages}: a pipeline computes the loss on its last stage; pass "
-            "ZeroPlugin(loss_fn=fn) with fn(output, target) -> scalar loss of one micro-batch"
-        )
-    mp = str(acc.state.mixed_precision)
-    if mp != "no":
-        raise ValueError(
-            f"mixed_precision={mp!r}: mixed precision is not available with a pipeline config "
-            "in this release; launch with mixed_precision 'no' (or remove the pipeline section)"
-        )
-    world = acc.num_processes
-    if world % stages:
-        raise ValueError(
-            f"pipeline.stages={stages}: {world} process(es) do not divide into {stages} stages; "
-            f"launch a multiple of {stages} processes (accelerate launch --num_processes) or "
-            "change pipeline.stages"
-        )
-    return PipelineFrontEnd(acc, stages, loss_fn)
 
 
 class PipelineModel(nn.Module):
@@ -175,22 +145,40 @@ class PipelineOptimizer(AcceleratedOptimizer):
         return self._model.step_was_skipped
 
 
-class PipelineFrontEnd:
-    """The state a :class:`ZeroAccelerator` keeps for a pipeline config: the data-parallel
-    layout, the loaders' batch sizes and, once prepared, the model."""
+class PipelineFront(Front):
+    """A :class:`ZeroAccelerator` whose config has ``pipeline.stages > 1``: the data-parallel
+    layout (known from the config before any model is built), the loaders' batch sizes and,
+    once prepared, the pipeline. Checks at construction what would otherwise fail after the
+    model is built."""
 
-    def __init__(self, acc: ZeroAccelerator, stages: int, loss_fn: Callable[..., Any]) -> None:
-        self.acc = acc
-        self.stages = stages
-        self.loss_fn = loss_fn
-        self.dp_size = acc.num_processes // stages
+    trained: PipelineEngine | None = None
+
+    def __init__(self, acc: Accelerator, cfg: ZeroConfig, plugin: ZeroPlugin) -> None:
+        super().__init__(acc, cfg, plugin)
+        stages = int(cfg.pipeline.stages)
+        if plugin.loss_fn is None or not callable(plugin.loss_fn):
+            raise ValueError(
+                f"pipeline.stages={stages}: a pipeline computes the loss on its last stage; pass "
+                "ZeroPlugin(loss_fn=fn) with fn(output, target) -> scalar loss of one micro-batch"
+            )
+        mp = str(acc.state.mixed_precision)
+        if mp != "no":
+            raise ValueError(
+                f"mixed_precision={mp!r}: mixed precision is not available with a pipeline "
+                "config in this release; launch with mixed_precision 'no' (or remove the "
+                "pipeline section)"
+            )
+        world = acc.num_processes
+        if world % stages:
+            raise ValueError(
+                f"pipeline.stages={stages}: {world} process(es) do not divide into {stages} "
+                f"stages; launch a multiple of {stages} processes (accelerate launch "
+                "--num_processes) or change pipeline.stages"
+            )
+        self.dp_size = world // stages
         self.dp_rank = acc.process_index % self.dp_size
         self.model: PipelineModel | None = None
         self._batch_sizes: list[int] = []
-
-    @property
-    def engine(self) -> PipelineEngine | None:
-        return self.model.engine if self.model is not None else None
 
     def refuse(self, what: str) -> NoReturn:
         raise RuntimeError(_REFUSED[what])
@@ -201,18 +189,14 @@ class PipelineFrontEnd:
 
     # -- prepare -------------------------------------------------------------------------------
 
-    def prepare(self, args: tuple[Any, ...]) -> Any:
+    def prepare(self, args: tuple[Any, ...]) -> list[Any]:
         out = list(args)
         for i, obj in enumerate(args):
             if isinstance(obj, torch.utils.data.DataLoader):
                 out[i] = self.prepare_loader(obj)
         models = [i for i, o in enumerate(args) if _is_layers(o)]
-        opts = [i for i, o in enumerate(args) if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
-        scheds = [
-            i
-            for i, o in enumerate(args)
-            if isinstance(o, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))
-        ]
+        opts = [i for i, o in enumerate(args) if is_optimizer(o)]
+        scheds = [i for i, o in enumerate(args) if is_scheduler(o)]
         if models or opts:
             if len(models) != 1 or len(opts) != 1 or len(scheds) > 1:
                 raise ValueError(
@@ -222,18 +206,21 @@ class PipelineFrontEnd:
                     f"optimizer(s), {len(scheds)} scheduler(s))"
                 )
             sched = args[scheds[0]] if scheds else None
-            model, optimizer, owned = self._prepare_engine(args[models[0]], args[opts[0]], sched)
+            model, optimizer, owned = self._build(args[models[0]], args[opts[0]], sched)
             out[models[0]], out[opts[0]] = model, optimizer
             if scheds:
                 out[scheds[0]] = owned
         elif scheds:
             self.refuse("prepare_scheduler")
-        return tuple(out) if len(out) > 1 else out[0]
+        return out
+
+    def prepare_scheduler(self, scheduler: Any) -> NoReturn:
+        self.refuse("prepare_scheduler")
 
     def prepare_loader(self, loader: torch.utils.data.DataLoader) -> Any:
         """Shard ``loader`` over the data-parallel ranks (see the module note)."""
         acc = self.acc
-        if getattr(loader, "_is_accelerate_prepared", False):
+        if prepared(loader):
             return loader
         if acc.dispatch_batches:
             raise ValueError(
@@ -252,7 +239,7 @@ class PipelineFrontEnd:
         if size is not None:
             self._check_batch(size)
             self._batch_sizes.append(size)
-        prepared = prepare_data_loader(
+        out = prepare_data_loader(
             loader,
             acc.device,
             num_processes=self.dp_size,
@@ -267,15 +254,14 @@ class PipelineFrontEnd:
             non_blocking=acc.non_blocking,
             use_stateful_dataloader=acc.use_stateful_dataloader,
         )
-        prepared._is_accelerate_prepared = True
-        acc._dataloaders.append(prepared)
-        return prepared
+        out._is_accelerate_prepared = True
+        acc._dataloaders.append(out)
+        return out
 
     def _check_batch(self, size: int) -> None:
-        engine = self.engine
-        if engine is None:
+        if self.trained is None:
             return
-        gas, micro = engine.micro_batches, engine.micro_batch_size
+        gas, micro = self.trained.micro_batches, self.trained.micro_batch_size
         if micro is not None and size != gas * micro:
             raise ValueError(
                 f"this loader yields {size} samples per data-parallel rank but train_batch "
@@ -284,90 +270,63 @@ class PipelineFrontEnd:
                 "rank) or change those keys"
             )
 
-    def _resolved(self, cfg: ZeroConfig, optimizer: Any) -> ZeroConfig:
-        acc = self.acc
-        gas_cfg = cfg.gradient_accumulation_steps
-        gas = gas_cfg if isinstance(gas_cfg, int) else acc.gradient_accumulation_steps
-        micro = None
-        if self._batch_sizes:
-            batch = min(self._batch_sizes)
-            if batch % gas:
-                raise ValueError(
-                    f"the loader's batch of {batch} samples per data-parallel rank does not "
-                    f"divide into gradient_accumulation_steps={gas} micro-batches; use a "
-                    f"batch_size that is a multiple of {gas}"
-                )
-            micro = batch // gas
-        dummy = optimizer if isinstance(optimizer, DummyOptim) else None
-        facts = AcceleratorFacts(
-            world_size=self.dp_size,
-            mixed_precision="no",
-            gradient_accumulation_steps=acc.gradient_accumulation_steps,
-            micro_batch_size=micro,
-            gradient_clipping=acc.zero_plugin.gradient_clipping,
-            optimizer_lr=dummy.lr if dummy else None,
-            optimizer_weight_decay=dummy.weight_decay if dummy else None,
-        )
-        return resolve(cfg, facts)
+    def _micro_batch(self) -> int | None:
+        gas_cfg = self.cfg.gradient_accumulation_steps
+        gas = gas_cfg if isinstance(gas_cfg, int) else self.acc.gradient_accumulation_steps
+        if not self._batch_sizes:
+            return None
+        batch = min(self._batch_sizes)
+        if batch % gas:
+            raise ValueError(
+                f"the loader's batch of {batch} samples per data-parallel rank does not divide "
+                f"into gradient_accumulation_steps={gas} micro-batches; use a batch_size that "
+                f"is a multiple of {gas}"
+            )
+        return batch // gas
 
-    def _prepare_engine(
-        self, model: Any, user_optimizer: Any, sched: Any
-    ) -> tuple[PipelineModel, PipelineOptimizer, EngineSchedulerWrapper | None]:
-        if self.model is not None:
+    def _build(
+        self, layers: Any, user_optimizer: Any, sched: Any
+    ) -> tuple[PipelineModel, PipelineOptimizer, Any]:
+        if self.trained is not None:
             raise ValueError(
                 "this ZeroAccelerator already prepared a pipeline model; create another "
                 "ZeroAccelerator for another model"
             )
-        acc = self.acc
-        cfg = self._resolved(acc._zero_config_source, user_optimizer)
+        cfg = fill_auto(self.cfg, self.facts(user_optimizer, self.dp_size, self._micro_batch()))
         optimizer = torch_optimizer(cfg, user_optimizer)
-        lr_scheduler = sched
-        if isinstance(sched, DummyScheduler):
-            lr_scheduler = sched.lr_scheduler_callable
-        engine = PipelineEngine(model, optimizer, cfg, self.loss_fn, lr_scheduler=lr_scheduler)
+        engine = PipelineEngine(
+            layers, optimizer, cfg, self.plugin.loss_fn, lr_scheduler=scheduler_of(sched)
+        )
+        self.trained = engine
         self.model = PipelineModel(engine)
         for size in self._batch_sizes:  # loaders prepared before the model
             self._check_batch(size)
-        acc._adopt_accumulation_steps(engine.micro_batches)
+        self.adopt_steps(engine.micro_batches)
         wrapper = PipelineOptimizer(engine.optimizer, self.model)
-        acc._models.append(self.model)
-        acc._optimizers.append(wrapper)
-        owned = None
-        if engine.lr_scheduler is not None:  # saved with the engine's checkpoint
-            owned = EngineSchedulerWrapper(engine.lr_scheduler, wrapper)
-        return self.model, wrapper, owned
+        return self.model, wrapper, self.register(self.model, wrapper, engine.lr_scheduler)
 
-    # -- weights and checkpoints ---------------------------------------------------------------
+    # -- the loop: train_batch does it all ------------------------------------------------------
 
-    def state_dict(self, unwrap: bool) -> dict[str, torch.Tensor]:
-        """The whole model's fp32 weights on every rank (collective), keyed like the
-        ``nn.Sequential``'s ``state_dict()``."""
-        assert self.engine is not None
-        state = self.engine.full_state_dict()
-        return state if unwrap else {f"module.{k}": v for k, v in state.items()}
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> NoReturn:
+        self.refuse("backward")
 
-    def save_state(
-        self, output_dir: str | None, safe_serialization: bool, unsupported: dict[str, Any]
-    ) -> str:
-        """Every stage's ZeRO checkpoint under ``<output_dir>/zero_checkpoint/stage_<k>``,
-        plus Accelerate's schedulers, samplers and RNG states. Collective."""
-        assert self.engine is not None
-        if unsupported:
-            raise TypeError(f"ZeroAccelerator.save_state does not support {', '.join(unsupported)}")
-        return _state.save_state(self.acc, self.engine, output_dir, safe_serialization)  # type: ignore[arg-type]
+    def check_accumulate(self) -> NoReturn:
+        self.refuse("accumulate")
 
-    def load_state(
-        self, input_dir: str | None, unsupported: dict[str, Any], trust_checkpoint: bool
-    ) -> None:
-        """Restore what :meth:`save_state` wrote, into a pipeline with the same stages."""
-        assert self.engine is not None
-        if unsupported:
-            raise TypeError("ZeroAccelerator.load_state takes no load_kwargs or model kwargs")
-        _state.load_state(self.acc, self.engine, input_dir, trust_checkpoint)  # type: ignore[arg-type]
+    def no_sync(self, model: nn.Module) -> AbstractContextManager:
+        self.refuse("no_sync")
+
+    def clip_grad_norm_(self, parameters: Iterable[Any], max_norm: float, norm_type: float) -> Any:
+        self.refuse("clip_grad_norm_")
+
+    def clip_grad_value_(self, parameters: Iterable[Any], clip_value: float) -> NoReturn:
+        self.refuse("clip_grad_value_")
+
+    def unwrap(self, model: Any) -> nn.Module | None:
+        return self.model.module if self.owns(model) else None  # type: ignore[union-attr]
 
     def free(self) -> None:
-        if self.engine is not None:
-            self.engine.destroy()
+        super().free()
         self.model = None
         self._batch_sizes = []
 

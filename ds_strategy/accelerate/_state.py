@@ -16,21 +16,18 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from accelerate import Accelerator
 from accelerate.checkpointing import (
     load_accelerator_state,
     save_accelerator_state,
     save_custom_state,
 )
 
-from ..core import ZeroEngine
 from ..core.checkpoint.trust import loads
 from ..core.collectives import Comm
 from ..core.faults import together
-
-if TYPE_CHECKING:
-    from .accelerator import ZeroAccelerator
+from ..core.training import TrainingEngine
 
 __all__ = ["ENGINE_DIR", "load_state", "save_state"]
 
@@ -42,14 +39,14 @@ def _iteration(folder: str) -> int:
     return int(found[0]) if found else -1
 
 
-def _automatic_dirs(acc: ZeroAccelerator) -> list[str]:
+def _automatic_dirs(acc: Accelerator) -> list[str]:
     root = os.path.join(acc.project_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
     return sorted((os.path.join(root, f) for f in os.listdir(root)), key=_iteration)
 
 
-def _save_dir(acc: ZeroAccelerator, output_dir: str | None) -> str:
+def _save_dir(acc: Accelerator, output_dir: str | None) -> str:
     """``output_dir``, or with ProjectConfiguration(automatic_checkpoint_naming=True) the next
     ``checkpoints/checkpoint_<i>`` (oldest removed beyond ``total_limit``), as Accelerate does."""
     config = acc.project_configuration
@@ -73,8 +70,10 @@ def _save_dir(acc: ZeroAccelerator, output_dir: str | None) -> str:
 
 
 def save_state(
-    acc: ZeroAccelerator, engine: ZeroEngine, output_dir: str | None, safe_serialization: bool
+    acc: Accelerator, engine: TrainingEngine, output_dir: str | None, safe_serialization: bool
 ) -> str:
+    """The engine (ZeRO or pipeline) writes its checkpoint; Accelerate's helpers the rest.
+    Collective."""
     path = _save_dir(acc, output_dir)
     world = Comm()
     # a rank failing in its own part (a read-only mount, a hook raising) fails every rank
@@ -90,7 +89,7 @@ def save_state(
     return path
 
 
-def _save_rest(acc: ZeroAccelerator, path: str, safe_serialization: bool) -> None:
+def _save_rest(acc: Accelerator, path: str, safe_serialization: bool) -> None:
     save_accelerator_state(
         path,
         [],
@@ -110,7 +109,7 @@ def _save_rest(acc: ZeroAccelerator, path: str, safe_serialization: bool) -> Non
 
 
 def load_state(
-    acc: ZeroAccelerator, engine: ZeroEngine, input_dir: str | None, trust_checkpoint: bool
+    acc: Accelerator, engine: TrainingEngine, input_dir: str | None, trust_checkpoint: bool
 ) -> None:
     """Nothing is unpickled beyond tensors and plain data unless ``trust_checkpoint``: the
     engine's checkpoint, and the objects registered with ``register_for_checkpointing``
@@ -125,7 +124,7 @@ def load_state(
         _load_rest(acc, path, trust_checkpoint)
 
 
-def _load_dir(acc: ZeroAccelerator, input_dir: str | None) -> str:
+def _load_dir(acc: Accelerator, input_dir: str | None) -> str:
     if input_dir is not None:
         path = os.path.expanduser(os.fspath(input_dir))
     elif acc.project_configuration.automatic_checkpoint_naming:
@@ -142,7 +141,7 @@ def _load_dir(acc: ZeroAccelerator, input_dir: str | None) -> str:
     return path
 
 
-def _load_rest(acc: ZeroAccelerator, path: str, trust_checkpoint: bool) -> None:
+def _load_rest(acc: Accelerator, path: str, trust_checkpoint: bool) -> None:
     restored = load_accelerator_state(
         path, [], [], acc._schedulers, acc._dataloaders, acc.state.process_index, None, "cpu"
     )

@@ -20,6 +20,7 @@ from ..config import ZeroConfig, load_config
 from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
+from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
 from .faults import together
 from .fingerprint import check_ranks_agree
@@ -412,6 +413,19 @@ class ZeroEngine(nn.Module):
         ``{}`` and never hold a full-size copy), for exports that rank 0 writes."""
         with self._offload_resident(dirty=False):
             return self.plan.full_state_dict(self.module, rank0_only, self.rank)
+
+    def save_weights(self, path: str | os.PathLike) -> Path:
+        """Write the consolidated fp32 weights (:meth:`full_state_dict`) to one file:
+        ``.safetensors`` by suffix, else ``torch.save``. Collective; rank 0 gathers and writes.
+
+        >>> engine.save_weights("model.safetensors")  # doctest: +SKIP
+        """
+        state = self.full_state_dict(rank0_only=True)
+        path = Path(path)
+        if self.rank == 0:
+            write_weights(state, path)
+        self.comm.barrier()
+        return path
 
     def save_checkpoint(
         self,

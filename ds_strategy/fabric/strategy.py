@@ -1,17 +1,16 @@
 """``ZeroStrategy`` for Lightning Fabric: ``fabric.setup``, ``fabric.backward``,
 ``fabric.clip_gradients`` and ``fabric.save``/``fabric.load`` mapped onto one
 :class:`~ds_strategy.ZeroEngine`. The Trainer counterpart is
-:class:`ds_strategy.lightning.ZeroStrategy`; both share the config mapping and hold no
-sharding logic.
+:class:`ds_strategy.lightning.ZeroStrategy`; both build on the front-end layer
+(``ds_strategy.frontends``) and hold no sharding logic.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -19,38 +18,20 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.strategy import (
-    TBroadcast,
     _BackwardSyncControl,
     _Sharded,
     _validate_keys_for_strict_loading,
 )
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp, _Stateful
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..config import ZeroConfig
 from ..core.engine import ZeroEngine
-from ..lightning._config import PRESETS, apply_loop_flags, base_config
-from ..lightning._engine_ops import (
-    inference_optimizer,
-    move_real_tensors,
-    save_consolidated,
-    step_with_clip,
-)
+from ..frontends.engines import PendingClip, inference_optimizer, move_real_tensors, one_optimizer
+from ..frontends.lightning_base import LightningZeroBase
 from .precision import ZeroFabricPrecision
 
 __all__ = ["ZeroStrategy"]
@@ -70,7 +51,7 @@ class _EngineSyncControl(_BackwardSyncControl):
         return module.no_sync()
 
 
-class ZeroStrategy(ParallelStrategy, _Sharded):
+class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     """ZeRO stage 1, 2 or 3 sharded data parallelism for ``lightning.Fabric``.
 
     ``import ds_strategy`` registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
@@ -109,6 +90,9 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": 1})
     """
 
+    front = "Fabric"
+    not_set_up = "the ZeRO engine exists once fabric.setup(model, ...) has run"
+
     def __init__(
         self,
         stage: int | None = None,
@@ -124,38 +108,20 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__(
+            stage,
+            config,
+            offload_optimizer,
+            offload_parameters,
+            param_init_fn,
+            process_group_backend,
+            timeout,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._base_config = base_config(config, stage, offload_optimizer, offload_parameters)
-        self._param_init_fn = param_init_fn
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._num_nodes = 1
         self._backward_sync_control = _EngineSyncControl()
-        self._engine: ZeroEngine | None = None
-        self._max_norm: float | None = None  # a clip request waiting for the next step
-
-    # -- configuration --------------------------------------------------------------------------
-
-    @property
-    def stage(self) -> int:
-        return int(self._base_config.zero_optimization.stage)
-
-    @property
-    def config(self) -> ZeroConfig:
-        """The engine's resolved config once set up; before, the config with this strategy's
-        arguments applied."""
-        return self._engine.config if self._engine is not None else self._base_config
-
-    @property
-    def engine(self) -> ZeroEngine:
-        """The engine built by ``fabric.setup``."""
-        if self._engine is None:
-            raise RuntimeError("the ZeRO engine exists once fabric.setup(model, ...) has run")
-        return self._engine
+        self._clips = PendingClip()  # a clip_gradients call between accumulation boundaries
 
     @property
     def precision(self) -> Precision:
@@ -165,111 +131,18 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
     def precision(self, precision: Precision | None) -> None:
         self._precision = None if precision is None else ZeroFabricPrecision.from_plugin(precision)
 
-    # -- processes ------------------------------------------------------------------------------
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        if self._process_group_backend is None:
-            self._process_group_backend = _get_default_process_group_backend_for_device(
-                self.root_device
-            )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=self._timeout,
-            device_id=device_id,
-        )
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    def all_reduce(
-        self,
-        tensor: Tensor | Any,
-        group: Any | None = None,
-        reduce_op: ReduceOp | str | None = "mean",
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # -- model construction ---------------------------------------------------------------------
-
-    def _meta_init(self, empty_init: bool | None) -> bool:
-        return (self.stage == 3 and empty_init is not False) or bool(empty_init)
+    def _precision_plugin_or_default(self) -> Any:
+        return self.precision
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """Under stage 3 (or with ``empty_init=True``) ``fabric.init_module()`` creates the
         model on the meta device; ``fabric.setup`` materialises it one ZeRO-3 unit at a time."""
         if not self._meta_init(empty_init):
             return super().module_init_context(empty_init)
-        return self._meta_context()
-
-    def module_sharded_context(self) -> AbstractContextManager:
-        return self._meta_context() if self.stage == 3 else nullcontext()
-
-    @contextmanager
-    def _meta_context(self) -> Generator[None, None, None]:
-        with torch.device("meta"), self.precision.module_init_context():
-            yield
+        return torch.device("meta")
 
     def module_to_device(self, module: nn.Module) -> None:
-        if any(t.is_meta for t in chain(module.parameters(), module.buffers())):
-            move_real_tensors(module, self.root_device)  # the engine materialises the rest
-        else:
-            module.to(self.root_device)
+        move_real_tensors(module, self.root_device)  # the engine materialises meta tensors
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -277,59 +150,34 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """Wrap ``module`` and its single optimizer in a :class:`~ds_strategy.ZeroEngine`."""
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"the ZeRO strategy needs exactly one optimizer per model, got {len(optimizers)}: "
-                "the engine shards one optimizer's state across the ranks. Put all parameters "
-                "in one optimizer (param groups may carry different hyper-parameters)"
-            )
-        engine = self._build_engine(module, optimizers[0], scheduler)
+        one_optimizer(len(optimizers), "the ZeRO strategy")
+        engine = self._setup(module, optimizers[0], scheduler)
         if scheduler is not None:
             engine.lr_scheduler = None  # the user's loop keeps stepping its scheduler
         return engine, [engine.optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Wrap ``module`` for evaluation (no optimizer state is kept)."""
-        return self._build_engine(module, inference_optimizer, None)
+        return self._setup(module, inference_optimizer, None)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        raise NotImplementedError(self._err_msg_joint_setup_required())
+        raise ValueError(self._err_msg_joint_setup_required())
 
-    def _build_engine(self, module: nn.Module, optimizer: Any, scheduler: Any) -> ZeroEngine:
+    def _setup(self, module: nn.Module, optimizer: Any, scheduler: Any) -> ZeroEngine:
         if self._engine is not None:
             raise ValueError(
                 "the ZeRO strategy drives one model per Fabric: fabric.setup was already called"
             )
-        precision = str(self.precision.precision)
-        cfg = apply_loop_flags(
-            self._base_config,
-            world_size=self.world_size,
-            precision=precision,
-            accumulate=None,  # Fabric loops accumulate as the config (or the user) says
-            front="Fabric",
-        )
-        self.module_to_device(module)
-        try:
-            engine = ZeroEngine(
-                module, optimizer, cfg, lr_scheduler=scheduler, param_init_fn=self._param_init_fn
-            )
-        except ValueError as err:
-            if cfg.fp16.enabled is True or cfg.bf16.enabled is True:
-                key = "fp16" if cfg.fp16.enabled is True else "bf16"
-                raise ValueError(
-                    f"Fabric(precision={precision!r}) sets {key}.enabled=true in the ZeRO config, "
-                    f"which the engine rejected: {err}"
-                ) from err
-            raise
+        # Fabric loops accumulate as the config (or the user) says
+        engine = self._build_engine(module, optimizer, None, lr_scheduler=scheduler)
         self._engine = engine
         return engine
 
     # -- backward, step, clipping ---------------------------------------------------------------
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        engine = module if isinstance(module, ZeroEngine) else self.engine
         self.precision.pre_backward(tensor, module)
-        engine.backward(tensor, *args, **kwargs)
+        self.engine.backward(tensor, *args, **kwargs)
         self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -337,8 +185,7 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         boundaries, clipping as configured or as ``clip_gradients`` asked)."""
         if kwargs.get("closure") is not None:
             raise ValueError("the ZeRO strategy cannot run optimizer.step(closure)")
-        max_norm, self._max_norm = self._max_norm, None
-        step_with_clip(self.engine, max_norm)
+        self._clips.step(self.engine)
         return None
 
     def clip_gradients_norm(  # type: ignore[override]
@@ -361,11 +208,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
             raise ValueError(
                 f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
             )
-        engine = self.engine
-        if not engine.is_gradient_accumulation_boundary():
-            self._max_norm = float(max_norm)
-            return None
-        return torch.tensor(engine.clip_grad_norm_(float(max_norm)))
+        norm = self._clips.clip(self.engine, float(max_norm))
+        return None if norm is None else torch.tensor(norm)
 
     def clip_gradients_value(
         self, module: nn.Module, optimizer: Optimizer, clip_val: float | int
@@ -401,9 +245,9 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
                 "the engine writes the sharded state itself"
             )
         engine = self._engine_in(state)
-        path = Path(self.broadcast(str(path)))
         rest = {k: v for k, v in state.items() if v is not engine and v is not engine.optimizer}
-        engine.save_checkpoint(path, client_state=self._convert_stateful_objects_in_state(rest, {}))
+        client_state = self._convert_stateful_objects_in_state(rest, {})
+        self.engine.save_checkpoint(self._checkpoint_path(path), client_state=client_state)
 
     def load_checkpoint(
         self,
@@ -415,9 +259,7 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         """Restore the engine (weights, optimizer, counters) from a directory written by
         :meth:`save_checkpoint`, then the other entries of ``state`` from its client state.
         Returns the saved entries that ``state`` did not ask for."""
-        path = Path(self.broadcast(str(path)))
-        if self._engine is not None:
-            self._engine.wait_for_checkpoint()  # an asynchronous save may still be renaming
+        path = self._checkpoint_path(path)
         if not path.is_dir() or not isinstance(state, dict) or not state:
             if path.is_dir():
                 raise ValueError(
@@ -444,20 +286,4 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         """Write the consolidated fp32 weights to one file, keyed like the model's
         ``state_dict()`` (``.safetensors`` or ``torch.save`` by suffix). Collective; rank 0
         writes."""
-        return save_consolidated(self.engine, path)
-
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, kwargs in PRESETS.items():
-            desc = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-            strategy_registry.register(
-                name, cls, description=f"ds_strategy ZeRO ({desc})", override=True, **kwargs
-            )
+        return self.engine.save_weights(path)

@@ -1,9 +1,9 @@
 """Lightning ``Trainer`` front end: :class:`ZeroStrategy` over the :class:`~ds_strategy.ZeroEngine`.
 
-Importing this package (``import ds_strategy`` does) registers ``zero1``, ``zero2``,
-``zero2_offload``, ``zero3`` and ``zero3_offload`` in Lightning's strategy registries, for
-``Trainer(strategy=...)`` and ``Fabric(strategy=...)`` alike. Without lightning installed it
-registers nothing and ``import ds_strategy`` still works.
+``import ds_strategy`` registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
+``zero3_offload`` in Lightning's strategy registries, for ``Trainer(strategy=...)`` and
+``Fabric(strategy=...)`` alike, as soon as Lightning is imported. Without lightning installed
+it registers nothing and ``import ds_strategy`` still works.
 
 >>> import lightning as L
 >>> import ds_strategy
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PipelineModule", "ZeroPrecision", "ZeroStrategy", "register_strategies"]
+__all__ = ["PipelineModule", "ZeroPrecision", "ZeroStrategy"]
 
 try:
     import lightning  # noqa: F401  (only this import is optional; errors below are ours)
@@ -31,8 +31,5 @@ except ImportError:
 
 else:
     from ._pipeline import PipelineModule
-    from ._registry import register_strategies
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy
-
-    register_strategies()

@@ -23,23 +23,16 @@ must stay 1: the micro-batches are the config's ``gradient_accumulation_steps``.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
 from ..config import ZeroConfig
 from ..core.pipeline import PipelineEngine
-from ._engine_ops import write_weights
 
-__all__ = ["LightningPipeline", "PipelineModule", "pipeline_stages"]
-
-
-def pipeline_stages(cfg: ZeroConfig) -> int:
-    """How many pipeline stages the config asks for (1: no pipeline)."""
-    return int(cfg.pipeline.stages or 1)
+__all__ = ["LightningPipeline", "PipelineModule", "build_pipeline"]
 
 
 class PipelineModule(pl.LightningModule):
@@ -113,43 +106,53 @@ def _split(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def build_pipeline(
+    pl_module: pl.LightningModule, cfg: ZeroConfig, optimizer: Any, schedulers: list[Any]
+) -> PipelineEngine:
+    """The pipeline of ``pl_module``'s layers; ``schedulers`` (Lightning's, which it steps
+    itself) are pointed at this stage's rebuilt optimizer."""
+    engine = PipelineEngine(
+        _hook(pl_module, "pipeline_layers")(), optimizer, cfg, _hook(pl_module, "pipeline_loss")
+    )
+    for scheduler in schedulers:
+        scheduler.optimizer = engine.optimizer
+    return engine
+
+
 class LightningPipeline:
-    """The pipeline engine of one ``ZeroStrategy`` and the loop steps it runs."""
+    """The Trainer's step hooks under a pipeline config (see the module note)."""
 
     def __init__(self, engine: PipelineEngine, pl_module: pl.LightningModule) -> None:
         self.engine = engine
         self.pl_module = pl_module
 
-    @classmethod
-    def build(
-        cls, pl_module: pl.LightningModule, cfg: ZeroConfig, optimizer: Any, schedulers: list[Any]
-    ) -> LightningPipeline:
-        """The pipeline of ``pl_module``'s layers; ``schedulers`` (Lightning's, which it steps
-        itself) are pointed at this stage's rebuilt optimizer."""
-        engine = PipelineEngine(
-            _hook(pl_module, "pipeline_layers")(), optimizer, cfg, _hook(pl_module, "pipeline_loss")
+    def attach(self) -> None:
+        pass  # the LightningModule stays the model: its steps run the pipeline through these
+
+    def _run(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        x, y = _split(args[0] if args else kwargs["batch"], f"{kind} batch")
+        self.engine.module.train(kind == "train")
+        loss = self.engine.train_batch(x, y) if kind == "train" else self.engine.eval_batch(x, y)
+        self.pl_module.log(f"{kind}_loss", loss, prog_bar=kind == "train")
+        return loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("train", args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("val", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run("test", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "predict is not available with a pipeline config: the pipeline returns losses, "
+            "not outputs; consolidate the weights (save_consolidated) and predict without it"
         )
-        for scheduler in schedulers:
-            scheduler.optimizer = engine.optimizer
-        return cls(engine, pl_module)
 
-    def training_step(self, batch: Any) -> torch.Tensor:
-        x, y = _split(batch, "training batch")
-        loss = self.engine.train_batch(x, y)
-        self.pl_module.log("train_loss", loss, prog_bar=True)
-        return loss
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # train_batch ran the backward of every micro-batch
 
-    def eval_step(self, batch: Any, prefix: str) -> torch.Tensor:
-        x, y = _split(batch, f"{prefix} batch")
-        loss = self.engine.eval_batch(x, y)
-        self.pl_module.log(f"{prefix}_loss", loss)
-        return loss
-
-    def save_consolidated(self, path: Path) -> Path:
-        """The whole model's fp32 weights (keys of the Sequential's ``state_dict()``) to one
-        file, written by global rank 0. Collective."""
-        state = self.engine.full_state_dict()
-        if dist.get_rank() == 0:
-            write_weights(state, path)
-        dist.barrier()
-        return path
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], *a: Any, **k: Any) -> Any:
+        return closure()  # the closure runs training_step, whose train_batch steps

@@ -21,27 +21,15 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
 from ..core.engine import ZeroEngine
-from ._config import PRECISION_KEYS
-from ._engine_ops import step_with_clip
+from ..frontends.engines import PendingClip
+from ..frontends.lightning_base import FlagPrecision
 
 __all__ = ["ZeroPrecision"]
 
 _warnings = WarningCache()
 
-# Lightning's stock plugins that the accelerator connector builds from the Trainer's flag;
-# any of them is replaced by a ZeroPrecision carrying the same flag (which rejects the flags
-# the engine has no mapping for, such as 64-true).
-_STOCK = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision")
 
-
-def _engine(model: LightningModule) -> ZeroEngine:
-    engine = getattr(model.trainer.strategy, "_engine", None)
-    if not isinstance(engine, ZeroEngine):
-        raise RuntimeError("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
-    return engine
-
-
-class ZeroPrecision(Precision):
+class ZeroPrecision(FlagPrecision, Precision):
     """Forward ``backward`` / ``optimizer_step`` / ``clip_gradients`` to the strategy's engine.
 
     Built by :class:`~ds_strategy.lightning.ZeroStrategy` from the Trainer's ``precision``;
@@ -51,26 +39,16 @@ class ZeroPrecision(Precision):
         assert trainer.strategy.precision_plugin.precision == "32-true"
     """
 
-    def __init__(self, precision: str = "32-true") -> None:
-        if precision not in PRECISION_KEYS:
-            raise ValueError(
-                f"Trainer(precision={precision!r}) is not supported by ZeroStrategy; use one of "
-                f"{', '.join(repr(p) for p in PRECISION_KEYS if '-' in p)}"
-            )
-        self.precision = precision  # type: ignore[assignment]
-        self._max_norm: float | None = None  # a clip request waiting for the next step
+    engine: ZeroEngine | None = None  # set by ZeroStrategy when it builds the engine
 
-    @classmethod
-    def from_plugin(cls, plugin: Precision) -> ZeroPrecision:
-        """The ZeroPrecision equivalent of the plugin Lightning built from the Trainer flags."""
-        if isinstance(plugin, ZeroPrecision):
-            return plugin
-        if type(plugin).__name__ in _STOCK and type(plugin).__module__.startswith("lightning."):
-            return cls(str(plugin.precision))
-        raise ValueError(
-            f"ZeroStrategy owns precision, so the precision plugin {type(plugin).__name__} cannot "
-            "be combined with it; remove it and pass Trainer(precision=...) instead"
-        )
+    def __init__(self, precision: str = "32-true") -> None:
+        super().__init__(precision)
+        self.clips = PendingClip()  # a clip_gradients request waiting for the step
+
+    def _engine(self) -> ZeroEngine:
+        if self.engine is None:
+            raise RuntimeError("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
+        return self.engine
 
     # -- backward and step --------------------------------------------------------------------
 
@@ -92,7 +70,7 @@ class ZeroPrecision(Precision):
             # Lightning already divided the loss by accumulate_grad_batches, and the engine,
             # which owns accumulation, divides by the same number: undo Lightning's division.
             tensor = tensor * trainer.accumulate_grad_batches
-        _engine(model).backward(tensor, *args, **kwargs)
+        self._engine().backward(tensor, *args, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -107,12 +85,11 @@ class ZeroPrecision(Precision):
                 "the engine needs backward and step as separate calls"
             )
         closure_result = closure()
-        engine = _engine(model)
+        engine = self._engine()
         if engine.is_gradient_accumulation_boundary():
             # hooks and the clipping hook run once per real optimizer step, as under DDP
             self._after_closure(model, optimizer)
-        max_norm, self._max_norm = self._max_norm, None
-        step_with_clip(engine, max_norm)
+        self.clips.step(engine)
         return closure_result
 
     def clip_gradients(
@@ -130,7 +107,7 @@ class ZeroPrecision(Precision):
                 "gradient_clip_algorithm='norm'"
             )
         if clip_val > 0:
-            self._max_norm = float(clip_val)
+            self.clips.max_norm = float(clip_val)
 
     def _after_closure(self, model: LightningModule, optimizer: Steppable) -> None:
         if is_overridden("configure_gradient_clipping", model, LightningModule):

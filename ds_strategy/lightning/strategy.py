@@ -3,7 +3,7 @@
 A thin adapter: it launches and connects the processes like DDP, turns the Trainer's flags
 into the engine's config, and maps Lightning's hooks (training/eval steps, backward,
 optimizer step, checkpoints, model construction) onto the engine's public API. It holds no
-sharding logic.
+sharding logic; what it shares with Fabric's strategy is in ``ds_strategy.frontends``.
 
 [Note: the root wrapper]
 Under ZeRO-3 the engine gathers a unit's parameters in that unit's forward hooks, and the
@@ -12,8 +12,10 @@ model it is given is the *root* unit, gathered for the whole forward. Lightning 
 wrapping model's forward. So the engine wraps ``_LightningRoot(lightning_module)``, whose
 forward is that redirected step: the LightningModule's own parameters (those outside any
 ``nn.ModuleList``/``nn.Sequential`` block) stay gathered for the whole step, however the
-step reaches them (``self(x)``, ``self.head(h)``, ...). In the engine's checkpoints the
-parameter names carry the wrapper's ``module.`` prefix; the consolidated export strips it.
+step reaches them (``self(x)``, ``self.head(h)``, ...). The wrapper shares the
+LightningModule's parameter, buffer and submodule tables instead of holding it as a child, so
+every name the engine reports (``full_state_dict()``, checkpoints, exports) is a key of
+``LightningModule.state_dict()``.
 
 [Note: accumulation]
 The engine owns gradient accumulation (``gradient_accumulation_steps`` =
@@ -26,11 +28,10 @@ step on the epoch's last batch instead); the strategy warns when that happens.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,40 +40,33 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..config import ZeroConfig
-from ..core.checkpoint.validate import META_FILE
 from ..core.engine import ZeroEngine
 from ..core.pipeline import PipelineEngine
-from ._config import PRESETS, apply_loop_flags, base_config, clipping
-from ._engine_ops import inference_optimizer, move_real_tensors, save_consolidated
-from ._pipeline import LightningPipeline, pipeline_stages
+from ..core.training import TrainingEngine
+from ..frontends.engines import (
+    has_optimizer_state,
+    inference_optimizer,
+    move_real_tensors,
+    one_optimizer,
+    timing_sink,
+)
+from ..frontends.flags import apply_loop_flags, clipping
+from ..frontends.lightning_base import LightningZeroBase
+from ._pipeline import LightningPipeline, build_pipeline
 from ._summary import install_sharded_summary
 from .precision import ZeroPrecision
 
 __all__ = ["ZeroStrategy"]
-
-_ROOT_PREFIX = "module."
 
 
 class _LightningRoot(nn.Module):
@@ -80,22 +74,52 @@ class _LightningRoot(nn.Module):
 
     def __init__(self, module: pl.LightningModule) -> None:
         super().__init__()
-        self.module = module
+        object.__setattr__(self, "module", module)  # not a child: its tables are ours
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self._modules = module._modules
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-
-def _timing_sink(trainer: pl.Trainer) -> Callable[[dict[str, float], int], None]:
-    def log(report: dict[str, float], step: int) -> None:
-        metrics = {f"wall_clock/{k}": float(v) for k, v in report.items()}
-        for logger in trainer.loggers:  # rank-zero-only inside Lightning's loggers
-            logger.log_metrics(metrics, step=step)
-
-    return log
+    def train(self, mode: bool = True) -> _LightningRoot:
+        self.module.train(mode)  # not a child, so nn.Module.train would miss its own flag
+        self.training = mode
+        return self
 
 
-class ZeroStrategy(ParallelStrategy):
+class _EngineSteps:
+    """The Trainer's step hooks with a ZeRO engine: Lightning's own (the engine is the model,
+    the precision plugin routes backward and the optimizer step to it)."""
+
+    def __init__(self, strategy: ZeroStrategy, engine: ZeroEngine | None = None) -> None:
+        self.s = strategy
+        self.engine = engine
+
+    def attach(self) -> None:
+        self.s.model = self.engine  # Lightning's connect() resets the model at every run
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return ParallelStrategy.training_step(self.s, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return ParallelStrategy.validation_step(self.s, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return ParallelStrategy.test_step(self.s, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return ParallelStrategy.predict_step(self.s, *args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return ParallelStrategy.backward(self.s, closure_loss, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], *a: Any, **k: Any) -> Any:
+        return ParallelStrategy.optimizer_step(self.s, optimizer, closure, *a, **k)
+
+
+class ZeroStrategy(LightningZeroBase, DDPStrategy):
     """ZeRO stage 1, 2 or 3 sharded data parallelism for ``lightning.Trainer``.
 
     ``import ds_strategy`` registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
@@ -135,6 +159,10 @@ class ZeroStrategy(ParallelStrategy):
     """
 
     strategy_name = "zero"
+    not_set_up = (
+        "trainer.strategy.engine exists once the Trainer has set the strategy up (inside "
+        "fit/validate/test/predict, or after them) with a config without a pipeline section"
+    )
 
     def __init__(
         self,
@@ -151,53 +179,33 @@ class ZeroStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__(
+            stage,
+            config,
+            offload_optimizer,
+            offload_parameters,
+            param_init_fn,
+            process_group_backend,
+            timeout,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision_plugin=precision_plugin,
         )
-        self._base_config = base_config(config, stage, offload_optimizer, offload_parameters)
-        self._param_init_fn = param_init_fn
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._num_nodes = 1
-        self._engine: ZeroEngine | None = None
+        self._steps: _EngineSteps | LightningPipeline = _EngineSteps(self)
+        self._engine_module: pl.LightningModule | None = None  # the module it was built for
         self._engine_trains = False  # built with the LightningModule's optimizer (not for eval)
-        self._pipeline: LightningPipeline | None = None  # with a pipeline config section
-
-    # -- configuration --------------------------------------------------------------------------
-
-    @property
-    def stage(self) -> int:
-        return int(self._base_config.zero_optimization.stage)
-
-    @property
-    def config(self) -> ZeroConfig:
-        """The engine's resolved config after setup; before, the config with this strategy's
-        arguments applied (the Trainer's flags are written in at setup)."""
-        return self._engine.config if self._engine is not None else self._base_config
-
-    @property
-    def engine(self) -> ZeroEngine:
-        """The :class:`~ds_strategy.ZeroEngine` (available once the Trainer set the strategy up)."""
-        if self._engine is None:
-            raise RuntimeError(
-                "trainer.strategy.engine exists once the Trainer has set the strategy up "
-                "(inside fit/validate/test/predict, or after them)"
-            )
-        return self._engine
 
     @property
     def pipeline(self) -> PipelineEngine:
         """The :class:`~ds_strategy.core.pipeline.PipelineEngine` when the config has a
         ``pipeline`` section (see :mod:`ds_strategy.lightning._pipeline` for what the
         LightningModule provides then)."""
-        if self._pipeline is None:
+        if not isinstance(self._engine, PipelineEngine):
             raise RuntimeError(
                 "trainer.strategy.pipeline exists once the Trainer has set up a strategy whose "
                 "config has a pipeline section with stages > 1"
             )
-        return self._pipeline.engine
+        return self._engine
 
     @property
     def precision_plugin(self) -> Precision:
@@ -210,39 +218,12 @@ class ZeroStrategy(ParallelStrategy):
         # so keep only the flag.
         self._precision_plugin = None if plugin is None else ZeroPrecision.from_plugin(plugin)
 
-    # -- processes ------------------------------------------------------------------------------
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+    def _precision_plugin_or_default(self) -> Any:
+        return self.precision_plugin
 
     @property
     def is_distributed(self) -> bool:
         return True  # how a custom strategy asks the Trainer for a DistributedSampler
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        stages = pipeline_stages(self._base_config)
-        if stages > 1:  # shard by data-parallel rank: the Mesh's layout (rank = stage * D + dp)
-            dp_size = self.world_size // stages
-            return {"num_replicas": dp_size, "rank": self.global_rank % dp_size}
-        # the engine's data-parallel group is the world: every rank gets a distinct shard of data
-        if self._engine is not None:
-            return {"num_replicas": self._engine.world_size, "rank": self._engine.rank}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -256,88 +237,21 @@ class ZeroStrategy(ParallelStrategy):
     def handles_gradient_accumulation(self) -> bool:
         return True  # see [Note: accumulation]
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        if self._process_group_backend is None:
-            self._process_group_backend = _get_default_process_group_backend_for_device(
-                self.root_device
-            )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=self._timeout,
-            device_id=device_id,
-        )
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    def reduce(
-        self,
-        tensor: Tensor | Any,
-        group: Any | None = None,
-        reduce_op: ReduceOp | str | None = "mean",
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # -- model construction ---------------------------------------------------------------------
-
-    def _meta_init(self, empty_init: bool | None) -> bool:
-        return (self.stage == 3 and empty_init is not False) or bool(empty_init)
-
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Under stage 3 (or with ``empty_init=True``) modules are created on the meta device;
         the engine materialises them one ZeRO-3 unit at a time in :meth:`setup`."""
-        if not self._meta_init(empty_init):
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
-            yield
-
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        with torch.device("meta") if self.stage == 3 else nullcontext():
+        with (
+            torch.device("meta")
+            if self._meta_init(empty_init)
+            else super().tensor_init_context(empty_init)
+        ):
             yield
 
     # -- setup ----------------------------------------------------------------------------------
 
     def model_to_device(self) -> None:
-        """Move the LightningModule's real (non-meta) tensors to this rank's device. Once the
+        """Move the LightningModule's real (non-meta) tensors to this rank's device. Once an
         engine exists it owns placement: its flat buffers back the parameters."""
         if self._engine is None and self.lightning_module is not None:
             move_real_tensors(self.lightning_module, self.root_device)
@@ -348,47 +262,62 @@ class ZeroStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         pl_module = self.lightning_module
         assert pl_module is not None
-        if pipeline_stages(self._base_config) > 1:
-            self._setup_pipeline(trainer, fitting)
-            return
-        if self._owns(pl_module) and (self._engine_trains or not fitting):
-            self.model = self._engine  # fit then validate/test/predict: keep the trained engine
+        engine = self._engine
+        kept = engine is not None and self._engine_module is pl_module
+        if kept and (self._engine_trains or not fitting):  # fit, then validate: keep the trained
+            self._steps.attach()
+            if fitting:
+                self.optimizers = [engine.optimizer]  # type: ignore[union-attr]
             return
         self._drop_engine(pl_module)
-        if fitting:
-            optimizer, schedulers = self._lightning_optimizer(trainer)
-            engine = self._build_engine(trainer, optimizer, schedulers[:1])
-            # Lightning steps the schedulers itself (intervals, frequency, ReduceLROnPlateau
-            # monitors); the engine only re-pointed them at its rebuilt optimizer. A config
-            # scheduler section (and no Lightning scheduler) stays with the engine.
-            if schedulers:
-                engine.lr_scheduler = None
-            for scheduler in schedulers[1:]:
-                scheduler.optimizer = engine.optimizer
-            self.optimizers = [engine.optimizer]
+        optimizer, schedulers = self._lightning_optimizer(trainer) if fitting else (None, [])
+        if int(self._base_config.pipeline.stages or 1) > 1:
+            self._setup_pipeline(trainer, pl_module, optimizer, schedulers)
         else:
-            engine = self._build_engine(trainer, inference_optimizer, [])
-        self._engine, self._engine_trains = engine, fitting
-        self.model = engine
-        if engine.stage == 3:
-            install_sharded_summary(trainer, engine)
+            self._setup_engine(trainer, pl_module, optimizer, schedulers)
+        self._engine_module, self._engine_trains = pl_module, fitting
+        if fitting:
+            self.optimizers = [self._engine.optimizer]  # type: ignore[union-attr]
         self.barrier("ZeroStrategy.setup")
 
-    def _setup_pipeline(self, trainer: pl.Trainer, fitting: bool) -> None:
-        pl_module = self.lightning_module
-        current = self._pipeline
-        if current is not None and current.pl_module is pl_module:
-            if fitting:
-                self.optimizers = [current.engine.optimizer]
-            return  # fit then validate/test: keep the trained pipeline
+    def _setup_engine(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, scheds: list[Any]
+    ) -> None:
+        fitting = optimizer is not None
+        engine = self._build_engine(
+            _LightningRoot(pl_module),
+            optimizer if fitting else inference_optimizer,
+            trainer.accumulate_grad_batches if fitting else None,
+            clip_val=trainer.gradient_clip_val,
+            clip_algorithm=trainer.gradient_clip_algorithm,
+            lr_scheduler=scheds[0] if scheds else None,
+        )
+        # Lightning steps the schedulers itself (intervals, frequency, ReduceLROnPlateau
+        # monitors); the engine only re-pointed the first at its rebuilt optimizer. A config
+        # scheduler section (and no Lightning scheduler) stays with the engine.
+        if scheds:
+            engine.lr_scheduler = None
+        for scheduler in scheds[1:]:
+            scheduler.optimizer = engine.optimizer
+        if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
+            engine.timers.add_sink(timing_sink(lambda m, step: _log_metrics(trainer, m, step)))
+        self._engine = engine
+        self.precision_plugin.engine = engine  # type: ignore[attr-defined]
+        self._steps = _EngineSteps(self, engine)
+        self._steps.attach()
+        if engine.stage == 3:
+            install_sharded_summary(trainer, engine)
+
+    def _setup_pipeline(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, scheds: list[Any]
+    ) -> None:
         cfg = apply_loop_flags(
             self._base_config,
-            world_size=self.world_size // pipeline_stages(self._base_config),
-            precision=str(self.precision_plugin.precision),
+            world_size=self.world_size // int(self._base_config.pipeline.stages),
+            precision=self._flag(),
             accumulate=None,  # the micro-batches are the config's gradient_accumulation_steps
         )
-        self.model_to_device()
-        if fitting:
+        if optimizer is not None:
             if trainer.accumulate_grad_batches != 1:
                 raise ValueError(
                     f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with a "
@@ -397,58 +326,18 @@ class ZeroStrategy(ParallelStrategy):
                 )
             clip = clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             cfg = cfg.replace(gradient_clipping=clip)
-            optimizer, schedulers = self._lightning_optimizer(trainer)
-            self._pipeline = LightningPipeline.build(pl_module, cfg, optimizer, schedulers)
-            self.optimizers = [self._pipeline.engine.optimizer]
-        else:
-            self._pipeline = LightningPipeline.build(pl_module, cfg, inference_optimizer, [])
-        self.barrier("ZeroStrategy.setup")
-
-    # -- the loop's steps (a pipeline config replaces them, see _pipeline.py) -------------------
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline.training_step(args[0] if args else kwargs["batch"])
-        return super().training_step(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline.eval_step(args[0] if args else kwargs["batch"], "val")
-        return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            return self._pipeline.eval_step(args[0] if args else kwargs["batch"], "test")
-        return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            raise RuntimeError(
-                "predict is not available with a pipeline config: the pipeline returns losses, "
-                "not outputs; consolidate the weights (save_consolidated) and predict without it"
-            )
-        return super().predict_step(*args, **kwargs)
-
-    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is not None:
-            return closure_loss  # train_batch ran the backward of every micro-batch
-        return super().backward(closure_loss, *args, **kwargs)
-
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        if self._pipeline is not None:
-            return closure()  # the closure runs training_step, whose train_batch steps
-        return super().optimizer_step(optimizer, closure, *args, **kwargs)
-
-    def _owns(self, pl_module: pl.LightningModule) -> bool:
-        return self._engine is not None and self._engine.module.module is pl_module
+        self.model_to_device()
+        self._engine = engine = build_pipeline(
+            pl_module, cfg, optimizer if optimizer is not None else inference_optimizer, scheds
+        )
+        self._steps = LightningPipeline(engine, pl_module)
 
     def _drop_engine(self, pl_module: pl.LightningModule) -> None:
-        engine, self._engine = self._engine, None
-        if engine is None or engine.module.module is not pl_module:
+        engine, owner = self._engine, self._engine_module
+        self._engine, self._engine_module, self._steps = None, None, _EngineSteps(self)
+        if engine is None or owner is not pl_module:
             return  # another module's engine: that module stays as it is
-        if engine.stage == 3:
+        if engine.config.zero_optimization.stage == 3:
             raise RuntimeError(
                 "this LightningModule was set up by ZeroStrategy for evaluation and its ZeRO-3 "
                 "parameters are sharded, so it cannot be set up again for training; call "
@@ -459,52 +348,9 @@ class ZeroStrategy(ParallelStrategy):
     def _lightning_optimizer(self, trainer: pl.Trainer) -> tuple[Optimizer, list[Any]]:
         self.setup_optimizers(trainer)
         optimizers = self.optimizers
-        if len(optimizers) != 1 or isinstance(optimizers[0], _MockOptimizer):
-            raise ValueError(
-                f"ZeroStrategy needs exactly one optimizer from configure_optimizers, got "
-                f"{0 if optimizers and isinstance(optimizers[0], _MockOptimizer) else len(optimizers)}: "
-                "the engine shards one optimizer's state across the ranks and runs it at its own "
-                "accumulation boundaries. Put all parameters in one optimizer (param groups may "
-                "carry different hyper-parameters), or train the other models with their own "
-                "strategy"
-            )
+        mock = bool(optimizers) and isinstance(optimizers[0], _MockOptimizer)
+        one_optimizer(0 if mock else len(optimizers), "ZeroStrategy (configure_optimizers)")
         return optimizers[0], [config.scheduler for config in self.lr_scheduler_configs]
-
-    def _build_engine(
-        self, trainer: pl.Trainer, optimizer: Any, schedulers: list[Any]
-    ) -> ZeroEngine:
-        pl_module = self.lightning_module
-        assert pl_module is not None
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        precision = str(self.precision_plugin.precision)
-        cfg = apply_loop_flags(
-            self._base_config,
-            world_size=self.world_size,
-            precision=precision,
-            accumulate=trainer.accumulate_grad_batches if fitting else None,
-            clip_val=trainer.gradient_clip_val,
-            clip_algorithm=trainer.gradient_clip_algorithm,
-        )
-        self.model_to_device()
-        try:
-            engine = ZeroEngine(
-                _LightningRoot(pl_module),
-                optimizer,
-                cfg,
-                lr_scheduler=schedulers[0] if schedulers else None,
-                param_init_fn=self._param_init_fn,
-            )
-        except ValueError as err:
-            if cfg.fp16.enabled is True or cfg.bf16.enabled is True:
-                key = "fp16" if cfg.fp16.enabled is True else "bf16"
-                raise ValueError(
-                    f"Trainer(precision={precision!r}) sets {key}.enabled=true in the ZeRO "
-                    f"config, which the engine rejected: {err}"
-                ) from err
-            raise
-        if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
-            engine.timers.add_sink(_timing_sink(trainer))
-        return engine
 
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -519,29 +365,48 @@ class ZeroStrategy(ParallelStrategy):
                 "batch); use a batch count divisible by accumulate_grad_batches to match it"
             )
 
-    def teardown(self) -> None:
-        # The engine stays: the LightningModule's parameters live in its flat buffers (under
-        # stage 3 only this rank's shard exists), so validate/test/predict after fit reuse it.
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+    # -- the loop's steps: the engine's, or a pipeline's (see _pipeline.py) ----------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._steps.predict_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._steps.backward(closure_loss, *args, **kwargs)
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        return self._steps.optimizer_step(optimizer, closure, *args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------
+    # The engine writes the (sharded) weights and optimizer state itself in save_checkpoint and
+    # restores them in load_checkpoint: Lightning's own state-dict hooks have nothing to do.
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the engine writes the (sharded) weights itself in save_checkpoint
+        return {}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        return {}  # likewise the sharded optimizer state
+        return {}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # load_checkpoint already restored the weights into the engine
+        pass
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # and the optimizer state
+        pass
+
+    def _active(self) -> TrainingEngine:
+        if self._engine is None:
+            raise RuntimeError(self.not_set_up)
+        return self._engine
 
     def save_checkpoint(
         self,
@@ -557,22 +422,14 @@ class ZeroStrategy(ParallelStrategy):
                 "ZeroStrategy does not use a CheckpointIO plugin, so storage_options cannot "
                 "be passed to save_checkpoint"
             )
-        path = Path(self.broadcast(str(filepath)))  # rank 0's name everywhere
+        path = self._checkpoint_path(filepath)  # rank 0's name everywhere
         client_state = {
             k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
         }
         # Lightning leaves optimizer_states out of a weights-only checkpoint
         # (trainer.save_checkpoint(weights_only=True), ModelCheckpoint(save_weights_only=True))
         include_optimizer = "optimizer_states" in checkpoint
-        if self._pipeline is not None:
-            if not include_optimizer:
-                raise ValueError(
-                    "weights-only checkpoints are not available with a pipeline config; save a "
-                    "full checkpoint or export the weights with save_consolidated"
-                )
-            self._pipeline.engine.save_checkpoint(path, client_state=client_state)
-            return
-        self.engine.save_checkpoint(
+        self._active().save_checkpoint(
             path, client_state=client_state, include_optimizer=include_optimizer
         )
 
@@ -588,28 +445,23 @@ class ZeroStrategy(ParallelStrategy):
         ``trust_checkpoint=True`` (hyper-parameters holding custom objects need it).
         """
         trusted = weights_only is False
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if self._engine is not None:
-            self._engine.wait_for_checkpoint()  # an asynchronous save may still be renaming
+        path = self._checkpoint_path(checkpoint_path)
         if not path.is_dir():
             raise ValueError(
                 f"{path}: ZeroStrategy resumes from checkpoint directories written under "
                 "ZeroStrategy. To start from a single-file state dict, load it into the "
                 "LightningModule before fit (model.load_state_dict(torch.load(path)['state_dict']))"
             )
-        if self._pipeline is not None:
-            saved = self._pipeline.engine.load_checkpoint(path, trust_checkpoint=trusted)
-            return _lightning_state(path, saved)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if fitting and not _has_optimizer_state(path):
+        if fitting and not has_optimizer_state(path):
             raise ValueError(
                 f"{path}: this checkpoint holds weights only (saved with weights_only=True or "
                 "ModelCheckpoint(save_weights_only=True)), so fit cannot resume from it. Pass it "
                 "to validate/test/predict, or resume fit from a full checkpoint"
             )
         # evaluation needs the weights only: its engine's optimizer is a stand-in
-        client_state = self.engine.load_checkpoint(
+        client_state = self._active().load_checkpoint(
             path, load_optimizer=fitting, trust_checkpoint=trusted
         )
         return _lightning_state(path, client_state)
@@ -632,25 +484,12 @@ class ZeroStrategy(ParallelStrategy):
             trainer.fit(model)
             trainer.strategy.save_consolidated("model.safetensors")
         """
-        if self._pipeline is not None:
-            return self._pipeline.save_consolidated(Path(path))
-        return save_consolidated(self.engine, path, prefix=_ROOT_PREFIX)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, kwargs in PRESETS.items():
-            desc = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-            strategy_registry.register(
-                name, cls, description=f"ds_strategy ZeRO ({desc})", override=True, **kwargs
-            )
+        return self._active().save_weights(path)
 
 
-def _has_optimizer_state(path: Path) -> bool:
-    meta = path / META_FILE
-    try:
-        return bool(json.loads(meta.read_text()).get("optimizer", True))
-    except (OSError, ValueError):
-        return True  # unreadable metadata: let the engine's load name the problem
+def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    for logger in trainer.loggers:  # rank-zero-only inside Lightning's loggers
+        logger.log_metrics(metrics, step=step)
 
 
 def _lightning_state(path: Path, client_state: Any) -> dict[str, Any]:

@@ -78,9 +78,11 @@ class Regressor(L.LightningModule):
         return self(batch[0])
 
     def on_train_batch_end(self, *args: Any) -> None:
-        engine = getattr(self.trainer.strategy, "_engine", None)
-        if engine is not None and engine.get_global_grad_norm() is not None:
-            self.norms.append(engine.get_global_grad_norm())
+        if not hasattr(self.trainer.strategy, "engine"):
+            return  # DDP, the reference
+        norm = self.trainer.strategy.engine.get_global_grad_norm()
+        if norm is not None:
+            self.norms.append(norm)
 
     def configure_optimizers(self) -> Any:
         groups: list[dict[str, Any]] = [
@@ -96,10 +98,11 @@ class Regressor(L.LightningModule):
 
 def full_weights(trainer: L.Trainer, model: L.LightningModule) -> dict[str, torch.Tensor]:
     """Consolidated weights keyed like ``model.state_dict()`` (collective under ZeRO-3)."""
-    engine = getattr(trainer.strategy, "_engine", None)
-    if engine is None:
+    if not hasattr(trainer.strategy, "engine"):  # DDP, the reference
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {k.removeprefix("module."): v for k, v in engine.full_state_dict().items()}
+    state = trainer.strategy.engine.full_state_dict()
+    assert list(state) == list(model.state_dict()), "the engine's names are not the module's"
+    return state
 
 
 def local_numel(model: torch.nn.Module) -> int:

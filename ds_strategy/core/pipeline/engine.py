@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ...config import ZeroConfig, load_config
+from ..checkpoint.weights_file import write_weights
 from ..collectives import Comm, init_process_group_from_env
 from ..engine import ZeroEngine
 from ..faults import together
@@ -316,30 +317,64 @@ class PipelineEngine:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights of the whole model on every rank, keyed like the
-        original ``nn.Sequential``'s ``state_dict()``. Collective."""
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights of the whole model, keyed like the original
+        ``nn.Sequential``'s ``state_dict()``, on every rank (``rank0_only``: on global rank 0
+        alone, the others get ``{}``). Collective."""
         mine = self.engine.full_state_dict()
+        if rank0_only and self.data_parallel_rank != 0:
+            return {}  # global rank 0's pipeline gathers; the other replicas hold the same
         parts: list[Any] = [None] * self.num_stages
         dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
+        if rank0_only and dist.get_rank() != 0:
+            return {}
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
             merged.update(part)
-        return dict(
-            sorted(merged.items(), key=_key_order)
-        )  # stable: layer order, then each layer's
+        return dict(sorted(merged.items(), key=_key_order))  # layer order, then each layer's
 
-    def save_checkpoint(self, path: str | os.PathLike, client_state: Any = None) -> Path:
-        """Every stage writes its ZeRO checkpoint to ``path/stage_<k>``. Collective. Loads
-        into a pipeline with the same stages and partition."""
+    def save_weights(self, path: str | os.PathLike) -> Path:
+        """The whole model's consolidated fp32 weights to one file (``.safetensors`` by
+        suffix, else ``torch.save``), written by global rank 0. Collective."""
+        state = self.full_state_dict(rank0_only=True)
+        path = Path(path)
+        if dist.get_rank() == 0:
+            write_weights(state, path)
+        dist.barrier()
+        return path
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        tag: str | None = None,
+        client_state: Any = None,
+        *,
+        include_optimizer: bool = True,
+    ) -> Path:
+        """Every stage writes its ZeRO checkpoint to ``path/stage_<k>`` (``path/stage_<k>/tag``
+        with a tag). Collective. Loads into a pipeline with the same stages and partition."""
+        if not include_optimizer:
+            raise ValueError(
+                "weights-only checkpoints are not available with a pipeline config; save a "
+                "full checkpoint, or the consolidated weights with save_weights(path)"
+            )
         root = Path(path)
         with together(self._pp):  # agreed within the stage by the engine, across stages here
-            self.engine.save_checkpoint(root / f"stage_{self.stage_id}", client_state=client_state)
+            self.engine.save_checkpoint(
+                root / f"stage_{self.stage_id}", tag=tag, client_state=client_state
+            )
         return root
 
-    def load_checkpoint(self, path: str | os.PathLike, *, trust_checkpoint: bool = False) -> Any:
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        tag: str | None = None,
+        *,
+        load_optimizer: bool = True,
+        trust_checkpoint: bool = False,
+    ) -> Any:
         """Restore what :meth:`save_checkpoint` wrote; returns the ``client_state`` (see
-        ``ZeroEngine.load_checkpoint`` for ``trust_checkpoint``)."""
+        ``ZeroEngine.load_checkpoint`` for the keywords)."""
         stage_dir = Path(path) / f"stage_{self.stage_id}"
         with together(self._pp):  # agreed within the stage by the engine, across stages here
             if not stage_dir.is_dir():
@@ -347,8 +382,12 @@ class PipelineEngine:
                     f"{stage_dir}: no checkpoint for pipeline stage {self.stage_id}; was it "
                     f"saved with pipeline.stages={self.num_stages}?"
                 )
-            state = self.engine.load_checkpoint(stage_dir, trust_checkpoint=trust_checkpoint)
-        return state
+            return self.engine.load_checkpoint(
+                stage_dir,
+                tag,
+                load_optimizer=load_optimizer,
+                trust_checkpoint=trust_checkpoint,
+            )
 
     def wait_for_checkpoint(self) -> None:
         """Block until this stage's asynchronous save (``checkpoint.async_save``) is written;

@@ -1,12 +1,13 @@
-"""How the Lightning front ends (Trainer and Fabric) turn their own settings into a ZeRO config.
+"""How a front end's own settings become a ZeRO config (Trainer, Fabric and Accelerate alike).
 
-Two layers of settings meet here: the strategy's constructor arguments (``stage``,
+Two layers of settings meet here: a front end's constructor arguments (``stage``,
 ``offload_optimizer``, ...), which override the matching keys of the user's config, and the
-loop's flags (``Trainer(precision=..., accumulate_grad_batches=..., gradient_clip_val=...)``),
-which must *agree* with the config: when both say something different, the user gets an
-error that names both values and the one to change, never a silent choice.
+loop's flags (``Trainer(precision=..., accumulate_grad_batches=..., gradient_clip_val=...)``,
+Accelerate's ``mixed_precision``), which must *agree* with the config: when both say
+something different, the user gets an error that names both values and the one to change,
+never a silent choice.
 
-Pure functions of config objects and numbers: no process group, no Lightning import, so the
+Pure functions of config objects and numbers: no process group, no framework import, so the
 whole mapping is testable in one process.
 """
 
@@ -15,9 +16,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..config import AUTO, ZeroConfig, load_config
+from ..config import AUTO, ConfigError, ZeroConfig, load_config
 
-__all__ = ["PRESETS", "PRECISION_KEYS", "apply_loop_flags", "base_config", "precision_key"]
+__all__ = [
+    "PRECISION_KEYS",
+    "PRESETS",
+    "apply_loop_flags",
+    "apply_mixed_precision",
+    "apply_precision",
+    "base_config",
+    "check_precision",
+    "clipping",
+]
 
 ConfigSource = ZeroConfig | dict[str, Any] | str | os.PathLike | None
 
@@ -75,11 +85,11 @@ def base_config(
     return cfg.replace(**changes) if changes else cfg
 
 
-def precision_key(precision: str, front: str) -> str | None:
-    """The config section (``"bf16"`` / ``"fp16"``) a precision flag enables, or None for fp32.
+def check_precision(precision: str, front: str) -> str:
+    """``precision`` if the engine has a mapping for it, else an error naming the valid flags.
 
-    >>> precision_key("bf16-mixed", "Trainer")
-    'bf16'
+    >>> check_precision("bf16-mixed", "Trainer")
+    'bf16-mixed'
     """
     if precision not in PRECISION_KEYS:
         supported = ", ".join(repr(p) for p in PRECISION_KEYS if "-" in p)
@@ -87,8 +97,45 @@ def precision_key(precision: str, front: str) -> str | None:
             f"{front}(precision={precision!r}) is not supported by the ZeRO strategy, which owns "
             f"precision through its config; use one of {supported}"
         )
-    keys = PRECISION_KEYS[precision]
-    return next(iter(keys)).split(".")[0] if keys else None
+    return precision
+
+
+def apply_precision(cfg: ZeroConfig, precision: str, said: str) -> ZeroConfig:
+    """``cfg`` with the sections a precision flag (a key of :data:`PRECISION_KEYS`) enables;
+    a section left ``"auto"`` takes the flag's choice. A flag for fp32 keeps a section the
+    config enables itself; a flag enabling the *other* half-precision format is an error
+    (``said`` names the flag in it)."""
+    changes = dict(PRECISION_KEYS[precision])
+    key = next(iter(changes)).split(".")[0] if changes else None
+    for section in ("fp16", "bf16"):
+        enabled = getattr(cfg, section).enabled
+        if key is not None and section != key and enabled is True:
+            raise ConfigError(
+                f"{section}.enabled is true in the ZeRO config but {said} enables {key}; make "
+                f"them agree: set {section}.enabled to false or choose a matching precision",
+                key=f"{section}.enabled",
+            )
+        if enabled == AUTO:
+            changes.setdefault(f"{section}.enabled", section == key)
+    return cfg.replace(**changes) if changes else cfg
+
+
+_MIXED_PRECISION = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def apply_mixed_precision(cfg: ZeroConfig, mixed_precision: str) -> ZeroConfig:
+    """Accelerate's ``mixed_precision`` ("no"/"fp16"/"bf16") applied as :func:`apply_precision`.
+
+    >>> apply_mixed_precision(load_config({"bf16": {"enabled": "auto"}}), "bf16").bf16.enabled
+    True
+    """
+    mp = str(mixed_precision)
+    if mp not in _MIXED_PRECISION:
+        raise ValueError(
+            f"mixed_precision={mp!r} is not supported by ds_strategy; use one of "
+            f"{', '.join(repr(p) for p in _MIXED_PRECISION)}"
+        )
+    return apply_precision(cfg, _MIXED_PRECISION[mp], f"Accelerate's mixed_precision {mp!r}")
 
 
 def _accumulation(cfg: ZeroConfig, accumulate: int, world_size: int, front: str) -> int:
@@ -143,19 +190,6 @@ def clipping(
     return wanted if wanted > 0 else float(given)
 
 
-def _precision(cfg: ZeroConfig, precision: str, front: str) -> dict[str, Any]:
-    key = precision_key(precision, front)
-    if key is None:
-        return {}  # fp32 flag: a config that enables fp16/bf16 itself is left to the engine
-    other = "fp16" if key == "bf16" else "bf16"
-    if getattr(cfg, other).enabled is True:
-        raise ValueError(
-            f"{front}(precision={precision!r}) enables {key} but the ZeRO config sets "
-            f"{other}.enabled=true; set {other}.enabled to false or choose a matching precision"
-        )
-    return dict(PRECISION_KEYS[precision])
-
-
 def apply_loop_flags(
     cfg: ZeroConfig,
     *,
@@ -179,5 +213,7 @@ def apply_loop_flags(
     if accumulate is not None:
         changes["gradient_accumulation_steps"] = _accumulation(cfg, accumulate, world_size, front)
         changes["gradient_clipping"] = clipping(cfg, clip_val, clip_algorithm, front)
-    changes.update(_precision(cfg, precision, front))
-    return cfg.replace(**changes) if changes else cfg
+    cfg = cfg.replace(**changes) if changes else cfg
+    return apply_precision(
+        cfg, check_precision(precision, front), f"{front}(precision={precision!r})"
+    )

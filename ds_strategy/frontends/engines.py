@@ -1,0 +1,116 @@
+"""What every front end does alike around an engine: build it from a config and the loop's
+flags, clip at the right step, log its timings, check a checkpoint path.
+
+Nothing here knows how the engine shards: these are loop-level helpers written against the
+engine's public surface (``step``, ``config``, ``full_state_dict``, ``rank``, ``comm``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.checkpoint.validate import META_FILE
+from ..core.engine import ZeroEngine
+
+__all__ = [
+    "build_engine",
+    "has_optimizer_state",
+    "inference_optimizer",
+    "move_real_tensors",
+    "one_optimizer",
+    "PendingClip",
+    "timing_sink",
+]
+
+
+def build_engine(
+    model: nn.Module, optimizer: Any, cfg: Any, said: str, **kwargs: Any
+) -> ZeroEngine:
+    """``ZeroEngine(model, optimizer, cfg, **kwargs)``; when the engine rejects a config whose
+    fp16/bf16 section the loop's precision flag enabled, the error names that flag (``said``,
+    e.g. ``"Trainer(precision='16-mixed')"``), which is what the user has to change."""
+    try:
+        return ZeroEngine(model, optimizer, cfg, **kwargs)
+    except ValueError as err:
+        for key in ("fp16", "bf16"):
+            if getattr(cfg, key).enabled is True:
+                raise ValueError(
+                    f"{said} sets {key}.enabled=true in the ZeRO config, which the engine "
+                    f"rejected: {err}"
+                ) from err
+        raise
+
+
+def one_optimizer(count: int, front: str) -> None:
+    """The engine shards one optimizer's state: anything else is an error saying what to do."""
+    if count != 1:
+        raise ValueError(
+            f"{front} needs exactly one optimizer, got {count}: the engine shards one "
+            "optimizer's state across the ranks and runs it at its own accumulation boundaries. "
+            "Put all parameters in one optimizer (param groups may carry different "
+            "hyper-parameters), or train the other models with their own strategy"
+        )
+
+
+def timing_sink(
+    log: Callable[[dict[str, float], int], None],
+) -> Callable[[dict[str, float], int], None]:
+    """A ``wall_clock_breakdown`` sink that hands ``log`` the report as ``wall_clock/<phase>``
+    metrics (Lightning's loggers, Accelerate's trackers)."""
+
+    def sink(report: dict[str, float], step: int) -> None:
+        log({f"wall_clock/{k}": float(v) for k, v in report.items()}, step)
+
+    return sink
+
+
+def inference_optimizer(params: Any) -> torch.optim.Optimizer:
+    """Engines built only to evaluate still need an optimizer; plain SGD at lr 0 keeps no state."""
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def move_real_tensors(module: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer that is not on the meta device to ``device`` (the engine
+    materialises the meta ones on the device of the real ones, so both must agree)."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def has_optimizer_state(path: Path) -> bool:
+    """False for a weights-only checkpoint directory (``include_optimizer=False``)."""
+    try:
+        return bool(json.loads((path / META_FILE).read_text()).get("optimizer", True))
+    except (OSError, ValueError):
+        return True  # unreadable metadata: let the engine's load name the problem
+
+
+class PendingClip:
+    """A clip-by-norm request waiting for the engine's next optimizer step: the global norm of
+    sharded gradients exists only at an accumulation boundary (Lightning's clipping hook,
+    ``fabric.clip_gradients`` between boundaries)."""
+
+    def __init__(self) -> None:
+        self.max_norm: float | None = None
+
+    def clip(self, engine: ZeroEngine, max_norm: float) -> float | None:
+        """At a boundary clip now and return the norm before clipping; else wait for the step."""
+        if not engine.is_gradient_accumulation_boundary():
+            self.max_norm = float(max_norm)
+            return None
+        return engine.clip_grad_norm_(float(max_norm))
+
+    def step(self, engine: ZeroEngine) -> bool:
+        """``engine.step()``, clipping first as requested when it runs the optimizer (a request
+        equal to the config's ``gradient_clipping`` is left to the engine's own clip).
+        Returns whether the optimizer ran."""
+        max_norm, self.max_norm = self.max_norm, None
+        stepping = engine.is_gradient_accumulation_boundary()
+        if stepping and max_norm is not None and float(engine.config.gradient_clipping) != max_norm:
+            engine.clip_grad_norm_(max_norm)
+        engine.step()
+        return stepping

@@ -1,0 +1,166 @@
+"""What Lightning's two front ends share: the Trainer's and Fabric's ``ZeroStrategy`` (the
+config from constructor arguments and the loop's flags, the engine, meta-device construction,
+registration) and their precision plugins (the flag only: the engine owns precision). The
+processes are set up by the framework's ``DDPStrategy``, which both strategies extend, as
+Lightning's own DeepSpeed strategy does; nothing of it wraps the model.
+
+Only ``ds_strategy.lightning`` and ``ds_strategy.fabric`` import this module; it needs
+``lightning.fabric``, which both of them run on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig
+from ..core.engine import ZeroEngine
+from ..core.training import TrainingEngine
+from .engines import build_engine, move_real_tensors
+from .flags import PRESETS, apply_loop_flags, base_config, check_precision
+
+__all__ = ["FlagPrecision", "LightningZeroBase"]
+
+# Lightning's stock plugins that its connectors build from the precision flag; any of them is
+# replaced by the strategy's own plugin carrying the same flag (which rejects the flags the
+# engine has no mapping for, such as 64-true).
+_STOCK = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision")
+
+
+class FlagPrecision:
+    """A precision plugin that only carries the loop's precision flag to the strategy, which
+    writes it into the engine's config; it never autocasts nor converts the module."""
+
+    front = "Trainer"
+
+    def __init__(self, precision: str = "32-true") -> None:
+        self.precision = check_precision(precision, self.front)
+
+    @classmethod
+    def from_plugin(cls, plugin: Any) -> Any:
+        """The equivalent of the plugin the framework built from its ``precision`` flag."""
+        if isinstance(plugin, cls):
+            return plugin
+        if type(plugin).__name__ in _STOCK and type(plugin).__module__.startswith("lightning."):
+            return cls(str(plugin.precision))
+        raise ValueError(
+            f"the ZeRO strategy owns precision, so the precision plugin {type(plugin).__name__} "
+            f"cannot be combined with it; remove it and pass {cls.front}(precision=...) instead"
+        )
+
+
+class LightningZeroBase:
+    """The part of ``ZeroStrategy`` that the Trainer and Fabric share; mixed in before their
+    ``DDPStrategy``. Where the two frameworks name the same hook differently, both names are
+    defined here."""
+
+    front = "Trainer"  # how error messages name the loop object
+    not_set_up = "the ZeRO engine exists once the strategy has set the model up"
+
+    def __init__(
+        self,
+        stage: int | None,
+        config: ZeroConfig | dict[str, Any] | str | Path | None,
+        offload_optimizer: bool,
+        offload_parameters: bool,
+        param_init_fn: Callable[[nn.Module], None] | None,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+        **framework: Any,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **framework)
+        self._base_config = base_config(config, stage, offload_optimizer, offload_parameters)
+        self._param_init_fn = param_init_fn
+        self._engine: TrainingEngine | None = None  # a ZeroEngine, or a pipeline's
+
+    # -- configuration --------------------------------------------------------------------------
+
+    @property
+    def stage(self) -> int:
+        return int(self._base_config.zero_optimization.stage)
+
+    @property
+    def config(self) -> ZeroConfig:
+        """The engine's resolved config once set up; before, the config with this strategy's
+        arguments applied (the loop's flags are written in at setup)."""
+        return self._engine.config if self._engine is not None else self._base_config
+
+    @property
+    def engine(self) -> ZeroEngine:
+        """The :class:`~ds_strategy.ZeroEngine` the strategy set up."""
+        if not isinstance(self._engine, ZeroEngine):
+            raise RuntimeError(self.not_set_up)
+        return self._engine
+
+    def _checkpoint_path(self, path: str | os.PathLike) -> Path:
+        """Rank 0's path on every rank, once an asynchronous save has finished renaming."""
+        if self._engine is not None:
+            self._engine.wait_for_checkpoint()
+        return Path(self.broadcast(str(path)))
+
+    def _flag(self) -> str:
+        return str(self._precision_plugin_or_default().precision)
+
+    def _precision_plugin_or_default(self) -> Any:
+        raise NotImplementedError  # each front end names its precision attribute
+
+    def _build_engine(
+        self, module: nn.Module, optimizer: Any, accumulate: int | None, **kwargs: Any
+    ) -> ZeroEngine:
+        """The engine of ``module`` with the loop's flags written into the config."""
+        flag = self._flag()
+        clip = {k: kwargs.pop(k) for k in ("clip_val", "clip_algorithm") if k in kwargs}
+        cfg = apply_loop_flags(
+            self._base_config,
+            world_size=self.world_size,
+            precision=flag,
+            accumulate=accumulate,
+            front=self.front,
+            **clip,
+        )
+        move_real_tensors(module, self.root_device)
+        said = f"{self.front}(precision={flag!r})"
+        return build_engine(
+            module, optimizer, cfg, said, param_init_fn=self._param_init_fn, **kwargs
+        )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # with a pipeline, shard by data-parallel rank: the Mesh's layout (rank = stage * D + dp)
+        dp_size = self.num_nodes * self.num_processes // int(self._base_config.pipeline.stages or 1)
+        return {"num_replicas": dp_size, "rank": self.global_rank % dp_size}
+
+    # -- model construction ---------------------------------------------------------------------
+
+    def _meta_init(self, empty_init: bool | None) -> bool:
+        """Under stage 3 (or with ``empty_init=True``) modules are created on the meta device;
+        the engine materialises them one ZeRO-3 unit at a time."""
+        return (self.stage == 3 and empty_init is not False) or bool(empty_init)
+
+    def module_sharded_context(self) -> AbstractContextManager:
+        return torch.device("meta") if self.stage == 3 else nullcontext()
+
+    model_sharded_context = module_sharded_context  # the Trainer's name
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self._precision_plugin_or_default().teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, kwargs in PRESETS.items():
+            desc = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+            strategy_registry.register(
+                name, cls, description=f"ds_strategy ZeRO ({desc})", override=True, **kwargs
+            )
