@@ -19,8 +19,7 @@ from torch import nn
 
 from ..config._auto import fill_auto
 from ..core import ZeroEngine
-from ..core.optimizers import track_optimizer_step
-from ..frontends.engines import timing_sink
+from ..frontends.engines import move_schedulers, timing_sink
 from ._driver import EngineDriver, ZeroOptimizerWrapper
 from ._front import Front, is_optimizer, prepared, torch_optimizer
 
@@ -121,23 +120,14 @@ class EngineFront(Front):
             raise ValueError(
                 "prepare the model and optimizer before (or together with) the lr scheduler"
             )
-        section = self.driver.engine.config.scheduler
-        if section is not None:
-            raise ValueError(
-                f"the ZeRO config's scheduler section ({section.type}) already schedules the "
-                "learning rate (the engine steps it); remove the section or do not prepare "
-                "another lr scheduler"
-            )
         bound = getattr(scheduler, "optimizer", None)
         user_opt = self.user_optimizer() if self.user_optimizer is not None else None
-        if bound is user_opt and bound is not None:
-            scheduler.optimizer = wrapper.optimizer
-            track_optimizer_step(wrapper.optimizer)
-        elif bound is not wrapper and bound is not wrapper.optimizer:
+        if bound is None or all(bound is not o for o in (user_opt, wrapper, wrapper.optimizer)):
             raise ValueError(
                 "the lr scheduler is built on an optimizer this ZeroAccelerator did not prepare; "
                 "build it on the optimizer passed to (or returned by) prepare()"
             )
+        move_schedulers(self.driver.engine, [scheduler])
         acc = self.acc
         out = AcceleratedScheduler(
             scheduler,

@@ -1,19 +1,15 @@
-"""A :class:`ZeroAccelerator` whose ZeRO config has a ``pipeline`` section (``stages > 1``).
-
-The model becomes a :class:`~ds_strategy.core.pipeline.PipelineEngine` and the loop calls
-``loss = model.train_batch(inputs, targets)`` per batch, as with DeepSpeed's pipeline engine:
-one call runs the whole schedule over ``gradient_accumulation_steps`` micro-batches of
-``train_micro_batch_size_per_gpu`` samples, reduces, clips (the config's
-``gradient_clipping``, by the global norm across stages) and steps the optimizer and the lr
-scheduler.
+"""A :class:`ZeroAccelerator` whose config has a ``pipeline`` section (``stages > 1``): the
+model becomes a :class:`~ds_strategy.core.pipeline.PipelineEngine` and the loop calls
+``loss = model.train_batch(inputs, targets)``, as with DeepSpeed's pipeline engine (one call
+runs the schedule over ``gradient_accumulation_steps`` micro-batches, clips by the global
+norm across stages and steps the optimizer and the lr scheduler).
 
 [Note: data-parallel sharding]
-Every stage of one pipeline must read the same samples (the first stage their inputs, the
-last their targets), so dataloaders are sharded over the data-parallel ranks, not over all
-processes: ``dp_size = num_processes // stages`` and ``dp_rank = process_index % dp_size``,
-the layout of :class:`~ds_strategy.core.pipeline.Mesh` (known from the config before any
-model is built). One loader batch is this data-parallel rank's share of a step:
-``gradient_accumulation_steps x train_micro_batch_size_per_gpu`` samples.
+Every stage of one pipeline reads the same samples (the first stage their inputs, the last
+their targets), so loaders are sharded over the data-parallel ranks: ``dp_size =
+num_processes // stages``, ``dp_rank = process_index % dp_size`` (the layout of
+:class:`~ds_strategy.core.pipeline.Mesh`). One loader batch is this data-parallel rank's
+share of a step: ``gradient_accumulation_steps x train_micro_batch_size_per_gpu`` samples.
 """
 
 from __future__ import annotations
@@ -68,20 +64,26 @@ _REFUSED = {
 
 
 class PipelineModel(nn.Module):
-    """What ``accelerator.prepare`` returns for the model under a pipeline config.
-
-    ``train_batch(inputs, targets)`` / ``eval_batch(inputs, targets)`` run the schedule on
-    this data-parallel rank's batch and return the global batch's mean loss on every rank
-    (collective: call them on every process, with the batch its loader yielded). ``module``
-    holds this rank's stage: its layers, under their index in the full ``nn.Sequential``;
-    ``engine`` is the :class:`~ds_strategy.core.pipeline.PipelineEngine`.
-    """
+    """What ``prepare`` returns for the model: ``train_batch(inputs, targets)`` /
+    ``eval_batch(inputs, targets)`` run the schedule on this data-parallel rank's batch and
+    return the global batch's mean loss on every rank (collective). ``module`` is this rank's
+    stage (its layers under their index in the whole ``nn.Sequential``); ``engine`` the
+    pipeline, whose attributes (``stage_id``, ``num_stages``, ``global_steps``, ...) this
+    model answers too."""
 
     def __init__(self, engine: PipelineEngine) -> None:
         super().__init__()
         self.module = engine.module
         self.engine = engine
         self.step_was_skipped = False
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "engine":  # not set yet (construction, unpickling)
+                raise
+            return getattr(self.engine, name)
 
     def train_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         self.module.train()
@@ -99,26 +101,6 @@ class PipelineModel(nn.Module):
             "a pipeline model is not called directly: each rank holds one stage; write "
             f"`{_LOOP}` (or model.eval_batch(inputs, targets) for the loss without training)"
         )
-
-    @property
-    def stage_id(self) -> int:
-        return self.engine.stage_id
-
-    @property
-    def num_stages(self) -> int:
-        return self.engine.num_stages
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.engine.data_parallel_rank
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.engine.data_parallel_size
-
-    @property
-    def global_steps(self) -> int:
-        return self.engine.global_steps
 
 
 class PipelineOptimizer(AcceleratedOptimizer):
@@ -146,10 +128,8 @@ class PipelineOptimizer(AcceleratedOptimizer):
 
 
 class PipelineFront(Front):
-    """A :class:`ZeroAccelerator` whose config has ``pipeline.stages > 1``: the data-parallel
-    layout (known from the config before any model is built), the loaders' batch sizes and,
-    once prepared, the pipeline. Checks at construction what would otherwise fail after the
-    model is built."""
+    """The accelerator's pipeline side: the data-parallel layout, the loaders' batch sizes,
+    the pipeline once prepared. Checks at construction what would fail after the build."""
 
     trained: PipelineEngine | None = None
 

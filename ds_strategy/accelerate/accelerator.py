@@ -1,9 +1,7 @@
 """``ZeroAccelerator``: ``accelerate.Accelerator`` with ZeRO sharding from ds_strategy's engine.
 
-Accelerate has no registry for third-party engines, so this is a subclass that overrides the
-methods where a DDP-wrapped model and a sharded engine differ (``prepare``, ``backward``,
-``clip_grad_norm_``, state dicts and checkpoints) and leaves the rest (dataloaders, ``gather``,
-``accumulate``, trackers, ``print`` ...) to Accelerate.
+Accelerate has no registry for third-party engines, so this subclass overrides the methods
+where a DDP-wrapped model and a sharded engine differ and leaves the rest to Accelerate.
 """
 
 from __future__ import annotations
@@ -55,45 +53,25 @@ def _no_accelerator_device() -> bool:
 
 class ZeroAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` whose ``prepare`` wraps the model and optimizer in a
-    ZeRO-sharded :class:`~ds_strategy.ZeroEngine` (stage 0-3) instead of DDP.
-
-    A loop written for ``Accelerator`` runs unchanged: ``prepare``, ``backward``,
-    ``accumulate``, ``clip_grad_norm_`` (returns the global norm; clips like torch),
-    ``optimizer.step_was_skipped``, schedulers (stepped like Accelerate steps them),
-    ``unwrap_model``, ``get_state_dict`` / ``save_model`` (consolidated weights) and
-    ``save_state`` / ``load_state`` (sharded: every rank writes its own shard).
+    ZeRO-sharded :class:`~ds_strategy.ZeroEngine` (stage 0-3) instead of DDP. A loop written
+    for ``Accelerator`` runs unchanged (``backward``, ``accumulate``, ``clip_grad_norm_``,
+    schedulers, ``optimizer.step_was_skipped``, ``get_state_dict`` / ``save_model`` with
+    consolidated weights, ``save_state`` / ``load_state`` with sharded checkpoints).
 
     Args:
-        zero_plugin: the ZeRO config (see :class:`ZeroPlugin`). ``None`` reads the file named
-            by ``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_*`` overrides.
-        **kwargs: ``accelerate.Accelerator``'s arguments. ``mixed_precision`` maps onto the
-            config's ``fp16``/``bf16`` sections; DeepSpeed/FSDP/Megatron plugins, parallelism
-            configs and ``dynamo_backend`` are refused with an error.
+        zero_plugin: the ZeRO config (:class:`ZeroPlugin`); ``None`` reads the file named by
+            ``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_*`` overrides.
+        **kwargs: ``accelerate.Accelerator``'s. ``mixed_precision`` maps onto the config's
+            ``fp16``/``bf16``; DeepSpeed/FSDP/Megatron plugins, parallelism configs and
+            ``dynamo_backend`` are refused.
 
-    Started by ``accelerate launch`` with a standard accelerate config file::
+    Swap the class in a plain Accelerate loop and start it with a standard accelerate config::
 
         DS_STRATEGY_CONFIG=configs/zero3.yaml \\
             accelerate launch --config_file configs/accelerate/cpu_2proc.yaml train.py
 
-    where ``train.py`` is a plain Accelerate loop with the class swapped::
-
-        from ds_strategy.accelerate import ZeroAccelerator
-
-        accelerator = ZeroAccelerator(gradient_accumulation_steps=2)
-        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        for x, y in loader:
-            with accelerator.accumulate(model):
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-        accelerator.save_model(model, "out")  # consolidated model.safetensors
-
-    With a ``pipeline`` section in the config, ``prepare`` takes an ``nn.Sequential`` and the
-    loop is ``loss = model.train_batch(x, y)`` (see ``ds_strategy.accelerate._pipeline``).
+    With a ``pipeline`` section, ``prepare`` takes an ``nn.Sequential`` and the loop is
+    ``loss = model.train_batch(x, y)`` (see ``ds_strategy.accelerate._pipeline``).
     """
 
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
@@ -123,12 +101,9 @@ class ZeroAccelerator(Accelerator):
 
     @staticmethod
     def _launched_on_cpu(kwargs: dict[str, Any]) -> bool:
-        """Several processes but no GPU: run on CPU with gloo.
-
-        ``accelerate launch`` starts several CPU processes only through mpirun (MULTI_CPU);
-        a MULTI_GPU config starts them with torchrun instead, but then each process sees no
-        GPU and a plain Accelerator falls back to one process each. This is the only setup
-        where starting them as MULTI_CPU is what the user meant."""
+        """Several processes but no GPU: run on CPU with gloo (``accelerate launch`` starts
+        CPU processes only through mpirun; a MULTI_GPU config starts them with torchrun, and
+        on a machine without GPUs a plain Accelerator would fall back to one process each)."""
         if kwargs.get("cpu") or PartialState._shared_state:
             return False
         launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ

@@ -10,14 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins import Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.strategy import (
     _BackwardSyncControl,
@@ -28,9 +25,14 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..config import ZeroConfig
 from ..core.engine import ZeroEngine
-from ..frontends.engines import PendingClip, inference_optimizer, move_real_tensors, one_optimizer
+from ..frontends.engines import (
+    PendingClip,
+    inference_optimizer,
+    move_real_tensors,
+    move_schedulers,
+    one_optimizer,
+)
 from ..frontends.lightning_base import LightningZeroBase
 from .precision import ZeroFabricPrecision
 
@@ -52,74 +54,32 @@ class _EngineSyncControl(_BackwardSyncControl):
 
 
 class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
-    """ZeRO stage 1, 2 or 3 sharded data parallelism for ``lightning.Fabric``.
+    """ZeRO stage 0-3 sharded data parallelism for ``lightning.Fabric``; ``import ds_strategy``
+    registers it as ``zero1`` ... ``zero3_offload``. Arguments: see
+    :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`.
 
-    ``import ds_strategy`` registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
-    ``zero3_offload`` for ``Fabric(strategy=...)``. The training loop is the same as under
-    ``strategy="ddp"``; ``fabric.setup(model, optimizer)`` returns the engine (wrapped by
-    Fabric) and its rebuilt optimizer, and ``fabric.save``/``fabric.load`` write and read one
-    sharded checkpoint directory.
-
-    Semantics that differ from DDP because gradients are sharded:
-
-    - ``fabric.clip_gradients(model, optimizer, max_norm=...)`` returns the global norm and
-      clips like torch, at an accumulation boundary (it finishes the gradient reduction);
-      between boundaries the request waits for the next optimizer step and None is
-      returned. Clipping by value is not supported.
-    - ``optimizer.zero_grad()`` is harmless but unnecessary: the engine zeroes gradients
-      after each optimizer step.
-    - An lr scheduler passed to ``fabric.setup(..., scheduler=...)`` is re-pointed at the
-      rebuilt optimizer and still stepped by your loop.
-
-    Args:
-        stage, config, offload_optimizer, offload_parameters, param_init_fn: as for
-            :class:`ds_strategy.lightning.ZeroStrategy`.
-        accelerator, parallel_devices, cluster_environment, precision: set by Fabric.
-        process_group_backend: ``"gloo"``/``"nccl"`` (default: by device).
-        timeout: timeout of the process group's collectives.
-
+    The loop is the one written for ``strategy="ddp"``: ``fabric.setup(model, optimizer)``
+    returns the engine and its rebuilt optimizer, ``fabric.save``/``fabric.load`` write and
+    read one sharded checkpoint directory. Where sharding changes a call: ``clip_gradients``
+    clips by the global norm at an accumulation boundary (between boundaries the request
+    waits for the next step and None is returned; clipping by value is refused);
+    ``optimizer.zero_grad()`` is unnecessary (the engine zeroes after each step); a scheduler
+    passed to ``fabric.setup`` is moved onto the rebuilt optimizer and stepped by your loop.
     Example::
 
         fabric = L.Fabric(strategy="zero3", accelerator="cpu", devices=2)
-        fabric.launch()
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
-        loss = model(x).square().mean()
-        fabric.backward(loss)
+        fabric.backward(model(x).square().mean())
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": 1})
     """
 
     front = "Fabric"
+    precision_attr = "precision"
     not_set_up = "the ZeRO engine exists once fabric.setup(model, ...) has run"
 
-    def __init__(
-        self,
-        stage: int | None = None,
-        config: ZeroConfig | dict[str, Any] | str | Path | None = None,
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        precision: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(
-            stage,
-            config,
-            offload_optimizer,
-            offload_parameters,
-            param_init_fn,
-            process_group_backend,
-            timeout,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-        )
+    def _init_front(self) -> None:
         self._backward_sync_control = _EngineSyncControl()
         self._clips = PendingClip()  # a clip_gradients call between accumulation boundaries
 
@@ -130,9 +90,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
         self._precision = None if precision is None else ZeroFabricPrecision.from_plugin(precision)
-
-    def _precision_plugin_or_default(self) -> Any:
-        return self.precision
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """Under stage 3 (or with ``empty_init=True``) ``fabric.init_module()`` creates the
@@ -151,25 +108,24 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
         """Wrap ``module`` and its single optimizer in a :class:`~ds_strategy.ZeroEngine`."""
         one_optimizer(len(optimizers), "the ZeRO strategy")
-        engine = self._setup(module, optimizers[0], scheduler)
-        if scheduler is not None:
-            engine.lr_scheduler = None  # the user's loop keeps stepping its scheduler
+        engine = self._setup(module, optimizers[0])
+        move_schedulers(engine, [scheduler] if scheduler is not None else [])
         return engine, [engine.optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Wrap ``module`` for evaluation (no optimizer state is kept)."""
-        return self._setup(module, inference_optimizer, None)
+        return self._setup(module, inference_optimizer)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         raise ValueError(self._err_msg_joint_setup_required())
 
-    def _setup(self, module: nn.Module, optimizer: Any, scheduler: Any) -> ZeroEngine:
+    def _setup(self, module: nn.Module, optimizer: Any) -> ZeroEngine:
         if self._engine is not None:
             raise ValueError(
                 "the ZeRO strategy drives one model per Fabric: fabric.setup was already called"
             )
         # Fabric loops accumulate as the config (or the user) says
-        engine = self._build_engine(module, optimizer, None, lr_scheduler=scheduler)
+        engine = self._build_engine(module, optimizer, None)
         self._engine = engine
         return engine
 
@@ -196,14 +152,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor | None:
-        """Clip the global L2 norm of the gradients at ``max_norm`` and return it (before
-        clipping), as ``torch.nn.utils.clip_grad_norm_`` does, through the engine's
-        ``clip_grad_norm_``: at an accumulation boundary it finishes the gradient reduction
-        and clips the reduced shards; the optimizer step stays with ``optimizer.step()``.
-        Between boundaries (a config with ``gradient_accumulation_steps`` > 1) the request
-        is kept for the next optimizer step and None is returned. A non-finite norm (an
-        fp16 overflow, whose step the engine will skip) is returned, not raised.
-        """
+        """Clip the global L2 norm at ``max_norm`` and return it before clipping (as
+        ``torch.nn.utils.clip_grad_norm_``; a non-finite fp16 overflow norm is returned, not
+        raised); between accumulation boundaries the request waits for the step (None)."""
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
@@ -247,7 +198,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         engine = self._engine_in(state)
         rest = {k: v for k, v in state.items() if v is not engine and v is not engine.optimizer}
         client_state = self._convert_stateful_objects_in_state(rest, {})
-        self.engine.save_checkpoint(self._checkpoint_path(path), client_state=client_state)
+        engine.save_checkpoint(self._checkpoint_path(path), client_state=client_state)
 
     def load_checkpoint(
         self,

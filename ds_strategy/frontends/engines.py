@@ -17,12 +17,14 @@ from torch import nn
 
 from ..core.checkpoint.validate import META_FILE
 from ..core.engine import ZeroEngine
+from ..core.optimizers import track_optimizer_step
 
 __all__ = [
     "build_engine",
     "has_optimizer_state",
     "inference_optimizer",
     "move_real_tensors",
+    "move_schedulers",
     "one_optimizer",
     "PendingClip",
     "timing_sink",
@@ -68,6 +70,21 @@ def timing_sink(
         log({f"wall_clock/{k}": float(v) for k, v in report.items()}, step)
 
     return sink
+
+
+def move_schedulers(engine: Any, schedulers: list[Any]) -> None:
+    """Point the loop's lr schedulers, which the loop keeps stepping, at the engine's rebuilt
+    optimizer (its param groups kept every key, ``initial_lr`` too: the schedules go on)."""
+    if schedulers and engine.config.scheduler is not None:
+        raise ValueError(
+            f"the ZeRO config's scheduler section ({engine.config.scheduler.type}) already "
+            "schedules the learning rate (the engine steps it); remove the section or do not "
+            "pass another lr scheduler"
+        )
+    for scheduler in schedulers:
+        scheduler.optimizer = engine.optimizer
+    if schedulers:
+        track_optimizer_step(engine.optimizer)
 
 
 def inference_optimizer(params: Any) -> torch.optim.Optimizer:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
 from ..config import ZeroConfig
@@ -59,26 +61,54 @@ class FlagPrecision:
 class LightningZeroBase:
     """The part of ``ZeroStrategy`` that the Trainer and Fabric share; mixed in before their
     ``DDPStrategy``. Where the two frameworks name the same hook differently, both names are
-    defined here."""
+    defined here.
+
+    Args:
+        stage: ZeRO stage 0-3; ``None`` keeps the config's stage (2 when there is no config).
+        config: a :class:`~ds_strategy.ZeroConfig`, a DeepSpeed-style dict, or a path to a
+            ``.json``/``.yaml`` file. Explicit arguments of this constructor override it.
+        offload_optimizer: optimizer state in CPU memory (``offload_optimizer.device: cpu``).
+        offload_parameters: parameters in CPU memory (stage 3, ``offload_param.device: cpu``).
+        param_init_fn: ``fn(module)`` initialising a module's own parameters when a model built
+            on the meta device is materialised (default: ``module.reset_parameters()``).
+        accelerator, parallel_devices, cluster_environment, precision: set by the framework.
+        process_group_backend: ``"gloo"``/``"nccl"`` (default: by device).
+        timeout: timeout of the process group's collectives.
+    """
 
     front = "Trainer"  # how error messages name the loop object
+    precision_attr = "precision_plugin"  # the framework's name for its precision plugin
     not_set_up = "the ZeRO engine exists once the strategy has set the model up"
 
     def __init__(
         self,
-        stage: int | None,
-        config: ZeroConfig | dict[str, Any] | str | Path | None,
-        offload_optimizer: bool,
-        offload_parameters: bool,
-        param_init_fn: Callable[[nn.Module], None] | None,
-        process_group_backend: str | None,
-        timeout: timedelta | None,
-        **framework: Any,
+        stage: int | None = None,
+        config: ZeroConfig | dict[str, Any] | str | Path | None = None,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Any | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **framework)
+        super().__init__(  # type: ignore[call-arg]
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **{self.precision_attr: precision},
+        )
         self._base_config = base_config(config, stage, offload_optimizer, offload_parameters)
         self._param_init_fn = param_init_fn
         self._engine: TrainingEngine | None = None  # a ZeroEngine, or a pipeline's
+        self._init_front()
+
+    def _init_front(self) -> None:
+        """The front end's own state, set after the framework's constructor."""
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -106,10 +136,7 @@ class LightningZeroBase:
         return Path(self.broadcast(str(path)))
 
     def _flag(self) -> str:
-        return str(self._precision_plugin_or_default().precision)
-
-    def _precision_plugin_or_default(self) -> Any:
-        raise NotImplementedError  # each front end names its precision attribute
+        return str(getattr(self, self.precision_attr).precision)
 
     def _build_engine(
         self, module: nn.Module, optimizer: Any, accumulate: int | None, **kwargs: Any
@@ -153,7 +180,7 @@ class LightningZeroBase:
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
-        self._precision_plugin_or_default().teardown()
+        getattr(self, self.precision_attr).teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 

@@ -2,23 +2,15 @@
 :class:`~ds_strategy.core.pipeline.PipelineEngine`.
 
 [Note: what the LightningModule provides under a pipeline]
-A pipeline schedule runs forward and backward of all micro-batches itself, stage by stage,
-so there is no ``training_step`` to call per batch. The model is a :class:`PipelineModule`
-(a LightningModule) that provides
-
-- ``pipeline_layers()``: the model as an ``nn.Sequential`` (or list of layers), usually an
-  attribute built in ``__init__``; each rank keeps its stage's layers;
-- ``pipeline_loss(output, target)``: the loss of one micro-batch;
-
-and its own ``training_step``/``validation_step``/``test_step`` run those two on a whole batch,
-so the same module also trains under any other strategy (DDP, ZeRO without a pipeline). Its
-batches are ``(inputs, targets)``: this data-parallel rank's
-``gradient_accumulation_steps`` micro-batches of ``train_micro_batch_size_per_gpu``. For each
-training batch the strategy runs ``engine.train_batch`` (schedule and optimizer step) and logs
-``train_loss``; validation and test batches run ``engine.eval_batch`` and log ``val_loss`` /
-``test_loss`` (the global batch's mean, the same on every rank). ``configure_optimizers``
-works as usual (its scheduler is stepped by Lightning). ``Trainer(accumulate_grad_batches)``
-must stay 1: the micro-batches are the config's ``gradient_accumulation_steps``.
+A schedule runs forward and backward of all micro-batches itself, stage by stage, so there is
+no ``training_step`` to call per batch. The model is a :class:`PipelineModule`: its
+``pipeline_layers()`` (an ``nn.Sequential``; each rank keeps its stage's layers) and
+``pipeline_loss(output, target)`` (one micro-batch's loss) are what the pipeline runs, and its
+own steps run the same two on a whole batch under any other strategy. A batch is ``(inputs,
+targets)``: this data-parallel rank's ``gradient_accumulation_steps`` micro-batches. A
+training batch runs ``engine.train_batch`` (schedule and optimizer step), an evaluation batch
+``engine.eval_batch``; ``train_loss`` / ``val_loss`` / ``test_loss`` are logged (the global
+batch's mean). ``Trainer(accumulate_grad_batches)`` stays 1.
 """
 
 from __future__ import annotations
@@ -31,15 +23,14 @@ import torch
 
 from ..config import ZeroConfig
 from ..core.pipeline import PipelineEngine
+from ..frontends.engines import move_schedulers
 
 __all__ = ["LightningPipeline", "PipelineModule", "build_pipeline"]
 
 
 class PipelineModule(pl.LightningModule):
-    """A LightningModule defined by its layers and its loss, which ``ZeroStrategy`` can split
-    into pipeline stages (a config with a ``pipeline`` section) and any other strategy trains
-    as it is. Subclass it, build the layers in ``__init__`` and implement
-    :meth:`pipeline_layers`, :meth:`pipeline_loss` and ``configure_optimizers``::
+    """A LightningModule defined by its layers and its loss: ``ZeroStrategy`` splits it into
+    pipeline stages under a ``pipeline`` config, any other strategy trains it as it is::
 
         class Net(PipelineModule):
             def __init__(self):
@@ -54,9 +45,6 @@ class PipelineModule(pl.LightningModule):
 
             def configure_optimizers(self):
                 return torch.optim.AdamW(self.parameters())
-
-    Batches are ``(inputs, targets)``; ``train_loss``, ``val_loss`` and ``test_loss`` are
-    logged (with ``sync_dist`` outside a pipeline; a pipeline's losses are already global).
     """
 
     def pipeline_layers(self) -> Any:
@@ -114,8 +102,7 @@ def build_pipeline(
     engine = PipelineEngine(
         _hook(pl_module, "pipeline_layers")(), optimizer, cfg, _hook(pl_module, "pipeline_loss")
     )
-    for scheduler in schedulers:
-        scheduler.optimizer = engine.optimizer
+    move_schedulers(engine, schedulers)
     return engine
 
 

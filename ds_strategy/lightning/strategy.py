@@ -32,14 +32,11 @@ import os
 import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
@@ -49,7 +46,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..config import ZeroConfig
 from ..core.engine import ZeroEngine
 from ..core.pipeline import PipelineEngine
 from ..core.training import TrainingEngine
@@ -57,6 +53,7 @@ from ..frontends.engines import (
     has_optimizer_state,
     inference_optimizer,
     move_real_tensors,
+    move_schedulers,
     one_optimizer,
     timing_sink,
 )
@@ -120,37 +117,15 @@ class _EngineSteps:
 
 
 class ZeroStrategy(LightningZeroBase, DDPStrategy):
-    """ZeRO stage 1, 2 or 3 sharded data parallelism for ``lightning.Trainer``.
+    """ZeRO stage 0-3 sharded data parallelism for ``lightning.Trainer``; ``import ds_strategy``
+    registers it as ``zero1`` ... ``zero3_offload``. Arguments: see
+    :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`.
 
-    ``import ds_strategy`` registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
-    ``zero3_offload``, so ``Trainer(strategy="zero3")`` works without importing this class.
-    After setup, ``trainer.strategy.engine`` is the :class:`~ds_strategy.ZeroEngine`.
-
-    The Trainer's flags map onto the config: ``precision`` onto ``bf16``/``fp16``,
+    The Trainer's flags map onto the config (``precision`` onto ``bf16``/``fp16``,
     ``accumulate_grad_batches`` onto ``gradient_accumulation_steps``, ``gradient_clip_val``
-    onto ``gradient_clipping`` (clipping by norm only). A config value that contradicts a
-    flag is an error naming both. Checkpoints are sharded directories written by every rank;
-    :meth:`save_consolidated` exports the weights to one file.
-
-    Args:
-        stage: ZeRO stage 0-3; ``None`` keeps the config's stage (2 when there is no config).
-        config: a :class:`~ds_strategy.ZeroConfig`, a DeepSpeed-style dict, or a path to a
-            ``.json``/``.yaml`` file. Explicit arguments of this constructor override it.
-        offload_optimizer: keep optimizer state in CPU memory
-            (``zero_optimization.offload_optimizer.device: cpu``).
-        offload_parameters: keep parameters in CPU memory (stage 3 only,
-            ``zero_optimization.offload_param.device: cpu``).
-        param_init_fn: ``fn(module)`` initialising a module's own parameters when a model
-            built on the meta device is materialised (default: ``module.reset_parameters()``).
-        accelerator, parallel_devices, cluster_environment, precision_plugin: set by the
-            Trainer; as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
-        process_group_backend: ``"gloo"``/``"nccl"`` (default: by device).
-        timeout: timeout of the process group's collectives.
-
-    Example::
-
-        import lightning as L
-        from ds_strategy.lightning import ZeroStrategy
+    onto ``gradient_clipping``); a config value that contradicts a flag is an error naming
+    both. After setup ``trainer.strategy.engine`` is the :class:`~ds_strategy.ZeroEngine`.
+    Checkpoints are sharded directories written by every rank. Example::
 
         trainer = L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2,
                             accumulate_grad_batches=2, gradient_clip_val=1.0, max_epochs=2)
@@ -164,33 +139,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         "fit/validate/test/predict, or after them) with a config without a pipeline section"
     )
 
-    def __init__(
-        self,
-        stage: int | None = None,
-        config: ZeroConfig | dict[str, Any] | str | Path | None = None,
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(
-            stage,
-            config,
-            offload_optimizer,
-            offload_parameters,
-            param_init_fn,
-            process_group_backend,
-            timeout,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin,
-        )
+    def _init_front(self) -> None:
         self._steps: _EngineSteps | LightningPipeline = _EngineSteps(self)
         self._engine_module: pl.LightningModule | None = None  # the module it was built for
         self._engine_trains = False  # built with the LightningModule's optimizer (not for eval)
@@ -217,9 +166,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         # Lightning builds a stock plugin from Trainer(precision=...); the engine owns precision,
         # so keep only the flag.
         self._precision_plugin = None if plugin is None else ZeroPrecision.from_plugin(plugin)
-
-    def _precision_plugin_or_default(self) -> Any:
-        return self.precision_plugin
 
     @property
     def is_distributed(self) -> bool:
@@ -290,15 +236,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             trainer.accumulate_grad_batches if fitting else None,
             clip_val=trainer.gradient_clip_val,
             clip_algorithm=trainer.gradient_clip_algorithm,
-            lr_scheduler=scheds[0] if scheds else None,
         )
-        # Lightning steps the schedulers itself (intervals, frequency, ReduceLROnPlateau
-        # monitors); the engine only re-pointed the first at its rebuilt optimizer. A config
-        # scheduler section (and no Lightning scheduler) stays with the engine.
-        if scheds:
-            engine.lr_scheduler = None
-        for scheduler in scheds[1:]:
-            scheduler.optimizer = engine.optimizer
+        # Lightning steps its schedulers itself (intervals, frequency, ReduceLROnPlateau)
+        move_schedulers(engine, scheds)
         if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
             engine.timers.add_sink(timing_sink(lambda m, step: _log_metrics(trainer, m, step)))
         self._engine = engine
