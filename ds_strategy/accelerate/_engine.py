@@ -9,19 +9,20 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DummyScheduler
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..config._auto import fill_auto
 from ..core import ZeroEngine
 from ..frontends.engines import move_schedulers, timing_sink
 from ._driver import EngineDriver, ZeroOptimizerWrapper
-from ._front import Front, is_optimizer, prepared, torch_optimizer
+from ._front import Front, prepared, torch_optimizer
 
 __all__ = ["EngineFront"]
 
@@ -38,47 +39,30 @@ class EngineFront(Front):
     def zero_engine(self) -> ZeroEngine | None:
         return self.driver.engine if self.driver is not None else None
 
-    # -- prepare -------------------------------------------------------------------------------
+    def prepare_loader(self, loader: DataLoader) -> Any:
+        if prepared(loader):
+            return loader
+        size = loader.batch_size
+        if size is not None and self.acc.split_batches:
+            size //= self.acc.num_processes
+        self.batch_sizes.append(size)
+        return self.acc.prepare_data_loader(loader)
 
-    def prepare(self, args: tuple[Any, ...]) -> list[Any]:
-        acc, out = self.acc, list(args)
-        for i, obj in enumerate(args):
-            if isinstance(obj, torch.utils.data.DataLoader) and not prepared(obj):
-                size = obj.batch_size
-                if size is not None and acc.split_batches:
-                    size //= acc.num_processes
-                self.batch_sizes.append(size)
-                out[i] = acc.prepare_data_loader(obj)
-        models = [i for i, o in enumerate(args) if _is_model(o)]
-        opts = [i for i, o in enumerate(args) if is_optimizer(o) and o is not self.wrapper]
-        dummies = [i for i, o in enumerate(args) if isinstance(o, DummyScheduler)]
-        if models or opts:
-            if self.driver is not None:
-                raise ValueError(
-                    "this ZeroAccelerator already prepared a model; like Accelerate's DeepSpeed "
-                    "integration it trains one model (create another ZeroAccelerator for another)"
-                )
-            if len(models) != 1 or len(opts) != 1 or len(dummies) > 1:
-                raise ValueError(
-                    "ZeroAccelerator.prepare needs the model and its optimizer in the same call, "
-                    f"one of each (got {len(models)} model(s), {len(opts)} optimizer(s)), and at "
-                    "most one DummyScheduler: the engine rebuilds the optimizer over this "
-                    "rank's shards"
-                )
-            dummy = args[dummies[0]] if dummies else None
-            engine, owned = self._build(args[models[0]], args[opts[0]], dummy)
-            out[models[0]], out[opts[0]] = engine, self.wrapper
-            for i in dummies:
-                out[i] = owned
-        elif dummies:
-            raise ValueError(
-                "accelerate.utils.DummyScheduler must be passed to prepare() together with the "
-                "model and its DummyOptim"
-            )
-        for i, obj in enumerate(args):
-            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-                out[i] = self.prepare_scheduler(obj)
-        return out
+    def is_model(self, obj: Any) -> bool:
+        return isinstance(obj, nn.Module) and not isinstance(obj, ZeroEngine)
+
+    def engine_scheduler(self, obj: Any) -> bool:
+        return isinstance(obj, DummyScheduler)  # the loop's own go through prepare_scheduler
+
+    def scheduler_alone(self) -> NoReturn:
+        raise ValueError(
+            "accelerate.utils.DummyScheduler must be passed to prepare() together with the "
+            "model and its DummyOptim"
+        )
+
+    def build(self, model: nn.Module, user_opt: Any, dummy: Any) -> tuple[Any, Any, Any]:
+        engine, owned = self._build(model, user_opt, dummy)
+        return engine, self.wrapper, owned
 
     def _build(self, model: nn.Module, user_opt: Any, dummy: Any) -> tuple[ZeroEngine, Any]:
         cfg = self.cfg
@@ -137,8 +121,6 @@ class EngineFront(Front):
         )
         acc._schedulers.append(out)
         return out
-
-    # -- the loop ------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.driver is None:
@@ -241,10 +223,6 @@ def _engine_scheduler(cfg: Any, dummy: DummyScheduler | None) -> Any:
             "ZeRO config (e.g. WarmupLR); add one or pass lr_scheduler_callable"
         )
     return callable_
-
-
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, nn.Module) and not isinstance(obj, ZeroEngine)
 
 
 def _hidden_size(model: nn.Module) -> int | None:

@@ -12,6 +12,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
 from ..config import ZeroConfig
 from ..config._auto import LoopFacts
@@ -49,6 +51,40 @@ class Front:
 
     def owns(self, model: Any) -> bool:
         return self.trained is not None and (model is self.trained or model is self.trained.module)
+
+    model_kind = "the model"  # what prepare() takes as the model, for its errors
+
+    def prepare(self, args: tuple[Any, ...]) -> list[Any]:
+        """Loaders, then the model with its optimizer (and a scheduler the engine builds), then
+        the loop's own schedulers; anything else passes through."""
+        out = [self.prepare_loader(o) if isinstance(o, DataLoader) else o for o in args]
+        models = [i for i, o in enumerate(args) if not prepared(o) and self.is_model(o)]
+        opts = [i for i, o in enumerate(args) if not prepared(o) and is_optimizer(o)]
+        scheds = [i for i, o in enumerate(args) if self.engine_scheduler(o)]
+        if models or opts:
+            if self.trained is not None:
+                raise ValueError(
+                    "this ZeroAccelerator already prepared a model; like Accelerate's DeepSpeed "
+                    "integration it trains one model (create another ZeroAccelerator for another)"
+                )
+            if len(models) != 1 or len(opts) != 1 or len(scheds) > 1:
+                raise ValueError(
+                    f"ZeroAccelerator.prepare needs {self.model_kind} and its optimizer in the "
+                    f"same call, one of each, and at most one scheduler for the engine (got "
+                    f"{len(models)} model(s), {len(opts)} optimizer(s), {len(scheds)}): the "
+                    "engine rebuilds the optimizer over this rank's shards"
+                )
+            sched = args[scheds[0]] if scheds else None
+            model, wrapper, owned = self.build(args[models[0]], args[opts[0]], sched)
+            out[models[0]], out[opts[0]] = model, wrapper
+            for i in scheds:
+                out[i] = owned
+        elif scheds:
+            self.scheduler_alone()
+        for i, obj in enumerate(args):
+            if isinstance(obj, LRScheduler) and i not in scheds:
+                out[i] = self.prepare_scheduler(obj)
+        return out
 
     def facts(
         self, optimizer: Any, world_size: int, micro_batch: int | None, **more: Any
@@ -125,7 +161,7 @@ def is_optimizer(obj: Any) -> bool:
 
 
 def is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))
+    return isinstance(obj, (LRScheduler, DummyScheduler))
 
 
 def prepared(obj: Any) -> bool:

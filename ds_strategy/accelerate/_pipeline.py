@@ -27,7 +27,7 @@ from torch import nn
 from ..config import ZeroConfig
 from ..config._auto import fill_auto
 from ..core.pipeline import PipelineEngine
-from ._front import Front, is_optimizer, is_scheduler, prepared, scheduler_of, torch_optimizer
+from ._front import Front, is_scheduler, prepared, scheduler_of, torch_optimizer
 from .plugin import ZeroPlugin
 
 __all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
@@ -167,37 +167,24 @@ class PipelineFront(Front):
         m = self.model
         return m is not None and (model is m or model is m.module or model is m.engine)
 
-    # -- prepare -------------------------------------------------------------------------------
+    model_kind = "the model (an nn.Sequential or a list of layers)"
 
-    def prepare(self, args: tuple[Any, ...]) -> list[Any]:
-        out = list(args)
-        for i, obj in enumerate(args):
-            if isinstance(obj, torch.utils.data.DataLoader):
-                out[i] = self.prepare_loader(obj)
-        models = [i for i, o in enumerate(args) if _is_layers(o)]
-        opts = [i for i, o in enumerate(args) if is_optimizer(o)]
-        scheds = [i for i, o in enumerate(args) if is_scheduler(o)]
-        if models or opts:
-            if len(models) != 1 or len(opts) != 1 or len(scheds) > 1:
-                raise ValueError(
-                    "under a pipeline config prepare() needs the model (an nn.Sequential or a "
-                    "list of layers) and its optimizer in the same call, one of each, with at "
-                    f"most one lr scheduler (got {len(models)} model(s), {len(opts)} "
-                    f"optimizer(s), {len(scheds)} scheduler(s))"
-                )
-            sched = args[scheds[0]] if scheds else None
-            model, optimizer, owned = self._build(args[models[0]], args[opts[0]], sched)
-            out[models[0]], out[opts[0]] = model, optimizer
-            if scheds:
-                out[scheds[0]] = owned
-        elif scheds:
-            self.refuse("prepare_scheduler")
-        return out
+    def is_model(self, obj: Any) -> bool:
+        if isinstance(obj, nn.Module):
+            return True
+        layers = isinstance(obj, (list, tuple)) and bool(obj)
+        return layers and all(isinstance(m, nn.Module) for m in obj)
+
+    def engine_scheduler(self, obj: Any) -> bool:
+        return is_scheduler(obj)  # the engine steps it inside train_batch
+
+    def scheduler_alone(self) -> NoReturn:
+        self.refuse("prepare_scheduler")
 
     def prepare_scheduler(self, scheduler: Any) -> NoReturn:
         self.refuse("prepare_scheduler")
 
-    def prepare_loader(self, loader: torch.utils.data.DataLoader) -> Any:
+    def prepare_loader(self, loader: Any) -> Any:
         """Shard ``loader`` over the data-parallel ranks (see the module note)."""
         acc = self.acc
         if prepared(loader):
@@ -264,7 +251,7 @@ class PipelineFront(Front):
             )
         return batch // gas
 
-    def _build(
+    def build(
         self, layers: Any, user_optimizer: Any, sched: Any
     ) -> tuple[PipelineModel, PipelineOptimizer, Any]:
         if self.trained is not None:
@@ -284,8 +271,6 @@ class PipelineFront(Front):
         self.adopt_steps(engine.micro_batches)
         wrapper = PipelineOptimizer(engine.optimizer, self.model)
         return self.model, wrapper, self.register(self.model, wrapper, engine.lr_scheduler)
-
-    # -- the loop: train_batch does it all ------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> NoReturn:
         self.refuse("backward")
@@ -309,13 +294,3 @@ class PipelineFront(Front):
         super().free()
         self.model = None
         self._batch_sizes = []
-
-
-def _is_layers(obj: Any) -> bool:
-    if isinstance(obj, PipelineModel):
-        return False
-    if isinstance(obj, nn.Module):
-        return True
-    return (
-        isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, nn.Module) for m in obj)
-    )

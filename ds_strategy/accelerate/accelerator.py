@@ -97,8 +97,6 @@ class ZeroAccelerator(Accelerator):
         if isinstance(cfg.gradient_accumulation_steps, int):
             self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
 
-    # -- construction checks -------------------------------------------------------------------
-
     @staticmethod
     def _launched_on_cpu(kwargs: dict[str, Any]) -> bool:
         """Several processes but no GPU: run on CPU with gloo (``accelerate launch`` starts
@@ -134,8 +132,6 @@ class ZeroAccelerator(Accelerator):
                 )
             self.gradient_accumulation_steps = steps  # type: ignore[has-type]
 
-    # -- prepare -------------------------------------------------------------------------------
-
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Like ``Accelerator.prepare``: dataloaders are sharded by rank as Accelerate does; the
         model and its optimizer (passed together) become a :class:`~ds_strategy.ZeroEngine`
@@ -160,8 +156,6 @@ class ZeroAccelerator(Accelerator):
         if optimizer is getattr(self._front, "wrapper", None):
             return optimizer
         raise ValueError(_TOGETHER)
-
-    # -- the loop ------------------------------------------------------------------------------
 
     @property
     def zero_engine(self) -> ZeroEngine | None:
@@ -200,8 +194,6 @@ class ZeroAccelerator(Accelerator):
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         self._front.clip_grad_value_(parameters, clip_value)
-
-    # -- weights and checkpoints --------------------------------------------------------------
 
     def unwrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         """The user's model inside the engine (under a pipeline: this rank's stage). Under

@@ -35,7 +35,7 @@ class ZeroPlugin:
         config: a dict, a path to a ``.json``/``.yaml`` file, a :class:`~ds_strategy.ZeroConfig`
             or an omegaconf node, keyed like DeepSpeed's JSON (``"auto"`` values allowed).
             ``None``: the file named by ``DS_STRATEGY_CONFIG`` plus ``DS_STRATEGY_*``
-            overrides (see :func:`overrides_from_env`), or all defaults (stage 0) when unset.
+            overrides, or all defaults (stage 0) when unset.
         gradient_clipping: the value an ``"auto"`` ``gradient_clipping`` takes (as
             Accelerate's ``DeepSpeedPlugin(gradient_clipping=...)``). Left ``None``, ``"auto"``
             means 0: the engine clips only when the loop calls
@@ -44,14 +44,6 @@ class ZeroPlugin:
         loss_fn: ``fn(output, target) -> loss`` of one micro-batch; required with a
             ``pipeline`` section (``stages > 1``), where the last stage computes the loss
             inside ``model.train_batch(inputs, targets)``.
-
-    Example::
-
-        from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
-
-        plugin = ZeroPlugin(config="configs/zero3.yaml",
-                            overrides={"zero_optimization.reduce_bucket_size": 5e7})
-        accelerator = ZeroAccelerator(zero_plugin=plugin, gradient_accumulation_steps=2)
 
     >>> ZeroPlugin(config={"zero_optimization": {"stage": 2}}).load().zero_optimization.stage
     2

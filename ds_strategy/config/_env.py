@@ -2,6 +2,15 @@
 per ``DS_STRATEGY_<KEY>`` variable. Launchers (``accelerate launch``, ``torchrun``, SLURM) pass
 the environment to every process unchanged, so this is how a launch command sets ZeRO keys.
 
+==================================  ===========================================================
+``DS_STRATEGY_CONFIG``              YAML or JSON config file, DeepSpeed key names
+``DS_STRATEGY_ZERO_STAGE``          ``zero_optimization.stage``
+``DS_STRATEGY_OFFLOAD_OPTIMIZER``   ``zero_optimization.offload_optimizer.device``
+``DS_STRATEGY_OFFLOAD_PARAM``       ``zero_optimization.offload_param.device``
+``DS_STRATEGY_<KEY>``               any key: upper case, ``__`` between sections, e.g.
+                                    ``DS_STRATEGY_ZERO_OPTIMIZATION__REDUCE_BUCKET_SIZE=5e7``
+==================================  ===========================================================
+
 Values are YAML scalars; an unknown key is an error naming the variable.
 """
 

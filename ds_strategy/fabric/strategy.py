@@ -101,8 +101,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     def module_to_device(self, module: nn.Module) -> None:
         move_real_tensors(module, self.root_device)  # the engine materialises meta tensors
 
-    # -- setup ----------------------------------------------------------------------------------
-
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
@@ -128,8 +126,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         engine = self._build_engine(module, optimizer, None)
         self._engine = engine
         return engine
-
-    # -- backward, step, clipping ---------------------------------------------------------------
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self.precision.pre_backward(tensor, module)
@@ -169,8 +165,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
             "fabric.clip_gradients(clip_val=...) is not supported by the ZeRO strategy: it clips "
             "by the global gradient norm; use fabric.clip_gradients(model, optimizer, max_norm=...)"
         )
-
-    # -- checkpoints ----------------------------------------------------------------------------
 
     def _engine_in(self, state: dict[str, Any]) -> ZeroEngine:
         engines = [v for v in state.values() if isinstance(v, ZeroEngine)]

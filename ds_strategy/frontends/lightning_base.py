@@ -110,8 +110,6 @@ class LightningZeroBase:
     def _init_front(self) -> None:
         """The front end's own state, set after the framework's constructor."""
 
-    # -- configuration --------------------------------------------------------------------------
-
     @property
     def stage(self) -> int:
         return int(self._base_config.zero_optimization.stage)
@@ -163,8 +161,6 @@ class LightningZeroBase:
         # with a pipeline, shard by data-parallel rank: the Mesh's layout (rank = stage * D + dp)
         dp_size = self.num_nodes * self.num_processes // int(self._base_config.pipeline.stages or 1)
         return {"num_replicas": dp_size, "rank": self.global_rank % dp_size}
-
-    # -- model construction ---------------------------------------------------------------------
 
     def _meta_init(self, empty_init: bool | None) -> bool:
         """Under stage 3 (or with ``empty_init=True``) modules are created on the meta device;

@@ -113,9 +113,6 @@ class LightningPipeline:
         self.engine = engine
         self.pl_module = pl_module
 
-    def attach(self) -> None:
-        pass  # the LightningModule stays the model: its steps run the pipeline through these
-
     def _run(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         x, y = _split(args[0] if args else kwargs["batch"], f"{kind} batch")
         self.engine.module.train(kind == "train")

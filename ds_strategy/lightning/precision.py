@@ -50,8 +50,6 @@ class ZeroPrecision(FlagPrecision, Precision):
             raise RuntimeError("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
         return self.engine
 
-    # -- backward and step --------------------------------------------------------------------
-
     def backward(  # type: ignore[override]
         self,
         tensor: Tensor,

@@ -1,36 +1,27 @@
-"""``ZeroStrategy``: Lightning's ``Trainer`` driving a :class:`~ds_strategy.ZeroEngine`.
-
-A thin adapter: it launches and connects the processes like DDP, turns the Trainer's flags
-into the engine's config, and maps Lightning's hooks (training/eval steps, backward,
-optimizer step, checkpoints, model construction) onto the engine's public API. It holds no
-sharding logic; what it shares with Fabric's strategy is in ``ds_strategy.frontends``.
+"""``ZeroStrategy``: Lightning's ``Trainer`` driving a :class:`~ds_strategy.ZeroEngine` (or,
+with a ``pipeline`` section, a pipeline; see ``_pipeline.py``). It maps Lightning's hooks
+onto the engine's public API and holds no sharding logic.
 
 [Note: the root wrapper]
-Under ZeRO-3 the engine gathers a unit's parameters in that unit's forward hooks, and the
-model it is given is the *root* unit, gathered for the whole forward. Lightning never calls
-``LightningModule.forward`` for a step: it calls ``training_step``, redirected through the
-wrapping model's forward. So the engine wraps ``_LightningRoot(lightning_module)``, whose
-forward is that redirected step: the LightningModule's own parameters (those outside any
-``nn.ModuleList``/``nn.Sequential`` block) stay gathered for the whole step, however the
-step reaches them (``self(x)``, ``self.head(h)``, ...). The wrapper shares the
-LightningModule's parameter, buffer and submodule tables instead of holding it as a child, so
-every name the engine reports (``full_state_dict()``, checkpoints, exports) is a key of
-``LightningModule.state_dict()``.
+Under ZeRO-3 the engine's *root* unit is gathered for the whole forward, and Lightning runs a
+step as ``training_step`` redirected through the model's forward. So the engine wraps
+``_LightningRoot(lightning_module)``, whose forward is that step: the LightningModule's own
+parameters (outside any ``nn.ModuleList``/``nn.Sequential``) stay gathered for the whole
+step. The wrapper shares the LightningModule's parameter, buffer and submodule tables
+instead of holding it as a child, so every name the engine reports (``full_state_dict()``,
+checkpoints) is a key of ``LightningModule.state_dict()``.
 
 [Note: accumulation]
-The engine owns gradient accumulation (``gradient_accumulation_steps`` =
-``Trainer(accumulate_grad_batches)``), so the strategy reports
-``handles_gradient_accumulation`` and Lightning calls ``optimizer_step`` on every batch; the
-engine runs the optimizer on every k-th. Windows follow the engine's micro-step count, so when
-an epoch's batch count is not a multiple of k, a window spans the epoch boundary (DDP would
-step on the epoch's last batch instead); the strategy warns when that happens.
+The engine owns accumulation (``gradient_accumulation_steps`` = ``accumulate_grad_batches``):
+Lightning calls ``optimizer_step`` on every batch and the engine steps on every k-th, so a
+window spans an epoch boundary when the batch count is not a multiple of k (DDP would step on
+the epoch's last batch); the strategy warns when that happens.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,7 +31,6 @@ import torch
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
@@ -86,34 +76,8 @@ class _LightningRoot(nn.Module):
         return self
 
 
-class _EngineSteps:
-    """The Trainer's step hooks with a ZeRO engine: Lightning's own (the engine is the model,
-    the precision plugin routes backward and the optimizer step to it)."""
-
-    def __init__(self, strategy: ZeroStrategy, engine: ZeroEngine | None = None) -> None:
-        self.s = strategy
-        self.engine = engine
-
-    def attach(self) -> None:
-        self.s.model = self.engine  # Lightning's connect() resets the model at every run
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return ParallelStrategy.training_step(self.s, *args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return ParallelStrategy.validation_step(self.s, *args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return ParallelStrategy.test_step(self.s, *args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return ParallelStrategy.predict_step(self.s, *args, **kwargs)
-
-    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return ParallelStrategy.backward(self.s, closure_loss, *args, **kwargs)
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], *a: Any, **k: Any) -> Any:
-        return ParallelStrategy.optimizer_step(self.s, optimizer, closure, *a, **k)
+_STEP_HOOKS = ("training_step", "validation_step", "test_step", "predict_step", "backward")
+_STEP_HOOKS += ("optimizer_step",)
 
 
 class ZeroStrategy(LightningZeroBase, DDPStrategy):
@@ -140,7 +104,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     )
 
     def _init_front(self) -> None:
-        self._steps: _EngineSteps | LightningPipeline = _EngineSteps(self)
         self._engine_module: pl.LightningModule | None = None  # the module it was built for
         self._engine_trains = False  # built with the LightningModule's optimizer (not for eval)
 
@@ -168,10 +131,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         self._precision_plugin = None if plugin is None else ZeroPrecision.from_plugin(plugin)
 
     @property
-    def is_distributed(self) -> bool:
-        return True  # how a custom strategy asks the Trainer for a DistributedSampler
-
-    @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the engine must exist to load its sharded checkpoint
 
@@ -194,14 +153,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         ):
             yield
 
-    # -- setup ----------------------------------------------------------------------------------
-
-    def model_to_device(self) -> None:
-        """Move the LightningModule's real (non-meta) tensors to this rank's device. Once an
-        engine exists it owns placement: its flat buffers back the parameters."""
-        if self._engine is None and self.lightning_module is not None:
-            move_real_tensors(self.lightning_module, self.root_device)
-
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -211,7 +162,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         engine = self._engine
         kept = engine is not None and self._engine_module is pl_module
         if kept and (self._engine_trains or not fitting):  # fit, then validate: keep the trained
-            self._steps.attach()
+            if isinstance(engine, ZeroEngine):
+                self.model = engine  # Lightning's connect() reset it to the LightningModule
             if fitting:
                 self.optimizers = [engine.optimizer]  # type: ignore[union-attr]
             return
@@ -243,8 +195,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             engine.timers.add_sink(timing_sink(lambda m, step: _log_metrics(trainer, m, step)))
         self._engine = engine
         self.precision_plugin.engine = engine  # type: ignore[attr-defined]
-        self._steps = _EngineSteps(self, engine)
-        self._steps.attach()
+        self.model = engine
         if engine.stage == 3:
             install_sharded_summary(trainer, engine)
 
@@ -266,15 +217,16 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 )
             clip = clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             cfg = cfg.replace(gradient_clipping=clip)
-        self.model_to_device()
+        move_real_tensors(pl_module, self.root_device)
         self._engine = engine = build_pipeline(
             pl_module, cfg, optimizer if optimizer is not None else inference_optimizer, scheds
         )
-        self._steps = LightningPipeline(engine, pl_module)
+        self._use_steps(LightningPipeline(engine, pl_module))
 
     def _drop_engine(self, pl_module: pl.LightningModule) -> None:
         engine, owner = self._engine, self._engine_module
-        self._engine, self._engine_module, self._steps = None, None, _EngineSteps(self)
+        self._engine, self._engine_module = None, None
+        self._use_steps(None)
         if engine is None or owner is not pl_module:
             return  # another module's engine: that module stays as it is
         if engine.config.zero_optimization.stage == 3:
@@ -284,6 +236,15 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 "trainer.fit before validate/test/predict, or use a new model and Trainer"
             )
         engine.destroy()  # stages 0-2 keep full parameters: a new engine can start from them
+
+    def _use_steps(self, steps: LightningPipeline | None) -> None:
+        """A pipeline's step hooks replace Lightning's on this instance (``steps=None``: back
+        to Lightning's own, which drive the engine through the precision plugin)."""
+        for name in _STEP_HOOKS:
+            if steps is None:
+                self.__dict__.pop(name, None)
+            else:
+                setattr(self, name, getattr(steps, name))
 
     def _lightning_optimizer(self, trainer: pl.Trainer) -> tuple[Optimizer, list[Any]]:
         self.setup_optimizers(trainer)
@@ -304,28 +265,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 "windows continue across epoch boundaries (DDP would step on each epoch's last "
                 "batch); use a batch count divisible by accumulate_grad_batches to match it"
             )
-
-    # -- the loop's steps: the engine's, or a pipeline's (see _pipeline.py) ----------------------
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.training_step(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.predict_step(*args, **kwargs)
-
-    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self._steps.backward(closure_loss, *args, **kwargs)
-
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        return self._steps.optimizer_step(optimizer, closure, *args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------
     # The engine writes the (sharded) weights and optimizer state itself in save_checkpoint and
@@ -405,15 +344,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             path, load_optimizer=fitting, trust_checkpoint=trusted
         )
         return _lightning_state(path, client_state)
-
-    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
-        """Delete a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` rotation)."""
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
 
     def save_consolidated(self, path: str | os.PathLike) -> Path:
         """Write the consolidated fp32 weights to one file, keyed like
