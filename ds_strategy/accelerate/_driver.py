@@ -1,18 +1,12 @@
 """Accelerate's training loop run on a :class:`~ds_strategy.ZeroEngine`.
 
 [Note: who decides the accumulation boundary]
-Accelerate decides when gradients are synchronised (``accelerator.sync_gradients``: every
-``gradient_accumulation_steps``-th batch inside ``accumulate()``, and always at the end of a
-dataloader); the engine decides by counting ``step()`` calls. They disagree at the end of an
-epoch whose length is not a multiple of the accumulation steps, and in a loop that never
-enters ``accumulate()``. So before every backward the driver hands Accelerate's decision to
-``engine.set_gradient_accumulation_boundary``, as Accelerate's DeepSpeed integration does.
-
-[Note: clipping and the step]
-At a boundary backward the driver leaves the optimizer step pending. ``clip_grad_norm_``
-calls ``engine.clip_grad_norm_`` (which finishes the gradient reduction, returns the global
-norm and clips the reduced shards) and ``optimizer.step()`` runs the engine's step, so the
-loop's order and each call's meaning are exactly those of plain Accelerate.
+Accelerate (``accelerator.sync_gradients``: every k-th batch inside ``accumulate()``, and at
+the end of a dataloader), not the engine's step count: before every backward the driver
+hands its decision to ``engine.set_gradient_accumulation_boundary``, as Accelerate's
+DeepSpeed integration does. A boundary backward leaves the optimizer step pending, so
+``clip_grad_norm_`` (the engine's: it finishes the reduction and clips the shards) and then
+``optimizer.step()`` keep the order and meaning of plain Accelerate.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""``save_state`` / ``load_state`` for a :class:`ZeroAccelerator`.
-
-The model and optimizer go through the engine's sharded checkpoint (every rank writes its own
-shard; loadable at any world size or stage). Everything else Accelerate tracks (schedulers it
-steps, dataloader samplers, RNG states, its step counter, objects registered for
-checkpointing) goes through Accelerate's own helpers into the same directory, as with its
-DeepSpeed integration. Layout::
-
-    <output_dir>/zero_checkpoint/        the engine's sharded checkpoint
-    <output_dir>/scheduler.bin, random_states_<rank>.pkl, custom_checkpoint_<i>.pkl, ...
+"""``save_state`` / ``load_state`` for a :class:`ZeroAccelerator`: the engine writes its sharded
+checkpoint (loadable at any world size or stage) under ``<output_dir>/zero_checkpoint``;
+Accelerate's own helpers write what else it tracks (schedulers it steps, samplers, RNG
+states, its step, objects registered for checkpointing) beside it, as with DeepSpeed.
 """
 
 from __future__ import annotations

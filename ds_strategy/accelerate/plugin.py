@@ -1,16 +1,10 @@
 """``ZeroPlugin``: where a :class:`~ds_strategy.accelerate.ZeroAccelerator` gets its ZeRO config.
 
-Accelerate's own config file rejects keys it does not know and has no registry for third-party
-engines, so the ZeRO settings live in our own file, named by an environment variable that
-``accelerate launch`` passes through to every process unchanged (see ``ds_strategy.config``'s
-``config_from_env``).
-
 [Note: precedence]
 ``ZeroPlugin(config=...)`` given in code is the whole story: the environment is not read (a
-warning names any ``DS_STRATEGY_*`` variable that is thereby ignored). With ``config=None``
-(or no plugin at all) the file named by ``DS_STRATEGY_CONFIG`` is read, then every other
-``DS_STRATEGY_*`` variable overrides one key, then the plugin's ``overrides`` (code) win.
-The launcher owns the settings it was given; code that names a config file owns everything.
+warning names the ``DS_STRATEGY_*`` variables thereby ignored). Otherwise the file named by
+``DS_STRATEGY_CONFIG`` is read, every other ``DS_STRATEGY_*`` variable overrides one key
+(``ds_strategy.config._env``), then the plugin's ``overrides`` win.
 """
 
 from __future__ import annotations

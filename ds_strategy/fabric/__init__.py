@@ -1,13 +1,10 @@
-"""Lightning Fabric front end: :class:`ZeroStrategy` over the :class:`~ds_strategy.ZeroEngine`.
-
-``import ds_strategy`` registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
-``zero3_offload`` for ``Fabric(strategy=...)`` (see :mod:`ds_strategy.lightning`).
+"""Lightning Fabric front end: ``Fabric(strategy="zero3")`` (``import ds_strategy`` registers
+``zero1`` ... ``zero3_offload``) or :class:`ZeroStrategy` over a :class:`~ds_strategy.ZeroEngine`.
 
 >>> import lightning as L
 >>> import ds_strategy
->>> fabric = L.Fabric(strategy="zero2", accelerator="cpu", devices=1)
->>> type(fabric.strategy).__module__, fabric.strategy.stage
-('ds_strategy.fabric.strategy', 2)
+>>> L.Fabric(strategy="zero2", accelerator="cpu", devices=1).strategy.stage
+2
 """
 
 from __future__ import annotations

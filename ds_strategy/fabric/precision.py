@@ -1,7 +1,5 @@
-"""Fabric's precision plugin under the ZeRO strategy: it only records the flag.
-
-The engine owns precision (``Fabric(precision=...)`` becomes the config's ``bf16``/``fp16``
-section), so this plugin neither autocasts the forward nor converts the module or inputs.
+"""Fabric's precision plugin under the ZeRO strategy: it only carries the flag, which becomes
+the config's ``bf16``/``fp16`` section (no autocast, no conversion of the module or inputs).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,9 +225,3 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
             else:
                 state[name] = saved.pop(name)
         return saved
-
-    def save_consolidated(self, path: str | os.PathLike) -> Path:
-        """Write the consolidated fp32 weights to one file, keyed like the model's
-        ``state_dict()`` (``.safetensors`` or ``torch.save`` by suffix). Collective; rank 0
-        writes."""
-        return self.engine.save_weights(path)

@@ -1,14 +1,7 @@
-"""How a front end's own settings become a ZeRO config (Trainer, Fabric and Accelerate alike).
-
-Two layers of settings meet here: a front end's constructor arguments (``stage``,
-``offload_optimizer``, ...), which override the matching keys of the user's config, and the
-loop's flags (``Trainer(precision=..., accumulate_grad_batches=..., gradient_clip_val=...)``,
-Accelerate's ``mixed_precision``), which must *agree* with the config: when both say
-something different, the user gets an error that names both values and the one to change,
-never a silent choice.
-
-Pure functions of config objects and numbers: no process group, no framework import, so the
-whole mapping is testable in one process.
+"""How a front end's settings become a ZeRO config (Trainer, Fabric and Accelerate alike): its
+constructor arguments (``stage``, ``offload_optimizer``, ...) override the user's config; its
+loop's flags (precision, accumulation, clipping) must *agree* with it, or the error names
+both values and the one to change. Pure functions of configs and numbers.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""What Lightning's two front ends share: the Trainer's and Fabric's ``ZeroStrategy`` (the
-config from constructor arguments and the loop's flags, the engine, meta-device construction,
-registration) and their precision plugins (the flag only: the engine owns precision). The
-processes are set up by the framework's ``DDPStrategy``, which both strategies extend, as
-Lightning's own DeepSpeed strategy does; nothing of it wraps the model.
-
-Only ``ds_strategy.lightning`` and ``ds_strategy.fabric`` import this module; it needs
-``lightning.fabric``, which both of them run on.
+"""What Lightning's Trainer and Fabric strategies share (config from arguments and loop flags,
+the engine, meta-device construction, registration, the flag-only precision plugin). Both
+extend the framework's ``DDPStrategy`` for the processes, as Lightning's DeepSpeed strategy
+does; nothing of it wraps the model. Imported by ``lightning/`` and ``fabric/`` only.
 """
 
 from __future__ import annotations
@@ -126,6 +122,19 @@ class LightningZeroBase:
         if not isinstance(self._engine, ZeroEngine):
             raise RuntimeError(self.not_set_up)
         return self._engine
+
+    def _active(self) -> TrainingEngine:
+        if self._engine is None:
+            raise RuntimeError(self.not_set_up)
+        return self._engine
+
+    def save_consolidated(self, path: str | os.PathLike) -> Path:
+        """The consolidated fp32 weights to one file (``.safetensors`` or ``torch.save`` by
+        suffix), keyed like the user's module's ``state_dict()``. Collective; rank 0 writes::
+
+            trainer.strategy.save_consolidated("model.safetensors")
+        """
+        return self._active().save_weights(path)
 
     def _checkpoint_path(self, path: str | os.PathLike) -> Path:
         """Rank 0's path on every rank, once an asynchronous save has finished renaming."""

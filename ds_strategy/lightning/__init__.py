@@ -1,15 +1,11 @@
-"""Lightning ``Trainer`` front end: :class:`ZeroStrategy` over the :class:`~ds_strategy.ZeroEngine`.
-
-``import ds_strategy`` registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
-``zero3_offload`` in Lightning's strategy registries, for ``Trainer(strategy=...)`` and
-``Fabric(strategy=...)`` alike, as soon as Lightning is imported. Without lightning installed
-it registers nothing and ``import ds_strategy`` still works.
+"""Lightning ``Trainer`` front end: ``Trainer(strategy="zero3")`` (``import ds_strategy``
+registers ``zero1`` ... ``zero3_offload`` for Trainer and Fabric as soon as Lightning is
+imported) or :class:`ZeroStrategy`. Without lightning installed nothing is registered.
 
 >>> import lightning as L
 >>> import ds_strategy
->>> trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=1, logger=False)
->>> type(trainer.strategy).__name__, trainer.strategy.stage
-('ZeroStrategy', 3)
+>>> L.Trainer(strategy="zero3", accelerator="cpu", devices=1, logger=False).strategy.stage
+3
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""``ModelSummary`` with true parameter counts under ZeRO-3.
-
-Under stage 3 a parameter outside its unit's forward is an empty tensor (its storage holds
-only while gathered), so Lightning's summary, which counts ``p.numel()``, would report 0.
-Lightning special-cases its own DeepSpeed strategy for this; for ``ZeroStrategy`` the
-summary callbacks of the Trainer (``ModelSummary`` and ``RichModelSummary``, whose printing
-is kept) are pointed at :class:`ShardedModelSummary`, which counts each parameter's full
-size as recorded by the engine.
+"""``ModelSummary`` with true parameter counts under ZeRO-3, where a parameter outside its
+unit's forward is an empty tensor: the Trainer's summary callbacks (``ModelSummary``,
+``RichModelSummary``) are pointed at :class:`ShardedModelSummary`, which counts each
+parameter's full size as the engine records it (Lightning does the same for DeepSpeed).
 """
 
 from __future__ import annotations

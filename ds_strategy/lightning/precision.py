@@ -1,9 +1,6 @@
-"""The precision plugin of :class:`~ds_strategy.lightning.ZeroStrategy`: Lightning's backward,
-optimizer-step and clipping hooks routed to the ``ZeroEngine``.
-
-The strategy owns precision: the Trainer's ``precision`` flag becomes the config's
-``fp16``/``bf16`` section and the engine casts, scales and unscales. This plugin therefore
-never autocasts; it only records the flag and forwards the loop's calls to the engine.
+"""The precision plugin of :class:`~ds_strategy.lightning.ZeroStrategy`: it records the
+Trainer's ``precision`` flag (the engine casts and scales; no autocast here) and routes
+Lightning's backward, optimizer-step and clipping hooks to the ``ZeroEngine``.
 """
 
 from __future__ import annotations

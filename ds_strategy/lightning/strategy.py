@@ -38,7 +38,6 @@ from torch.optim import Optimizer
 
 from ..core.engine import ZeroEngine
 from ..core.pipeline import PipelineEngine
-from ..core.training import TrainingEngine
 from ..frontends.engines import (
     has_optimizer_state,
     inference_optimizer,
@@ -282,20 +281,14 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass
 
-    def _active(self) -> TrainingEngine:
-        if self._engine is None:
-            raise RuntimeError(self.not_set_up)
-        return self._engine
-
     def save_checkpoint(
         self,
         checkpoint: dict[str, Any],
         filepath: str | os.PathLike,
         storage_options: Any | None = None,
     ) -> None:
-        """Write one sharded checkpoint directory at ``filepath`` (collective: every rank
-        writes its own shards). Lightning's checkpoint dict, less the weights and optimizer
-        state that the engine writes itself, travels as the engine's ``client_state``."""
+        """One sharded checkpoint directory (collective); Lightning's dict, less the weights and
+        optimizer state the engine writes itself, travels as its ``client_state``."""
         if storage_options is not None:
             raise TypeError(
                 "ZeroStrategy does not use a CheckpointIO plugin, so storage_options cannot "
@@ -315,14 +308,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Restore weights, optimizer and engine counters from a directory written by
-        :meth:`save_checkpoint` (any world size or stage); returns Lightning's dict.
-
-        Nothing in the directory is unpickled beyond tensors and plain data unless
-        ``weights_only=False`` (``Trainer.fit(..., weights_only=False)``), Lightning's and
-        torch's way of saying the file is trusted: then it loads with
-        ``trust_checkpoint=True`` (hyper-parameters holding custom objects need it).
-        """
+        """Restore what :meth:`save_checkpoint` wrote (any world size or stage); returns
+        Lightning's dict. Only tensors and plain data are unpickled unless ``weights_only=False``
+        (``Trainer.fit(..., weights_only=False)``: the file is trusted)."""
         trusted = weights_only is False
         path = self._checkpoint_path(checkpoint_path)
         if not path.is_dir():
@@ -344,17 +332,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             path, load_optimizer=fitting, trust_checkpoint=trusted
         )
         return _lightning_state(path, client_state)
-
-    def save_consolidated(self, path: str | os.PathLike) -> Path:
-        """Write the consolidated fp32 weights to one file, keyed like
-        ``lightning_module.state_dict()``; ``.safetensors`` or ``torch.save`` by suffix.
-
-        Collective (call it on every rank); rank 0 writes. Example::
-
-            trainer.fit(model)
-            trainer.strategy.save_consolidated("model.safetensors")
-        """
-        return self._active().save_weights(path)
 
 
 def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
