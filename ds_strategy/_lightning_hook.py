@@ -45,8 +45,17 @@ def register_strategies() -> None:
 _register = register_strategies
 
 
+def _importing_ours() -> bool:
+    """A module of ours is being imported (and imports Lightning): registering now would import
+    it half-done. Our Lightning front ends register at the end of their own import instead."""
+    ours = [m for n, m in list(sys.modules.items()) if n.startswith("ds_strategy.")]
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False) for m in ours)
+
+
 def _register_after_import() -> None:
     """Inside the user's ``import lightning``: a failure to register must not fail that import."""
+    if _importing_ours():
+        return
     try:
         _register()
     except Exception as e:  # noqa: BLE001 - reported, and the names stay unregistered

@@ -58,6 +58,24 @@ def test_import_defers_lightning_until_the_user_imports_it() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("first", ["ds_strategy.fabric", "ds_strategy.lightning"])
+def test_importing_a_front_end_first_still_registers_both(first: str) -> None:
+    """A front end's own import is what imports Lightning: the names still appear, for the
+    Trainer and Fabric alike, without a warning."""
+    script = (
+        f"import warnings; warnings.simplefilter('error', RuntimeWarning)\n"
+        f"from {first} import ZeroStrategy\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'zero3' in StrategyRegistry and 'zero3' in STRATEGY_REGISTRY\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "name, stage, opt_device, param_device",
     [

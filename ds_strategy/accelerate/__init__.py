@@ -1,9 +1,6 @@
-"""Accelerate front end: ``ZeroAccelerator`` in place of ``accelerate.Accelerator``, launched
+"""Accelerate front end: :class:`ZeroAccelerator` in place of ``accelerate.Accelerator``, launched
 with a standard accelerate config; the ZeRO settings come from a :class:`ZeroPlugin` or from
-``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_<KEY>`` variables (``ds_strategy.config._env``)::
-
-    DS_STRATEGY_CONFIG=configs/zero3.yaml \\
-        accelerate launch --config_file configs/accelerate/cpu_2proc.yaml train.py
+``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_<KEY>`` variables.
 
 >>> from ds_strategy.accelerate import ZeroPlugin
 >>> ZeroPlugin(overrides={"zero_optimization.stage": 3}).load({}).zero_optimization.stage

@@ -1,15 +1,32 @@
-"""What a :class:`~ds_strategy.accelerate.ZeroAccelerator` does alike with a ZeRO engine and a
-pipeline: the facts its config's ``"auto"`` values take, the optimizer to shard, the objects
-it hands Accelerate, the checkpoint. ``_engine.py`` and ``_pipeline.py`` hold the rest.
+"""What a :class:`~ds_strategy.accelerate.ZeroAccelerator` does alike with a ZeRO engine
+(``_engine.py``) and a pipeline (``_pipeline.py``): ``prepare``, the facts its config's
+``"auto"`` values take, the optimizer to shard, the objects it hands Accelerate, the checkpoint.
+
+[Note: save_state / load_state]
+The engine writes its sharded checkpoint under ``<output_dir>/zero_checkpoint``; beside it, as
+with DeepSpeed, Accelerate's own helpers write what else it tracks (schedulers, samplers, RNG
+states, its step, objects registered for checkpointing). A rank failing in its own part (a
+read-only mount, a hook raising) fails every rank instead of leaving them waiting in the next
+collective (``together``, see core/faults.py).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    save_accelerator_state,
+    save_custom_state,
+)
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
@@ -18,49 +35,60 @@ from torch.utils.data import DataLoader
 from ..config import ZeroConfig
 from ..config._auto import LoopFacts
 from ..core import ZeroEngine
+from ..core.checkpoint.trust import loads
+from ..core.collectives import Comm
+from ..core.faults import together
 from ..core.optimizers import build_optimizer
 from ..core.training import TrainingEngine
-from . import _state
-from ._driver import EngineSchedulerWrapper
 from .plugin import ZeroPlugin
 
-__all__ = ["Front"]
+__all__ = ["ENGINE_DIR", "EngineSchedulerWrapper", "Front"]
+
+ENGINE_DIR = "zero_checkpoint"
+
+
+class EngineSchedulerWrapper(AcceleratedScheduler):
+    """A scheduler the engine steps: ``step()`` is a no-op, as in ``DeepSpeedSchedulerWrapper``."""
+
+    def step(self, *args: object, **kwargs: object) -> None:
+        pass
 
 
 class Front:
-    """The accelerator's side of one kind of engine (a ZeRO engine or a pipeline): the
-    accelerator's methods call it instead of asking which. ``trained`` is the engine once
-    ``prepare`` built it."""
+    """The accelerator's side of one kind of engine, so its methods need not ask which.
+    Once ``prepare`` built it, ``trained`` is the engine and ``model`` what it returned."""
 
     trained: TrainingEngine | None = None
+    model_kind = "the model"  # what prepare() takes as the model, for its errors
+    engine_schedulers: tuple[type, ...] = (DummyScheduler,)  # the engine builds and steps these
 
     def __init__(self, acc: Accelerator, cfg: ZeroConfig, plugin: ZeroPlugin) -> None:
-        self.acc = acc
-        self.cfg = cfg
-        self.plugin = plugin
+        self.acc, self.cfg, self.plugin = acc, cfg, plugin
         self.adopt_steps: Callable[[int], None] = lambda steps: None  # set by the accelerator
-
-    @property
-    def config(self) -> ZeroConfig:
-        return self.trained.config if self.trained is not None else self.cfg
+        self.model: nn.Module | None = None
+        self.batch_sizes: list[int] = []  # of the loaders prepared, per (data-parallel) rank
 
     @property
     def zero_engine(self) -> ZeroEngine | None:
-        """The ZeRO engine (None before ``prepare``, and for a pipeline)."""
         return None
 
     def owns(self, model: Any) -> bool:
-        return self.trained is not None and (model is self.trained or model is self.trained.module)
+        t = self.trained
+        return t is not None and any(model is m for m in (self.model, t, t.module))
 
-    model_kind = "the model"  # what prepare() takes as the model, for its errors
+    def unwrap(self, model: Any) -> nn.Module | None:
+        return self.trained.module if self.owns(model) else None  # type: ignore[union-attr]
 
     def prepare(self, args: tuple[Any, ...]) -> list[Any]:
         """Loaders, then the model with its optimizer (and a scheduler the engine builds), then
         the loop's own schedulers; anything else passes through."""
-        out = [self.prepare_loader(o) if isinstance(o, DataLoader) else o for o in args]
-        models = [i for i, o in enumerate(args) if not prepared(o) and self.is_model(o)]
-        opts = [i for i, o in enumerate(args) if not prepared(o) and is_optimizer(o)]
-        scheds = [i for i, o in enumerate(args) if self.engine_scheduler(o)]
+        fresh = [(i, o) for i, o in enumerate(args) if not prepared(o)]
+        out = list(args)
+        for i, o in fresh:
+            out[i] = self.prepare_loader(o) if isinstance(o, DataLoader) else o
+        models = [i for i, o in fresh if self.is_model(o)]
+        opts = [i for i, o in fresh if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
+        scheds = [i for i, o in enumerate(args) if isinstance(o, self.engine_schedulers)]
         if models or opts:
             if self.trained is not None:
                 raise ValueError(
@@ -104,36 +132,80 @@ class Front:
     def register(
         self, model: nn.Module, wrapper: Any, scheduler: Any
     ) -> EngineSchedulerWrapper | None:
-        """Hand Accelerate the prepared model and optimizer; wrap a scheduler the engine owns
-        (saved with the engine's checkpoint, stepped by the engine)."""
+        """Hand Accelerate the prepared model and optimizer; wrap a scheduler the engine owns."""
         self.acc._models.append(model)
         self.acc._optimizers.append(wrapper)
         return None if scheduler is None else EngineSchedulerWrapper(scheduler, wrapper)
 
-    def state_dict(self, unwrap: bool) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights on every rank (collective), keyed like the user's
-        ``model.state_dict()`` (``unwrap=False``: prefixed ``module.``)."""
-        assert self.trained is not None
-        state = self.trained.full_state_dict()
-        return state if unwrap else {f"module.{k}": v for k, v in state.items()}
-
     def save_state(self, output_dir: str | None, safe_serialization: bool) -> str:
-        assert self.trained is not None
-        return _state.save_state(self.acc, self.trained, output_dir, safe_serialization)
+        """Collective (see the note on save_state)."""
+        acc, engine = self.acc, self.trained
+        assert engine is not None
+        path = _save_dir(acc, output_dir)
+        world = Comm()
+        on_each_node = acc.project_configuration.save_on_each_node
+        with together(world):
+            os.makedirs(path, exist_ok=True)
+            # as with DeepSpeed: the hooks get the engine, no consolidated weights
+            for hook in acc._save_model_state_pre_hook.values():
+                hook(acc._models, [], path)
+        engine.save_checkpoint(os.path.join(path, ENGINE_DIR))
+        with together(world):
+            save_accelerator_state(
+                path,
+                [],
+                [],
+                acc._schedulers,
+                acc._dataloaders,
+                acc.state.process_index,
+                acc.step,
+                None,
+                save_on_each_node=on_each_node,
+                safe_serialization=safe_serialization,
+            )
+            for i, obj in enumerate(acc._custom_objects):
+                save_custom_state(obj, path, i, save_on_each_node=on_each_node)
+        acc.project_configuration.iteration += 1
+        return path
 
     def load_state(self, input_dir: str | None, trust_checkpoint: bool) -> None:
-        assert self.trained is not None
-        _state.load_state(self.acc, self.trained, input_dir, trust_checkpoint)
+        """Collective. Only tensors and plain data are unpickled (the engine's checkpoint, and
+        registered objects, which Accelerate would unpickle in full) unless ``trust_checkpoint``."""
+        acc, engine = self.acc, self.trained
+        assert engine is not None
+        world = Comm()
+        with together(world):
+            path = _load_dir(acc, input_dir)
+            for hook in acc._load_model_state_pre_hook.values():
+                hook(acc._models, path)
+        engine.load_checkpoint(os.path.join(path, ENGINE_DIR), trust_checkpoint=trust_checkpoint)
+        with together(world):
+            rank, objects = acc.state.process_index, acc._custom_objects
+            restored = load_accelerator_state(
+                path, [], [], acc._schedulers, acc._dataloaders, rank, None, "cpu"
+            )
+            if "step" in restored:
+                acc.step = restored["step"]
+            saved = [f for f in os.listdir(path) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f)]
+            if len(saved) != len(objects):
+                raise RuntimeError(
+                    f"{path}: {len(saved)} custom checkpoint(s) saved but {len(objects)} "
+                    "object(s) registered with register_for_checkpointing; register the same "
+                    "objects"
+                )
+            for i, obj in enumerate(objects):
+                f = Path(path) / f"custom_checkpoint_{i}.pkl"
+                obj.load_state_dict(loads(f.read_bytes(), str(f), trust_checkpoint))
 
     def free(self) -> None:
         if self.trained is not None:
             self.trained.destroy()
-        self.trained = None
+        self.trained = self.model = None
+        self.batch_sizes = []
 
 
 def torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
-    """The optimizer to shard: built from the config's section for a ``DummyOptim`` ("auto"
-    lr / weight decay filled from it), else the user's own, which must not meet a section."""
+    """The optimizer to shard: the config's for a ``DummyOptim``, else the user's own."""
     if isinstance(optimizer, DummyOptim):
         if cfg.optimizer is None:
             raise ValueError(
@@ -150,19 +222,55 @@ def torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
     return optimizer
 
 
-def scheduler_of(sched: Any) -> Any:
-    """What the engine builds its scheduler from: a DummyScheduler's callable, or the
-    scheduler itself."""
-    return sched.lr_scheduler_callable if isinstance(sched, DummyScheduler) else sched
-
-
-def is_optimizer(obj: Any) -> bool:
-    return isinstance(obj, (torch.optim.Optimizer, DummyOptim))
-
-
-def is_scheduler(obj: Any) -> bool:
-    return isinstance(obj, (LRScheduler, DummyScheduler))
-
-
 def prepared(obj: Any) -> bool:
     return bool(getattr(obj, "_is_accelerate_prepared", False))
+
+
+def _iteration(folder: str) -> int:
+    found = re.findall(r"(\d+)$", os.path.basename(folder.rstrip("/")))
+    return int(found[0]) if found else -1
+
+
+def _automatic_dirs(acc: Accelerator) -> list[str]:
+    root = os.path.join(acc.project_dir, "checkpoints")
+    found = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((os.path.join(root, f) for f in found), key=_iteration)
+
+
+def _save_dir(acc: Accelerator, output_dir: str | None) -> str:
+    """``output_dir``, or the next ``checkpoints/checkpoint_<i>`` as Accelerate names it."""
+    config = acc.project_configuration
+    if not config.automatic_checkpoint_naming:
+        if output_dir is None:
+            raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
+        return os.fspath(output_dir)
+    existing = _automatic_dirs(acc)
+    limit = config.total_limit
+    if limit is not None and len(existing) + 1 > limit and acc.is_main_process:
+        for folder in existing[: len(existing) + 1 - limit]:
+            shutil.rmtree(folder)
+    path = os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{acc.save_iteration}")
+    if os.path.exists(path):
+        raise ValueError(
+            f"{path} already exists: set accelerator.project_configuration.iteration to the "
+            "iteration to save next"
+        )
+    acc.wait_for_everyone()  # every rank checked before any rank creates it
+    return path
+
+
+def _load_dir(acc: Accelerator, input_dir: str | None) -> str:
+    if input_dir is not None:
+        path = os.path.expanduser(os.fspath(input_dir))
+    elif acc.project_configuration.automatic_checkpoint_naming:
+        found = _automatic_dirs(acc)
+        if not found:
+            raise ValueError(f"no checkpoint under {os.path.join(acc.project_dir, 'checkpoints')}")
+        path = found[-1]
+    else:
+        raise ValueError("load_state needs input_dir (or automatic_checkpoint_naming)")
+    if not os.path.isdir(os.path.join(path, ENGINE_DIR)):
+        raise FileNotFoundError(
+            f"{path}: no {ENGINE_DIR}/ here; pass a directory written by ZeroAccelerator.save_state"
+        )
+    return path

@@ -1,33 +1,32 @@
 """A :class:`ZeroAccelerator` whose config has a ``pipeline`` section (``stages > 1``): the
 model becomes a :class:`~ds_strategy.core.pipeline.PipelineEngine` and the loop calls
 ``loss = model.train_batch(inputs, targets)``, as with DeepSpeed's pipeline engine (one call
-runs the schedule over ``gradient_accumulation_steps`` micro-batches, clips by the global
-norm across stages and steps the optimizer and the lr scheduler).
+runs ``gradient_accumulation_steps`` micro-batches, clips, steps optimizer and scheduler).
 
 [Note: data-parallel sharding]
-Every stage of one pipeline reads the same samples (the first stage their inputs, the last
-their targets), so loaders are sharded over the data-parallel ranks: ``dp_size =
-num_processes // stages``, ``dp_rank = process_index % dp_size`` (the layout of
-:class:`~ds_strategy.core.pipeline.Mesh`). One loader batch is this data-parallel rank's
-share of a step: ``gradient_accumulation_steps x train_micro_batch_size_per_gpu`` samples.
+Every stage of one pipeline reads the same samples, so loaders are sharded over the
+data-parallel ranks (``dp_size = num_processes // stages``, ``dp_rank = process_index %
+dp_size``, as in ``core.pipeline.Mesh``). One loader batch is this rank's share of a step:
+``gradient_accumulation_steps x train_micro_batch_size_per_gpu`` samples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils.deepspeed import DummyScheduler
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..config import ZeroConfig
 from ..config._auto import fill_auto
 from ..core.pipeline import PipelineEngine
-from ._front import Front, is_scheduler, prepared, scheduler_of, torch_optimizer
+from ._front import Front, torch_optimizer
 from .plugin import ZeroPlugin
 
 __all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
@@ -63,13 +62,19 @@ _REFUSED = {
 }
 
 
+def _refusing(what: str) -> Callable[..., NoReturn]:
+    """A :class:`PipelineFront` method for a call that ``train_batch`` makes itself."""
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(_REFUSED[what])
+
+    return refuse
+
+
 class PipelineModel(nn.Module):
-    """What ``prepare`` returns for the model: ``train_batch(inputs, targets)`` /
-    ``eval_batch(inputs, targets)`` run the schedule on this data-parallel rank's batch and
+    """What ``prepare`` returns for the model: ``train_batch`` / ``eval_batch(inputs, targets)``
     return the global batch's mean loss on every rank (collective). ``module`` is this rank's
-    stage (its layers under their index in the whole ``nn.Sequential``); ``engine`` the
-    pipeline, whose attributes (``stage_id``, ``num_stages``, ``global_steps``, ...) this
-    model answers too."""
+    stage; ``engine`` the pipeline, whose attributes this model answers too."""
 
     def __init__(self, engine: PipelineEngine) -> None:
         super().__init__()
@@ -104,9 +109,8 @@ class PipelineModel(nn.Module):
 
 
 class PipelineOptimizer(AcceleratedOptimizer):
-    """What ``prepare`` returns for the optimizer: this rank's shard of the engine's
-    optimizer. ``train_batch`` already stepped it and zeroed the gradients, so ``step()`` and
-    ``zero_grad()`` do nothing (a loop written for plain Accelerate keeps working)."""
+    """What ``prepare`` returns for the optimizer: this rank's shard of the engine's optimizer,
+    which ``train_batch`` steps and zeroes, so ``step()`` and ``zero_grad()`` do nothing."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: PipelineModel) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
@@ -128,10 +132,18 @@ class PipelineOptimizer(AcceleratedOptimizer):
 
 
 class PipelineFront(Front):
-    """The accelerator's pipeline side: the data-parallel layout, the loaders' batch sizes,
-    the pipeline once prepared. Checks at construction what would fail after the build."""
+    """The accelerator's pipeline side; checks at construction what would fail after the build."""
 
     trained: PipelineEngine | None = None
+    model: PipelineModel | None
+    model_kind = "the model (an nn.Sequential or a list of layers)"
+    engine_schedulers = (LRScheduler, DummyScheduler)  # stepped inside train_batch
+    backward = _refusing("backward")
+    check_accumulate = _refusing("accumulate")
+    no_sync = _refusing("no_sync")
+    clip_grad_norm_ = _refusing("clip_grad_norm_")
+    clip_grad_value_ = _refusing("clip_grad_value_")
+    prepare_scheduler = scheduler_alone = _refusing("prepare_scheduler")
 
     def __init__(self, acc: Accelerator, cfg: ZeroConfig, plugin: ZeroPlugin) -> None:
         super().__init__(acc, cfg, plugin)
@@ -157,17 +169,6 @@ class PipelineFront(Front):
             )
         self.dp_size = world // stages
         self.dp_rank = acc.process_index % self.dp_size
-        self.model: PipelineModel | None = None
-        self._batch_sizes: list[int] = []
-
-    def refuse(self, what: str) -> NoReturn:
-        raise RuntimeError(_REFUSED[what])
-
-    def owns(self, model: Any) -> bool:
-        m = self.model
-        return m is not None and (model is m or model is m.module or model is m.engine)
-
-    model_kind = "the model (an nn.Sequential or a list of layers)"
 
     def is_model(self, obj: Any) -> bool:
         if isinstance(obj, nn.Module):
@@ -175,20 +176,9 @@ class PipelineFront(Front):
         layers = isinstance(obj, (list, tuple)) and bool(obj)
         return layers and all(isinstance(m, nn.Module) for m in obj)
 
-    def engine_scheduler(self, obj: Any) -> bool:
-        return is_scheduler(obj)  # the engine steps it inside train_batch
-
-    def scheduler_alone(self) -> NoReturn:
-        self.refuse("prepare_scheduler")
-
-    def prepare_scheduler(self, scheduler: Any) -> NoReturn:
-        self.refuse("prepare_scheduler")
-
     def prepare_loader(self, loader: Any) -> Any:
         """Shard ``loader`` over the data-parallel ranks (see the module note)."""
         acc = self.acc
-        if prepared(loader):
-            return loader
         if acc.dispatch_batches:
             raise ValueError(
                 "dispatch_batches=True is not available with a pipeline config (process 0 "
@@ -205,7 +195,7 @@ class PipelineFront(Front):
             size //= self.dp_size
         if size is not None:
             self._check_batch(size)
-            self._batch_sizes.append(size)
+            self.batch_sizes.append(size)
         out = prepare_data_loader(
             loader,
             acc.device,
@@ -238,11 +228,11 @@ class PipelineFront(Front):
             )
 
     def _micro_batch(self) -> int | None:
+        if not self.batch_sizes:
+            return None
         gas_cfg = self.cfg.gradient_accumulation_steps
         gas = gas_cfg if isinstance(gas_cfg, int) else self.acc.gradient_accumulation_steps
-        if not self._batch_sizes:
-            return None
-        batch = min(self._batch_sizes)
+        batch = min(self.batch_sizes)
         if batch % gas:
             raise ValueError(
                 f"the loader's batch of {batch} samples per data-parallel rank does not divide "
@@ -254,43 +244,14 @@ class PipelineFront(Front):
     def build(
         self, layers: Any, user_optimizer: Any, sched: Any
     ) -> tuple[PipelineModel, PipelineOptimizer, Any]:
-        if self.trained is not None:
-            raise ValueError(
-                "this ZeroAccelerator already prepared a pipeline model; create another "
-                "ZeroAccelerator for another model"
-            )
         cfg = fill_auto(self.cfg, self.facts(user_optimizer, self.dp_size, self._micro_batch()))
         optimizer = torch_optimizer(cfg, user_optimizer)
-        engine = PipelineEngine(
-            layers, optimizer, cfg, self.plugin.loss_fn, lr_scheduler=scheduler_of(sched)
-        )
-        self.trained = engine
-        self.model = PipelineModel(engine)
-        for size in self._batch_sizes:  # loaders prepared before the model
+        if isinstance(sched, DummyScheduler):  # the engine builds its scheduler from the callable
+            sched = sched.lr_scheduler_callable
+        engine = PipelineEngine(layers, optimizer, cfg, self.plugin.loss_fn, lr_scheduler=sched)
+        self.trained, self.model = engine, PipelineModel(engine)
+        for size in self.batch_sizes:  # loaders prepared before the model
             self._check_batch(size)
         self.adopt_steps(engine.micro_batches)
         wrapper = PipelineOptimizer(engine.optimizer, self.model)
         return self.model, wrapper, self.register(self.model, wrapper, engine.lr_scheduler)
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> NoReturn:
-        self.refuse("backward")
-
-    def check_accumulate(self) -> NoReturn:
-        self.refuse("accumulate")
-
-    def no_sync(self, model: nn.Module) -> AbstractContextManager:
-        self.refuse("no_sync")
-
-    def clip_grad_norm_(self, parameters: Iterable[Any], max_norm: float, norm_type: float) -> Any:
-        self.refuse("clip_grad_norm_")
-
-    def clip_grad_value_(self, parameters: Iterable[Any], clip_value: float) -> NoReturn:
-        self.refuse("clip_grad_value_")
-
-    def unwrap(self, model: Any) -> nn.Module | None:
-        return self.model.module if self.owns(model) else None  # type: ignore[union-attr]
-
-    def free(self) -> None:
-        super().free()
-        self.model = None
-        self._batch_sizes = []

@@ -1,8 +1,6 @@
-"""``ZeroAccelerator``: ``accelerate.Accelerator`` with ZeRO sharding from ds_strategy's engine.
-
-Accelerate has no registry for third-party engines, so this subclass overrides the methods
-where a DDP-wrapped model and a sharded engine differ and leaves the rest to Accelerate.
-"""
+"""``ZeroAccelerator``: ``accelerate.Accelerator`` with ZeRO sharding. Accelerate has no
+registry for third-party engines, so this subclass overrides the methods where a DDP-wrapped
+model and a sharded engine differ and leaves the rest to Accelerate."""
 
 from __future__ import annotations
 
@@ -44,28 +42,17 @@ _OTHER_ENGINE_ENV = {
 _SUPPORTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
-def _no_accelerator_device() -> bool:
-    probe = getattr(torch, "accelerator", None)
-    if probe is not None and hasattr(probe, "is_available"):
-        return not probe.is_available()
-    return not torch.cuda.is_available()
-
-
 class ZeroAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` whose ``prepare`` wraps the model and optimizer in a
     ZeRO-sharded :class:`~ds_strategy.ZeroEngine` (stage 0-3) instead of DDP. A loop written
-    for ``Accelerator`` runs unchanged (``backward``, ``accumulate``, ``clip_grad_norm_``,
-    schedulers, ``optimizer.step_was_skipped``, ``get_state_dict`` / ``save_model`` with
-    consolidated weights, ``save_state`` / ``load_state`` with sharded checkpoints).
+    for ``Accelerator`` runs unchanged, with consolidated weights and sharded checkpoints.
 
     Args:
-        zero_plugin: the ZeRO config (:class:`ZeroPlugin`); ``None`` reads the file named by
-            ``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_*`` overrides.
+        zero_plugin: the ZeRO config; ``None``: ``ZeroPlugin()``, read from the environment.
         **kwargs: ``accelerate.Accelerator``'s. ``mixed_precision`` maps onto the config's
-            ``fp16``/``bf16``; DeepSpeed/FSDP/Megatron plugins, parallelism configs and
-            ``dynamo_backend`` are refused.
+            ``fp16``/``bf16``; other engines' plugins and ``dynamo_backend`` are refused.
 
-    Swap the class in a plain Accelerate loop and start it with a standard accelerate config::
+    Swap the class in a plain Accelerate loop and launch it with a standard accelerate config::
 
         DS_STRATEGY_CONFIG=configs/zero3.yaml \\
             accelerate launch --config_file configs/accelerate/cpu_2proc.yaml train.py
@@ -83,31 +70,6 @@ class ZeroAccelerator(Accelerator):
         if self._launched_on_cpu(kwargs):
             kwargs["cpu"] = True
         super().__init__(**kwargs)
-        self._check_state()
-        # checked now so a precision conflict fails before any model is built
-        cfg = apply_mixed_precision(loaded, str(self.state.mixed_precision))
-        # The engine owns precision (casting, loss scaling), not torch.amp: no GradScaler here.
-        self.scaler = None
-        self.native_amp = False
-        # the training mode's side, chosen once: a pipeline section makes the model a
-        # PipelineEngine driven by train_batch (see _pipeline.py), else a ZeroEngine
-        front = PipelineFront if int(cfg.pipeline.stages) > 1 else EngineFront
-        self._front: EngineFront | PipelineFront = front(self, cfg, self.zero_plugin)
-        self._front.adopt_steps = self._adopt_accumulation_steps
-        if isinstance(cfg.gradient_accumulation_steps, int):
-            self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
-
-    @staticmethod
-    def _launched_on_cpu(kwargs: dict[str, Any]) -> bool:
-        """Several processes but no GPU: run on CPU with gloo (``accelerate launch`` starts
-        CPU processes only through mpirun; a MULTI_GPU config starts them with torchrun, and
-        on a machine without GPUs a plain Accelerator would fall back to one process each)."""
-        if kwargs.get("cpu") or PartialState._shared_state:
-            return False
-        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ
-        return launched and _no_accelerator_device()
-
-    def _check_state(self) -> None:
         if self.distributed_type not in _SUPPORTED_TYPES:
             raise ValueError(
                 f"ZeroAccelerator runs on CPU (gloo) and CUDA (NCCL) processes; this launch is "
@@ -119,6 +81,28 @@ class ZeroAccelerator(Accelerator):
                 "dynamo_backend (torch.compile through Accelerate) is not supported by "
                 "ZeroAccelerator; set dynamo_backend to 'no'"
             )
+        # now, so that a precision conflict fails before any model is built
+        cfg = apply_mixed_precision(loaded, str(self.state.mixed_precision))
+        self.scaler = None  # the engine owns precision (casting, loss scaling), not torch.amp
+        self.native_amp = False
+        front = PipelineFront if int(cfg.pipeline.stages) > 1 else EngineFront
+        self._front: EngineFront | PipelineFront = front(self, cfg, self.zero_plugin)
+        self._front.adopt_steps = self._adopt_accumulation_steps
+        if isinstance(cfg.gradient_accumulation_steps, int):
+            self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
+
+    @staticmethod
+    def _launched_on_cpu(kwargs: dict[str, Any]) -> bool:
+        """Several processes but no GPU: run on CPU with gloo (a MULTI_GPU config starts them
+        with torchrun; without GPUs a plain Accelerator would fall back to one process each)."""
+        if kwargs.get("cpu") or PartialState._shared_state:
+            return False
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "LOCAL_RANK" not in os.environ:
+            return False
+        probe = getattr(torch, "accelerator", None)
+        if probe is not None and hasattr(probe, "is_available"):
+            return not probe.is_available()
+        return not torch.cuda.is_available()
 
     def _adopt_accumulation_steps(self, steps: int) -> None:
         current = self.gradient_state.num_steps
@@ -133,9 +117,8 @@ class ZeroAccelerator(Accelerator):
             self.gradient_accumulation_steps = steps  # type: ignore[has-type]
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Like ``Accelerator.prepare``: dataloaders are sharded by rank as Accelerate does; the
-        model and its optimizer (passed together) become a :class:`~ds_strategy.ZeroEngine`
-        and a wrapper of its rebuilt optimizer; schedulers are moved onto that optimizer."""
+        """Like ``Accelerator.prepare``; the model and its optimizer (passed together) become a
+        :class:`~ds_strategy.ZeroEngine` and its rebuilt optimizer, which schedulers move onto."""
         if device_placement is not None:
             raise ValueError("prepare(device_placement=...) is not supported by ZeroAccelerator")
         out = self._front.prepare(args)
@@ -146,7 +129,6 @@ class ZeroAccelerator(Accelerator):
         return tuple(out) if len(out) > 1 else out[0]
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
-        """Wrap ``scheduler`` as Accelerate does, after moving it onto the engine's optimizer."""
         return self._front.prepare_scheduler(scheduler)
 
     def prepare_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
@@ -165,11 +147,11 @@ class ZeroAccelerator(Accelerator):
     @property
     def zero_config(self) -> ZeroConfig:
         """The engine's resolved config after ``prepare``; before it, the loaded config."""
-        return self._front.config
+        trained = self._front.trained
+        return trained.config if trained is not None else self._front.cfg
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``engine.backward``: the loss is divided by ``gradient_accumulation_steps`` and
-        gradients are reduced into the shards while backward runs."""
+        """``engine.backward``: the loss is divided by ``gradient_accumulation_steps``."""
         self._front.backward(loss, **kwargs)
 
     @contextlib.contextmanager
@@ -186,37 +168,33 @@ class ZeroAccelerator(Accelerator):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
-        """The global L2 norm of all the model's gradients (every shard), which are clipped to
-        ``max_norm`` exactly as ``torch.nn.utils.clip_grad_norm_`` would clip the full
-        gradients. Call it at an accumulation boundary, after ``backward``, before
-        ``optimizer.step()`` (which then applies the clipped gradients)."""
+        """The global L2 norm of all the model's gradients (every shard), clipped to ``max_norm``
+        as ``torch.nn.utils.clip_grad_norm_`` clips full gradients. Call it at an accumulation
+        boundary, between ``backward`` and ``optimizer.step()``."""
         return self._front.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         self._front.clip_grad_value_(parameters, clip_value)
 
     def unwrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        """The user's model inside the engine (under a pipeline: this rank's stage). Under
-        ZeRO-3 its sharded parameters are empty outside forward: read weights with
-        :meth:`get_state_dict`."""
+        """The user's model (under a pipeline: this rank's stage). Under ZeRO-3 its parameters
+        are empty outside forward: read weights with :meth:`get_state_dict`."""
         mine = self._front.unwrap(model)
         return mine if mine is not None else super().unwrap_model(model, *args, **kwargs)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every rank, keyed like ``model.state_dict()``
-        (``unwrap=False``: prefixed ``module.`` like the engine's own keys). Collective under
-        ZeRO-3 and with a pipeline: call it on every rank."""
-        if self._front.owns(model):
-            return self._front.state_dict(unwrap)
-        return super().get_state_dict(model, unwrap)
+        (``unwrap=False``: prefixed ``module.``). Collective: call it on every rank."""
+        if not self._front.owns(model):
+            return super().get_state_dict(model, unwrap)
+        state = self._front.trained.full_state_dict()  # type: ignore[union-attr]
+        return state if unwrap else {f"module.{k}": v for k, v in state.items()}
 
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
     ) -> str:
-        """Save the training state: the engine's sharded checkpoint (every rank writes its own
-        shard, under ``<output_dir>/zero_checkpoint``; with a pipeline one directory per
-        stage), plus Accelerate's schedulers, samplers, RNG states and registered objects.
-        Collective."""
+        """The engine's sharded checkpoint (under ``<output_dir>/zero_checkpoint``) plus
+        Accelerate's schedulers, samplers, RNG states and registered objects. Collective."""
         if self._front.trained is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
         if kwargs:
@@ -232,12 +210,8 @@ class ZeroAccelerator(Accelerator):
         **kwargs: Any,
     ) -> None:
         """Restore what :meth:`save_state` wrote, at any world size or ZeRO stage (a pipeline:
-        the same stages). Collective.
-
-        Only tensors and plain data are unpickled, from the engine's checkpoint and from the
-        objects registered with ``register_for_checkpointing``, unless
-        ``trust_checkpoint=True`` (for a checkpoint from a source you trust that holds other
-        objects)."""
+        the same stages). Collective. Only tensors and plain data are unpickled (engine and
+        registered objects) unless ``trust_checkpoint=True``, for a trusted source."""
         if self._front.trained is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
         if kwargs or load_kwargs:

@@ -1,10 +1,10 @@
 """``ZeroPlugin``: where a :class:`~ds_strategy.accelerate.ZeroAccelerator` gets its ZeRO config.
 
 [Note: precedence]
-``ZeroPlugin(config=...)`` given in code is the whole story: the environment is not read (a
-warning names the ``DS_STRATEGY_*`` variables thereby ignored). Otherwise the file named by
-``DS_STRATEGY_CONFIG`` is read, every other ``DS_STRATEGY_*`` variable overrides one key
-(``ds_strategy.config._env``), then the plugin's ``overrides`` win.
+``ZeroPlugin(config=...)`` is the whole story: the environment is not read (a warning names the
+``DS_STRATEGY_*`` variables ignored). Otherwise the file named by ``DS_STRATEGY_CONFIG`` is
+read, each other ``DS_STRATEGY_*`` variable overrides one key (``ds_strategy.config._env``),
+then the plugin's ``overrides`` win.
 """
 
 from __future__ import annotations
@@ -26,18 +26,15 @@ class ZeroPlugin:
     """The ZeRO configuration of a :class:`~ds_strategy.accelerate.ZeroAccelerator`.
 
     Args:
-        config: a dict, a path to a ``.json``/``.yaml`` file, a :class:`~ds_strategy.ZeroConfig`
-            or an omegaconf node, keyed like DeepSpeed's JSON (``"auto"`` values allowed).
-            ``None``: the file named by ``DS_STRATEGY_CONFIG`` plus ``DS_STRATEGY_*``
-            overrides, or all defaults (stage 0) when unset.
-        gradient_clipping: the value an ``"auto"`` ``gradient_clipping`` takes (as
-            Accelerate's ``DeepSpeedPlugin(gradient_clipping=...)``). Left ``None``, ``"auto"``
-            means 0: the engine clips only when the loop calls
+        config: a dict, a ``.json``/``.yaml`` path, a :class:`~ds_strategy.ZeroConfig` or an
+            omegaconf node, keyed like DeepSpeed's JSON (``"auto"`` allowed). ``None``: from the
+            environment (see the note), or all defaults (stage 0) when unset.
+        gradient_clipping: the value an ``"auto"`` ``gradient_clipping`` takes (as in
+            ``DeepSpeedPlugin``). ``None``: 0, the engine clips only when the loop calls
             ``accelerator.clip_grad_norm_``, as with a plain ``Accelerator``.
         overrides: dotted keys applied last, e.g. ``{"zero_optimization.stage": 3}``.
         loss_fn: ``fn(output, target) -> loss`` of one micro-batch; required with a
-            ``pipeline`` section (``stages > 1``), where the last stage computes the loss
-            inside ``model.train_batch(inputs, targets)``.
+            ``pipeline`` section, whose last stage computes the loss in ``train_batch``.
 
     >>> ZeroPlugin(config={"zero_optimization": {"stage": 2}}).load().zero_optimization.stage
     2
@@ -49,9 +46,8 @@ class ZeroPlugin:
     loss_fn: Callable[[Any, Any], Any] | None = None
 
     def load(self, environ: Mapping[str, str] | None = None) -> ZeroConfig:
-        """The validated, not yet resolved config (``"auto"`` values kept); see the module note
-        on precedence. Raises :class:`~ds_strategy.config.ConfigError` naming the key, the file
-        or the environment variable at fault."""
+        """The validated config, ``"auto"`` values kept (see the note on precedence). Raises
+        :class:`~ds_strategy.config.ConfigError` naming the key, file or variable at fault."""
         env = os.environ if environ is None else environ
         if self.config is None:
             cfg = config_from_env(env)

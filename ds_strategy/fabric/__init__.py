@@ -1,5 +1,4 @@
-"""Lightning Fabric front end: ``Fabric(strategy="zero3")`` (``import ds_strategy`` registers
-``zero1`` ... ``zero3_offload``) or :class:`ZeroStrategy` over a :class:`~ds_strategy.ZeroEngine`.
+"""Lightning Fabric front end: :class:`ZeroStrategy`, or ``Fabric(strategy="zero3")``.
 
 >>> import lightning as L
 >>> import ds_strategy
@@ -9,7 +8,10 @@
 
 from __future__ import annotations
 
+from .._lightning_hook import register_strategies
 from .precision import ZeroFabricPrecision
 from .strategy import ZeroStrategy
+
+register_strategies()  # when this import is what imported Lightning
 
 __all__ = ["ZeroFabricPrecision", "ZeroStrategy"]

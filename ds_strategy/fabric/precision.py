@@ -1,6 +1,4 @@
-"""Fabric's precision plugin under the ZeRO strategy: it only carries the flag, which becomes
-the config's ``bf16``/``fp16`` section (no autocast, no conversion of the module or inputs).
-"""
+"""Fabric's precision plugin under ZeRO: only the flag (the config's ``bf16``/``fp16``)."""
 
 from __future__ import annotations
 
@@ -12,12 +10,10 @@ __all__ = ["ZeroFabricPrecision"]
 
 
 class ZeroFabricPrecision(FlagPrecision, Precision):
-    """Carries ``Fabric(precision=...)`` to the ZeRO strategy, which maps it onto its config.
+    """Carries ``Fabric(precision=...)`` to the ZeRO strategy, which maps it onto its config::
 
-    Example::
-
-        fabric = Fabric(strategy="zero3", precision="32-true")
-        assert fabric.strategy.precision.precision == "32-true"
+    fabric = Fabric(strategy="zero3", precision="32-true")
+    assert fabric.strategy.precision.precision == "32-true"
     """
 
     front = "Fabric"

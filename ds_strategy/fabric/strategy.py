@@ -1,9 +1,5 @@
-"""``ZeroStrategy`` for Lightning Fabric: ``fabric.setup``, ``fabric.backward``,
-``fabric.clip_gradients`` and ``fabric.save``/``fabric.load`` mapped onto one
-:class:`~ds_strategy.ZeroEngine`. The Trainer counterpart is
-:class:`ds_strategy.lightning.ZeroStrategy`; both build on the front-end layer
-(``ds_strategy.frontends``) and hold no sharding logic.
-"""
+"""``ZeroStrategy`` for Lightning Fabric: ``fabric.setup``/``backward``/``clip_gradients``/
+``save``/``load`` mapped onto one :class:`~ds_strategy.ZeroEngine`, with no sharding logic."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.strategy import (
     _BackwardSyncControl,
@@ -53,18 +48,13 @@ class _EngineSyncControl(_BackwardSyncControl):
 
 
 class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
-    """ZeRO stage 0-3 sharded data parallelism for ``lightning.Fabric``; ``import ds_strategy``
-    registers it as ``zero1`` ... ``zero3_offload``. Arguments: see
-    :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`.
+    """ZeRO stage 0-3 for ``lightning.Fabric`` (registered as ``zero1`` ... ``zero3_offload``;
+    arguments: :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`).
 
-    The loop is the one written for ``strategy="ddp"``: ``fabric.setup(model, optimizer)``
-    returns the engine and its rebuilt optimizer, ``fabric.save``/``fabric.load`` write and
-    read one sharded checkpoint directory. Where sharding changes a call: ``clip_gradients``
-    clips by the global norm at an accumulation boundary (between boundaries the request
-    waits for the next step and None is returned; clipping by value is refused);
-    ``optimizer.zero_grad()`` is unnecessary (the engine zeroes after each step); a scheduler
-    passed to ``fabric.setup`` is moved onto the rebuilt optimizer and stepped by your loop.
-    Example::
+    A ``strategy="ddp"`` loop runs unchanged: ``fabric.setup`` returns the engine and its rebuilt
+    optimizer (a scheduler moves onto it), ``fabric.save``/``load`` use a sharded directory.
+    ``clip_gradients`` clips by global norm at an accumulation boundary (before one, the request
+    waits and None is returned); ``zero_grad()`` is unnecessary. Example::
 
         fabric = L.Fabric(strategy="zero3", accelerator="cpu", devices=2)
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
@@ -82,17 +72,11 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         self._backward_sync_control = _EngineSyncControl()
         self._clips = PendingClip()  # a clip_gradients call between accumulation boundaries
 
-    @property
-    def precision(self) -> Precision:
-        return self._precision if self._precision is not None else ZeroFabricPrecision()
-
-    @precision.setter
-    def precision(self, precision: Precision | None) -> None:
-        self._precision = None if precision is None else ZeroFabricPrecision.from_plugin(precision)
+    precision_class = ZeroFabricPrecision
+    precision = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """Under stage 3 (or with ``empty_init=True``) ``fabric.init_module()`` creates the
-        model on the meta device; ``fabric.setup`` materialises it one ZeRO-3 unit at a time."""
+        """Stage 3 (or ``empty_init=True``): meta device until ``fabric.setup`` builds units."""
         if not self._meta_init(empty_init):
             return super().module_init_context(empty_init)
         return torch.device("meta")
@@ -122,8 +106,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
                 "the ZeRO strategy drives one model per Fabric: fabric.setup was already called"
             )
         # Fabric loops accumulate as the config (or the user) says
-        engine = self._build_engine(module, optimizer, None)
-        self._engine = engine
+        self._engine = engine = self._build_engine(module, optimizer, None)
         return engine
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -132,12 +115,10 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """``optimizer.step()``: the engine's step (runs the optimizer at accumulation
-        boundaries, clipping as configured or as ``clip_gradients`` asked)."""
+        """The engine's step (at accumulation boundaries, clipping as configured or asked)."""
         if kwargs.get("closure") is not None:
             raise ValueError("the ZeRO strategy cannot run optimizer.step(closure)")
         self._clips.step(self.engine)
-        return None
 
     def clip_gradients_norm(  # type: ignore[override]
         self,
@@ -147,9 +128,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor | None:
-        """Clip the global L2 norm at ``max_norm`` and return it before clipping (as
-        ``torch.nn.utils.clip_grad_norm_``; a non-finite fp16 overflow norm is returned, not
-        raised); between accumulation boundaries the request waits for the step (None)."""
+        """Clip the global L2 norm and return it before clipping, as ``clip_grad_norm_`` (an fp16
+        overflow's non-finite norm is returned, not raised); None before a boundary."""
         if float(norm_type) != 2.0:
             raise ValueError(
                 f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
@@ -181,8 +161,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Write one sharded checkpoint directory (collective). The model and its optimizer
-        go through the engine; every other entry travels as its ``client_state``."""
+        """One sharded checkpoint directory (collective); entries other than the model and its
+        optimizer travel as its ``client_state``."""
         if storage_options is not None or filter is not None:
             raise TypeError(
                 "fabric.save(..., storage_options/filter) is not supported by the ZeRO strategy: "
@@ -200,28 +180,24 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Restore the engine (weights, optimizer, counters) from a directory written by
-        :meth:`save_checkpoint`, then the other entries of ``state`` from its client state.
-        Returns the saved entries that ``state`` did not ask for."""
+        """Restore the engine, then the other entries of ``state``, from :meth:`save_checkpoint`'s
+        directory; returns the saved entries ``state`` did not ask for."""
         path = self._checkpoint_path(path)
-        if not path.is_dir() or not isinstance(state, dict) or not state:
-            if path.is_dir():
-                raise ValueError(
-                    "loading a ZeRO checkpoint directory needs the set-up model in the state: "
-                    "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
-                )
+        if not path.is_dir():
             return super().load_checkpoint(path, state, strict, weights_only)
+        if not isinstance(state, dict) or not state:
+            raise ValueError(
+                "loading a ZeRO checkpoint directory needs the set-up model in the state: "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
+            )
         engine = self._engine_in(state)
-        # weights_only=False is Fabric's (and torch.load's) way of saying "I trust this file"
+        # weights_only=False: the file is trusted
         saved = engine.load_checkpoint(path, trust_checkpoint=weights_only is False) or {}
         wanted = [k for k, v in state.items() if v is not engine and v is not engine.optimizer]
         _validate_keys_for_strict_loading(wanted, saved.keys(), strict=strict)
-        for name in wanted:
-            if name not in saved:
-                continue
-            obj = state[name]
-            if isinstance(obj, _Stateful):
-                obj.load_state_dict(saved.pop(name))
+        for name in [k for k in wanted if k in saved]:
+            if isinstance(state[name], _Stateful):
+                state[name].load_state_dict(saved.pop(name))
             else:
                 state[name] = saved.pop(name)
         return saved

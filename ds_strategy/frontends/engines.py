@@ -1,9 +1,4 @@
-"""What every front end does alike around an engine: build it from a config and the loop's
-flags, clip at the right step, log its timings, check a checkpoint path.
-
-Nothing here knows how the engine shards: these are loop-level helpers written against the
-engine's public surface (``step``, ``config``, ``full_state_dict``, ``rank``, ``comm``).
-"""
+"""Loop helpers every front end uses around an engine, written against its public surface only."""
 
 from __future__ import annotations
 
@@ -20,7 +15,6 @@ from ..core.engine import ZeroEngine
 from ..core.optimizers import track_optimizer_step
 
 __all__ = [
-    "build_engine",
     "has_optimizer_state",
     "inference_optimizer",
     "move_real_tensors",
@@ -29,24 +23,6 @@ __all__ = [
     "PendingClip",
     "timing_sink",
 ]
-
-
-def build_engine(
-    model: nn.Module, optimizer: Any, cfg: Any, said: str, **kwargs: Any
-) -> ZeroEngine:
-    """``ZeroEngine(model, optimizer, cfg, **kwargs)``; when the engine rejects a config whose
-    fp16/bf16 section the loop's precision flag enabled, the error names that flag (``said``,
-    e.g. ``"Trainer(precision='16-mixed')"``), which is what the user has to change."""
-    try:
-        return ZeroEngine(model, optimizer, cfg, **kwargs)
-    except ValueError as err:
-        for key in ("fp16", "bf16"):
-            if getattr(cfg, key).enabled is True:
-                raise ValueError(
-                    f"{said} sets {key}.enabled=true in the ZeRO config, which the engine "
-                    f"rejected: {err}"
-                ) from err
-        raise
 
 
 def one_optimizer(count: int, front: str) -> None:
@@ -63,18 +39,12 @@ def one_optimizer(count: int, front: str) -> None:
 def timing_sink(
     log: Callable[[dict[str, float], int], None],
 ) -> Callable[[dict[str, float], int], None]:
-    """A ``wall_clock_breakdown`` sink that hands ``log`` the report as ``wall_clock/<phase>``
-    metrics (Lightning's loggers, Accelerate's trackers)."""
-
-    def sink(report: dict[str, float], step: int) -> None:
-        log({f"wall_clock/{k}": float(v) for k, v in report.items()}, step)
-
-    return sink
+    """A ``wall_clock_breakdown`` sink that logs the report as ``wall_clock/<phase>`` metrics."""
+    return lambda report, step: log({f"wall_clock/{k}": float(v) for k, v in report.items()}, step)
 
 
 def move_schedulers(engine: Any, schedulers: list[Any]) -> None:
-    """Point the loop's lr schedulers, which the loop keeps stepping, at the engine's rebuilt
-    optimizer (its param groups kept every key, ``initial_lr`` too: the schedules go on)."""
+    """Point the loop's lr schedulers at the engine's optimizer (its groups keep ``initial_lr``)."""
     if schedulers and engine.config.scheduler is not None:
         raise ValueError(
             f"the ZeRO config's scheduler section ({engine.config.scheduler.type}) already "
@@ -93,8 +63,7 @@ def inference_optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def move_real_tensors(module: nn.Module, device: torch.device) -> None:
-    """Move every parameter and buffer that is not on the meta device to ``device`` (the engine
-    materialises the meta ones on the device of the real ones, so both must agree)."""
+    """Move the non-meta tensors to ``device``, where the engine materialises the meta ones."""
     module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
@@ -107,9 +76,7 @@ def has_optimizer_state(path: Path) -> bool:
 
 
 class PendingClip:
-    """A clip-by-norm request waiting for the engine's next optimizer step: the global norm of
-    sharded gradients exists only at an accumulation boundary (Lightning's clipping hook,
-    ``fabric.clip_gradients`` between boundaries)."""
+    """A clip request waiting for the optimizer step: sharded gradients have a norm only then."""
 
     def __init__(self) -> None:
         self.max_norm: float | None = None
@@ -122,9 +89,7 @@ class PendingClip:
         return engine.clip_grad_norm_(float(max_norm))
 
     def step(self, engine: ZeroEngine) -> bool:
-        """``engine.step()``, clipping first as requested when it runs the optimizer (a request
-        equal to the config's ``gradient_clipping`` is left to the engine's own clip).
-        Returns whether the optimizer ran."""
+        """``engine.step()``, clipping first unless the engine's clip does it; whether it ran."""
         max_norm, self.max_norm = self.max_norm, None
         stepping = engine.is_gradient_accumulation_boundary()
         if stepping and max_norm is not None and float(engine.config.gradient_clipping) != max_norm:

@@ -1,8 +1,4 @@
-"""How a front end's settings become a ZeRO config (Trainer, Fabric and Accelerate alike): its
-constructor arguments (``stage``, ``offload_optimizer``, ...) override the user's config; its
-loop's flags (precision, accumulation, clipping) must *agree* with it, or the error names
-both values and the one to change. Pure functions of configs and numbers.
-"""
+"""A front end's settings as a ZeRO config: arguments override it, loop flags must agree."""
 
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ __all__ = [
 
 ConfigSource = ZeroConfig | dict[str, Any] | str | os.PathLike | None
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # registered name -> constructor arguments (the same table for Trainer and Fabric)
+PRESETS: dict[str, dict[str, Any]] = {  # registered name -> constructor arguments
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
     "zero2_offload": {"stage": 2, "offload_optimizer": True},
@@ -34,9 +29,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PRECISION_KEYS: dict[str, dict[str, Any]] = {
-    # Lightning's precision flag -> the config keys it sets. "-true" means no fp32 copy of the
-    # weights: for bf16 that is the engine's bf16.master_weights=false; fp16 always keeps fp32
-    # master weights in the engine (its loss scaling needs them), so 16-true equals 16-mixed.
+    # "-true": no fp32 master weights, but fp16's loss scaling needs them: 16-true is 16-mixed
     "32-true": {},
     "32": {},
     "bf16-mixed": {"bf16.enabled": True},
@@ -49,15 +42,10 @@ PRECISION_KEYS: dict[str, dict[str, Any]] = {
 
 
 def base_config(
-    source: ConfigSource,
-    stage: int | None,
-    offload_optimizer: bool,
-    offload_parameters: bool,
+    source: ConfigSource, stage: int | None, offload_optimizer: bool, offload_parameters: bool
 ) -> ZeroConfig:
-    """The user's config with the strategy's explicit arguments applied.
-
-    ``stage=None`` keeps the config's stage, or stage 2 when no config was given (DeepSpeed's
-    default). Explicit arguments win over the config: they are the more specific setting.
+    """The user's config with the strategy's explicit (more specific) arguments applied;
+    ``stage=None`` keeps the config's stage, or DeepSpeed's default 2 when there is no config.
 
     >>> base_config(None, None, False, False).zero_optimization.stage
     2
@@ -67,10 +55,8 @@ def base_config(
     """
     cfg = load_config(source)
     changes: dict[str, Any] = {}
-    if stage is not None:
-        changes["zero_optimization.stage"] = stage
-    elif source is None:
-        changes["zero_optimization.stage"] = 2
+    if stage is not None or source is None:
+        changes["zero_optimization.stage"] = 2 if stage is None else stage
     if offload_optimizer:
         changes["zero_optimization.offload_optimizer.device"] = "cpu"
     if offload_parameters:
@@ -94,10 +80,8 @@ def check_precision(precision: str, front: str) -> str:
 
 
 def apply_precision(cfg: ZeroConfig, precision: str, said: str) -> ZeroConfig:
-    """``cfg`` with the sections a precision flag (a key of :data:`PRECISION_KEYS`) enables;
-    a section left ``"auto"`` takes the flag's choice. A flag for fp32 keeps a section the
-    config enables itself; a flag enabling the *other* half-precision format is an error
-    (``said`` names the flag in it)."""
+    """``cfg`` with the sections ``precision`` enables (``"auto"`` ones follow it); a flag enabling
+    the *other* half-precision format is an error naming the flag (``said``)."""
     changes = dict(PRECISION_KEYS[precision])
     key = next(iter(changes)).split(".")[0] if changes else None
     for section in ("fp16", "bf16"):
@@ -131,10 +115,10 @@ def apply_mixed_precision(cfg: ZeroConfig, mixed_precision: str) -> ZeroConfig:
     return apply_precision(cfg, _MIXED_PRECISION[mp], f"Accelerate's mixed_precision {mp!r}")
 
 
-def _accumulation(cfg: ZeroConfig, accumulate: int, world_size: int, front: str) -> int:
-    """Check the config's accumulation steps (given, or implied by its batch sizes) against the
-    loop's and return the value to use."""
+def _check_accumulation(cfg: ZeroConfig, accumulate: int, world_size: int, front: str) -> None:
+    """The loop's accumulation must match the config's (given or implied by its batch sizes)."""
     given = cfg.gradient_accumulation_steps
+    sizes = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu)
     flag = f"{front}(accumulate_grad_batches={accumulate})"
     if given not in (None, AUTO):
         if given != accumulate:
@@ -143,9 +127,7 @@ def _accumulation(cfg: ZeroConfig, accumulate: int, world_size: int, front: str)
                 f"agree; set {front}(accumulate_grad_batches={given}) or remove "
                 "gradient_accumulation_steps from the config"
             )
-        return accumulate
-    sizes = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu)
-    if all(s not in (None, AUTO) for s in sizes):
+    elif all(s not in (None, AUTO) for s in sizes):
         implied = cfg.resolve(world_size).gradient_accumulation_steps
         if implied != accumulate:
             raise ValueError(
@@ -154,14 +136,12 @@ def _accumulation(cfg: ZeroConfig, accumulate: int, world_size: int, front: str)
                 f"{implied} x world size {world_size}) but {flag}; set "
                 f"{front}(accumulate_grad_batches={implied}) or change the config's batch sizes"
             )
-    return accumulate
 
 
 def clipping(
     cfg: ZeroConfig, clip_val: float | None, algorithm: str | None, front: str = "Trainer"
 ) -> float:
-    """The clipping norm the loop's ``gradient_clip_val`` asks for, checked against the
-    config's ``gradient_clipping`` (clipping by value is an error)."""
+    """The loop's clipping norm, checked against the config's ``gradient_clipping``."""
     algorithm = getattr(algorithm, "value", algorithm)  # Lightning passes a str enum
     if algorithm is not None and str(algorithm).lower() == "value":
         raise ValueError(
@@ -193,20 +173,17 @@ def apply_loop_flags(
     clip_algorithm: str | None = None,
     front: str = "Trainer",
 ) -> ZeroConfig:
-    """``cfg`` with the loop's precision, accumulation and clipping written in, after checking
-    that the config does not contradict them (``front`` names the object in error messages).
-    ``accumulate=None`` (an engine that only evaluates) leaves accumulation and clipping as
-    the config has them.
+    """``cfg`` with the loop's flags written in, once checked against it (``front`` names the
+    loop object in errors); ``accumulate=None`` (evaluation only) leaves accumulation and clipping.
 
     >>> cfg = apply_loop_flags(ZeroConfig(), world_size=2, accumulate=2, clip_val=1.0)
     >>> cfg.gradient_accumulation_steps, cfg.gradient_clipping
     (2, 1.0)
     """
-    changes: dict[str, Any] = {}
     if accumulate is not None:
-        changes["gradient_accumulation_steps"] = _accumulation(cfg, accumulate, world_size, front)
-        changes["gradient_clipping"] = clipping(cfg, clip_val, clip_algorithm, front)
-    cfg = cfg.replace(**changes) if changes else cfg
+        _check_accumulation(cfg, accumulate, world_size, front)
+        clip = clipping(cfg, clip_val, clip_algorithm, front)
+        cfg = cfg.replace(gradient_accumulation_steps=accumulate, gradient_clipping=clip)
     return apply_precision(
         cfg, check_precision(precision, front), f"{front}(precision={precision!r})"
     )

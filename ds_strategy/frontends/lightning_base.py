@@ -1,8 +1,4 @@
-"""What Lightning's Trainer and Fabric strategies share (config from arguments and loop flags,
-the engine, meta-device construction, registration, the flag-only precision plugin). Both
-extend the framework's ``DDPStrategy`` for the processes, as Lightning's DeepSpeed strategy
-does; nothing of it wraps the model. Imported by ``lightning/`` and ``fabric/`` only.
-"""
+"""What Lightning's Trainer and Fabric strategies share, over ``DDPStrategy`` but not wrapping."""
 
 from __future__ import annotations
 
@@ -21,20 +17,17 @@ from torch import nn
 from ..config import ZeroConfig
 from ..core.engine import ZeroEngine
 from ..core.training import TrainingEngine
-from .engines import build_engine, move_real_tensors
+from .engines import move_real_tensors
 from .flags import PRESETS, apply_loop_flags, base_config, check_precision
 
 __all__ = ["FlagPrecision", "LightningZeroBase"]
 
-# Lightning's stock plugins that its connectors build from the precision flag; any of them is
-# replaced by the strategy's own plugin carrying the same flag (which rejects the flags the
-# engine has no mapping for, such as 64-true).
+# the plugins Lightning builds from its precision flag, replaced by FlagPrecision (rejects 64-true)
 _STOCK = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision")
 
 
 class FlagPrecision:
-    """A precision plugin that only carries the loop's precision flag to the strategy, which
-    writes it into the engine's config; it never autocasts nor converts the module."""
+    """Carries the precision flag to the strategy's config; never autocasts nor converts."""
 
     front = "Trainer"
 
@@ -55,25 +48,22 @@ class FlagPrecision:
 
 
 class LightningZeroBase:
-    """The part of ``ZeroStrategy`` that the Trainer and Fabric share; mixed in before their
-    ``DDPStrategy``. Where the two frameworks name the same hook differently, both names are
-    defined here.
+    """What the Trainer's and Fabric's ``ZeroStrategy`` share, mixed in before ``DDPStrategy``.
 
     Args:
         stage: ZeRO stage 0-3; ``None`` keeps the config's stage (2 when there is no config).
-        config: a :class:`~ds_strategy.ZeroConfig`, a DeepSpeed-style dict, or a path to a
-            ``.json``/``.yaml`` file. Explicit arguments of this constructor override it.
-        offload_optimizer: optimizer state in CPU memory (``offload_optimizer.device: cpu``).
-        offload_parameters: parameters in CPU memory (stage 3, ``offload_param.device: cpu``).
-        param_init_fn: ``fn(module)`` initialising a module's own parameters when a model built
-            on the meta device is materialised (default: ``module.reset_parameters()``).
+        config: :class:`~ds_strategy.ZeroConfig`, DeepSpeed-style dict or ``.json``/``.yaml`` path;
+            the other arguments override it.
+        offload_optimizer, offload_parameters: optimizer state / parameters (stage 3) in CPU memory.
+        param_init_fn: ``fn(module)`` initialising a meta-device module's own parameters when it is
+            materialised (default: ``module.reset_parameters()``).
         accelerator, parallel_devices, cluster_environment, precision: set by the framework.
-        process_group_backend: ``"gloo"``/``"nccl"`` (default: by device).
-        timeout: timeout of the process group's collectives.
+        process_group_backend, timeout: the process group's (default backend: by device).
     """
 
     front = "Trainer"  # how error messages name the loop object
     precision_attr = "precision_plugin"  # the framework's name for its precision plugin
+    precision_class: Any = FlagPrecision  # the front end's plugin (a FlagPrecision)
     not_set_up = "the ZeRO engine exists once the strategy has set the model up"
 
     def __init__(
@@ -112,8 +102,7 @@ class LightningZeroBase:
 
     @property
     def config(self) -> ZeroConfig:
-        """The engine's resolved config once set up; before, the config with this strategy's
-        arguments applied (the loop's flags are written in at setup)."""
+        """The engine's resolved config once set up; before, without the loop's flags."""
         return self._engine.config if self._engine is not None else self._base_config
 
     @property
@@ -129,8 +118,8 @@ class LightningZeroBase:
         return self._engine
 
     def save_consolidated(self, path: str | os.PathLike) -> Path:
-        """The consolidated fp32 weights to one file (``.safetensors`` or ``torch.save`` by
-        suffix), keyed like the user's module's ``state_dict()``. Collective; rank 0 writes::
+        """Collective: rank 0 writes the fp32 weights, keyed like the module's ``state_dict()``,
+        to one file (``.safetensors`` or ``torch.save`` by suffix)::
 
             trainer.strategy.save_consolidated("model.safetensors")
         """
@@ -142,13 +131,23 @@ class LightningZeroBase:
             self._engine.wait_for_checkpoint()
         return Path(self.broadcast(str(path)))
 
+    def plugin(self) -> Any:
+        """The precision plugin: the framework builds a stock one from its ``precision`` flag,
+        which the setter turns into ``precision_class`` (the flag only)."""
+        plugin = getattr(self, f"_{self.precision_attr}")
+        return plugin if plugin is not None else self.precision_class()
+
+    def set_plugin(self, plugin: Any) -> None:
+        kept = None if plugin is None else self.precision_class.from_plugin(plugin)
+        setattr(self, f"_{self.precision_attr}", kept)
+
     def _flag(self) -> str:
         return str(getattr(self, self.precision_attr).precision)
 
     def _build_engine(
         self, module: nn.Module, optimizer: Any, accumulate: int | None, **kwargs: Any
     ) -> ZeroEngine:
-        """The engine of ``module`` with the loop's flags written into the config."""
+        """The engine of ``module``, with the loop's flags written into its config."""
         flag = self._flag()
         clip = {k: kwargs.pop(k) for k in ("clip_val", "clip_algorithm") if k in kwargs}
         cfg = apply_loop_flags(
@@ -160,10 +159,16 @@ class LightningZeroBase:
             **clip,
         )
         move_real_tensors(module, self.root_device)
-        said = f"{self.front}(precision={flag!r})"
-        return build_engine(
-            module, optimizer, cfg, said, param_init_fn=self._param_init_fn, **kwargs
-        )
+        try:
+            return ZeroEngine(module, optimizer, cfg, param_init_fn=self._param_init_fn, **kwargs)
+        except ValueError as err:
+            for key in ("fp16", "bf16"):  # name the flag that enabled the rejected section
+                if getattr(cfg, key).enabled is True:
+                    raise ValueError(
+                        f"{self.front}(precision={flag!r}) sets {key}.enabled=true in the ZeRO "
+                        f"config, which the engine rejected: {err}"
+                    ) from err
+            raise
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -172,8 +177,7 @@ class LightningZeroBase:
         return {"num_replicas": dp_size, "rank": self.global_rank % dp_size}
 
     def _meta_init(self, empty_init: bool | None) -> bool:
-        """Under stage 3 (or with ``empty_init=True``) modules are created on the meta device;
-        the engine materialises them one ZeRO-3 unit at a time."""
+        """Create modules on the meta device under stage 3 (or with ``empty_init=True``)."""
         return (self.stage == 3 and empty_init is not False) or bool(empty_init)
 
     def module_sharded_context(self) -> AbstractContextManager:
@@ -182,8 +186,7 @@ class LightningZeroBase:
     model_sharded_context = module_sharded_context  # the Trainer's name
 
     def teardown(self) -> None:
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
+        assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         getattr(self, self.precision_attr).teardown()
         self.accelerator.teardown()

@@ -1,6 +1,5 @@
-"""Lightning ``Trainer`` front end: ``Trainer(strategy="zero3")`` (``import ds_strategy``
-registers ``zero1`` ... ``zero3_offload`` for Trainer and Fabric as soon as Lightning is
-imported) or :class:`ZeroStrategy`. Without lightning installed nothing is registered.
+"""Lightning ``Trainer`` front end: :class:`ZeroStrategy`, or ``Trainer(strategy="zero3")``
+(``import ds_strategy`` registers ``zero1`` ... ``zero3_offload`` once Lightning is imported).
 
 >>> import lightning as L
 >>> import ds_strategy
@@ -26,6 +25,9 @@ except ImportError:
         raise AttributeError(f"module 'ds_strategy.lightning' has no attribute {name!r}")
 
 else:
+    from .._lightning_hook import register_strategies
     from ._pipeline import PipelineModule
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy
+
+    register_strategies()  # when this import is what imported Lightning

@@ -2,15 +2,14 @@
 :class:`~ds_strategy.core.pipeline.PipelineEngine`.
 
 [Note: what the LightningModule provides under a pipeline]
-A schedule runs forward and backward of all micro-batches itself, stage by stage, so there is
-no ``training_step`` to call per batch. The model is a :class:`PipelineModule`: its
+A schedule runs forward and backward of all micro-batches itself, so there is no per-batch
+``training_step``. The model is a :class:`PipelineModule`: the pipeline runs its
 ``pipeline_layers()`` (an ``nn.Sequential``; each rank keeps its stage's layers) and
-``pipeline_loss(output, target)`` (one micro-batch's loss) are what the pipeline runs, and its
-own steps run the same two on a whole batch under any other strategy. A batch is ``(inputs,
-targets)``: this data-parallel rank's ``gradient_accumulation_steps`` micro-batches. A
-training batch runs ``engine.train_batch`` (schedule and optimizer step), an evaluation batch
-``engine.eval_batch``; ``train_loss`` / ``val_loss`` / ``test_loss`` are logged (the global
-batch's mean). ``Trainer(accumulate_grad_batches)`` stays 1.
+``pipeline_loss(output, target)``; under any other strategy its own steps run them on a whole
+batch. A batch is ``(inputs, targets)``, this data-parallel rank's
+``gradient_accumulation_steps`` micro-batches, run by ``engine.train_batch`` (with the
+optimizer step) or ``engine.eval_batch``; ``train_loss``/``val_loss``/``test_loss`` (the
+global batch's mean) are logged. ``Trainer(accumulate_grad_batches)`` stays 1.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ __all__ = ["LightningPipeline", "PipelineModule", "build_pipeline"]
 
 
 class PipelineModule(pl.LightningModule):
-    """A LightningModule defined by its layers and its loss: ``ZeroStrategy`` splits it into
-    pipeline stages under a ``pipeline`` config, any other strategy trains it as it is::
+    """A LightningModule defined by its layers and loss, split into stages under a ``pipeline``
+    config and trained as it is by any other strategy::
 
         class Net(PipelineModule):
             def __init__(self):
@@ -97,8 +96,7 @@ def _split(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
 def build_pipeline(
     pl_module: pl.LightningModule, cfg: ZeroConfig, optimizer: Any, schedulers: list[Any]
 ) -> PipelineEngine:
-    """The pipeline of ``pl_module``'s layers; ``schedulers`` (Lightning's, which it steps
-    itself) are pointed at this stage's rebuilt optimizer."""
+    """The pipeline of ``pl_module``'s layers; Lightning's ``schedulers`` move onto it."""
     engine = PipelineEngine(
         _hook(pl_module, "pipeline_layers")(), optimizer, cfg, _hook(pl_module, "pipeline_loss")
     )
@@ -110,8 +108,7 @@ class LightningPipeline:
     """The Trainer's step hooks under a pipeline config (see the module note)."""
 
     def __init__(self, engine: PipelineEngine, pl_module: pl.LightningModule) -> None:
-        self.engine = engine
-        self.pl_module = pl_module
+        self.engine, self.pl_module = engine, pl_module
 
     def _run(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         x, y = _split(args[0] if args else kwargs["batch"], f"{kind} batch")

@@ -1,8 +1,6 @@
-"""``ModelSummary`` with true parameter counts under ZeRO-3, where a parameter outside its
-unit's forward is an empty tensor: the Trainer's summary callbacks (``ModelSummary``,
-``RichModelSummary``) are pointed at :class:`ShardedModelSummary`, which counts each
-parameter's full size as the engine records it (Lightning does the same for DeepSpeed).
-"""
+"""True parameter counts in the Trainer's summary callbacks (``ModelSummary``,
+``RichModelSummary``) under ZeRO-3, where a parameter outside its unit's forward is empty: they
+use :class:`ShardedModelSummary`, counting full sizes (as Lightning does for DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -17,22 +15,11 @@ from torch import nn
 
 from ..core.engine import ZeroEngine
 
-__all__ = ["ShardedModelSummary", "full_numels", "install_sharded_summary"]
-
-
-def full_numels(engine: ZeroEngine) -> dict[int, int]:
-    """``id(parameter) -> number of elements of the full parameter`` for every parameter the
-    engine manages (sharded or not)."""
-    return {
-        id(p): math.prod(shape)
-        for g in engine.plan.groups
-        for p, shape in zip(g.params, g.shapes, strict=True)
-    }
+__all__ = ["ShardedModelSummary", "install_sharded_summary"]
 
 
 class ShardedModelSummary(ModelSummary):
-    """Lightning's ``ModelSummary`` counting full sizes: ``numel(p)`` gives a parameter's
-    full element count even while it is sharded."""
+    """``ModelSummary`` counting ``numel(p)``, a parameter's full size even while sharded."""
 
     def __init__(
         self, model: pl.LightningModule, numel: Callable[[nn.Parameter], int], max_depth: int = 1
@@ -60,7 +47,11 @@ class ShardedModelSummary(ModelSummary):
 
 def install_sharded_summary(trainer: pl.Trainer, engine: ZeroEngine) -> None:
     """Make the Trainer's summary callbacks report full parameter counts for ``engine``."""
-    sizes = full_numels(engine)
+    sizes = {
+        id(p): math.prod(shape)
+        for g in engine.plan.groups
+        for p, shape in zip(g.params, g.shapes, strict=True)
+    }
 
     def numel(p: nn.Parameter) -> int:
         return sizes.get(id(p), p.numel())

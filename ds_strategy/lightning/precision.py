@@ -1,7 +1,4 @@
-"""The precision plugin of :class:`~ds_strategy.lightning.ZeroStrategy`: it records the
-Trainer's ``precision`` flag (the engine casts and scales; no autocast here) and routes
-Lightning's backward, optimizer-step and clipping hooks to the ``ZeroEngine``.
-"""
+"""``ZeroStrategy``'s precision plugin: the flag only; the engine casts and scales."""
 
 from __future__ import annotations
 
@@ -27,10 +24,8 @@ _warnings = WarningCache()
 
 
 class ZeroPrecision(FlagPrecision, Precision):
-    """Forward ``backward`` / ``optimizer_step`` / ``clip_gradients`` to the strategy's engine.
-
-    Built by :class:`~ds_strategy.lightning.ZeroStrategy` from the Trainer's ``precision``;
-    there is normally no reason to create one yourself::
+    """Forwards ``backward``/``optimizer_step``/``clip_gradients`` to the engine; built by
+    :class:`~ds_strategy.lightning.ZeroStrategy` from the Trainer's ``precision``::
 
         trainer = Trainer(strategy="zero2", precision="32-true")
         assert trainer.strategy.precision_plugin.precision == "32-true"
@@ -62,8 +57,7 @@ class ZeroPrecision(FlagPrecision, Precision):
             )
         trainer = model.trainer
         if model.automatic_optimization and trainer.accumulate_grad_batches > 1:
-            # Lightning already divided the loss by accumulate_grad_batches, and the engine,
-            # which owns accumulation, divides by the same number: undo Lightning's division.
+            # the engine divides by accumulate_grad_batches too: undo Lightning's division
             tensor = tensor * trainer.accumulate_grad_batches
         self._engine().backward(tensor, *args, **kwargs)
 
@@ -81,8 +75,12 @@ class ZeroPrecision(FlagPrecision, Precision):
             )
         closure_result = closure()
         engine = self._engine()
-        if engine.is_gradient_accumulation_boundary():
-            # hooks and the clipping hook run once per real optimizer step, as under DDP
+        if engine.is_gradient_accumulation_boundary():  # once per real step, as under DDP
+            if is_overridden("configure_gradient_clipping", model, LightningModule):
+                _warnings.warn(
+                    "configure_gradient_clipping is overridden: under ZeroStrategy a call to "
+                    "self.clip_gradients(...) there clips at the next optimizer step, by norm only"
+                )
             self._after_closure(model, optimizer)
         self.clips.step(engine)
         return closure_result
@@ -93,8 +91,7 @@ class ZeroPrecision(FlagPrecision, Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Remember a clip-by-norm request; the engine applies it at the next optimizer step
-        (the global norm of sharded gradients exists only there)."""
+        """Remember a clip-by-norm request for the next step, where the global norm exists."""
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ValueError(
                 "clip_gradients(gradient_clip_algorithm='value') is not supported by "
@@ -103,11 +100,3 @@ class ZeroPrecision(FlagPrecision, Precision):
             )
         if clip_val > 0:
             self.clips.max_norm = float(clip_val)
-
-    def _after_closure(self, model: LightningModule, optimizer: Steppable) -> None:
-        if is_overridden("configure_gradient_clipping", model, LightningModule):
-            _warnings.warn(
-                "configure_gradient_clipping is overridden: under ZeroStrategy a call to "
-                "self.clip_gradients(...) there clips at the next optimizer step, by norm only"
-            )
-        super()._after_closure(model, optimizer)

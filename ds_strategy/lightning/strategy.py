@@ -1,21 +1,18 @@
-"""``ZeroStrategy``: Lightning's ``Trainer`` driving a :class:`~ds_strategy.ZeroEngine` (or,
-with a ``pipeline`` section, a pipeline; see ``_pipeline.py``). It maps Lightning's hooks
-onto the engine's public API and holds no sharding logic.
+"""``ZeroStrategy``: Lightning's ``Trainer`` driving a :class:`~ds_strategy.ZeroEngine` (or a
+pipeline, see ``_pipeline.py``); it maps Lightning's hooks onto the engine, no sharding logic.
 
 [Note: the root wrapper]
-Under ZeRO-3 the engine's *root* unit is gathered for the whole forward, and Lightning runs a
-step as ``training_step`` redirected through the model's forward. So the engine wraps
-``_LightningRoot(lightning_module)``, whose forward is that step: the LightningModule's own
-parameters (outside any ``nn.ModuleList``/``nn.Sequential``) stay gathered for the whole
-step. The wrapper shares the LightningModule's parameter, buffer and submodule tables
-instead of holding it as a child, so every name the engine reports (``full_state_dict()``,
-checkpoints) is a key of ``LightningModule.state_dict()``.
+Under ZeRO-3 the root unit is gathered for the whole forward, and Lightning runs a step as
+``training_step`` redirected through the forward. So the engine wraps ``_LightningRoot``, whose
+forward is that step: the module's own parameters stay gathered for the whole step. It shares
+the module's parameter, buffer and submodule tables instead of holding it as a child, so every
+name the engine reports is a key of ``LightningModule.state_dict()``.
 
 [Note: accumulation]
-The engine owns accumulation (``gradient_accumulation_steps`` = ``accumulate_grad_batches``):
-Lightning calls ``optimizer_step`` on every batch and the engine steps on every k-th, so a
-window spans an epoch boundary when the batch count is not a multiple of k (DDP would step on
-the epoch's last batch); the strategy warns when that happens.
+The engine owns accumulation (``gradient_accumulation_steps = accumulate_grad_batches``) and
+steps on every k-th of Lightning's per-batch ``optimizer_step`` calls, so a window spans an
+epoch boundary when the batch count is not a multiple of k (DDP would step on the epoch's last
+batch); the strategy warns then.
 """
 
 from __future__ import annotations
@@ -23,13 +20,11 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import _MockOptimizer
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -80,15 +75,12 @@ _STEP_HOOKS += ("optimizer_step",)
 
 
 class ZeroStrategy(LightningZeroBase, DDPStrategy):
-    """ZeRO stage 0-3 sharded data parallelism for ``lightning.Trainer``; ``import ds_strategy``
-    registers it as ``zero1`` ... ``zero3_offload``. Arguments: see
-    :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`.
+    """ZeRO stage 0-3 for ``lightning.Trainer`` (registered as ``zero1`` ... ``zero3_offload``;
+    arguments: :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`).
 
-    The Trainer's flags map onto the config (``precision`` onto ``bf16``/``fp16``,
-    ``accumulate_grad_batches`` onto ``gradient_accumulation_steps``, ``gradient_clip_val``
-    onto ``gradient_clipping``); a config value that contradicts a flag is an error naming
-    both. After setup ``trainer.strategy.engine`` is the :class:`~ds_strategy.ZeroEngine`.
-    Checkpoints are sharded directories written by every rank. Example::
+    ``precision``, ``accumulate_grad_batches`` and ``gradient_clip_val`` map onto the config; a
+    config value contradicting a flag is an error naming both. ``trainer.strategy.engine`` is
+    the :class:`~ds_strategy.ZeroEngine`; checkpoints are sharded directories. Example::
 
         trainer = L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2,
                             accumulate_grad_batches=2, gradient_clip_val=1.0, max_epochs=2)
@@ -108,9 +100,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
 
     @property
     def pipeline(self) -> PipelineEngine:
-        """The :class:`~ds_strategy.core.pipeline.PipelineEngine` when the config has a
-        ``pipeline`` section (see :mod:`ds_strategy.lightning._pipeline` for what the
-        LightningModule provides then)."""
+        """The :class:`~ds_strategy.core.pipeline.PipelineEngine` of a ``pipeline`` config."""
         if not isinstance(self._engine, PipelineEngine):
             raise RuntimeError(
                 "trainer.strategy.pipeline exists once the Trainer has set up a strategy whose "
@@ -118,16 +108,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             )
         return self._engine
 
-    @property
-    def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin
-        return plugin if plugin is not None else ZeroPrecision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning builds a stock plugin from Trainer(precision=...); the engine owns precision,
-        # so keep only the flag.
-        self._precision_plugin = None if plugin is None else ZeroPrecision.from_plugin(plugin)
+    precision_class = ZeroPrecision
+    precision_plugin = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -143,13 +125,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Under stage 3 (or with ``empty_init=True``) modules are created on the meta device;
-        the engine materialises them one ZeRO-3 unit at a time in :meth:`setup`."""
-        with (
-            torch.device("meta")
-            if self._meta_init(empty_init)
-            else super().tensor_init_context(empty_init)
-        ):
+        """Stage 3 (or ``empty_init=True``): on the meta device until :meth:`setup` builds units."""
+        meta = self._meta_init(empty_init)
+        with torch.device("meta") if meta else super().tensor_init_context(empty_init):
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -158,24 +136,21 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         pl_module = self.lightning_module
         assert pl_module is not None
-        engine = self._engine
-        kept = engine is not None and self._engine_module is pl_module
+        kept = self._engine is not None and self._engine_module is pl_module
         if kept and (self._engine_trains or not fitting):  # fit, then validate: keep the trained
-            if isinstance(engine, ZeroEngine):
-                self.model = engine  # Lightning's connect() reset it to the LightningModule
-            if fitting:
-                self.optimizers = [engine.optimizer]  # type: ignore[union-attr]
-            return
-        self._drop_engine(pl_module)
-        optimizer, schedulers = self._lightning_optimizer(trainer) if fitting else (None, [])
-        if int(self._base_config.pipeline.stages or 1) > 1:
-            self._setup_pipeline(trainer, pl_module, optimizer, schedulers)
+            if isinstance(self._engine, ZeroEngine):
+                self.model = self._engine  # Lightning's connect() reset it to the LightningModule
         else:
-            self._setup_engine(trainer, pl_module, optimizer, schedulers)
-        self._engine_module, self._engine_trains = pl_module, fitting
+            self._drop_engine(pl_module)
+            optimizer, schedulers = self._lightning_optimizer(trainer) if fitting else (None, [])
+            if int(self._base_config.pipeline.stages or 1) > 1:
+                self._setup_pipeline(trainer, pl_module, optimizer, schedulers)
+            else:
+                self._setup_engine(trainer, pl_module, optimizer, schedulers)
+            self._engine_module, self._engine_trains = pl_module, fitting
+            self.barrier("ZeroStrategy.setup")
         if fitting:
             self.optimizers = [self._engine.optimizer]  # type: ignore[union-attr]
-        self.barrier("ZeroStrategy.setup")
 
     def _setup_engine(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, scheds: list[Any]
@@ -188,13 +163,11 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             clip_val=trainer.gradient_clip_val,
             clip_algorithm=trainer.gradient_clip_algorithm,
         )
-        # Lightning steps its schedulers itself (intervals, frequency, ReduceLROnPlateau)
-        move_schedulers(engine, scheds)
+        move_schedulers(engine, scheds)  # Lightning steps them (intervals, ReduceLROnPlateau)
         if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
             engine.timers.add_sink(timing_sink(lambda m, step: _log_metrics(trainer, m, step)))
-        self._engine = engine
+        self._engine = self.model = engine
         self.precision_plugin.engine = engine  # type: ignore[attr-defined]
-        self.model = engine
         if engine.stage == 3:
             install_sharded_summary(trainer, engine)
 
@@ -237,8 +210,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         engine.destroy()  # stages 0-2 keep full parameters: a new engine can start from them
 
     def _use_steps(self, steps: LightningPipeline | None) -> None:
-        """A pipeline's step hooks replace Lightning's on this instance (``steps=None``: back
-        to Lightning's own, which drive the engine through the precision plugin)."""
+        """A pipeline's step hooks replace Lightning's on this instance (None: Lightning's own)."""
         for name in _STEP_HOOKS:
             if steps is None:
                 self.__dict__.pop(name, None)
@@ -265,9 +237,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 "batch); use a batch count divisible by accumulate_grad_batches to match it"
             )
 
-    # -- checkpoints ----------------------------------------------------------------------------
-    # The engine writes the (sharded) weights and optimizer state itself in save_checkpoint and
-    # restores them in load_checkpoint: Lightning's own state-dict hooks have nothing to do.
+    # -- checkpoints: the engine saves and loads weights and optimizer state itself -------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}
@@ -287,8 +257,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         filepath: str | os.PathLike,
         storage_options: Any | None = None,
     ) -> None:
-        """One sharded checkpoint directory (collective); Lightning's dict, less the weights and
-        optimizer state the engine writes itself, travels as its ``client_state``."""
+        """One sharded checkpoint directory (collective); the rest of Lightning's dict travels as
+        its ``client_state``."""
         if storage_options is not None:
             raise TypeError(
                 "ZeroStrategy does not use a CheckpointIO plugin, so storage_options cannot "
@@ -298,20 +268,16 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         client_state = {
             k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
         }
-        # Lightning leaves optimizer_states out of a weights-only checkpoint
-        # (trainer.save_checkpoint(weights_only=True), ModelCheckpoint(save_weights_only=True))
-        include_optimizer = "optimizer_states" in checkpoint
+        # a weights-only checkpoint (weights_only=True, save_weights_only=True) has none
         self._active().save_checkpoint(
-            path, client_state=client_state, include_optimizer=include_optimizer
+            path, client_state=client_state, include_optimizer="optimizer_states" in checkpoint
         )
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Restore what :meth:`save_checkpoint` wrote (any world size or stage); returns
-        Lightning's dict. Only tensors and plain data are unpickled unless ``weights_only=False``
-        (``Trainer.fit(..., weights_only=False)``: the file is trusted)."""
-        trusted = weights_only is False
+        Lightning's dict. Only ``weights_only=False`` (a trusted file) unpickles arbitrary data."""
         path = self._checkpoint_path(checkpoint_path)
         if not path.is_dir():
             raise ValueError(
@@ -329,17 +295,13 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             )
         # evaluation needs the weights only: its engine's optimizer is a stand-in
         client_state = self._active().load_checkpoint(
-            path, load_optimizer=fitting, trust_checkpoint=trusted
+            path, load_optimizer=fitting, trust_checkpoint=weights_only is False
         )
-        return _lightning_state(path, client_state)
+        if not isinstance(client_state, dict):
+            raise ValueError(f"{path}: not written by a Lightning Trainer (no Lightning state)")
+        return client_state
 
 
 def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
     for logger in trainer.loggers:  # rank-zero-only inside Lightning's loggers
         logger.log_metrics(metrics, step=step)
-
-
-def _lightning_state(path: Path, client_state: Any) -> dict[str, Any]:
-    if not isinstance(client_state, dict):
-        raise ValueError(f"{path}: not written by a Lightning Trainer (no Lightning state)")
-    return client_state

@@ -1,0 +1,152 @@
+"""The package's layers, read from its source: no import cycle anywhere, and each layer imports
+only what the README's layer table allows (the front ends never import each other)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ds_strategy"
+FRONT_ENDS = ("lightning", "fabric", "accelerate")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path], typing: bool) -> set[str]:
+    """The package modules ``name`` imports (at any depth of its code, lazy imports included;
+    ``typing=False`` leaves out imports made only for annotations under TYPE_CHECKING)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node) and not typing:
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            submodules = {f"{base}.{a.name}" for a in node.names} & set(modules)
+            found.update(submodules)  # `from . import module` needs the module, not the package
+            if len(submodules) < len(node.names):
+                found.add(base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph(typing: bool) -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules, typing) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "ds_strategy"
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_reader_sees_relative_and_lazy_imports() -> None:
+    graph = _graph(typing=False)
+    assert "ds_strategy.core.engine" in graph["ds_strategy"]  # from .core.engine import ...
+    assert "ds_strategy.fabric.strategy" in graph["ds_strategy._lightning_hook"]  # in a function
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph(typing=False)) == []
+
+
+def test_front_ends_import_the_layer_and_core_never_each_other() -> None:
+    # annotations included: a front end may not even name another front end's types
+    for module, imports in _graph(typing=True).items():
+        layer = _layer(module)
+        for target in imports:
+            other = _layer(target)
+            if layer in FRONT_ENDS:
+                assert other == layer or other not in FRONT_ENDS, f"{module} imports {target}"
+            if layer == "frontends":
+                assert other not in FRONT_ENDS, f"{module} imports {target}"
+            if layer in ("core", "config", "demos"):
+                assert other not in (*FRONT_ENDS, "frontends"), f"{module} imports {target}"
+            if layer == "config":
+                assert other == "config", f"{module} imports {target}: config is a leaf"
+
+
+@pytest.mark.parametrize("front", [*FRONT_ENDS, "frontends"])
+def test_each_front_end_uses_the_front_end_layer(front: str) -> None:
+    graph = _graph(typing=False)
+    used = {t for m, ts in graph.items() if _layer(m) == front for t in ts}
+    if front != "frontends":
+        assert any(_layer(t) == "frontends" for t in used), f"{front} bypasses the layer"
+
+
+def test_front_end_size_budget() -> None:
+    """lightning/, fabric/, accelerate/ and the front-end layer stay thin (2,500 lines)."""
+    lines = sum(
+        len(p.read_text().splitlines())
+        for d in (*FRONT_ENDS, "frontends")
+        for p in (PACKAGE / d).rglob("*.py")
+    )
+    assert lines <= 2500, f"the front ends are {lines} lines"
