@@ -36,14 +36,18 @@ def test_env_variables_map_to_config_keys() -> None:
         "DS_STRATEGY_OFFLOAD_OPTIMIZER": "cpu",
         "DS_STRATEGY_GRADIENT_CLIPPING": "1.5",
         "DS_STRATEGY_ZERO_OPTIMIZATION__REDUCE_BUCKET_SIZE": "5e7",
+        "DS_STRATEGY_OPTIMIZER__PARAMS__LR": "1e-3",
         "OTHER": "x",
     }
     assert overrides_from_env(env) == {
         "zero_optimization.stage": 3,
         "zero_optimization.offload_optimizer.device": "cpu",
         "gradient_clipping": 1.5,
-        "zero_optimization.reduce_bucket_size": "5e7",
+        "zero_optimization.reduce_bucket_size": 5e7,  # scientific notation is a number
+        "optimizer.params.lr": 1e-3,  # (plain YAML 1.1 would hand torch the string "1e-3")
     }
+    env = {"DS_STRATEGY_ZERO_OPTIMIZATION__REDUCE_BUCKET_SIZE": "5e7"}
+    assert ZeroPlugin().load(env).zero_optimization.reduce_bucket_size == 50_000_000
 
 
 def test_plugin_reads_file_then_env_then_code(tmp_path: Path) -> None:

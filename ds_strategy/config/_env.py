@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
+from omegaconf import OmegaConf
 
 from ._load import load_config
 from ._schema import ConfigError, ZeroConfig
@@ -55,11 +55,14 @@ def _env_key(name: str) -> str:
 
 
 def _env_value(name: str, text: str) -> Any:
-    # YAML scalars, so "3" is an int, "true" a bool, "cpu" and "auto" strings; numbers such as
-    # "5e8" stay strings under YAML 1.1 and the config loader accepts them where a number goes.
+    # YAML scalars as omegaconf reads them: "3" is an int, "true" a bool, "5e7" and "1e-3"
+    # floats (plain YAML 1.1 would keep those strings), "cpu" and "auto" strings; "${...}"
+    # stays as written (not resolved)
+    if not text.strip():
+        return text
     try:
-        return yaml.safe_load(text) if text.strip() else text
-    except yaml.YAMLError as err:
+        return OmegaConf.to_container(OmegaConf.create(f"v: {text}"))["v"]  # type: ignore[index]
+    except Exception as err:  # noqa: BLE001 - the YAML parser's errors, named for the user
         raise ConfigError(f"{name}={text!r}: not a YAML scalar ({err})", key=name) from None
 
 
@@ -72,7 +75,7 @@ def overrides_from_env(environ: Mapping[str, str] | None = None) -> dict[str, An
 
     >>> overrides_from_env({"DS_STRATEGY_ZERO_STAGE": "3",
     ...                     "DS_STRATEGY_ZERO_OPTIMIZATION__REDUCE_BUCKET_SIZE": "5e7"})
-    {'zero_optimization.reduce_bucket_size': '5e7', 'zero_optimization.stage': 3}
+    {'zero_optimization.reduce_bucket_size': 50000000.0, 'zero_optimization.stage': 3}
     """
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
