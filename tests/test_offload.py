@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ds_strategy
+from ds_strategy.config import UnsupportedConfigWarning, load_config
 from ds_strategy.core.offload import swap as swap_mod
 from tests.distributed import run_ranks
 from tests.models import ToyLM, batches, lm_loss, make_optimizer
@@ -227,8 +228,13 @@ def test_nvme_path_inside_a_checkpoint_is_refused(tmp_path: Path) -> None:
 def test_bad_offload_combinations_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="offload_optimizer.*stage 1, 2 or 3"):
         _engine({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    param_off = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
     with pytest.raises(ValueError, match="offload_param"):
-        _engine({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+        _engine(load_config(param_off, strict=True))
+    # read leniently, DeepSpeed's way: ignored below stage 3, with a warning
+    with pytest.warns(UnsupportedConfigWarning, match="offload_param"):
+        engine = _engine(param_off)
+    assert engine.config.zero_optimization.offload_param.device == "none"
 
 
 def test_swap_dir_removed_on_destroy_and_at_exit(tmp_path: Path) -> None:

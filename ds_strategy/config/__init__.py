@@ -1,8 +1,11 @@
-"""Configuration for ds_strategy: DeepSpeed-compatible keys, frozen dataclasses, strict loading.
+"""Configuration for ds_strategy: DeepSpeed-compatible keys, frozen dataclasses, checked loading.
 
-A DeepSpeed JSON loads unchanged; unknown keys are errors that name the key and suggest the
-closest valid one, and DeepSpeed keys that are not implemented warn and are ignored. This
-package is a leaf: it imports only the standard library and omegaconf.
+A DeepSpeed JSON loads unchanged. A key that looks like a typo of a known one is an error that
+names it and suggests the closest valid key; any other unknown key warns and is ignored, as
+DeepSpeed ignores it (``load_config(..., strict=True)`` or ``DS_STRATEGY_STRICT_CONFIG=1``:
+an error); DeepSpeed keys that are not implemented warn and are ignored. :func:`zero_config`
+writes a config as keywords. This package is a leaf: it imports only the standard library
+and omegaconf.
 
 >>> from ds_strategy.config import load_config
 >>> cfg = load_config({"zero_optimization": {"stage": 2}, "train_batch_size": 64,
@@ -12,16 +15,20 @@ package is a leaf: it imports only the standard library and omegaconf.
 """
 
 from . import _resolve  # noqa: F401  (registers ZeroConfig.resolve)
-from ._load import config_schema, load_config
+from ._keywords import zero_config
+from ._load import STRICT_ENV, config_schema, load_config
 from ._schema import (
     AUTO,
+    SCHEDULER_REQUIRED_PARAMS,
     UNSUPPORTED_KEYS,
     BF16Config,
     ConfigError,
+    DeprecatedConfigWarning,
     FP16Config,
     OffloadConfig,
     OptimizerConfig,
     SchedulerConfig,
+    UnknownConfigKeyWarning,
     UnsupportedConfigWarning,
     ZeroConfig,
     ZeroOptimizationConfig,
@@ -30,17 +37,22 @@ from ._schema import (
 
 __all__ = [
     "AUTO",
+    "SCHEDULER_REQUIRED_PARAMS",
+    "STRICT_ENV",
     "UNSUPPORTED_KEYS",
     "BF16Config",
     "ConfigError",
+    "DeprecatedConfigWarning",
     "FP16Config",
     "OffloadConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "UnknownConfigKeyWarning",
     "UnsupportedConfigWarning",
     "ZeroConfig",
     "ZeroOptimizationConfig",
     "config_schema",
     "load_config",
     "type_pattern",
+    "zero_config",
 ]

@@ -4,6 +4,7 @@ the environment to every process unchanged, so this is how a launch command sets
 
 ==================================  ===========================================================
 ``DS_STRATEGY_CONFIG``              YAML or JSON config file, DeepSpeed key names
+``DS_STRATEGY_STRICT_CONFIG``       ``1``: every unknown key in a config file is an error
 ``DS_STRATEGY_ZERO_STAGE``          ``zero_optimization.stage``
 ``DS_STRATEGY_OFFLOAD_OPTIMIZER``   ``zero_optimization.offload_optimizer.device``
 ``DS_STRATEGY_OFFLOAD_PARAM``       ``zero_optimization.offload_param.device``
@@ -23,7 +24,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ._load import load_config
+from ._load import STRICT_ENV, load_config, strict_from_env
 from ._schema import ConfigError, ZeroConfig
 
 __all__ = [
@@ -67,7 +68,8 @@ def _env_value(name: str, text: str) -> Any:
 
 
 def overrides_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Dotted config overrides from ``DS_STRATEGY_*`` variables (``DS_STRATEGY_CONFIG`` aside).
+    """Dotted config overrides from ``DS_STRATEGY_*`` variables (``DS_STRATEGY_CONFIG`` and
+    ``DS_STRATEGY_STRICT_CONFIG`` aside).
 
     ``DS_STRATEGY_<KEY>`` sets the config key ``<key>`` (lower-cased; ``__`` separates
     sections), and ``DS_STRATEGY_ZERO_STAGE``, ``DS_STRATEGY_OFFLOAD_OPTIMIZER``,
@@ -81,7 +83,7 @@ def overrides_from_env(environ: Mapping[str, str] | None = None) -> dict[str, An
     out: dict[str, Any] = {}
     named: dict[str, str] = {}
     for name in sorted(env):
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG:
+        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG, STRICT_ENV):
             continue
         key = _env_key(name)
         if not key:
@@ -105,7 +107,7 @@ def apply_overrides(
             if not from_env:
                 raise ConfigError(f"{where}[{key!r}]: {err}", key=err.key) from None
             name = _env_name(key)
-            close = difflib.get_close_matches(name, [*ENV_SHORTCUTS, ENV_CONFIG], n=1)
+            close = difflib.get_close_matches(name, [*ENV_SHORTCUTS, ENV_CONFIG, STRICT_ENV], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{name}: {err}{hint}", key=err.key) from None
     return cfg
@@ -119,9 +121,10 @@ def _env_name(key: str) -> str:
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> ZeroConfig:
-    """The file named by ``DS_STRATEGY_CONFIG`` (all defaults when unset) with every other
-    ``DS_STRATEGY_*`` variable applied (see :func:`overrides_from_env`)."""
+    """The file named by ``DS_STRATEGY_CONFIG`` (all defaults when unset; loaded strictly
+    when ``DS_STRATEGY_STRICT_CONFIG=1``) with every other ``DS_STRATEGY_*`` variable applied
+    (see :func:`overrides_from_env`)."""
     env = os.environ if environ is None else environ
     path = env.get(ENV_CONFIG)
-    cfg = load_config(path) if path else ZeroConfig()
+    cfg = load_config(path, strict=strict_from_env(env)) if path else ZeroConfig()
     return apply_overrides(cfg, overrides_from_env(env), from_env=True)

@@ -1,10 +1,21 @@
 """Loading and validating a :class:`ZeroConfig` from a dict, a JSON/YAML file or omegaconf.
 
 One generic walker (:func:`_build`) turns a nested mapping into the dataclasses of
-``_schema.py``: it maps aliases, rejects unknown keys (naming the closest valid one), warns about
-DeepSpeed keys listed in ``UNSUPPORTED_KEYS``, coerces every leaf against its ``LeafSpec`` and
-runs the section's cross-field check. ``to_dict``, ``replace`` and ``resolve`` (in ``_resolve.py``)
-go through plain dicts and that same walker, so every way of making a config validates alike.
+``_schema.py``: it reads DeepSpeed's deprecated spellings, maps aliases, sorts out unknown keys
+(see the note below), warns about DeepSpeed keys listed in ``UNSUPPORTED_KEYS``, coerces every
+leaf against its ``LeafSpec`` and runs the section's cross-field check. ``to_dict``, ``replace``
+and ``resolve`` (in ``_resolve.py``) go through plain dicts and that same walker, so every way
+of making a config validates alike.
+
+[Note: unknown keys]
+DeepSpeed ignores a top-level key it does not read (several of its examples carry a stray
+``cuda_visible_devices``), so a DeepSpeed config must load here too. But an ignored typo
+(``stgae``) silently trains something else. So an unknown key close to a known one
+(``difflib``, against the section's fields, aliases and DeepSpeed's own keys) is an error
+that suggests it; any other unknown key warns (``UnknownConfigKeyWarning``) and is ignored.
+Strict loading (``strict=True`` or ``DS_STRATEGY_STRICT_CONFIG=1``) makes every unknown key an
+error. Keys set from Python (``replace``, ``auto_values``, ``zero_config``, environment
+overrides) are always strict: there is no DeepSpeed file to stay compatible with.
 """
 
 from __future__ import annotations
@@ -14,9 +25,7 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
 import os
-import re
 import typing
 import warnings
 from collections.abc import Callable, Mapping
@@ -27,31 +36,38 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ._leaves import _COERCE, _KIND_NAMES, _check_bounds, _fail, _is_auto, _join, _to_bool
 from ._schema import (
     AUTO,
+    SCHEDULER_REQUIRED_PARAMS,
     UNSUPPORTED_KEYS,
     ConfigError,
+    DeprecatedConfigWarning,
+    FP16Config,
     LeafSpec,
     OffloadConfig,
+    SchedulerConfig,
+    UnknownConfigKeyWarning,
     UnsupportedConfigWarning,
     ZeroConfig,
     ZeroOptimizationConfig,
     register_operations,
 )
 
-Found = list[tuple[str, str]]  # (dotted key, reason) of unsupported keys met while parsing
+STRICT_ENV = "DS_STRATEGY_STRICT_CONFIG"
+"""Set to ``1`` (or ``true``/``yes``/``on``) to make every unknown config key an error."""
 
 
-def _fail(key: str, message: str) -> NoReturn:
-    raise ConfigError(f"{key}: {message}", key=key)
+@dataclass
+class Found:
+    """What one parse met besides errors: warnings to emit once it succeeded, and whether an
+    unknown key far from every known one is an error (``strict``) or one of those warnings."""
 
+    strict: bool = True
+    warnings: list[tuple[type[Warning], str]] = dataclasses.field(default_factory=list)
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value == AUTO
+    def warn(self, category: type[Warning], key: str, text: str) -> None:
+        self.warnings.append((category, f"{key}: {text}"))
 
 
 # ----------------------------------------------------------------------------- schema walking
@@ -100,13 +116,44 @@ def _aliases(cls: type) -> dict[str, str]:
     return {a: f.name for f in dataclasses.fields(cls) for a in f.metadata.get("aliases", ())}
 
 
-def _unknown_key(cls: type, key: str, prefix: str) -> NoReturn:
-    valid = list(_schema(cls))
-    candidates = valid + list(_aliases(cls)) + list(UNSUPPORTED_KEYS.get(prefix, {}))
+# section -> DeepSpeed's deprecated keys there that _upgrade_zero reads (with the new key)
+_DEPRECATED_KEYS: dict[str, dict[str, str]] = {
+    "zero_optimization": {
+        "cpu_offload": "offload_optimizer",
+        "cpu_offload_param": "offload_param",
+    },
+}
+
+
+def _closest_key(cls: type, key: str, prefix: str) -> str | None:
+    candidates = [
+        *_schema(cls),
+        *_aliases(cls),
+        *UNSUPPORTED_KEYS.get(prefix, {}),
+        *_DEPRECATED_KEYS.get(prefix, {}),
+    ]
     close = difflib.get_close_matches(key, candidates, n=1)
-    if close:
-        _fail(_join(prefix, key), f"unknown key, did you mean {close[0]!r}?")
-    _fail(_join(prefix, key), f"unknown key; valid keys here are: {', '.join(valid)}")
+    return close[0] if close else None
+
+
+def _unknown_key(cls: type, key: str, prefix: str) -> NoReturn:
+    close = _closest_key(cls, key, prefix)
+    if close is not None:
+        _fail(_join(prefix, key), f"unknown key, did you mean {close!r}?")
+    _fail(_join(prefix, key), f"unknown key; valid keys here are: {', '.join(_schema(cls))}")
+
+
+def _skip_unknown(cls: type, key: str, prefix: str, found: Found) -> None:
+    """An unknown key met while loading: an error when it is close to a known key or loading
+    is strict, else a warning and the key is ignored (see the note on unknown keys above)."""
+    if found.strict or _closest_key(cls, key, prefix) is not None:
+        _unknown_key(cls, key, prefix)
+    found.warn(
+        UnknownConfigKeyWarning,
+        _join(prefix, key),
+        f"unknown key, ignored as DeepSpeed ignores it (load with strict=True or "
+        f"{STRICT_ENV}=1 to make it an error)",
+    )
 
 
 def _canonical_items(cls: type, raw: Mapping[Any, Any], prefix: str) -> dict[str, Any]:
@@ -126,74 +173,6 @@ def _canonical_items(cls: type, raw: Mapping[Any, Any], prefix: str) -> dict[str
     return out
 
 
-# ----------------------------------------------------------------------------- leaf coercion
-
-_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
-_KIND_NAMES = {int: "an integer", float: "a number", bool: "a bool (true/false)", str: "a string"}
-
-
-def _number(value: Any, key: str, kind: type) -> int | float:
-    # bool is an int subclass in Python; true/false for a size is a mistake, never a number.
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    # YAML 1.1 leaves "5e8" / "1e9" (no dot) as strings; DeepSpeed configs are full of them.
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        text = value.strip()
-        return int(text) if text.lstrip("+-").isdigit() else float(text)
-    _fail(key, f"expected {_KIND_NAMES[kind]}, got {value!r}")
-
-
-def _to_int(value: Any, key: str) -> int:
-    number = _number(value, key, int)
-    if isinstance(number, float):
-        if not (math.isfinite(number) and number.is_integer()):
-            _fail(key, f"expected an integer, got {value!r}")
-        return int(number)
-    return number
-
-
-def _to_float(value: Any, key: str) -> float:
-    number = float(_number(value, key, float))
-    if not math.isfinite(number):
-        _fail(key, f"expected a finite number, got {value!r}")
-    return number
-
-
-def _to_bool(value: Any, key: str) -> bool:
-    # Strict on purpose: "false" or 0 silently becoming True/False hides typos in recipes.
-    if isinstance(value, bool):
-        return value
-    _fail(key, f"expected a bool (true/false), got {value!r}")
-
-
-def _to_str(value: Any, key: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Path):  # e.g. nvme_path built in Python; stored as str for JSON/YAML
-        return str(value)
-    _fail(key, f"expected a string, got {value!r}")
-
-
-_COERCE: dict[type, Callable[[Any, str], Any]] = {
-    int: _to_int,
-    float: _to_float,
-    bool: _to_bool,
-    str: _to_str,
-}
-
-
-def _check_bounds(spec: LeafSpec, value: Any, key: str) -> None:
-    if spec.choices is not None and value not in spec.choices:
-        allowed = ", ".join(repr(c) for c in spec.choices)
-        _fail(key, f"got {value!r}, allowed {allowed}")
-    if spec.ge is not None and not value >= spec.ge:
-        _fail(key, f"got {value!r}, must be >= {spec.ge}")
-    if spec.gt is not None and not value > spec.gt:
-        _fail(key, f"got {value!r}, must be > {spec.gt}")
-    if spec.le is not None and not value <= spec.le:
-        _fail(key, f"got {value!r}, must be <= {spec.le}")
-
-
 def _parse_leaf(f: _Field, value: Any, key: str) -> Any:
     assert f.spec is not None  # _schema guarantees it for leaves
     if _is_auto(value):
@@ -203,8 +182,62 @@ def _parse_leaf(f: _Field, value: Any, key: str) -> Any:
             return None
         _fail(key, f"expected {_KIND_NAMES[f.spec.kind]}, got null")
     parsed = _COERCE[f.spec.kind](value, key)
+    if f.spec.normalize is not None:
+        parsed = f.spec.normalize(parsed)
     _check_bounds(f.spec, parsed, key)
     return parsed
+
+
+# ----------------------------------------------------------------------------- deprecated forms
+
+
+def _upgrade_zero(raw: Any, prefix: str, found: Found) -> Any:
+    """DeepSpeed's deprecated spellings of ``zero_optimization``, read with its meaning: the
+    boolean form (true is stage 1) and ``cpu_offload`` / ``cpu_offload_param: true`` (offload
+    to the CPU; false is no offload)."""
+    if isinstance(raw, bool):
+        found.warn(
+            DeprecatedConfigWarning, prefix, f"deprecated boolean form, read as stage {int(raw)}"
+        )
+        return {"stage": int(raw)}
+    if not isinstance(raw, Mapping):
+        return raw
+    out = dict(raw)
+    for old, new in _DEPRECATED_KEYS[prefix].items():
+        if old not in out:
+            continue
+        key = _join(prefix, old)
+        on = _to_bool(out.pop(old), key)
+        if new in out:
+            _fail(key, f"given together with {new!r}, which replaces it; keep only {new!r}")
+        if on:
+            out[new] = {"device": "cpu"}
+        meaning = f"{new}.device 'cpu'" if on else f"no {new}"
+        found.warn(DeprecatedConfigWarning, key, f"deprecated DeepSpeed key, read as {meaning}")
+    return _ignore_param_offload_below_stage3(out, prefix, found)
+
+
+def _ignore_param_offload_below_stage3(raw: dict[str, Any], prefix: str, found: Found) -> Any:
+    """DeepSpeed reads ``offload_param`` in stage 3 only and ignores it below: so do we, with a
+    warning (strict loading keeps it, and the check below names the key to change)."""
+    stage, section = raw.get("stage", 0), raw.get("offload_param")
+    device = section.get("device", "none") if isinstance(section, Mapping) else None
+    known = isinstance(stage, int) and not isinstance(stage, bool)
+    if found.strict or not known or stage == 3 or device in (None, "none", AUTO):
+        return raw
+    found.warn(
+        UnsupportedConfigWarning,
+        _join(prefix, "offload_param"),
+        f"device {device!r} is ignored at ZeRO stage {stage}, as DeepSpeed ignores it: only "
+        "stage 3 partitions (and offloads) parameters; set stage 3 to offload them",
+    )
+    return {k: v for k, v in raw.items() if k != "offload_param"}
+
+
+# Sections without an entry are read as written.
+_UPGRADES: dict[type, Callable[[Any, str, Found], Any]] = {
+    ZeroOptimizationConfig: _upgrade_zero,
+}
 
 
 # ----------------------------------------------------------------------------- cross-field rules
@@ -237,6 +270,30 @@ def _check_zero(cfg: ZeroOptimizationConfig, prefix: str) -> None:
         )
 
 
+def _check_fp16(cfg: FP16Config, prefix: str) -> None:
+    # as DeepSpeed: the scaler's window and floor only matter with dynamic scaling, so a
+    # disabled or statically scaled fp16 section may hold anything there
+    if cfg.enabled is not True or _is_auto(cfg.loss_scale) or cfg.loss_scale != 0:
+        return
+    why = "when fp16 is enabled with dynamic loss scaling (loss_scale 0)"
+    window = cfg.loss_scale_window
+    if not _is_auto(window) and window < 1:
+        _fail(f"{prefix}.loss_scale_window", f"got {window!r}, must be >= 1 {why}")
+    floor = cfg.min_loss_scale
+    if not _is_auto(floor) and floor <= 0:
+        _fail(f"{prefix}.min_loss_scale", f"got {floor!r}, must be > 0 {why}")
+
+
+def _check_scheduler(cfg: SchedulerConfig, prefix: str) -> None:
+    for name in SCHEDULER_REQUIRED_PARAMS.get(cfg.type, ()):
+        if name not in cfg.params:
+            _fail(
+                f"{prefix}.params.{name}",
+                f'required by {cfg.type}, which has no default for it; set it, or "auto" '
+                "for the front end to fill in",
+            )
+
+
 def _check_top(cfg: ZeroConfig, prefix: str) -> None:
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         _fail(
@@ -249,6 +306,8 @@ def _check_top(cfg: ZeroConfig, prefix: str) -> None:
 _CHECKS: dict[type, Callable[[Any, str], None]] = {
     OffloadConfig: _check_offload,
     ZeroOptimizationConfig: _check_zero,
+    FP16Config: _check_fp16,
+    SchedulerConfig: _check_scheduler,
     ZeroConfig: _check_top,
 }
 
@@ -272,6 +331,9 @@ def _parse_field(f: _Field, value: Any, key: str, base: Any, found: Found) -> An
 
 def _build(cls: type, raw: Any, prefix: str, base: Any, found: Found) -> Any:
     """Parse ``raw`` into ``cls``; keys not given keep their value in ``base`` (the defaults)."""
+    upgrade = _UPGRADES.get(cls)
+    if upgrade is not None:
+        raw = upgrade(raw, prefix, found)
     if not isinstance(raw, Mapping):
         example = ' such as {"stage": 2}' if cls is ZeroOptimizationConfig else ""
         _fail(prefix or "config", f"expected a mapping{example}, got {raw!r}")
@@ -283,9 +345,13 @@ def _build(cls: type, raw: Any, prefix: str, base: Any, found: Found) -> Any:
         if key in fields:
             values[key] = _parse_field(fields[key], value, dotted, base, found)
         elif key in unsupported:
-            found.append((dotted, unsupported[key]))
+            found.warn(
+                UnsupportedConfigWarning,
+                dotted,
+                f"DeepSpeed key not implemented by ds_strategy, ignored ({unsupported[key]})",
+            )
         else:
-            _unknown_key(cls, key, prefix)
+            _skip_unknown(cls, key, prefix, found)
     if base is not None:
         obj = dataclasses.replace(base, **values)
     else:
@@ -306,12 +372,27 @@ def _build_top(data: Mapping[str, Any], found: Found) -> ZeroConfig:
 
 def _emit(found: Found, origin: str | None, stacklevel: int) -> None:
     where = f"{origin}: " if origin else ""
-    for key, reason in found:
-        warnings.warn(
-            f"{where}{key}: DeepSpeed key not implemented by ds_strategy, ignored ({reason})",
-            UnsupportedConfigWarning,
-            stacklevel=stacklevel + 1,
-        )
+    for category, message in found.warnings:
+        warnings.warn(f"{where}{message}", category, stacklevel=stacklevel + 1)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def strict_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``DS_STRATEGY_STRICT_CONFIG`` asks for strict loading (unset: no).
+
+    >>> strict_from_env({"DS_STRATEGY_STRICT_CONFIG": "1"}), strict_from_env({})
+    (True, False)
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(STRICT_ENV, "").strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ConfigError(
+        f"{STRICT_ENV}={env[STRICT_ENV]!r}: expected 1 (strict) or 0 (not strict)", key=STRICT_ENV
+    )
 
 
 # ----------------------------------------------------------------------------- sources
@@ -376,11 +457,11 @@ def _read_source(source: Any) -> tuple[str | None, Any]:
     )
 
 
-def _load(source: Any, stacklevel: int) -> ZeroConfig:
+def _load(source: Any, stacklevel: int, strict: bool | None = None) -> ZeroConfig:
     if isinstance(source, ZeroConfig):
         return source
+    found = Found(strict=strict_from_env() if strict is None else strict)
     origin, data = _read_source(source)
-    found: Found = []
     try:
         if not isinstance(data, Mapping):
             raise ConfigError(f"the top level must be a mapping of config keys, got {data!r}")
@@ -393,14 +474,19 @@ def _load(source: Any, stacklevel: int) -> ZeroConfig:
     return cfg
 
 
-def load_config(source: Any = None) -> ZeroConfig:
+def load_config(source: Any = None, *, strict: bool | None = None) -> ZeroConfig:
     """Load and validate a config from any supported source.
 
     ``source`` is ``None`` (all defaults), a dict keyed like DeepSpeed's JSON, a ``str`` /
     ``os.PathLike`` path to a ``.json`` / ``.yaml`` / ``.yml`` file, an omegaconf ``DictConfig``
-    or a :class:`ZeroConfig` (returned as is). Unknown keys and bad values raise
-    :class:`ConfigError` naming the dotted key (and the file); DeepSpeed keys that are not
-    implemented warn with :class:`UnsupportedConfigWarning` and are ignored.
+    or a :class:`ZeroConfig` (returned as is). Bad values raise :class:`ConfigError` naming
+    the dotted key (and the file); DeepSpeed keys that are not implemented warn with
+    :class:`UnsupportedConfigWarning` and are ignored.
+
+    An unknown key close to a known one is a :class:`ConfigError` suggesting it; any other
+    unknown key warns (:class:`UnknownConfigKeyWarning`) and is ignored, as DeepSpeed ignores
+    it. ``strict=True`` makes every unknown key an error; ``strict=None`` (the default) reads
+    the environment variable ``DS_STRATEGY_STRICT_CONFIG`` (``1``: strict).
 
     >>> cfg = load_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},
     ...                    "bf16": {"enabled": True}})
@@ -410,8 +496,12 @@ def load_config(source: Any = None) -> ZeroConfig:
     Traceback (most recent call last):
     ...
     ds_strategy.config.ConfigError: zero_optimization.stgae: unknown key, did you mean 'stage'?
+    >>> load_config({"cuda_visible_devices": "0,1"}, strict=True)
+    Traceback (most recent call last):
+    ...
+    ds_strategy.config.ConfigError: cuda_visible_devices: unknown key; valid keys here are: ...
     """
-    return _load(source, stacklevel=3)
+    return _load(source, stacklevel=3, strict=strict)
 
 
 def config_schema() -> DictConfig:
@@ -466,6 +556,9 @@ def _canonical_path(dotted: str) -> list[str]:
         if f is None:
             if part in UNSUPPORTED_KEYS.get(prefix, {}):
                 return parts  # accepted here; loading it warns like any unsupported key
+            new = _DEPRECATED_KEYS.get(prefix, {}).get(part)
+            if new is not None:
+                _fail(_join(prefix, part), f"deprecated by DeepSpeed; set {_join(prefix, new)}")
             _unknown_key(cls, part, prefix)
         rest = parts[i + 1 :]
         if f.kind == "mapping":
@@ -507,7 +600,7 @@ def replace_config(cfg: ZeroConfig, changes: Mapping[str, Any]) -> ZeroConfig:
     data = config_to_dict(cfg)
     for dotted, value in changes.items():
         _set_path(data, _canonical_path(dotted), value)
-    found: Found = []
+    found = Found(strict=True)  # keys from code: a typo there is never a DeepSpeed file's key
     new = _build_top(data, found)
     _emit(found, None, stacklevel=3)
     return new

@@ -12,17 +12,16 @@ from collections.abc import Mapping
 from dataclasses import MISSING
 from typing import Any
 
-from ._load import (
-    _build_top,
-    _canonical_path,
-    _fail,
-    _Field,
-    _is_auto,
-    _join,
-    _schema,
-    config_to_dict,
+from ._leaves import _fail, _is_auto, _join
+from ._load import Found, _build_top, _canonical_path, _Field, _schema, config_to_dict
+from ._schema import (
+    AUTO,
+    SCHEDULER_REQUIRED_PARAMS,
+    ConfigError,
+    SchedulerConfig,
+    ZeroConfig,
+    register_operations,
 )
-from ._schema import AUTO, ConfigError, ZeroConfig, register_operations
 
 
 def _auto_default(f: _Field, key: str, default_obj: Any, fills: Mapping[str, Any]) -> Any:
@@ -32,6 +31,12 @@ def _auto_default(f: _Field, key: str, default_obj: Any, fills: Mapping[str, Any
     if default is MISSING:
         _fail(key, f"'auto' has no default here; pass auto_values={{{key!r}: ...}}")
     return default
+
+
+def _required_params(cls: type, data: Mapping[str, Any]) -> tuple[str, ...]:
+    if cls is not SchedulerConfig:
+        return ()
+    return SCHEDULER_REQUIRED_PARAMS.get(data.get("type"), ())  # type: ignore[arg-type]
 
 
 def _fill_autos(
@@ -47,12 +52,19 @@ def _fill_autos(
             child_default = getattr(default_obj, name) if default_obj is not None else None
             _fill_autos(f.section, value, key, child_default, fills)
         elif f.kind == "mapping":
+            required = _required_params(cls, data)
             for entry in [k for k, v in value.items() if _is_auto(v)]:
                 filled = fills.get(f"{key}.{entry}", AUTO)
-                if _is_auto(filled):
-                    del value[entry]  # the optimizer's / scheduler's own default applies
-                else:
+                if not _is_auto(filled):
                     value[entry] = filled
+                elif entry in required:
+                    _fail(
+                        f"{key}.{entry}",
+                        f"'auto' has no value here and {data['type']} requires it; pass "
+                        f"auto_values={{{f'{key}.{entry}'!r}: ...}} or set it in the config",
+                    )
+                else:
+                    del value[entry]  # the optimizer's / scheduler's own default applies
         elif f.kind == "leaf" and _is_auto(value):
             data[name] = _auto_default(f, key, default_obj, fills)
 
@@ -114,7 +126,7 @@ def resolve_config(
             raise ConfigError(f"auto_values: {err}", key=err.key) from None
     data = config_to_dict(cfg)
     _fill_autos(ZeroConfig, data, "", ZeroConfig(), fills)
-    filled = _build_top(data, found=[])  # validates the filled-in values like any input
+    filled = _build_top(data, Found())  # validates the filled-in values like any input
     tb, mb, gas = _batch_sizes(
         filled.train_batch_size,
         filled.train_micro_batch_size_per_gpu,

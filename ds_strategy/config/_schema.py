@@ -50,8 +50,27 @@ class UnsupportedConfigWarning(UserWarning):
     """A DeepSpeed key that ds_strategy knows but does not implement; its value is ignored."""
 
 
+class UnknownConfigKeyWarning(UnsupportedConfigWarning):
+    """A key in no schema and far from every known key; ignored, as DeepSpeed ignores it.
+
+    A key close to a known one is an error ("did you mean ...?") instead, and strict loading
+    (``load_config(..., strict=True)`` or ``DS_STRATEGY_STRICT_CONFIG=1``) makes every
+    unknown key an error.
+    """
+
+
+class DeprecatedConfigWarning(UnsupportedConfigWarning):
+    """A key DeepSpeed deprecated, read with DeepSpeed's meaning (the message says how)."""
+
+
 # Tracebacks and warning filters should show the public name, not this private module.
-ConfigError.__module__ = UnsupportedConfigWarning.__module__ = "ds_strategy.config"
+for _cls in (
+    ConfigError,
+    UnsupportedConfigWarning,
+    UnknownConfigKeyWarning,
+    DeprecatedConfigWarning,
+):
+    _cls.__module__ = "ds_strategy.config"
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,10 @@ class LeafSpec:
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
+    # maps a value DeepSpeed accepts onto the equivalent one the engine understands (applied
+    # after type coercion, before the checks above); must be idempotent, so that to_dict()
+    # and load_config() round-trip
+    normalize: Callable[[Any], Any] | None = None
 
 
 def type_pattern(spec: str, key: str) -> re.Pattern[str] | None:
@@ -90,11 +113,24 @@ def leaf(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
+    normalize: Callable[[Any], Any] | None = None,
     aliases: tuple[str, ...] = (),
 ) -> Any:
     """Declare a scalar field; without ``default`` the key is required (``default=None``: nullable)."""
-    spec = LeafSpec(kind, choices, ge, gt, le)
+    spec = LeafSpec(kind, choices, ge, gt, le, normalize)
     return field(default=default, metadata={"leaf": spec, "aliases": aliases})
+
+
+def _zero_means_one(size: int) -> int:
+    # DeepSpeed reduces its pending bucket before adding a gradient that would overflow it, so
+    # a bucket size of 0 reduces every gradient on its own; the engine's smallest bucket (1)
+    # does exactly that (a parameter larger than a bucket always gets one of its own).
+    return 1 if size == 0 else size
+
+
+def _negative_means_off(norm: float) -> float:
+    # DeepSpeed clips only when gradient_clipping > 0; any value <= 0 means "no clipping".
+    return max(0.0, norm)
 
 
 def section(factory: Callable[[], Any], *, aliases: tuple[str, ...] = ()) -> Any:
@@ -108,7 +144,9 @@ class OffloadConfig:
 
     ``device`` is ``"none"``, ``"cpu"`` or ``"nvme"``; ``"nvme"`` needs ``nvme_path``. The
     optimizer section defaults to ``buffer_count=4`` (DeepSpeed's default there), the parameter
-    section to 5. ``ratio`` < 1 (partial optimizer offload) needs ZeRO stage 3.
+    section to 5. ``ratio`` < 1 (partial optimizer offload) needs ZeRO stage 3. As in DeepSpeed,
+    ``buffer_count`` and ``buffer_size`` may be 0; the NVMe step then works like 1 (one
+    bucket of one element at a time at most: many small reads and writes, slow).
 
     >>> OffloadConfig(device="cpu", pin_memory=True).device
     'cpu'
@@ -117,8 +155,8 @@ class OffloadConfig:
     device: Any = leaf(str, "none", choices=("none", "cpu", "nvme"))
     nvme_path: Any = leaf(str, None)
     pin_memory: Any = leaf(bool, False)
-    buffer_count: Any = leaf(int, 5, ge=1)
-    buffer_size: Any = leaf(int, 100_000_000, gt=0)
+    buffer_count: Any = leaf(int, 5, ge=0)
+    buffer_size: Any = leaf(int, 100_000_000, ge=0)
     max_in_cpu: Any = leaf(int, 1_000_000_000, ge=0)
     fast_init: Any = leaf(bool, False)
     ratio: Any = leaf(float, 1.0, ge=0.0, le=1.0)
@@ -136,6 +174,21 @@ class ZeroOptimizationConfig:
 
     Sizes count elements, not bytes, as in DeepSpeed. ``offload_param`` needs stage 3. The
     ``stage3_*`` keys also accept DeepSpeed's unprefixed spellings (``prefetch_bucket_size``, ...).
+    Every size and threshold accepts 0, with DeepSpeed's meaning:
+
+    - ``reduce_bucket_size: 0`` reduces every gradient on its own (DeepSpeed flushes its
+      bucket before each gradient that would overflow it). It is stored as 1, the engine's
+      equivalent: one flat group and one collective per parameter, i.e. many small
+      collectives, slower than the default, and under stage 3 one all-gather per parameter.
+    - ``stage3_prefetch_bucket_size: 0`` or ``stage3_max_live_parameters: 0``: no prefetch;
+      each unit is gathered when it is reached, so communication no longer overlaps compute.
+    - ``stage3_param_persistence_threshold: 0``: every parameter is sharded (none kept whole).
+    - ``allgather_bucket_size`` and ``stage3_max_reuse_distance`` are accepted with any
+      value >= 0 but not used: updated parameters are gathered per flat group (sized by
+      ``reduce_bucket_size``) and a unit is released as soon as its module has run.
+
+    DeepSpeed's deprecated ``cpu_offload: true`` / ``cpu_offload_param: true`` are read as
+    ``offload_optimizer`` / ``offload_param`` with ``device: cpu`` (with a warning).
 
     >>> ZeroOptimizationConfig(stage=2).reduce_bucket_size
     500000000
@@ -145,16 +198,16 @@ class ZeroOptimizationConfig:
     overlap_comm: Any = leaf(bool, True)
     contiguous_gradients: Any = leaf(bool, True)
     reduce_scatter: Any = leaf(bool, True)
-    reduce_bucket_size: Any = leaf(int, 500_000_000, gt=0)
+    reduce_bucket_size: Any = leaf(int, 500_000_000, ge=0, normalize=_zero_means_one)
     allgather_partitions: Any = leaf(bool, True)
-    allgather_bucket_size: Any = leaf(int, 500_000_000, gt=0)
+    allgather_bucket_size: Any = leaf(int, 500_000_000, ge=0)
     stage3_prefetch_bucket_size: Any = leaf(
-        int, 50_000_000, gt=0, aliases=("prefetch_bucket_size",)
+        int, 50_000_000, ge=0, aliases=("prefetch_bucket_size",)
     )
     stage3_max_live_parameters: Any = leaf(
-        int, 1_000_000_000, gt=0, aliases=("max_live_parameters",)
+        int, 1_000_000_000, ge=0, aliases=("max_live_parameters",)
     )
-    stage3_max_reuse_distance: Any = leaf(int, 1_000_000_000, gt=0, aliases=("max_reuse_distance",))
+    stage3_max_reuse_distance: Any = leaf(int, 1_000_000_000, ge=0, aliases=("max_reuse_distance",))
     stage3_param_persistence_threshold: Any = leaf(
         int, 100_000, ge=0, aliases=("param_persistence_threshold",)
     )
@@ -166,7 +219,11 @@ class ZeroOptimizationConfig:
 class FP16Config:
     """``fp16``: fp16 mixed precision with a (by default dynamic) loss scale.
 
-    ``loss_scale`` 0 means dynamic scaling starting at ``2 ** initial_scale_power``.
+    ``loss_scale`` 0 means dynamic scaling starting at ``2 ** initial_scale_power`` (any
+    integer; a negative power starts below 1). As in DeepSpeed, ``loss_scale_window`` must be
+    >= 1 and ``min_loss_scale`` > 0 only when fp16 is enabled with dynamic scaling (unused
+    otherwise), and ``hysteresis`` is any integer (<= 0, like DeepSpeed's scaler, never
+    lowers the scale: every overflow then skips its step).
 
     >>> FP16Config(enabled=True).loss_scale_window
     1000
@@ -174,11 +231,11 @@ class FP16Config:
 
     enabled: Any = leaf(bool, False)
     loss_scale: Any = leaf(float, 0.0, ge=0.0)
-    initial_scale_power: Any = leaf(int, 16, ge=0)
-    loss_scale_window: Any = leaf(int, 1000, ge=1)
-    hysteresis: Any = leaf(int, 2, ge=1)
+    initial_scale_power: Any = leaf(int, 16)
+    loss_scale_window: Any = leaf(int, 1000)  # >= 1 when used: see _load._check_fp16
+    hysteresis: Any = leaf(int, 2)
     consecutive_hysteresis: Any = leaf(bool, False)
-    min_loss_scale: Any = leaf(float, 1.0, gt=0.0)
+    min_loss_scale: Any = leaf(float, 1.0)  # > 0 when used: see _load._check_fp16
     auto_cast: Any = leaf(bool, False)
 
 
@@ -212,9 +269,23 @@ class OptimizerConfig:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+SCHEDULER_REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
+    # DeepSpeed's schedules (runtime/lr_schedules.py) whose constructors take these without a
+    # default: a config that names the type must give them (or "auto", for a front end to fill).
+    # Only types the engine builds: an unsupported one (OneCycle) is refused by name instead.
+    "WarmupDecayLR": ("total_num_steps",),
+    "WarmupCosineLR": ("total_num_steps",),
+}
+"""Parameters a ``scheduler.type`` cannot do without; missing ones are a :class:`ConfigError`."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``scheduler``: ``{"type": "WarmupLR", "params": {...}}`` as DeepSpeed writes it.
+
+    A parameter the type requires (:data:`SCHEDULER_REQUIRED_PARAMS`, e.g. ``total_num_steps``
+    of ``WarmupDecayLR``) must be given or ``"auto"``; an ``"auto"`` one must get a value when
+    the config is resolved. Either way the error names ``scheduler.params.<name>``.
 
     >>> SchedulerConfig(type="WarmupLR").params
     {}
@@ -286,7 +357,7 @@ class ActivationCheckpointingConfig:
     cpu_checkpointing: Any = leaf(bool, False)
     partition_activations: Any = leaf(bool, False)
     contiguous_memory_optimization: Any = leaf(bool, False)
-    number_checkpoints: Any = leaf(int, None, ge=1)
+    number_checkpoints: Any = leaf(int, None)
     synchronize_checkpoint_boundary: Any = leaf(bool, False)
     profile: Any = leaf(bool, False)
 
@@ -295,8 +366,10 @@ class ActivationCheckpointingConfig:
 class ZeroConfig:
     """The whole configuration: top-level DeepSpeed keys plus one field per section.
 
-    Build it with :func:`load_config` / :meth:`from_any` (validated) rather than the
-    constructor. Values may be ``"auto"`` until :meth:`resolve` fills them in and settles the
+    Build it with :func:`load_config` / :meth:`from_any` (validated), or from keywords with
+    :func:`zero_config`, rather than the constructor. ``gradient_clipping`` <= 0 means no
+    clipping, as in DeepSpeed (a negative value is stored as 0.0);
+    ``communication_data_type`` is case-insensitive, as in DeepSpeed. Values may be ``"auto"`` until :meth:`resolve` fills them in and settles the
     batch sizes for a data-parallel world size.
 
     >>> cfg = ZeroConfig.from_any({"zero_optimization": {"stage": 3},
@@ -310,7 +383,7 @@ class ZeroConfig:
     train_batch_size: Any = leaf(int, None, ge=1)
     train_micro_batch_size_per_gpu: Any = leaf(int, None, ge=1)
     gradient_accumulation_steps: Any = leaf(int, None, ge=1)
-    gradient_clipping: Any = leaf(float, 0.0, ge=0.0)
+    gradient_clipping: Any = leaf(float, 0.0, normalize=_negative_means_off)
     steps_per_print: Any = leaf(int, 10, ge=1)
     # without fp16 loss scaling a non-finite gradient norm skips the step; this many in a row
     # is an error (fp16 stops at fp16.min_loss_scale instead). Not a DeepSpeed key.
@@ -318,7 +391,9 @@ class ZeroConfig:
     wall_clock_breakdown: Any = leaf(bool, False)
     gradient_predivide_factor: Any = leaf(float, 1.0, gt=0.0)
     prescale_gradients: Any = leaf(bool, False)
-    communication_data_type: Any = leaf(str, None, choices=("fp32", "fp16", "bf16"))
+    communication_data_type: Any = leaf(
+        str, None, choices=("fp32", "fp16", "bf16"), normalize=str.lower
+    )
     seed: Any = leaf(int, None)
     zero_optimization: ZeroOptimizationConfig = section(ZeroOptimizationConfig)
     fp16: FP16Config = section(FP16Config)
@@ -330,13 +405,13 @@ class ZeroConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig)
 
     @classmethod
-    def from_any(cls, source: Any = None) -> ZeroConfig:
+    def from_any(cls, source: Any = None, *, strict: bool | None = None) -> ZeroConfig:
         """Same as :func:`load_config`: a dict, a .json/.yaml path, an omegaconf node or a config.
 
         >>> ZeroConfig.from_any({"bf16": {"enabled": True}}).bf16.enabled
         True
         """
-        return _OPERATIONS["load"](source, stacklevel=3)
+        return _OPERATIONS["load"](source, stacklevel=3, strict=strict)
 
     def to_dict(self) -> dict[str, Any]:
         """A DeepSpeed-shaped nested dict that :func:`load_config` turns back into ``self``.
@@ -394,7 +469,10 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
     # Names taken from DeepSpeed's runtime/config.py, runtime/constants.py, runtime/zero/config.py,
     # runtime/zero/offload_config.py, runtime/precision_config.py and monitor/config.py.
     # A key listed here warns (UnsupportedConfigWarning) and is skipped with its whole value; a
-    # key in neither the schema nor this table is an error. Remove an entry once it is built.
+    # key in neither the schema nor this table is unknown: an error when it is close to a known
+    # key (a typo) or when loading strictly, else a warning (UnknownConfigKeyWarning), ignored.
+    # Listing DeepSpeed's keys here keeps them from being taken for typos of ours.
+    # Remove an entry once it is built.
     "": {
         **_ignored(
             "monitoring is left to the training framework's loggers",
@@ -404,6 +482,17 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         **_ignored(
             "not implemented yet",
             "data_types autotuning elasticity compile",
+        ),
+        **_ignored(
+            "a DeepSpeed runtime setting with no equivalent here",
+            "eigenvalue log_level managed_gradient_accumulation datastates_ckpt",
+        ),
+        "allgather_size": "the bucket size of the deprecated boolean zero_optimization; "
+        "updated parameters are gathered per flat group here",
+        **_ignored(
+            "DeepSpeed does not read it either (the name of one of its config objects, which "
+            "some projects write as a key)",
+            "comms_config monitor_config",
         ),
         **_ignored(
             "a DeepSpeed-specific feature with no equivalent here",
@@ -449,10 +538,9 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
             "log_trace_cache_warnings enable_sanity_checks leaf_module legacy_stage1 "
             "save_muon_momentum_buffer_in_memory",
         ),
-        **_ignored(
-            "deprecated in DeepSpeed; use offload_optimizer / offload_param",
-            "cpu_offload cpu_offload_param cpu_offload_use_pin_memory",
-        ),
+        # cpu_offload / cpu_offload_param are read with DeepSpeed's meaning (see _load.py)
+        "cpu_offload_use_pin_memory": "deprecated in DeepSpeed, which ignores it too; use "
+        "offload_optimizer.pin_memory / offload_param.pin_memory",
     },
     "zero_optimization.offload_optimizer": _ignored(
         "a DeepSpeed CPU-Adam / NVMe pipelining option not implemented here",
@@ -468,11 +556,24 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         "bf16_optimizer_states": "optimizer state is always fp32",
     },
     "optimizer": {"legacy_fusion": "there are no fused DeepSpeed optimizers here"},
+    "pipeline": {
+        **_ignored(
+            "DeepSpeed's PipelineEngine options; stages are placed and sent here by "
+            "torch.distributed.pipelining",
+            "seed_layers pipe_partitioned grad_partitioned use_reentrant",
+        ),
+        "partition": "DeepSpeed does not read it either; use partition_method",
+        "activation_checkpoint_interval": "use the activation_checkpointing section",
+    },
     "checkpoint": {
         "tag_validation": "tags are not compared across ranks; every rank gets the same tag",
         "load_universal": "every checkpoint reshards on load; there is no universal format",
         "use_node_local_storage": "every rank writes to the shared save directory",
         "parallel_write": "every rank always writes its own shards in parallel",
+        **_ignored(
+            "checkpoints are written with torch.distributed.checkpoint",
+            "checkpoint_serialization writer",
+        ),
     },
 }
 """DeepSpeed keys known but not implemented, per section; loading one warns and ignores it."""
