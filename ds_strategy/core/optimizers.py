@@ -1,16 +1,27 @@
-"""Building a ``torch.optim`` optimizer from a config's ``optimizer`` section, and marking a
-rebuilt optimizer's ``step`` for the lr schedulers bound to it.
+"""Building an optimizer from a config's ``optimizer`` section, and marking a rebuilt
+optimizer's ``step`` for the lr schedulers bound to it.
 
 Every front end goes through these functions (the engine when no optimizer is passed,
 Accelerate for a ``DummyOptim``), so a section is checked the same way everywhere: the type
-must name a ``torch.optim`` class and every key of ``params`` must be an argument of it.
+must name a ``torch.optim`` class or one of DeepSpeed's that this package implements
+(``Lamb``, in ``core/optim``), and every key of ``params`` must be an argument of it.
+
+[Note: DeepSpeed's Adam flags]
+DeepSpeed builds ``"Adam"`` and ``"AdamW"`` (``runtime/engine.py``,
+``_configure_basic_optimizer``) as its ``FusedAdam`` with ``adam_w_mode`` defaulting to
+**True**, and forced true for ``"AdamW"``: so ``{"type": "Adam", "params": {"weight_decay":
+0.01}}`` trains with *decoupled* weight decay (AdamW) in DeepSpeed, and does here too; set
+``adam_w_mode: false`` for Adam's L2 penalty. ``FusedAdam``'s ``weight_decay`` defaults to 0
+(torch's AdamW to 0.01), which is kept unless ``torch_adam: true``, where DeepSpeed hands the
+params to torch's class. Here torch's ``Adam`` / ``AdamW`` always run (``torch_adam`` changes
+nothing else); only ``bias_correction: false``, which they lack, builds
+:class:`ds_strategy.core.optim.Adam`.
 
 [Note: checked before the constructor]
-A DeepSpeed config often carries options of DeepSpeed's own fused optimizers
-(``torch_adam``, ``adam_w_mode``). Passed to a ``torch.optim`` class they fail with a bare
-``TypeError`` (``unexpected keyword argument``) at the first use, possibly long after the
-config was read; comparing the keys with the class's signature names all of them at once,
-with the config key, and lists what the class does take.
+Passed to a class that does not take it, a key fails with a bare ``TypeError`` (``unexpected
+keyword argument``) at the first use, possibly long after the config was read; comparing the
+keys with the class's signature names all of them at once, with the config key, and lists what
+the class does take.
 """
 
 from __future__ import annotations
@@ -22,10 +33,17 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, OptimizerConfig
+from .optim import Adam, Lamb
 
 __all__ = ["build_optimizer", "optimizer_class", "optimizer_factory", "track_optimizer_step"]
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+# DeepSpeed's optimizer types that torch.optim lacks, implemented in core/optim
+_OWN: dict[str, type[torch.optim.Optimizer]] = {"lamb": Lamb}
+# DeepSpeed's types built on compressed gradient communication (lower-case, as it matches them)
+_COMPRESSED = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+_ADAM_FLAGS = ("torch_adam", "adam_w_mode", "bias_correction")
 
 
 def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
@@ -38,28 +56,66 @@ def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
     return out
 
 
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` class a config's ``optimizer.type`` names, case-insensitively.
+def _qualname(cls: type) -> str:
+    """``torch.optim.AdamW``, ``ds_strategy.core.optim.Lamb``: where a class comes from."""
+    home = "torch.optim" if cls.__module__.startswith("torch.optim") else "ds_strategy.core.optim"
+    return f"{home}.{cls.__name__}"
 
-    >>> optimizer_class("adamw").__name__
-    'AdamW'
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The class a config's ``optimizer.type`` names, case-insensitively: a ``torch.optim``
+    class, or ``Lamb`` (:class:`ds_strategy.core.optim.Lamb`). The name alone: the params of
+    a section may change it (``Adam`` trains as ``AdamW`` by default, see the module note).
+
+    >>> optimizer_class("adamw").__name__, optimizer_class("LAMB").__name__
+    ('AdamW', 'Lamb')
 
     Raises :class:`~ds_strategy.config.ConfigError` (``key="optimizer.type"``) listing the valid
-    names when ``name`` is not one of them."""
-    classes = _torch_optimizers()
-    cls = classes.get(str(name).lower())
+    names when ``name`` is not one of them, or saying why for DeepSpeed's 1-bit optimizers."""
+    key = str(name).lower()
+    if key in _COMPRESSED:
+        raise ConfigError(
+            f"optimizer.type: {name!r} ({_COMPRESSED[key]}) needs gradient compression "
+            "(1-bit / 0-1 communication of the optimizer's momentum), which ds_strategy does not "
+            "implement yet (planned: issue 'compression'); use 'Adam' or 'Lamb' meanwhile",
+            key="optimizer.type",
+        )
+    classes = {**_torch_optimizers(), **_OWN}
+    cls = classes.get(key)
     if cls is None:
         names = ", ".join(sorted(c.__name__ for c in classes.values()))
         raise ConfigError(
             f"optimizer.type: unknown optimizer {name!r}, which is not a torch.optim optimizer "
-            f"class; use one of {names}",
+            f"class nor one of DeepSpeed's implemented here; use one of {names}",
             key="optimizer.type",
         )
     return cls
 
 
+def _flag(params: dict, key: str, default: bool) -> bool:
+    value = params.pop(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"optimizer.params.{key}: expected true or false, got {value!r}",
+            key=f"optimizer.params.{key}",
+        )
+    return value
+
+
+def _deepspeed_adam(name: str, params: dict) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The class and arguments DeepSpeed's Adam flags select (the module note)."""
+    torch_adam = _flag(params, "torch_adam", False)
+    decoupled = _flag(params, "adam_w_mode", True) or name == "adamw"
+    bias_correction = _flag(params, "bias_correction", True)
+    if not torch_adam:
+        params.setdefault("weight_decay", 0.0)
+    if bias_correction:
+        return (torch.optim.AdamW if decoupled else torch.optim.Adam), params
+    return Adam, {**params, "bias_correction": False, "adam_w_mode": decoupled}
+
+
 def _checked(section: OptimizerConfig | None) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The class and keyword arguments of ``section``, after the checks in the note above."""
+    """The class and keyword arguments of ``section``, after the checks in the notes above."""
     if section is None:
         raise ConfigError(
             "optimizer: the config has no 'optimizer' section; add one ({'type': 'AdamW', "
@@ -68,16 +124,27 @@ def _checked(section: OptimizerConfig | None) -> tuple[type[torch.optim.Optimize
         )
     cls = optimizer_class(section.type)
     params = dict(section.params)
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm: not an optimizer parameter here (nor in DeepSpeed); "
+            "remove it and set the top-level 'gradient_clipping' instead",
+            key="optimizer.params.max_grad_norm",
+        )
+    flags: tuple[str, ...] = ()
+    if str(section.type).lower() in ("adam", "adamw"):
+        cls, params = _deepspeed_adam(str(section.type).lower(), params)
+        flags = _ADAM_FLAGS
     signature = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values()):
         return cls, params  # takes any keyword: the constructor checks them
     accepted = [k for k in signature if k not in ("self", "params")]
     unknown = sorted(k for k in params if k not in accepted)
     if unknown:
+        also = f", and DeepSpeed's {', '.join(flags)}" if flags else ""
         raise ConfigError(
-            f"optimizer.params: {unknown} are not arguments of torch.optim.{cls.__name__} "
-            "(DeepSpeed-only options such as torch_adam / adam_w_mode have no meaning here); "
-            f"remove them. {cls.__name__} takes: {', '.join(accepted)}",
+            f"optimizer.params: {unknown} are not arguments of {_qualname(cls)} (which "
+            f"optimizer.type {section.type!r} builds here); remove them. {cls.__name__} takes: "
+            f"{', '.join(k for k in accepted if k not in flags)}{also}",
             key="optimizer.params",
         )
     return cls, params
@@ -88,8 +155,8 @@ def _construct(cls: type[torch.optim.Optimizer], params: Any, kwargs: dict) -> A
         return cls(params, **kwargs)
     except TypeError as err:  # a value of the wrong type, say
         raise ConfigError(
-            f"optimizer.params: torch.optim.{cls.__name__} rejected {sorted(kwargs)}: {err}; "
-            f"keep only arguments torch.optim.{cls.__name__} accepts, with values of their type",
+            f"optimizer.params: {_qualname(cls)} rejected {sorted(kwargs)}: {err}; "
+            f"keep only arguments {cls.__name__} accepts, with values of their type",
             key="optimizer.params",
         ) from None
 

@@ -7,6 +7,15 @@ their hyper-parameters; state is per piece, so stage 1/2/3 hold 1/N of Adam's mo
 each step, a piece whose parameter got no gradient on *any* rank gets ``.grad = None``, so
 the optimizer skips it exactly as plain PyTorch skips a parameter without a gradient (no
 weight decay, no momentum drift). Under stage 0 the "piece" is the parameter itself.
+
+[Note: optimizers that need whole-parameter norms]
+LAMB's trust ratio is a ratio of norms over a whole parameter, which a piece alone does not
+have. An optimizer that says so (``core.optim.NeedsParamNorms``) gets a ``ParamNorms`` from
+``ShardedOptimizer``: each piece's slot in one per-parameter vector laid out alike on every
+rank (groups in order, parameters in order inside each), and the all-reduce that sums it. Its
+``step`` then makes one small all-reduce of partial sums, so it must run once per step on every
+rank: the NVMe stepper, which steps bucket by bucket a number of times that differs between
+ranks, is refused with such an optimizer.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 from torch import nn
 
 from ..collectives import Comm
+from ..optim.norms import NeedsParamNorms, ParamNorms
 from .flat_group import FlatParamGroup
 
 __all__ = ["OptimizerPiece", "ShardedOptimizer", "rebuild_optimizer"]
@@ -129,7 +139,40 @@ class ShardedOptimizer:
         self.comm = comm
         self.sharded = any(g.policy.shard_optimizer for g in self.groups)
         # NVMe offload: a step that brings the swapped state in bucket by bucket (core/offload)
-        self.stepper: Any = None
+        self._stepper: Any = None
+        self.param_norms: ParamNorms | None = None
+        if isinstance(optimizer, NeedsParamNorms):
+            self.param_norms = self._param_norms() if self.sharded else None
+            optimizer.use_param_norms(self.param_norms)
+
+    def _param_norms(self) -> ParamNorms:
+        """Where each sharded piece's parameter sits in the per-parameter vector (the note)."""
+        first: dict[int, int] = {}
+        size = 0
+        for g in self.groups:
+            first[id(g)], size = size, size + len(g.params)
+        slots = {
+            id(pc.tensor): first[id(pc.group)] + pc.index
+            for pc in self.pieces
+            if pc.group.policy.shard_optimizer and pc.sl is not None
+        }
+        device = self.groups[0].device if self.groups else None
+        return ParamNorms(slots, size, lambda t: self.comm.all_reduce(t, kind="control"), device)
+
+    @property
+    def stepper(self) -> Any:
+        return self._stepper
+
+    @stepper.setter
+    def stepper(self, stepper: Any) -> None:
+        if stepper is not None and self.param_norms is not None and self.comm.world_size > 1:
+            raise ValueError(
+                "zero_optimization.offload_optimizer / offload_param: NVMe offload steps the "
+                f"optimizer bucket by bucket, and {type(self.optimizer).__name__} needs norms of "
+                "whole parameters split between ranks at each step; offload to 'cpu' instead, or "
+                "use another optimizer with NVMe"
+            )
+        self._stepper = stepper
 
     def sync_grad_flags_and_norm(self) -> float:
         """One all-reduce carries both which parameters got a gradient on any rank and this
