@@ -368,8 +368,12 @@ def test_missing_total_num_steps_is_an_error_at_load(type_name: str) -> None:
 def test_schedulers_without_required_params_load() -> None:
     assert load_config({"scheduler": {"type": "WarmupLR"}}).scheduler is not None
     assert load_config({"scheduler": {"type": "auto"}}).scheduler is not None
-    # a type the engine does not build is refused by name when the engine starts, not here
-    assert load_config({"scheduler": {"type": "OneCycle"}}).scheduler is not None
+    # OneCycle needs its cycle's bounds: named at load, as WarmupDecayLR's total_num_steps
+    with pytest.raises(ConfigError) as info:
+        load_config({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}})
+    assert info.value.key == "scheduler.params.cycle_min_lr"
+    bounds = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}
+    assert load_config({"scheduler": {"type": "OneCycle", "params": bounds}}).scheduler
 
 
 def test_auto_total_num_steps_must_be_filled_when_resolved() -> None:

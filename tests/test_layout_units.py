@@ -140,12 +140,24 @@ def test_meta_module_without_init_is_a_clear_error() -> None:
 
 def test_config_scheduler_errors_and_unknown_optimizer_options_are_named() -> None:
     model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="'OneCycle' is not one of WarmupLR"):
+    with pytest.raises(ValueError, match=r"scheduler\.params\.cycle_min_lr: required by OneCycle"):
         ds_strategy.initialize(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
             {"scheduler": {"type": "OneCycle", "params": {}}},
         )
+    one_cycle = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2}
+    engine = ds_strategy.initialize(
+        model,
+        torch.optim.Adam(model.parameters(), lr=0.5),
+        {"scheduler": {"type": "OneCycle", "params": one_cycle}},
+    )
+    for _ in range(2):
+        engine.backward(engine(torch.randn(3, 2)).sum())
+        engine.step()
+    assert type(engine.lr_scheduler).__name__ == "OneCycle"
+    assert engine.get_lr() == pytest.approx([0.1])  # the top of the cycle at step 2
+    assert engine.optimizer.param_groups[0]["betas"] == pytest.approx((0.8, 0.99))
     bad = {
         "optimizer": {
             "type": "AdamW",

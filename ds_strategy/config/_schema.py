@@ -272,9 +272,10 @@ class OptimizerConfig:
 SCHEDULER_REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
     # DeepSpeed's schedules (runtime/lr_schedules.py) whose constructors take these without a
     # default: a config that names the type must give them (or "auto", for a front end to fill).
-    # Only types the engine builds: an unsupported one (OneCycle) is refused by name instead.
+    # (a torch.optim.lr_scheduler class named by type is checked when the engine builds it)
     "WarmupDecayLR": ("total_num_steps",),
     "WarmupCosineLR": ("total_num_steps",),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
 }
 """Parameters a ``scheduler.type`` cannot do without; missing ones are a :class:`ConfigError`."""
 

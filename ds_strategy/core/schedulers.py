@@ -1,11 +1,17 @@
 """DeepSpeed's config learning-rate schedules (``"scheduler": {"type": ..., "params": ...}``)
 as torch ``LRScheduler``s, stepped by the engine after every optimizer step.
 
-Types and parameters are DeepSpeed's: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and
-``LRRangeTest``. One deliberate difference in timing: like every torch scheduler, the learning
-rate of optimizer step ``k`` (counting from 0) is the schedule's value at ``k``, so the first
-step already runs at ``warmup_min_lr``. (DeepSpeed runs its first step at the optimizer's own
-``lr`` and the schedule's value at ``k - 1`` after that.)
+Types and parameters are DeepSpeed's (``runtime/lr_schedules.py``): ``WarmupLR``,
+``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle`` and ``LRRangeTest``. As in DeepSpeed, any
+other ``type`` is looked up in ``torch.optim.lr_scheduler`` and built with the section's
+``params`` (``{"type": "StepLR", "params": {"step_size": 10}}``).
+
+Timing: like every torch scheduler, the learning rate of optimizer step ``k`` (counting from 0)
+is the schedule's value at ``k``. ``OneCycle`` and ``LRRangeTest`` match DeepSpeed step for
+step (its constructors put the value of step 0 in place). For the warm-up schedules this is one
+deliberate difference: DeepSpeed runs the schedule's value at ``k - 1`` at step ``k`` (and, at
+step 0, ``warmup_min_lr``, or an lr of 0 for ``WarmupCosineLR``), so its first value lasts two
+steps; here the schedule starts at once.
 
 >>> import torch
 >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +39,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = [
     "LRRangeTest",
+    "OneCycle",
     "SCHEDULERS",
     "WarmupCosineLR",
     "WarmupDecayLR",
@@ -168,8 +176,10 @@ class WarmupCosineLR(LRScheduler):
 
 
 class LRRangeTest(LRScheduler):
-    """The lr range test: ``lr_range_test_min_lr`` growing by ``lr_range_test_step_rate``
-    every ``lr_range_test_step_size`` steps (in steps with ``lr_range_test_staircase``)."""
+    """The lr range test: ``lr_range_test_min_lr`` growing linearly, by
+    ``lr_range_test_step_rate`` times itself every ``lr_range_test_step_size`` steps (in steps
+    with ``lr_range_test_staircase``): ``min_lr * (1 + step_rate * k / step_size)`` at step
+    ``k``, the ratio floored with the staircase."""
 
     def __init__(
         self,
@@ -187,19 +197,181 @@ class LRRangeTest(LRScheduler):
         super().__init__(optimizer, last_epoch=last_batch_iteration)
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        interval = (self.last_epoch + 1) / self.step_size
+        # DeepSpeed's (last_batch_iteration + 1) / step_size: its last_batch_iteration is k - 1
+        # at optimizer step k, where torch's last_epoch is k; step 0 runs at the minimum.
+        interval = self.last_epoch / self.step_size
         if self.staircase:
             interval = math.floor(interval)
         factor = 1.0 + self.step_rate * interval
         return [lr * factor for lr in self.min_lrs]
 
 
+class OneCycle(LRScheduler):
+    """DeepSpeed's 1Cycle: the lr rises from ``cycle_min_lr`` to ``cycle_max_lr`` over
+    ``cycle_first_step_size`` steps and falls back over ``cycle_second_step_size`` (default:
+    the first), then decays as ``cycle_min_lr / (1 + decay_lr_rate * d / decay_step_size)``
+    ``d`` steps after the cycle (no decay when either is 0). A stair count ``n > 0`` holds
+    the lr flat on ``n`` stairs across that half. With ``cycle_momentum`` an Adam-family
+    optimizer's ``betas[0]`` moves the opposite way, between ``cycle_max_mom`` and
+    ``cycle_min_mom``, and grows by ``decay_mom_rate`` after the cycle.
+
+    [Note: DeepSpeed's momentum] Kept as DeepSpeed does it, so a config trains the same:
+    only optimizers with ``betas`` in their defaults are cycled (others, SGD included, warn
+    and keep their momentum); the second beta is set to 0.99 whatever it was; and the first
+    step runs at ``cycle_min_mom`` (its constructor's value) although the cycle itself starts
+    at ``cycle_max_mom`` from the second step on.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        self._init_cycle(
+            cycle_first_step_size,
+            cycle_second_step_size,
+            cycle_first_stair_count,
+            cycle_second_stair_count,
+        )
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+        self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
+        self.decay_step_size = float(decay_step_size)
+        self.decay_lr_rate = float(decay_lr_rate)
+        self.decay_mom_rate = float(decay_mom_rate)
+        no_decay = math.isclose(self.decay_step_size, 0.0)
+        self.skip_lr_decay = no_decay or math.isclose(self.decay_lr_rate, 0.0)
+        self.skip_mom_decay = no_decay or math.isclose(self.decay_mom_rate, 0.0)
+        self.cycle_momentum = bool(cycle_momentum)
+        if self.cycle_momentum and "betas" not in optimizer.defaults:
+            warnings.warn(
+                f"scheduler.params.cycle_momentum: {type(optimizer).__name__} has no betas, so "
+                "OneCycle leaves its momentum alone (as DeepSpeed does)",
+                stacklevel=3,
+            )
+            self.cycle_momentum = False
+        super().__init__(optimizer, last_epoch=last_batch_iteration)
+
+    def _init_cycle(
+        self, first: int, second: int | None, first_stairs: int, second_stairs: int | None
+    ) -> None:
+        self.first_step_size = float(first)
+        self.second_step_size = self.first_step_size if second is None else float(second)
+        if self.first_step_size <= 0:
+            raise ValueError(f"scheduler.params.cycle_first_step_size: {first}; must be > 0")
+        if self.second_step_size < 0:
+            raise ValueError(f"scheduler.params.cycle_second_step_size: {second}; must be >= 0")
+        self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size
+        self.first_stair_count = int(first_stairs)
+        self.second_stair_count = (
+            self.first_stair_count if second_stairs is None else int(second_stairs)
+        )
+
+    def _scale_factor(self, batch: int) -> float:
+        """Where batch ``batch`` sits in the cycle: 0 at ``cycle_min_lr``, 1 at the peak."""
+        cycle = math.floor(1 + batch / self.total_size)
+        x = 1.0 + batch / self.total_size - cycle
+        if x <= self.step_ratio:
+            factor, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            factor, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:
+            # From the integer offset, not from ``factor``: a float factor a hair under a stair
+            # would floor a whole stair down (DeepSpeed quantises the same way).
+            into = batch % self.total_size
+            if into <= self.first_step_size:
+                position = into * stairs / self.first_step_size
+            else:
+                position = (self.total_size - into) * stairs / self.second_step_size
+            factor = math.floor(position) / stairs
+        return factor
+
+    def _decay_interval(self, step: int) -> float:
+        return (step - self.total_size) / self.decay_step_size
+
+    def _in_cycle(self, step: int) -> bool:
+        # DeepSpeed tests last_batch_iteration < total_size, and that is k - 1 at step k
+        return step - 1 < self.total_size
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        k = self.last_epoch
+        if self._in_cycle(k):
+            f = self._scale_factor(k)
+            return [lo + (hi - lo) * f for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
+        if self.skip_lr_decay:
+            return list(self.min_lrs)
+        factor = 1.0 + self.decay_lr_rate * self._decay_interval(k)
+        return [lo / factor for lo in self.min_lrs]
+
+    def get_mom(self) -> list[float]:
+        """The first beta of each param group at the current step (see the class note)."""
+        k = self.last_epoch
+        if k == 0:
+            return list(self.min_moms)
+        if self._in_cycle(k):
+            f = self._scale_factor(k)
+            return [hi - (hi - lo) * f for lo, hi in zip(self.min_moms, self.max_moms, strict=True)]
+        if self.skip_mom_decay:
+            return list(self.max_moms)
+        factor = 1.0 + self.decay_mom_rate * self._decay_interval(k)
+        return [hi * factor for hi in self.max_moms]
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        if self.cycle_momentum:
+            for group, beta0 in zip(self.optimizer.param_groups, self.get_mom(), strict=True):
+                group["betas"] = (beta0, 0.99)
+
+
 SCHEDULERS: dict[str, type[LRScheduler]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
+    "OneCycle": OneCycle,
     "LRRangeTest": LRRangeTest,
 }
+"""DeepSpeed's schedule types; any other ``scheduler.type`` is a torch scheduler's name."""
+
+_TORCH_SCHEDULERS = tuple(
+    name
+    for name in torch.optim.lr_scheduler.__all__
+    if name != "LRScheduler" and issubclass(getattr(torch.optim.lr_scheduler, name), LRScheduler)
+)
+
+
+def _scheduler_class(type_name: str) -> type[LRScheduler]:
+    """DeepSpeed's schedule of that name, else ``torch.optim.lr_scheduler.<type_name>`` (as
+    DeepSpeed falls back)."""
+    if type_name in SCHEDULERS:
+        return SCHEDULERS[type_name]
+    if type_name == "ReduceLROnPlateau":
+        raise ValueError(
+            "scheduler.type: 'ReduceLROnPlateau' steps on a metric, which the engine's step() "
+            "does not have; use a step-based schedule"
+        )
+    if type_name in _TORCH_SCHEDULERS:
+        cls: type[LRScheduler] = getattr(torch.optim.lr_scheduler, type_name)
+        return cls
+    raise ValueError(
+        f"scheduler.type: {type_name!r} is neither one of DeepSpeed's schedules "
+        f"({', '.join(SCHEDULERS)}) nor a torch.optim.lr_scheduler class "
+        f"({', '.join(n for n in _TORCH_SCHEDULERS if n != 'ReduceLROnPlateau')}); or pass a "
+        "torch scheduler as lr_scheduler= and remove the config's scheduler section"
+    )
 
 
 def build_scheduler(
@@ -207,19 +379,12 @@ def build_scheduler(
 ) -> LRScheduler:
     """The scheduler a config's ``scheduler`` section names, on ``optimizer``; errors name the
     bad type or parameter and what is accepted."""
-    cls = SCHEDULERS.get(type_name)
-    if cls is None:
-        hint = (
-            " (for OneCycle use torch.optim.lr_scheduler.OneCycleLR, passed as lr_scheduler=)"
-            if type_name == "OneCycle"
-            else ""
-        )
-        raise ValueError(
-            f"scheduler.type: {type_name!r} is not one of {', '.join(SCHEDULERS)}{hint}; or pass "
-            "a torch scheduler as lr_scheduler= and remove the config's scheduler section"
-        )
+    cls = _scheduler_class(type_name)
+    signature = inspect.signature(cls.__init__).parameters
     accepted = [
-        n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "optimizer")
+        name
+        for name, p in signature.items()
+        if name not in ("self", "optimizer") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
@@ -227,7 +392,13 @@ def build_scheduler(
             f"scheduler.params: {unknown} are not parameters of {type_name}; it takes "
             f"{', '.join(accepted)}"
         )
+    for name in accepted:
+        if signature[name].default is inspect.Parameter.empty and name not in params:
+            raise ValueError(
+                f"scheduler.params.{name}: required by {type_name}, which has no default for "
+                "it; set it in the config's scheduler section"
+            )
     try:
         return cls(optimizer, **params)
-    except TypeError as e:  # a required parameter is missing
+    except TypeError as e:  # e.g. a value of the wrong type
         raise ValueError(f"scheduler.params ({type_name}): {e}") from e
