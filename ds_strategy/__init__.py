@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .config import ConfigError, ZeroConfig, load_config
+from .config import ConfigError, ZeroConfig, load_config, zero_config
 from .core.checkpoint.consolidate import consolidate
 from .core.checkpoint.lock import CheckpointBusyError
 from .core.checkpoint.sharded import CheckpointWriteError
@@ -43,6 +43,7 @@ __all__ = [
     "consolidate",
     "initialize",
     "load_config",
+    "zero_config",
 ]
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ master copy under mixed precision)::
     bf16/fp16 mixed   P=2 G=2 K=12
 
 Stage 1 shards ``K`` over the N data-parallel ranks, stage 2 also ``G``, stage 3 also ``P``
-(parameters below ``stage3_param_persistence_threshold`` elements stay whole on every rank,
+(parameters of at most ``stage3_param_persistence_threshold`` elements stay whole on every rank,
 sharded like stage 2). Offload moves a term off the accelerator: ``cpu`` the optimizer term
 ``K`` (to host memory), ``cpu+params`` also the stage-3 parameter shards, ``nvme`` both to
 NVMe (with host staging buffers not counted). Stage 3 also holds the parameters it has
@@ -82,7 +82,7 @@ class ModelFacts:
 
     params: int  # every parameter (a tied weight once)
     trainable: int | None = None  # with requires_grad; None = all
-    persistent: int = 0  # stage-3 parameters below the persistence threshold (kept whole)
+    persistent: int = 0  # stage-3 parameters within the persistence threshold (kept whole)
     largest_unit: int = 0  # elements of the largest stage-3 block unit (0 = unknown)
     root_unit: int = 0  # elements of the root unit (gathered for the whole forward)
 

@@ -166,3 +166,13 @@ def test_config_scheduler_errors_and_unknown_optimizer_options_are_named() -> No
     }
     with pytest.raises(ValueError, match=r"\['lookahead'\]"):
         ds_strategy.initialize(nn.Linear(2, 2), None, bad)
+
+
+def test_persistence_threshold_includes_its_own_size_as_deepspeed() -> None:
+    """DeepSpeed keeps a parameter whole when ``ds_numel <= threshold``: a bias of exactly the
+    threshold's size stays whole, a weight one element larger is sharded."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))  # weights 16, biases 4
+    plan = plan_units(model, 4)
+    assert sorted(p.numel() for p in plan.persistent) == [4, 4]
+    assert plan_units(model, 3).persistent == []
+    assert len(plan_units(model, 16).persistent) == 4

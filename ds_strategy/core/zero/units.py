@@ -13,7 +13,7 @@ calling ``out_proj``, so the parameters must be gathered by the attention module
 
 A parameter reachable from two units (a weight shared by two blocks) belongs to the root,
 whose parameters stay gathered for the whole forward, so every user sees it. Parameters
-below ``persistence_threshold`` elements are not sharded at all: gathering them would cost
+of at most ``persistence_threshold`` elements are not sharded at all: gathering them would cost
 more latency than the memory it saves (DeepSpeed's ``stage3_param_persistence_threshold``).
 """
 
@@ -88,7 +88,7 @@ def plan_units(
         plan.params[id(u)] = []
     for pid in order:
         p = param_of[pid]
-        if p.numel() < persistence_threshold:
+        if p.numel() <= persistence_threshold:  # DeepSpeed's test: ds_numel <= threshold
             plan.persistent.append(p)
             continue
         owner_ids = owners[pid]
