@@ -42,9 +42,6 @@ def register_strategies() -> None:
     FabricZeroStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
-_register = register_strategies
-
-
 def _importing_ours() -> bool:
     """A module of ours is being imported (and imports Lightning): registering now would import
     it half-done. Our Lightning front ends register at the end of their own import instead."""
@@ -57,7 +54,7 @@ def _register_after_import() -> None:
     if _importing_ours():
         return
     try:
-        _register()
+        register_strategies()
     except Exception as e:  # noqa: BLE001 - reported, and the names stay unregistered
         warnings.warn(
             f"ds_strategy could not register its Lightning strategies ({e!r}); "
@@ -108,6 +105,6 @@ def register_when_lightning_is_imported() -> None:
     """Register now if Lightning is loaded, else as soon as it is imported."""
     if _PACKAGE in sys.modules:
         if sys.modules[_PACKAGE] is not None:  # None: imports of it are blocked
-            _register()
+            register_strategies()
     elif not any(isinstance(f, _LightningFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _LightningFinder())

@@ -13,7 +13,6 @@ and meaning of plain Accelerate.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, NoReturn
@@ -28,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from ..config._auto import fill_auto
 from ..core import ZeroEngine
-from ..frontends.engines import move_schedulers, timing_sink
+from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
 from ._front import Front, prepared, torch_optimizer
 
 __all__ = ["EngineFront", "ZeroOptimizerWrapper"]
@@ -114,8 +113,7 @@ class EngineFront(Front):
         )
         resolved = fill_auto(self.cfg, facts)
         optimizer = torch_optimizer(resolved, user_opt)
-        if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
-            model.to(self.acc.device)  # a meta model is materialised by the engine, unit by unit
+        move_real_tensors(model, self.acc.device)  # meta tensors: the engine materialises them
         engine = ZeroEngine(model, optimizer, resolved, lr_scheduler=sched)
         if engine.timers is not None:  # wall_clock_breakdown: also to the trackers, once started
             engine.timers.add_sink(timing_sink(self._log))

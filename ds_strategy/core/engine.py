@@ -25,7 +25,7 @@ from .collectives import Comm, init_process_group_from_env
 from .faults import together
 from .fingerprint import check_ranks_agree
 from .offload import Offload, check_offload_config
-from .optimizers import optimizer_factory, track_optimizer_step
+from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 from .schedulers import build_scheduler
@@ -134,7 +134,7 @@ class ZeroEngine(nn.Module):
                         "the parameters to train, or pass optimizer=None (and no optimizer "
                         "section) to build an engine for evaluation"
                     )
-                optimizer = _evaluation_only
+                optimizer = evaluation_optimizer
             elif optimizer is None:
                 if self.config.optimizer is None:
                     raise ValueError(
@@ -567,11 +567,6 @@ def _pick_device(model: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _evaluation_only(params: Any) -> torch.optim.Optimizer:
-    """The optimizer of an engine whose model has no trainable parameters: nothing to step."""
-    return torch.optim.SGD(params, lr=0.0)
 
 
 def _check_optimizer_params(

@@ -35,7 +35,13 @@ import torch
 from ..config import ConfigError, OptimizerConfig
 from .optim import Adam, Lamb
 
-__all__ = ["build_optimizer", "optimizer_class", "optimizer_factory", "track_optimizer_step"]
+__all__ = [
+    "build_optimizer",
+    "optimizer_class",
+    "optimizer_factory",
+    "track_optimizer_step",
+    "evaluation_optimizer",
+]
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
@@ -216,3 +222,9 @@ def track_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign,assignment]
+
+
+def evaluation_optimizer(params: Any) -> torch.optim.Optimizer:
+    """The optimizer of an engine that only evaluates (or has nothing to train): plain SGD at
+    lr 0 keeps no state and changes nothing."""
+    return torch.optim.SGD(params, lr=0.0)

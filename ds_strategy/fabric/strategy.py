@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..core.engine import ZeroEngine
+from ..core.optimizers import evaluation_optimizer
 from ..frontends.engines import (
     PendingClip,
-    inference_optimizer,
     move_real_tensors,
     move_schedulers,
     one_optimizer,
@@ -95,7 +95,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Wrap ``module`` for evaluation (no optimizer state is kept)."""
-        return self._setup(module, inference_optimizer)
+        return self._setup(module, evaluation_optimizer)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         raise ValueError(self._err_msg_joint_setup_required())

@@ -16,7 +16,6 @@ from ..core.optimizers import track_optimizer_step
 
 __all__ = [
     "has_optimizer_state",
-    "inference_optimizer",
     "move_real_tensors",
     "move_schedulers",
     "one_optimizer",
@@ -55,11 +54,6 @@ def move_schedulers(engine: Any, schedulers: list[Any]) -> None:
         scheduler.optimizer = engine.optimizer
     if schedulers:
         track_optimizer_step(engine.optimizer)
-
-
-def inference_optimizer(params: Any) -> torch.optim.Optimizer:
-    """Engines built only to evaluate still need an optimizer; plain SGD at lr 0 keeps no state."""
-    return torch.optim.SGD(params, lr=0.0)
 
 
 def move_real_tensors(module: nn.Module, device: torch.device) -> None:

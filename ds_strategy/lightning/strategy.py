@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..core.engine import ZeroEngine
+from ..core.optimizers import evaluation_optimizer
 from ..core.pipeline import PipelineEngine
 from ..frontends.engines import (
     has_optimizer_state,
-    inference_optimizer,
     move_real_tensors,
     move_schedulers,
     one_optimizer,
@@ -158,7 +158,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         fitting = optimizer is not None
         engine = self._build_engine(
             _LightningRoot(pl_module),
-            optimizer if fitting else inference_optimizer,
+            optimizer if fitting else evaluation_optimizer,
             trainer.accumulate_grad_batches if fitting else None,
             clip_val=trainer.gradient_clip_val,
             clip_algorithm=trainer.gradient_clip_algorithm,
@@ -191,7 +191,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             cfg = cfg.replace(gradient_clipping=clip)
         move_real_tensors(pl_module, self.root_device)
         self._engine = engine = build_pipeline(
-            pl_module, cfg, optimizer if optimizer is not None else inference_optimizer, scheds
+            pl_module, cfg, optimizer if optimizer is not None else evaluation_optimizer, scheds
         )
         self._use_steps(LightningPipeline(engine, pl_module))
 
