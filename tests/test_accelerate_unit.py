@@ -385,3 +385,20 @@ def test_config_scheduler_with_auto_values_from_dummy_scheduler() -> None:
     assert lrs == pytest.approx([0.0, 0.1 * math.log(2) / math.log(3), 0.1, 0.1, 0.2 / 3, 0.1 / 3])
     with pytest.raises(ValueError, match="already schedules"):
         accelerator.prepare(torch.optim.lr_scheduler.StepLR(opt.optimizer, 1))
+
+
+def test_zero_config_can_be_replaced_until_prepare_and_inference_needs_no_engine() -> None:
+    accelerator = ZeroAccelerator(
+        zero_plugin=ZeroPlugin(config={"zero_optimization": {"stage": 1}})
+    )
+    accelerator.zero_config = accelerator.zero_config.replace(**{"zero_optimization.stage": 2})
+    model = nn.Linear(4, 2)
+    # evaluation_mode (inference, as Trainer.evaluate before training asks): placed, not wrapped
+    assert accelerator.prepare_model(model, evaluation_mode=True) is model
+    assert accelerator.zero_engine is None
+    with pytest.raises(ValueError, match="together"):
+        accelerator.prepare_model(model)
+    engine, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert engine.stage == 2
+    with pytest.raises(ValueError, match="after prepare"):
+        accelerator.zero_config = accelerator.zero_config

@@ -10,6 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ds_strategy"
 FRONT_ENDS = ("lightning", "fabric", "accelerate")
+HF = "hf"  # Hugging Face's Trainer, which runs on Accelerate: built on the Accelerate front end
 
 
 def _module_name(path: Path) -> str:
@@ -125,16 +126,20 @@ def test_front_ends_import_the_layer_and_core_never_each_other() -> None:
         for target in imports:
             other = _layer(target)
             if layer in FRONT_ENDS:
-                assert other == layer or other not in FRONT_ENDS, f"{module} imports {target}"
+                assert other == layer or other not in (*FRONT_ENDS, HF), (
+                    f"{module} imports {target}"
+                )
+            if layer == HF:
+                assert other not in ("lightning", "fabric"), f"{module} imports {target}"
             if layer == "frontends":
-                assert other not in FRONT_ENDS, f"{module} imports {target}"
+                assert other not in (*FRONT_ENDS, HF), f"{module} imports {target}"
             if layer in ("core", "config", "demos"):
-                assert other not in (*FRONT_ENDS, "frontends"), f"{module} imports {target}"
+                assert other not in (*FRONT_ENDS, HF, "frontends"), f"{module} imports {target}"
             if layer == "config":
                 assert other == "config", f"{module} imports {target}: config is a leaf"
 
 
-@pytest.mark.parametrize("front", [*FRONT_ENDS, "frontends"])
+@pytest.mark.parametrize("front", [*FRONT_ENDS, HF, "frontends"])
 def test_each_front_end_uses_the_front_end_layer(front: str) -> None:
     graph = _graph(typing=False)
     used = {t for m, ts in graph.items() if _layer(m) == front for t in ts}
@@ -150,3 +155,25 @@ def test_front_end_size_budget() -> None:
         for p in (PACKAGE / d).rglob("*.py")
     )
     assert lines <= 2500, f"the front ends are {lines} lines"
+
+
+def test_hf_front_end_size_budget() -> None:
+    """The Trainer front end is a thin subclass over the Accelerate one (450 lines)."""
+    lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / HF).rglob("*.py"))
+    assert lines <= 450, f"ds_strategy/hf is {lines} lines"
+
+
+def test_only_ds_strategy_hf_imports_transformers() -> None:
+    """transformers is the optional ``hf`` extra: nothing else may need it."""
+    for path in PACKAGE.rglob("*.py"):
+        if (PACKAGE / HF) in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            assert not any(n.split(".")[0] == "transformers" for n in names), path

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config import ZeroConfig
 from ..core import ZeroEngine
+from ..frontends.engines import move_real_tensors
 from ..frontends.flags import apply_mixed_precision
 from ._engine import EngineFront
 from ._pipeline import PipelineFront
@@ -131,8 +132,17 @@ class ZeroAccelerator(Accelerator):
     def prepare_scheduler(self, scheduler: Any) -> Any:
         return self._front.prepare_scheduler(scheduler)
 
-    def prepare_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        raise ValueError(_TOGETHER)
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        """Only for inference (``evaluation_mode=True``, as Accelerate prepares a model it will
+        not train): the model is placed on the device, unsharded and unwrapped (a model already
+        trained here is returned as it is). Training goes through ``prepare(model, optimizer)``."""
+        if not evaluation_mode:
+            raise ValueError(_TOGETHER)
+        if not self._front.owns(model) and device_placement is not False:
+            move_real_tensors(model, self.device)
+        return model
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if optimizer is getattr(self._front, "wrapper", None):
@@ -149,6 +159,16 @@ class ZeroAccelerator(Accelerator):
         """The engine's resolved config after ``prepare``; before it, the loaded config."""
         trained = self._front.trained
         return trained.config if trained is not None else self._front.cfg
+
+    @zero_config.setter
+    def zero_config(self, cfg: ZeroConfig) -> None:
+        """Replace the config before ``prepare`` (for a loop that learns its sizes late and fills
+        ``"auto"`` values itself); after ``prepare`` the engine is built: an error."""
+        if self._front.trained is not None:
+            raise ValueError("zero_config cannot change after prepare() built the engine")
+        self._front.cfg = cfg
+        if isinstance(cfg.gradient_accumulation_steps, int):
+            self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``engine.backward``: the loss is divided by ``gradient_accumulation_steps``."""

@@ -1,0 +1,209 @@
+"""``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` training through a ZeRO engine.
+
+The Trainer runs on Accelerate; this subclass gives it a
+:class:`~ds_strategy.accelerate.ZeroAccelerator` instead of a plain ``Accelerator`` and changes
+only what a sharded engine needs changed: the config's ``"auto"`` values (filled from the
+``TrainingArguments``, ``_args.py``), the optimizer and scheduler a config section names,
+consolidated weights for ``save_model``, and the engine's own checkpoint inside each Trainer
+checkpoint.
+
+[Note: who accumulates]
+The Trainer divides each micro-batch's loss by the accumulation steps itself and marks every
+micro-step as an accumulation boundary or not (Accelerate's ``sync_gradients``), keeping
+Accelerate's own steps at 1. The engine therefore follows ``sync_gradients`` and divides by
+nothing more, and the config's ``gradient_accumulation_steps`` (which must equal the
+argument) is never handed to Accelerate, where it would divide a second time.
+
+[Note: checkpoints]
+``checkpoint-<N>/`` holds what a plain Trainer writes there (consolidated ``model.safetensors``
+loadable by ``from_pretrained``, trainer state, RNG states, the Trainer's lr scheduler) and,
+instead of ``optimizer.pt``, the engine's sharded checkpoint under ``zero_checkpoint/``:
+weights in fp32, optimizer state, a config scheduler, counters. It resumes at any world size
+or ZeRO stage (``train(resume_from_checkpoint=...)``), and ``load_best_model_at_end`` loads its
+weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+import torch
+from accelerate.utils.deepspeed import DummyOptim
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
+
+from ..accelerate import ZeroAccelerator, ZeroPlugin
+from ..accelerate._front import ENGINE_DIR, EngineSchedulerWrapper
+from ..config import ZeroConfig
+from ..frontends.engines import move_schedulers
+from ._args import fill_from_training_args
+
+__all__ = ["ZeroTrainer"]
+
+
+class _TrainerAccelerator(ZeroAccelerator):
+    """A ZeroAccelerator whose accumulation the Trainer drives (see the note on who accumulates)."""
+
+    def _adopt_accumulation_steps(self, steps: int) -> None:
+        pass
+
+
+class ZeroTrainer(Trainer):
+    """``transformers.Trainer`` with ZeRO stages 0-3, offload and the engine's mixed precision.
+
+    Takes every argument ``Trainer`` takes, plus:
+
+    Args:
+        zero_config: a DeepSpeed-style config (dict, ``.json``/``.yaml`` path,
+            :class:`~ds_strategy.ZeroConfig`), ``"auto"`` values allowed and filled from
+            ``args`` as transformers fills them for DeepSpeed. ``None``: from
+            ``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_*`` variables (see ``ZeroPlugin``).
+
+    Start it as any Trainer script, with ``torchrun`` or ``accelerate launch``::
+
+        trainer = ZeroTrainer(model=model, args=TrainingArguments(...),
+                              train_dataset=ds, zero_config="configs/zero3.json")
+        trainer.train()
+        trainer.save_model("out")  # model.safetensors, loads with from_pretrained
+
+    With an ``optimizer`` section the engine builds that optimizer over all trainable
+    parameters (as DeepSpeed does); without one it shards the Trainer's own (``args.optim``,
+    its weight-decay groups). A ``scheduler`` section is built and stepped by the engine;
+    without one the Trainer's ``lr_scheduler_type`` applies.
+    """
+
+    def __init__(self, *args: Any, zero_config: Any = None, **kwargs: Any) -> None:
+        self.zero_plugin = ZeroPlugin(config=zero_config)
+        self._max_steps: int | None = None
+        self._accelerator_args: dict[str, Any] = {}
+        super().__init__(*args, **kwargs)
+
+    # -- the accelerator ------------------------------------------------------------------
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        built = super()._build_accelerator_args(**kwargs)
+        self._accelerator_args = dict(built)
+        return built
+
+    def create_accelerator_and_postprocess(self) -> None:
+        _refuse_other_engines(self.args)
+        super().create_accelerator_and_postprocess()  # the Trainer's own arguments for it
+        settings = dict(self._accelerator_args)
+        settings.pop("kwargs_handlers", None)  # DistributedDataParallel's: there is no DDP here
+        self.accelerator = _TrainerAccelerator(zero_plugin=self.zero_plugin, **settings)
+        self._loaded_config: ZeroConfig = self.accelerator.zero_config
+        gather = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(gather).parameters:
+            gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
+        self.gather_function = gather
+        if self._loaded_config.zero_optimization.stage == 3 and self.args.auto_find_batch_size:
+            raise ValueError(
+                "auto_find_batch_size is not supported with ZeRO stage 3 (as with DeepSpeed); "
+                "set per_device_train_batch_size or use stage 2"
+            )
+
+    # -- optimizer and scheduler ----------------------------------------------------------
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
+        values = super().set_initial_training_values(args, dataloader)
+        self._max_steps = int(values[-1])  # the run's optimizer steps, for "auto" step counts
+        return values
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        """The config's ``"auto"`` values are filled here, just before the engine is built; an
+        ``optimizer`` section makes the engine build that optimizer (a ``DummyOptim`` stands in)."""
+        acc = self.accelerator
+        if acc.zero_engine is None and self._max_steps is not None:
+            acc.zero_config = fill_from_training_args(
+                self._loaded_config,
+                self.args,
+                world_size=acc.num_processes,
+                model=self.model,
+                num_training_steps=self._max_steps,
+            )
+        section = acc.zero_config.optimizer
+        if section is None:
+            return super().create_optimizer(model)
+        if self.optimizer is not None and not isinstance(self.optimizer, DummyOptim):
+            raise ValueError(
+                f"the ZeRO config has an optimizer section ({section.type}) and Trainer was given "
+                f"an optimizer ({type(self.optimizer).__name__}); keep one of them"
+            )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = DummyOptim(params, lr=self.args.learning_rate)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """A config ``scheduler`` is the engine's (wrapped so the Trainer's ``step()`` is a
+        no-op); otherwise the Trainer's, moved onto the engine's optimizer."""
+        engine = self.accelerator.zero_engine
+        if engine is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None and engine.config.scheduler is not None:
+            self.lr_scheduler = EngineSchedulerWrapper(engine.lr_scheduler, self.optimizer)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        move_schedulers(engine, [scheduler])  # also one passed as Trainer(optimizers=(o, s))
+        return scheduler
+
+    # -- saving and loading ---------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Consolidated fp32 weights written with ``save_pretrained`` (safetensors), whatever the
+        stage. Collective once training has begun: call it on every rank."""
+        engine = self.accelerator.zero_engine
+        if engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = engine.full_state_dict(rank0_only=not self.args.save_on_each_node)
+        self._save(output_dir, state_dict=state)  # on the ranks that save
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        engine = self.accelerator.zero_engine
+        if engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))  # collective
+        if self.args.should_save and engine.config.scheduler is None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        engine = self.accelerator.zero_engine
+        if engine is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        engine.load_checkpoint(os.path.join(checkpoint, ENGINE_DIR))  # collective, any layout
+        saved = os.path.join(checkpoint, SCHEDULER_NAME)
+        if engine.config.scheduler is None and os.path.isfile(saved):
+            self.lr_scheduler.load_state_dict(torch.load(saved, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        engine = self.accelerator.zero_engine
+        best = self.state.best_model_checkpoint
+        if engine is None or best is None:
+            return super()._load_best_model()
+        engine.load_checkpoint(os.path.join(best, ENGINE_DIR), load_optimizer=False)
+
+
+def _refuse_other_engines(args: Any) -> None:
+    """Settings that select another engine, or that this one cannot honour, named with the fix."""
+    refused = {
+        "deepspeed": "selects DeepSpeed's engine; pass the same config as "
+        "ZeroTrainer(zero_config=...)",
+        "fsdp": "selects FSDP; ZeRO stage 3 is the equivalent here",
+        "parallelism_config": "(tensor/context parallelism) is not supported by ZeroTrainer",
+        "torch_compile": "is not supported by ZeroTrainer",
+    }
+    for name, why in refused.items():
+        if getattr(args, name, None):
+            raise ValueError(f"TrainingArguments({name}=...) {why}")
+    if args.save_only_model and args.load_best_model_at_end:
+        raise ValueError(
+            "save_only_model=True with load_best_model_at_end=True: ZeroTrainer loads the best "
+            "model from its engine checkpoint, which save_only_model leaves out (as with "
+            "DeepSpeed); drop one of them"
+        )
