@@ -10,6 +10,8 @@ The rest runs in this process, as a world of one.
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +27,13 @@ from ds_strategy.config import load_config  # noqa: E402
 from ds_strategy.hf import ZeroTrainer  # noqa: E402
 from ds_strategy.hf._args import fill_from_training_args  # noqa: E402
 from tests.hf_scripts.launch import launch  # noqa: E402
-from tests.hf_scripts.trainer_runs import MAX_NORM, Tokens, arguments, model  # noqa: E402
+from tests.hf_scripts.trainer_runs import (  # noqa: E402
+    CONFIGS,
+    MAX_NORM,
+    Tokens,
+    arguments,
+    model,
+)
 
 TOL = 2e-5
 STEPS = 10  # 2 epochs of 40 samples, 2 ranks x 2 per device x accumulation 2 (odd tail: 5)
@@ -235,3 +243,49 @@ def test_evaluate_and_save_before_training(tmp_path: Path) -> None:
     assert loss == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
     zero.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+def test_bf16_follows_the_arguments_through_transformers_bf16_config(tmp_path: Path) -> None:
+    config = json.loads((CONFIGS / "transformers__tests_zero2_bf16.json").read_text())
+    trainer = ZeroTrainer(
+        model=model(),
+        args=arguments(str(tmp_path), bf16=True, max_steps=3),
+        train_dataset=Tokens(16, 1),
+        zero_config=config,
+    )
+    trainer.train()
+    engine = trainer.accelerator.zero_engine
+    assert engine.config.bf16.enabled is True and engine.config.fp16.enabled is False
+    assert engine.precision.param_dtype == torch.bfloat16
+    assert trainer.model.model.embed_tokens.weight.dtype == torch.bfloat16  # computes in bf16
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_weights(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    trainer = ZeroTrainer(
+        model=model(),
+        args=arguments(
+            str(tmp_path),
+            max_steps=6,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            load_best_model_at_end=True,
+            learning_rate=0.2,  # large enough that the eval loss rises again after a while
+        ),
+        train_dataset=Tokens(24, 1),
+        eval_dataset=Tokens(8, 2),
+        zero_config={"zero_optimization": {"stage": 3}},
+    )
+    trainer.train()
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name == "checkpoint-2"  # the eval loss rises after it at this learning rate
+    saved = load_file(str(best / "model.safetensors"))
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    assert max_diff({k: state[k] for k in saved}, saved) == 0.0
+    last = load_file(str(tmp_path / "checkpoint-6" / "model.safetensors"))
+    assert max_diff({k: state[k] for k in last}, last) > 1e-3  # not the last weights
