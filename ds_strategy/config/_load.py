@@ -26,6 +26,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import typing
 import warnings
 from collections.abc import Callable, Mapping
@@ -40,6 +41,7 @@ from ._leaves import _COERCE, _KIND_NAMES, _check_bounds, _fail, _is_auto, _join
 from ._schema import (
     AUTO,
     SCHEDULER_REQUIRED_PARAMS,
+    TP_STYLES,
     UNSUPPORTED_KEYS,
     ConfigError,
     DeprecatedConfigWarning,
@@ -47,6 +49,7 @@ from ._schema import (
     LeafSpec,
     OffloadConfig,
     SchedulerConfig,
+    TensorParallelConfig,
     UnknownConfigKeyWarning,
     UnsupportedConfigWarning,
     ZeroConfig,
@@ -302,12 +305,25 @@ def _check_top(cfg: ZeroConfig, prefix: str) -> None:
         )
 
 
+def _check_tensor_parallel(cfg: TensorParallelConfig, prefix: str) -> None:
+    for pattern, style in cfg.plan.items():
+        key = f"{prefix}.plan.{pattern}"
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            _fail(key, f"not a regular expression over module names ({e})")
+        if style not in TP_STYLES:
+            choices = ", ".join(repr(s) for s in TP_STYLES)
+            _fail(key, f"{style!r} is not a tensor-parallel style; use one of {choices}")
+
+
 # Sections without an entry need no rule beyond their per-leaf specs.
 _CHECKS: dict[type, Callable[[Any, str], None]] = {
     OffloadConfig: _check_offload,
     ZeroOptimizationConfig: _check_zero,
     FP16Config: _check_fp16,
     SchedulerConfig: _check_scheduler,
+    TensorParallelConfig: _check_tensor_parallel,
     ZeroConfig: _check_top,
 }
 

@@ -337,6 +337,28 @@ class PipelineConfig:
     stages_per_rank: Any = leaf(int, None, ge=1)
 
 
+TP_STYLES = ("colwise", "rowwise", "replicate")
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """``tensor_parallel``: each layer's weights split across ``autotp_size`` ranks (DeepSpeed's
+    AutoTP key) with torch's DTensor tensor parallelism; ZeRO then shards over the remaining
+    ``world_size / autotp_size`` data-parallel ranks.
+
+    ``plan`` (ds_strategy's key) maps a regular expression over module names to ``"colwise"``
+    (output features split), ``"rowwise"`` (input features split, outputs summed) or
+    ``"replicate"``; empty: the automatic plan for the models it knows (the package's demo
+    GPT, Hugging Face Llama-family models).
+
+    >>> TensorParallelConfig(autotp_size=2).plan
+    {}
+    """
+
+    autotp_size: Any = leaf(int, 1, ge=1)
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: recompute chosen modules' activations in backward
@@ -400,6 +422,7 @@ class ZeroConfig:
     fp16: FP16Config = section(FP16Config)
     bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
     pipeline: PipelineConfig = section(PipelineConfig)
+    tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
@@ -499,7 +522,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
             "a DeepSpeed-specific feature with no equivalent here",
             "data_efficiency curriculum_learning compression_training quantize_training "
             "sparse_attention progressive_layer_drop hybrid_engine weight_quantization "
-            "tensor_parallel expert_parallel use_data_before_expert_parallelism "
+            "expert_parallel use_data_before_expert_parallelism "
             "sequence_parallel_size seq_parallel_comm_data_type "
             "seq_parallel_communication_data_type graph_harvesting nebula vocabulary_size "
             "dataloader_drop_last sparse_gradients",
@@ -557,6 +580,12 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         "bf16_optimizer_states": "optimizer state is always fp32",
     },
     "optimizer": {"legacy_fusion": "there are no fused DeepSpeed optimizers here"},
+    "tensor_parallel": _ignored(
+        "DeepSpeed's AutoTP options; layers are split here by torch's DTensor tensor "
+        "parallelism (autotp_size, plan)",
+        "dtype tp_overlap_comm tensor_parallel injection_policy_tuple keep_module_on_host "
+        "tp_grain_size partition_config",
+    ),
     "pipeline": {
         **_ignored(
             "DeepSpeed's PipelineEngine options; stages are placed and sent here by "

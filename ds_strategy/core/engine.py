@@ -24,12 +24,14 @@ from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
 from .faults import together
 from .fingerprint import check_ranks_agree
+from .mesh import ParallelMesh
 from .offload import Offload, check_offload_config
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 from .schedulers import build_scheduler
 from .timers import StepTimers, phase
+from .tp import TensorParallel, resolve_plan
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, OptimizerPiece, ShardedOptimizer, rebuild_optimizer
@@ -73,10 +75,22 @@ class ZeroEngine(nn.Module):
         # [Note: agreement points] in faults.py: local work that may fail on one rank only is
         # agreed on before the next collective, so every rank raises instead of waiting
         with together(self.comm):
-            self.config: ZeroConfig = load_config(config).resolve(world_size=self.comm.world_size)
+            loaded = load_config(config)
+            tp = _tensor_parallel_size(loaded, self.comm, process_group)
+            # batch sizes count data-parallel ranks: tensor-parallel ones share each batch
+            self.config: ZeroConfig = loaded.resolve(world_size=self.comm.world_size // tp)
         zc = self.config.zero_optimization
         self.stage = zc.stage
         check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
+        self.mesh = ParallelMesh.flat(self.comm.rank, self.comm.world_size)
+        self.tensor_parallel: TensorParallel | None = None
+        if tp > 1:  # split the layers over consecutive ranks, then ZeRO over the others
+            with together(self.comm):
+                tp_plan = resolve_plan(model, tp, self.config.tensor_parallel.plan)
+            self.mesh = ParallelMesh.build(self.comm.world_size, tp, _pick_device(model))
+            assert self.mesh.device_mesh is not None
+            self.tensor_parallel = TensorParallel(model, self.mesh.device_mesh["tp"], tp_plan)
+            self.comm = Comm(self.mesh.group("dp"))
         with together(self.comm):
             self._check_supported()
             self.module = model
@@ -144,10 +158,22 @@ class ZeroEngine(nn.Module):
                     )
                 optimizer = optimizer_factory(self.config.optimizer)
             else:
+                if self.tensor_parallel is not None:  # the user's optimizer holds full weights
+                    self.plan.replaced.update(self.tensor_parallel.replaced)
                 _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
             opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
             self.optimizer = opt
             self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
+            if self.tensor_parallel is not None:
+                self._sharded_opt.tp_norm = (
+                    self.tensor_parallel.norm_weight,
+                    Comm(self.mesh.group("tp")),
+                )
+                if self._sharded_opt.param_norms is not None:
+                    raise ValueError(
+                        f"{type(opt).__name__} needs whole-parameter norms, which are not yet "
+                        "reduced over tensor-parallel ranks; use AdamW or SGD with tensor_parallel"
+                    )
             if self._offload is not None:
                 self._offload.attach(self._sharded_opt, META_FILE)
             if self.config.scheduler is not None:
@@ -411,8 +437,14 @@ class ZeroEngine(nn.Module):
         ``model.state_dict()`` (buffers and every name of a tied weight included).
         Collective. ``rank0_only=True`` gathers them to rank 0 alone (the other ranks get
         ``{}`` and never hold a full-size copy), for exports that rank 0 writes."""
+        tp = self.tensor_parallel
         with self._offload_resident(dirty=False):
-            return self.plan.full_state_dict(self.module, rank0_only, self.rank)
+            if tp is None:
+                return self.plan.full_state_dict(self.module, rank0_only, self.rank)
+            # every rank gathers its tensor-parallel part over the data-parallel ranks, then
+            # the parts are joined over the tensor-parallel ranks (original names and shapes)
+            state = tp.full_state_dict(self.plan.full_state_dict(self.module, False, self.rank))
+        return {} if rank0_only and torch.distributed.get_rank() != 0 else state
 
     def save_weights(self, path: str | os.PathLike) -> Path:
         """Write the consolidated fp32 weights (:meth:`full_state_dict`) to one file:
@@ -422,9 +454,11 @@ class ZeroEngine(nn.Module):
         """
         state = self.full_state_dict(rank0_only=True)
         path = Path(path)
-        if self.rank == 0:
+        if self.rank == 0 and self.mesh.coordinates["tp"] == 0:
             write_weights(state, path)
         self.comm.barrier()
+        if self.tensor_parallel is not None:
+            torch.distributed.barrier()
         return path
 
     def save_checkpoint(
@@ -453,6 +487,7 @@ class ZeroEngine(nn.Module):
 
         >>> engine.save_checkpoint("ckpt", tag="step100", client_state={"epoch": 3})  # doctest: +SKIP
         """
+        self._refuse_tensor_parallel_checkpoints("save_checkpoint")
         if self._offload is not None and self._offload.is_swap_path(path):
             raise ValueError(
                 f"save_checkpoint({str(path)!r}): that is inside the offload swap "
@@ -483,12 +518,21 @@ class ZeroEngine(nn.Module):
         metadata and saved objects are read by allow-listing unpicklers, so a
         ``client_state`` (or scheduler state) holding objects other than tensors and plain
         data is refused, naming the type, unless ``trust_checkpoint=True``."""
+        self._refuse_tensor_parallel_checkpoints("load_checkpoint")
         with self._offload_resident(dirty=True):
             client_state = self._checkpoints.load(
                 path, tag, load_optimizer, require_checksums, trust_checkpoint
             )
         self._count_resident()
         return client_state
+
+    def _refuse_tensor_parallel_checkpoints(self, call: str) -> None:
+        if self.tensor_parallel is not None:
+            raise ValueError(
+                f"{call} with tensor_parallel is not supported yet (checkpoints do not record "
+                "the tensor-parallel split); full_state_dict() and save_weights() give the "
+                "consolidated weights"
+            )
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written, renamed into place and
@@ -558,6 +602,26 @@ class ZeroEngine(nn.Module):
             self.plan.remove_hooks()
             if self._offload is not None:
                 self._offload.close()
+
+
+def _tensor_parallel_size(
+    cfg: ZeroConfig, comm: Comm, process_group: torch.distributed.ProcessGroup | None
+) -> int:
+    tp = int(cfg.tensor_parallel.autotp_size)
+    if tp == 1:
+        return 1
+    if process_group is not None or cfg.pipeline.stages > 1:
+        raise ValueError(
+            f"tensor_parallel.autotp_size={tp} with pipeline stages (or an engine on a process "
+            "sub-group) is not supported yet; use tensor parallelism with ZeRO data parallelism"
+        )
+    if comm.world_size % tp:
+        raise ValueError(
+            f"tensor_parallel.autotp_size={tp} does not divide the world size "
+            f"{comm.world_size}: the world is data-parallel x tensor-parallel ranks; choose a "
+            "size that divides it, or launch a multiple of it"
+        )
+    return tp
 
 
 def _pick_device(model: nn.Module) -> torch.device:

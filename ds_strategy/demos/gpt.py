@@ -27,6 +27,7 @@ class Block(nn.Module):
         if c.d % c.heads:
             raise ValueError(f"d={c.d} must be divisible by heads={c.heads}")
         self.heads = c.heads
+        self.head_dim = c.d // c.heads
         self.ln1 = nn.LayerNorm(c.d)
         self.qkv = nn.Linear(c.d, 3 * c.d)
         self.proj = nn.Linear(c.d, c.d)
@@ -35,15 +36,18 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * c.d, c.d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
+        b, t, _ = x.shape
+        # qkv's outputs are laid out head by head (q, k, v of head 0, then of head 1, ...), so
+        # a tensor-parallel split of them gives each rank whole heads: the head count is read
+        # from the tensor, not assumed
         q, k, v = (
             self.qkv(self.ln1(x))
-            .view(b, t, 3, self.heads, d // self.heads)
-            .transpose(1, 3)
-            .unbind(2)
+            .view(b, t, -1, 3, self.head_dim)
+            .permute(3, 0, 2, 1, 4)
+            .unbind(0)
         )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

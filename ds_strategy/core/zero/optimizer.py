@@ -140,6 +140,9 @@ class ShardedOptimizer:
         self.sharded = any(g.policy.shard_optimizer for g in self.groups)
         # NVMe offload: a step that brings the swapped state in bucket by bucket (core/offload)
         self._stepper: Any = None
+        # tensor parallelism (core/tp): the parameter -> weight of its squared norm, and the
+        # ranks holding the other parts; see sync_grad_flags_and_norm
+        self.tp_norm: tuple[Callable[[torch.Tensor], float], Comm] | None = None
         self.param_norms: ParamNorms | None = None
         if isinstance(optimizer, NeedsParamNorms):
             self.param_norms = self._param_norms() if self.sharded else None
@@ -179,14 +182,25 @@ class ShardedOptimizer:
         rank's share of the squared gradient norm. Returns the global L2 norm."""
         flags = [g.grad_seen for g in self.groups]
         sq = torch.zeros(1, dtype=torch.float64)
-        for g in self.groups:
-            # one fused pass per group; squares summed in float64 across groups
-            sq += torch.linalg.vector_norm(g.step_grad(), dtype=torch.float32).double().square()
+        if self.tp_norm is None:
+            for g in self.groups:
+                # one fused pass per group; squares summed in float64 across groups
+                sq += torch.linalg.vector_norm(g.step_grad(), dtype=torch.float32).double().square()
+        else:
+            # Under tensor parallelism a split parameter's parts live on the tensor-parallel
+            # ranks (their squares are summed over them) while a replicated one is the same on
+            # each of them (it counts 1/T on each, so once in the sum)
+            weight, _ = self.tp_norm
+            for pc in self.pieces:
+                piece_sq = torch.linalg.vector_norm(pc.grad(), dtype=torch.float32).double()
+                sq += piece_sq.square() * weight(pc.group.params[pc.index])
         packed = torch.cat(flags + [sq]) if flags else sq
         if self.sharded:
             self.comm.all_reduce(packed, kind="control")
         elif flags:  # stage 0: gradients are identical everywhere, only flags need combining
             self.comm.all_reduce(packed[:-1], kind="control")
+        if self.tp_norm is not None:
+            self.tp_norm[1].all_reduce(packed, kind="control")  # flags are clamped below
         offset = 0
         for g in self.groups:
             n = g.grad_seen.numel()

@@ -1,0 +1,53 @@
+"""Where a rank sits among the parallel dimensions: world = pipeline x data x tensor, built
+with torch's ``DeviceMesh``. Tensor-parallel ranks are consecutive (they exchange activations
+every layer, so they get the fastest links, inside one machine), then data-parallel ranks
+(ZeRO shards over them).
+
+>>> ParallelMesh.flat(rank=1, world=4).coordinates
+{'pp': 0, 'dp': 1, 'tp': 0}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelMesh"]
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """Sizes of the pipeline, data- and tensor-parallel dimensions and this rank's place in
+    them; ``device_mesh`` (dimensions ``"dp"``, ``"tp"``) when tensor parallelism is on."""
+
+    pp: int
+    dp: int
+    tp: int
+    coordinates: dict[str, int]
+    device_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @staticmethod
+    def flat(rank: int, world: int) -> ParallelMesh:
+        """Data parallelism only: every rank a data-parallel rank."""
+        return ParallelMesh(1, world, 1, {"pp": 0, "dp": rank, "tp": 0})
+
+    @staticmethod
+    def build(world: int, tp: int, device: torch.device) -> ParallelMesh:
+        """The mesh of ``world`` ranks (the default process group) with ``tp``-way tensor
+        parallelism; collective."""
+        if world % tp:
+            raise ValueError(
+                f"tensor_parallel.autotp_size={tp} does not divide the world size {world}: "
+                "the world is data-parallel x tensor-parallel ranks; choose a size that divides "
+                "it or launch a multiple of it"
+            )
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        dp_rank, tp_rank = mesh.get_coordinate() or (0, 0)
+        return ParallelMesh(1, world // tp, tp, {"pp": 0, "dp": dp_rank, "tp": tp_rank}, mesh)
+
+    def group(self, dim: str) -> torch.distributed.ProcessGroup:
+        """The process group of this rank's ``dim`` ("dp" or "tp") dimension."""
+        assert self.device_mesh is not None, "a flat mesh has only the default group"
+        return self.device_mesh.get_group(dim)

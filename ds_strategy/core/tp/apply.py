@@ -1,0 +1,139 @@
+"""Tensor parallelism applied to a model with torch's DTensor (``parallelize_module``,
+``ColwiseParallel``, ``RowwiseParallel``), then each split weight handed to ZeRO as the plain
+tensor of this rank's part.
+
+[Note: local parameters, DTensor compute]
+ZeRO flattens parameters into buffers and swaps their storage, which a DTensor parameter does
+not allow. So after ``parallelize_module`` every DTensor parameter is replaced by a plain
+parameter holding its local part, and a parametrization (``torch.nn.utils.parametrize``) turns
+it back into the DTensor whenever the layer reads it (``DTensor.from_local``: no copy, no
+communication). The layer computes exactly as torch's tensor parallelism computes, the
+style's input/output hooks do the collectives, and autograd delivers the local gradient to
+the plain parameter, which ZeRO reduces over the data-parallel ranks like any other.
+The model's parameter names gain ``parametrizations.<name>.original``; :meth:`full_state_dict`
+gives the original names and full shapes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.utils import parametrize
+
+__all__ = ["TPParam", "TensorParallel"]
+
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+class _FromLocal(nn.Module):
+    """The parametrization: this rank's part -> the DTensor the layer computes with."""
+
+    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...], shape, stride) -> None:
+        super().__init__()
+        self.mesh, self.placements, self.shape, self.stride = mesh, placements, shape, stride
+
+    def forward(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+@dataclass(frozen=True)
+class TPParam:
+    """Where a local parameter's full tensor is: its original name and shape, the dimension
+    split across the tensor-parallel ranks (``None``: replicated), and the layer's pieces."""
+
+    name: str
+    local_name: str
+    shape: torch.Size
+    dim: int | None
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    stride: tuple[int, ...]
+
+
+class TensorParallel:
+    """A model split over ``mesh`` (one dimension, the tensor-parallel ranks) by ``plan``."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                "tensor_parallel with a model on the meta device is not supported yet; build the "
+                "model on the CPU (each rank then keeps only its part)"
+            )
+        self.mesh = mesh
+        self.size = mesh.size()
+        self.plan = plan
+        # the parameters the user's optimizer holds, by (module, name), before torch swaps them
+        before = {
+            (name, attr): p
+            for name in plan
+            for attr, p in model.get_submodule(name).named_parameters(recurse=False)
+        }
+        parallelize_module(model, mesh, {name: _STYLES[s]() for name, s in plan.items()})
+        self.params: dict[int, TPParam] = {}  # id(local parameter) -> where its full tensor is
+        self.replaced: dict[int, nn.Parameter] = {}  # id(original full parameter) -> local
+        for mod_name, module in model.named_modules():
+            for attr, p in list(module.named_parameters(recurse=False)):
+                if isinstance(p, DTensor):
+                    held = self._localize(module, mod_name, attr, p)
+                    original = before.get((mod_name, attr))
+                    if original is not None:
+                        self.replaced[id(original)] = held
+
+    def _localize(self, module: nn.Module, mod_name: str, attr: str, p: DTensor) -> nn.Parameter:
+        local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
+        placements = tuple(p.placements)
+        shard = next((pl.dim for pl in placements if isinstance(pl, Shard)), None)
+        delattr(module, attr)
+        module.register_parameter(attr, local)
+        parametrize.register_parametrization(
+            module, attr, _FromLocal(p.device_mesh, placements, p.shape, p.stride()), unsafe=True
+        )
+        held = getattr(module.parametrizations, attr).original
+        prefix = f"{mod_name}." if mod_name else ""
+        self.params[id(held)] = TPParam(
+            f"{prefix}{attr}",
+            f"{prefix}parametrizations.{attr}.original",
+            p.shape,
+            shard,
+            p.device_mesh,
+            placements,
+            p.stride(),
+        )
+        return held
+
+    def is_split(self, param: torch.Tensor) -> bool:
+        info = self.params.get(id(param))
+        return info is not None and info.dim is not None
+
+    def norm_weight(self, param: torch.Tensor) -> float:
+        """A split parameter's squared norm is summed over the tensor-parallel ranks; a
+        replicated one's is the same on every one of them, so each counts 1/T of it."""
+        return 1.0 if self.is_split(param) else 1.0 / self.size
+
+    def full_state_dict(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``local`` (this rank's names and parts) with original names and full tensors.
+        Collective over the tensor-parallel ranks."""
+        by_local_name = {info.local_name: info for info in self.params.values()}
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in local.items():
+            info = by_local_name.get(key)
+            if info is None:
+                out[key] = tensor
+                continue
+            full = DTensor.from_local(
+                tensor,
+                info.mesh,
+                info.placements,
+                run_check=False,
+                shape=info.shape,
+                stride=info.stride,
+            ).full_tensor()
+            out[info.name] = full
+        return out
