@@ -56,6 +56,11 @@ class Logits(torch.nn.Module):
 MODELS = {"gpt": gpt, "llama": lambda: Logits(llama())}
 
 
+def model_numels(kind: str) -> dict[str, torch.Tensor]:
+    """The full model's parameters by name (a tied weight once)."""
+    return dict(MODELS[kind]().named_parameters())
+
+
 def _worker(
     rank: int, world: int, stage: int, data: list[torch.Tensor], kind: str = "gpt"
 ) -> dict[str, Any]:
@@ -82,8 +87,13 @@ def _worker(
     # the shape ZeRO manages for it (stage 3 releases the tensor itself between uses)
     group = next(g for g in engine.plan.groups if any(p is qkv for p in g.params))
     qkv_shape = group.shapes[next(i for i, p in enumerate(group.params) if p is qkv)]
+    full = {k: v.numel() for k, v in model_numels(kind).items()}
+    split = sum(full[i.name] for i in engine.tensor_parallel.params.values() if i.dim is not None)
     return {
         "state": engine.full_state_dict(),
+        "memory": engine.memory_report(),
+        "split_numel": split,
+        "replicated_numel": sum(full.values()) - split,
         "coordinates": dict(mesh.coordinates),
         "sizes": (mesh.pp, mesh.dp, mesh.tp),
         "qkv_local": tuple(qkv_shape),
@@ -91,7 +101,7 @@ def _worker(
     }
 
 
-def _key_bias(bias: torch.Tensor, heads: int = 4) -> torch.Tensor:
+def key_bias(bias: torch.Tensor, heads: int = 4) -> torch.Tensor:
     """The entries of a demo GPT ``qkv.bias`` that bias the keys (laid out head by head)."""
     mask = torch.zeros(bias.shape[0], dtype=torch.bool).reshape(heads, 3, -1)
     mask[:, 1] = True
@@ -128,12 +138,21 @@ def test_tp2_x_dp2_equals_single_process_training(stage: int) -> None:
             # The key bias has a zero gradient in exact arithmetic (softmax ignores a shift of
             # the scores), so AdamW turns its rounding noise into updates of ±lr whose sign no
             # summation order decides: it is left out of the 2e-5 comparison (and bounded).
-            keys = _key_bias(diff[key])
+            keys = key_bias(diff[key])
             assert diff[key][keys].max() <= 1e-3
             diff[key] = diff[key][~keys]
         worst = max(d.max().item() for d in diff.values())
         assert worst <= TOL, (rank, worst)
     # the norms agree to 1e-5 until the key bias's noise (above) starts to show: 1e-4
+    # memory from the live tensors: 1/T of each split weight, all of each replicated one,
+    # then ZeRO's rule over the D=2 data-parallel ranks (fp32, AdamW's two moments)
+    r = results[0]
+    per_tp_rank = 4 * (r["replicated_numel"] + r["split_numel"] / 2)
+    memory = r["memory"]
+    assert memory["params"] == pytest.approx(per_tp_rank / (2 if stage == 3 else 1), rel=0.01)
+    assert memory["optimizer_state"] == pytest.approx(
+        2 * per_tp_rank / (2 if stage >= 1 else 1), rel=0.01
+    )
     assert results[0]["norms"] == pytest.approx(_reference_norms(data), rel=1e-4)
     assert any(n > CLIP for n in results[0]["norms"])  # clipping was active
 

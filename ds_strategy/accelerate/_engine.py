@@ -84,7 +84,9 @@ class EngineFront(Front):
 
     def prepare_loader(self, loader: DataLoader) -> Any:
         if loader.batch_size is not None:
-            split = self.acc.num_processes if self.acc.split_batches else 1
+            split = (
+                self.acc.num_processes // self.tensor_parallel_size if self.acc.split_batches else 1
+            )
             self.batch_sizes.append(loader.batch_size // split)
         return self.acc.prepare_data_loader(loader)
 
@@ -104,7 +106,7 @@ class EngineFront(Front):
         hidden, sizes = getattr(config, "hidden_size", None), getattr(config, "hidden_sizes", None)
         facts = self.facts(
             user_opt,
-            self.acc.num_processes,
+            self.acc.num_processes // self.tensor_parallel_size,  # data-parallel ranks
             min(self.batch_sizes, default=None),  # Accelerate's is_train_batch_min default
             hidden_size=max(sizes) if hidden is None and sizes else hidden,
             base_lr=float(groups[0]["lr"]) if groups else None,  # a DummyOptim's: optimizer_lr

@@ -72,6 +72,11 @@ class Front:
     def zero_engine(self) -> ZeroEngine | None:
         return None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks that split each layer (and read the same batches)."""
+        return int(self.cfg.tensor_parallel.autotp_size or 1)
+
     def owns(self, model: Any) -> bool:
         t = self.trained
         return t is not None and any(model is m for m in (self.model, t, t.module))

@@ -88,6 +88,7 @@ class ZeroAccelerator(Accelerator):
         self.native_amp = False
         front = PipelineFront if int(cfg.pipeline.stages) > 1 else EngineFront
         self._front: EngineFront | PipelineFront = front(self, cfg, self.zero_plugin)
+        self._loader_mesh: Any = None  # see _prepare_device_mesh
         self._front.adopt_steps = self._adopt_accumulation_steps
         if isinstance(cfg.gradient_accumulation_steps, int):
             self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
@@ -116,6 +117,22 @@ class ZeroAccelerator(Accelerator):
                     stacklevel=3,
                 )
             self.gradient_accumulation_steps = steps  # type: ignore[has-type]
+
+    def _prepare_device_mesh(self) -> Any:
+        """The mesh Accelerate's data loaders shard by: with ``tensor_parallel``, the ranks of
+        a tensor-parallel group (consecutive, as the engine lays them out) read the same
+        batches, named as Accelerate names replicated data-parallel and tensor dimensions."""
+        tp = self._front.tensor_parallel_size
+        if tp == 1:
+            return super()._prepare_device_mesh()
+        if self._loader_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (self.num_processes // tp, tp)
+            self._loader_mesh = init_device_mesh(
+                self.device.type, shape, mesh_dim_names=("dp_replicate", "tp")
+            )
+        return self._loader_mesh
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Like ``Accelerator.prepare``; the model and its optimizer (passed together) become a

@@ -172,9 +172,12 @@ class LightningZeroBase:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # with a pipeline, shard by data-parallel rank: the Mesh's layout (rank = stage * D + dp)
-        dp_size = self.num_nodes * self.num_processes // int(self._base_config.pipeline.stages or 1)
-        return {"num_replicas": dp_size, "rank": self.global_rank % dp_size}
+        # shard by data-parallel rank: a pipeline's ranks are stage * D + dp, tensor
+        # parallelism's dp * T + t (the T ranks of a tensor-parallel group read the same rows)
+        cfg = self._base_config
+        stages, tp = int(cfg.pipeline.stages or 1), int(cfg.tensor_parallel.autotp_size or 1)
+        dp_size = self.num_nodes * self.num_processes // (stages * tp)
+        return {"num_replicas": dp_size, "rank": self.global_rank // tp % dp_size}
 
     def _meta_init(self, empty_init: bool | None) -> bool:
         """Create modules on the meta device under stage 3 (or with ``empty_init=True``)."""

@@ -1,0 +1,73 @@
+"""The demo GPT through ``ZeroAccelerator`` with a ``tensor_parallel`` section on 4 processes
+(2 data-parallel x 2 tensor-parallel), ZeRO stage 1, accumulation 2 and ``clip_grad_norm_``:
+a plain Accelerate loop. Each rank saves the rows it trained on, rank 0 the consolidated
+weights, for the test to compare with one process on the global batch.
+
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml --num_processes 4 \\
+        tests/accelerate_scripts/tensor_parallel.py --out results.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+from ds_strategy.demos.gpt import GPT, GPTConfig
+
+VOCAB, SEQ, SAMPLES, STEPS = 37, 9, 64, 4
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=VOCAB, d=32, layers=2, heads=4, seq=SEQ))
+
+
+def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = parser.parse_args().out
+    config = {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}
+    accelerator = ZeroAccelerator(
+        zero_plugin=ZeroPlugin(config=config), gradient_accumulation_steps=2
+    )
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    loader = DataLoader(TensorDataset(tokens()), batch_size=4, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    seen = []
+    for (rows,) in loader:
+        with accelerator.accumulate(model):
+            seen.append(rows.clone())
+            accelerator.backward(loss_of(model, rows))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.zero_engine.global_steps == STEPS:
+            break
+    engine = accelerator.zero_engine
+    state = accelerator.get_state_dict(model)
+    rank = accelerator.process_index
+    torch.save(
+        {"seen": torch.stack(seen), "coordinates": dict(engine.mesh.coordinates)},
+        f"{out}.rank{rank}",
+    )
+    if rank == 0:
+        torch.save(state, out)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The demo GPT in a LightningModule trained by ``Trainer(strategy=ZeroStrategy(config=...))``
+with ``tensor_parallel.autotp_size=2`` on 4 processes (2 data-parallel x 2 tensor-parallel),
+ZeRO stage 2, accumulation 2 and clipping. Each rank writes the rows it trained on and rank 0
+the consolidated weights to ``OUT``; the test compares them with one process on the global
+batch.
+
+Usage: ``MASTER_PORT=... python tensor_parallel.py OUT`` (Lightning starts ranks 1-3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ds_strategy.demos.gpt import GPT, GPTConfig
+from ds_strategy.lightning import ZeroStrategy
+
+VOCAB, SEQ, SAMPLES = 37, 9, 64
+STEPS = 4
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=VOCAB, d=32, layers=2, heads=4, seq=SEQ))
+
+
+def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+class LM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = gpt()
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (rows,) = batch
+        self.seen.append(rows.clone())
+        return loss_of(self.model, rows)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
+
+
+def main() -> None:
+    from _common import out_dir, rank, trainer  # this folder is on sys.path when run
+
+    out = out_dir()
+    config = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}
+    lm = LM()
+    loop = trainer(
+        ZeroStrategy(config=config),
+        out,
+        devices=4,
+        max_epochs=1,
+        max_steps=STEPS,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+    )
+    data = DataLoader(TensorDataset(tokens()), batch_size=4, shuffle=False)
+    loop.fit(lm, data)
+    engine = loop.strategy.engine
+    state = engine.full_state_dict()
+    torch.save(
+        {"seen": torch.stack(lm.seen), "coordinates": dict(engine.mesh.coordinates)},
+        out / f"rank{rank()}.pt",
+    )
+    if rank() == 0:
+        torch.save(state, out / "state.pt")
+
+
+if __name__ == "__main__":
+    main()
