@@ -91,6 +91,8 @@ class ZeroEngine(nn.Module):
             assert self.mesh.device_mesh is not None
             self.tensor_parallel = TensorParallel(model, self.mesh.device_mesh["tp"], tp_plan)
             self.comm = Comm(self.mesh.group("dp"))
+        # every rank holding a part of this engine's state: checkpoints are written by them all
+        self.checkpoint_comm = Comm(process_group)
         with together(self.comm):
             self._check_supported()
             self.module = model
@@ -487,7 +489,6 @@ class ZeroEngine(nn.Module):
 
         >>> engine.save_checkpoint("ckpt", tag="step100", client_state={"epoch": 3})  # doctest: +SKIP
         """
-        self._refuse_tensor_parallel_checkpoints("save_checkpoint")
         if self._offload is not None and self._offload.is_swap_path(path):
             raise ValueError(
                 f"save_checkpoint({str(path)!r}): that is inside the offload swap "
@@ -518,21 +519,12 @@ class ZeroEngine(nn.Module):
         metadata and saved objects are read by allow-listing unpicklers, so a
         ``client_state`` (or scheduler state) holding objects other than tensors and plain
         data is refused, naming the type, unless ``trust_checkpoint=True``."""
-        self._refuse_tensor_parallel_checkpoints("load_checkpoint")
         with self._offload_resident(dirty=True):
             client_state = self._checkpoints.load(
                 path, tag, load_optimizer, require_checksums, trust_checkpoint
             )
         self._count_resident()
         return client_state
-
-    def _refuse_tensor_parallel_checkpoints(self, call: str) -> None:
-        if self.tensor_parallel is not None:
-            raise ValueError(
-                f"{call} with tensor_parallel is not supported yet (checkpoints do not record "
-                "the tensor-parallel split); full_state_dict() and save_weights() give the "
-                "consolidated weights"
-            )
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written, renamed into place and

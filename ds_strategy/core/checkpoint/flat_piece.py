@@ -29,18 +29,29 @@ __all__ = ["FlatPiece"]
 class FlatPiece(torch.Tensor):
     _local: torch.Tensor
     _start: int
+    _runs: list[tuple[int, int, int]]
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, start: int, numel: int) -> FlatPiece:
-        if local.dim() != 1 or start < 0 or start + local.numel() > numel:
-            raise ValueError(
-                f"piece [{start}, {start + local.numel()}) does not fit in {numel} elements"
-            )
+    def __new__(
+        cls,
+        local: torch.Tensor,
+        start: int,
+        numel: int,
+        runs: list[tuple[int, int, int]] | None = None,
+    ) -> FlatPiece:
+        """``local`` is elements ``[start, start + local.numel())``; or, with ``runs`` (a
+        tensor-parallel part, see ``core/tp``), ``(offset in local, start, length)`` triples:
+        its pieces sit at several places of the flattened tensor."""
+        runs = runs if runs is not None else [(0, start, local.numel())]
+        for offset, at, length in runs:
+            if local.dim() != 1 or at < 0 or at + length > numel or offset + length > local.numel():
+                raise ValueError(f"piece [{at}, {at + length}) does not fit in {numel} elements")
         t = torch.Tensor._make_wrapper_subclass(
             cls, (numel,), dtype=local.dtype, device=local.device
         )
         t._local = local
         t._start = start
+        t._runs = runs
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -50,30 +61,35 @@ class FlatPiece(torch.Tensor):
         raise RuntimeError(f"FlatPiece only carries checkpoint data; {func} is not supported on it")
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"FlatPiece([{self._start}, {self._start + self._local.numel()}) of {self.shape[0]})"
+        spans = ", ".join(f"[{at}, {at + n})" for _, at, n in self._runs)
+        return f"FlatPiece({spans} of {self.shape[0]})"
 
-    def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(
-            offsets=torch.Size([self._start]), sizes=torch.Size([self._local.numel()])
-        )
+    @staticmethod
+    def _chunk(at: int, length: int) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size([at]), sizes=torch.Size([length]))
 
     # -- the DCP protocol ---------------------------------------------------------------------
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size([self._start])),
+                index=MetadataIndex(fqn, torch.Size([at])),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=self._chunk(),
+                    chunk=self._chunk(at, length),
                     properties=TensorProperties.create_from_tensor(self._local),
                     size=self.shape,
                 ),
             )
+            for _, at, length in self._runs
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [self._chunk()]
+        return [self._chunk(at, length) for _, at, length in self._runs]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self._local
+        at = index.offset[0] if index.offset is not None else self._start
+        for offset, start, length in self._runs:
+            if start == at:
+                return self._local[offset : offset + length]
+        raise KeyError(f"no piece of {index.fqn} starts at {at}")

@@ -92,7 +92,7 @@ class CheckpointManager:
     ) -> Path:
         self.wait()
         root, final = self._target(Path(path), tag)
-        comm = self.engine.comm
+        comm = self.engine.checkpoint_comm
         lock_path = root / LOCK_FILE if root is not None else final.with_name(final.name + ".lock")
         try:
             with together(comm, CheckpointError):  # phase 1, rank 0: lock, recover, a .tmp
@@ -187,7 +187,7 @@ class CheckpointManager:
         trust_checkpoint: bool = False,
     ) -> Any:
         self.wait()
-        with together(self.engine.comm, CheckpointError):
+        with together(self.engine.checkpoint_comm, CheckpointError):
             directory = resolve_load_dir(Path(path), tag)
         client_state = sharded.load_engine(
             self.engine,
@@ -212,7 +212,7 @@ class CheckpointManager:
 
     def _side_comm(self) -> Comm:
         if self._side is None:  # collective: every rank reaches the first async save together
-            self._side = self.engine.comm.new_gloo_group()
+            self._side = self.engine.checkpoint_comm.new_gloo_group()
         return self._side
 
 

@@ -66,33 +66,51 @@ def single_process_ok(distributed: bool) -> Iterator[None]:
         yield
 
 
-def _names(model: nn.Module) -> dict[int, str]:
+def _names(engine: ZeroEngine) -> dict[int, str]:
+    """Each parameter's name in the checkpoint: its name in the model, or, for this rank's
+    part of a tensor-parallel weight, the original weight's."""
+    tp = engine.tensor_parallel
     names: dict[int, str] = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
+    for name, p in engine.module.named_parameters():
+        info = tp.params.get(id(p)) if tp is not None else None
+        names.setdefault(id(p), info.name if info is not None else name)
     return names
+
+
+def _piece(
+    engine: ZeroEngine, p: torch.Tensor, local: torch.Tensor, start: int, numel: int
+) -> FlatPiece:
+    """Elements ``[start, start + local.numel())`` of ``p`` flattened (``numel`` elements),
+    placed in the checkpoint's flattened full tensor (a tensor-parallel part is several runs
+    of it)."""
+    tp = engine.tensor_parallel
+    info = tp.params.get(id(p)) if tp is not None else None
+    if info is None:
+        return FlatPiece(local, start, numel)
+    return FlatPiece(local, start, info.numel, runs=info.full_runs(start, local.numel()))
 
 
 def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     """This rank's pieces of every parameter, as views of the live storage (so a load writes
     straight into the shards), plus the persistent buffers."""
-    names = _names(engine.module)
+    names = _names(engine)
     out: dict[str, torch.Tensor] = {}
     grouped: set[int] = set()
     for g in engine.plan.groups:
         grouped.update(id(p) for p in g.params)
         if not g.policy.shard_optimizer and g.master is None:  # stage 0: every rank saves all
             for i, p in enumerate(g.params):
-                out[f"model/{names[id(p)]}"] = FlatPiece(g.full_tensor(i).view(-1), 0, p.numel())
+                full = g.full_tensor(i).view(-1)
+                out[f"model/{names[id(p)]}"] = _piece(engine, p, full, 0, full.numel())
             continue
         flat = g.master if g.master is not None else g.shard  # fp32 masters when training mixed
         for pc in g.layout.pieces(g.rank):
             local = flat[pc.shard_start : pc.shard_start + pc.length]
-            numel = g.layout.slots[pc.index].numel
-            out[f"model/{names[id(g.params[pc.index])]}"] = FlatPiece(local, pc.param_start, numel)
-    for name, p in engine.module.named_parameters():
+            p, numel = g.params[pc.index], g.layout.slots[pc.index].numel
+            out[f"model/{names[id(p)]}"] = _piece(engine, p, local, pc.param_start, numel)
+    for p in engine.module.parameters():
         if id(p) not in grouped:  # not sharded (frozen, or persistent and frozen): replicated
-            out[f"model/{name}"] = FlatPiece(p.detach().view(-1), 0, p.numel())
+            out[f"model/{names[id(p)]}"] = _piece(engine, p, p.detach().view(-1), 0, p.numel())
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if not isinstance(t, nn.Parameter) and torch.is_tensor(t):
             out[f"buffer/{name}"] = t.detach()
@@ -101,28 +119,32 @@ def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
 
 def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
     """Each parameter's real shape (saved flattened; sharded ones are empty between uses)."""
-    names = _names(engine.module)
-    shapes = {name: list(p.shape) for name, p in engine.module.named_parameters() if id(p) in names}
+    names = _names(engine)
+    shapes = {names[id(p)]: list(p.shape) for p in engine.module.parameters()}
     for g in engine.plan.groups:
         for p, shape in zip(g.params, g.shapes, strict=True):
             shapes[names[id(p)]] = list(shape)
+    tp = engine.tensor_parallel
+    for info in tp.params.values() if tp is not None else ():
+        shapes[info.name] = list(info.shape)  # the full weight's, not this rank's part
     return shapes
 
 
-def _pieces(engine: ZeroEngine) -> Iterator[tuple[Any, str, int]]:
-    """(piece, parameter name, parameter numel) for every optimizer piece on this rank."""
-    names = _names(engine.module)
+def _pieces(engine: ZeroEngine) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
+    """(piece, parameter name, parameter, its numel) for every optimizer piece on this rank."""
+    names = _names(engine)
     for pc in engine.optimizer_pieces:
-        yield pc, names[id(pc.group.params[pc.index])], pc.group.layout.slots[pc.index].numel
+        p = pc.group.params[pc.index]
+        yield pc, names[id(p)], p, pc.group.layout.slots[pc.index].numel
 
 
 def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
     opt = engine.optimizer
     out: dict[str, Any] = {}
-    for pc, name, numel in _pieces(engine):
+    for pc, name, p, numel in _pieces(engine):
         for k, v in opt.state.get(pc.tensor, {}).items():
             if torch.is_tensor(v) and v.shape == pc.tensor.shape:
-                out[f"optim/{name}/{k}"] = FlatPiece(v.view(-1), pc.start, numel)
+                out[f"optim/{name}/{k}"] = _piece(engine, p, v.view(-1), pc.start, numel)
             elif torch.is_tensor(v):  # identical on every owner of the parameter: DCP keeps one
                 out[f"optim_scalar/{name}/{k}"] = v
             else:
@@ -136,6 +158,7 @@ def _engine_entry(engine: ZeroEngine) -> dict[str, Any]:
         "format": FORMAT,
         "stage": engine.stage,
         "world_size": engine.world_size,
+        "tensor_parallel": engine.mesh.tp,
         **engine.checkpoint_state(),
     }
 
@@ -152,7 +175,7 @@ def collect_state(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What this rank saves (views of the live storage) and the ``ds_strategy.json`` record."""
     engine.plan.wait_params()
-    rank = engine.comm.rank
+    rank = engine.checkpoint_comm.rank
     state: dict[str, Any] = dict(_model_entries(engine))
     if include_optimizer:
         state.update(_optim_entries(engine))
@@ -169,6 +192,7 @@ def collect_state(
         "format": FORMAT,
         "stage": engine.stage,
         "world_size": engine.world_size,
+        "tensor_parallel": engine.mesh.tp,
         "global_steps": engine.global_steps,
         "shapes": _param_shapes(engine),
         "optimizer": include_optimizer,
@@ -334,7 +358,7 @@ def load_engine(
     ``load_optimizer=False`` restores weights, buffers, counters and RNG only, into an engine
     whose optimizer may differ (e.g. one built just for evaluation)."""
     path = Path(path)
-    comm = engine.comm
+    comm = engine.checkpoint_comm
     saved = validate(path, comm, _param_shapes(engine), require_checksums)
     reader = SafeReader(path)
     rng_key = f"rng/{comm.rank}"
@@ -389,13 +413,13 @@ def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, 
     opt = engine.optimizer
     by_name = _saved_optim_keys(saved)
     out: dict[str, Any] = {}
-    for pc, name, numel in _pieces(engine):
+    for pc, name, p, numel in _pieces(engine):
         for key, k, md in by_name.get(name, []):
             if key.startswith("optim/"):
                 st = opt.state[pc.tensor]
                 if k not in st:
                     st[k] = torch.zeros_like(pc.tensor, dtype=md.properties.dtype)
-                out[key] = FlatPiece(st[k].view(-1), pc.start, numel)
+                out[key] = _piece(engine, p, st[k].view(-1), pc.start, numel)
             else:
                 out[key] = torch.empty(md.size, dtype=md.properties.dtype)
     return out
@@ -406,7 +430,7 @@ def _install_optimizer_state(
 ) -> None:
     opt = engine.optimizer
     by_name = _saved_optim_keys(state)
-    for pc, name, _ in _pieces(engine):
+    for pc, name, _, _ in _pieces(engine):
         for key, k, value in by_name.get(name, []):
             if key.startswith("optim_scalar/"):
                 opt.state[pc.tensor][k] = value

@@ -55,6 +55,30 @@ class TPParam:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     stride: tuple[int, ...]
+    local_shape: torch.Size
+    offset: int  # where this rank's part starts along ``dim``
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def full_runs(self, start: int, length: int) -> list[tuple[int, int, int]]:
+        """Elements ``[start, start + length)`` of this rank's flattened part as
+        ``(offset in them, start in the full flattened tensor, length)`` runs: one run for a
+        split along the first dimension, one per row (outer index) otherwise."""
+        if self.dim is None:
+            return [(0, start, length)]
+        inner = self.local_shape[self.dim + 1 :].numel()
+        block = self.local_shape[self.dim] * inner  # one outer index's elements, here
+        full_block = self.shape[self.dim] * inner  # and in the full tensor
+        runs = []
+        i, end = start, start + length
+        while i < end:
+            outer, within = divmod(i, block)
+            n = min(block - within, end - i)
+            runs.append((i - start, outer * full_block + self.offset * inner + within, n))
+            i += n
+        return runs
 
 
 class TensorParallel:
@@ -97,6 +121,8 @@ class TensorParallel:
         )
         held = getattr(module.parametrizations, attr).original
         prefix = f"{mod_name}." if mod_name else ""
+        # the divisibility checks of the plan make every part the same size
+        offset = 0 if shard is None else local.shape[shard] * p.device_mesh.get_local_rank()
         self.params[id(held)] = TPParam(
             f"{prefix}{attr}",
             f"{prefix}parametrizations.{attr}.original",
@@ -105,6 +131,8 @@ class TensorParallel:
             p.device_mesh,
             placements,
             p.stride(),
+            local.shape,
+            offset,
         )
         return held
 
