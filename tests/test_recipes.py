@@ -46,7 +46,7 @@ def hydra_conf():  # type: ignore[no-untyped-def]
 
 def test_every_preset_combination_composes(hydra_conf: None) -> None:
     strategies, precisions = strategy_presets(), precision_presets()
-    assert {"zero1", "zero2", "zero3"} <= set(strategies)
+    assert {"zero1", "zero2", "zero3", "zero1_tp2"} <= set(strategies)
     assert set(precisions) == {"fp32", "bf16", "fp16"}
     others = {g: group_options(g) for g in ("model", "data", "trainer")}
     assert all(len(options) >= 2 for options in others.values())
@@ -173,4 +173,13 @@ def test_accelerate_recipe_spawns_and_trains(tmp_path: Path) -> None:
         assert f"rank {rank}: stage 2, fp32, 4 steps" in out, out[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+  loss ([0-9.]+)", out)]
     assert len(losses) == 4 and losses[-1] < losses[0], out[-3000:]
+    assert "sample: 'ZeRO " in out
+
+
+def test_tensor_parallel_preset_trains_on_two_processes(tmp_path: Path) -> None:
+    """``strategy=zero1_tp2``: the two processes are one tensor-parallel pair (D=1 x T=2), so
+    they read the same batches and report the same loss."""
+    out = _run("train.py", "trainer=smoke", "strategy=zero1_tp2", "precision=fp32", tmp=tmp_path)
+    losses = re.findall(r"rank [01]: stage 1, 32-true, 4 steps, final loss ([0-9.]+)", out)
+    assert len(losses) == 2 and losses[0] == losses[1], out[-3000:]
     assert "sample: 'ZeRO " in out
