@@ -286,3 +286,32 @@ def test_checkpoint_resumes_under_another_tensor_parallel_layout(
     full = load_file(str(tmp_path / "full.safetensors"))
     assert all(torch.equal(full[k], v) for k, v in saved["at_save"].items() if k in full)
     assert set(saved["at_save"]) - set(full) <= {"head.weight"}  # tied: stored once
+
+
+def _curve(rank: int, world: int, bf16: bool, data: list[torch.Tensor]) -> list[float]:
+    config = parity_config(
+        2, ACCUM, CLIP, tensor_parallel={"autotp_size": 2}, bf16={"enabled": bf16}
+    )
+    model = gpt()
+    engine = ds_strategy.initialize(model, make_optimizer("adamw", model), config)
+    dp, dp_size = engine.mesh.coordinates["dp"], engine.mesh.dp
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(ACCUM):
+            batch = data[step * ACCUM + micro]
+            per = batch.shape[0] // dp_size
+            loss = lm_loss(engine, batch[dp * per : (dp + 1) * per])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / ACCUM
+        losses.append(total)
+    return losses
+
+
+def test_bf16_loss_curve_within_2_percent_of_fp32() -> None:
+    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    fp32 = run_ranks(_curve, 4, False, data)[0]
+    bf16 = run_ranks(_curve, 4, True, data)[0]
+    assert fp32[-1] < fp32[0]  # it learns
+    assert bf16 == pytest.approx(fp32, rel=0.02)
