@@ -122,6 +122,27 @@ def test_resumed_run_equals_the_uninterrupted_one(resumed: dict[str, Any]) -> No
     assert again["lr"] == pytest.approx(whole["lr"])  # the config's WarmupDecayLR, resumed
 
 
+def test_tensor_parallel_trainer_equals_a_plain_trainer_in_one_process(tmp_path: Path) -> None:
+    """Llama at D=1 x T=2 (ZeRO-2) through ZeroTrainer on two processes, against a plain
+    Trainer in this process: the two ranks of the pair read the same batches."""
+    out = tmp_path / "results.pt"
+    launch("torchrun", "tensor_parallel", "--out", str(out))
+    zero = torch.load(out, weights_only=False)
+    assert zero["mesh"] == {"pp": 0, "dp": 0, "tp": 0}
+    plain = Trainer(
+        model=model(),
+        args=arguments(str(tmp_path / "plain")),
+        train_dataset=Tokens(40, 1),
+        eval_dataset=Tokens(8, 2),
+    )
+    plain.train()
+    expected = plain.model.state_dict()
+    assert max_diff(zero["state"], expected) <= TOL
+    losses = [e["loss"] for e in plain.state.log_history if "loss" in e]
+    assert zero["loss"] == pytest.approx(losses, rel=1e-5)
+    assert zero["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5)
+
+
 # -- in this process ----------------------------------------------------------------------------
 
 pytestmark = pytest.mark.usefixtures("clean_accelerate")  # tests/conftest.py

@@ -117,10 +117,11 @@ class ZeroTrainer(Trainer):
         ``optimizer`` section makes the engine build that optimizer (a ``DummyOptim`` stands in)."""
         acc = self.accelerator
         if acc.zero_engine is None and self._max_steps is not None:
+            tp = int(self._loaded_config.tensor_parallel.autotp_size or 1)
             acc.zero_config = fill_from_training_args(
                 self._loaded_config,
                 self.args,
-                world_size=acc.num_processes,
+                world_size=acc.num_processes // tp,  # data-parallel ranks
                 model=self.model,
                 num_training_steps=self._max_steps,
             )

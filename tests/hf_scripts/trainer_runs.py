@@ -199,14 +199,39 @@ def resume(out: Path, stage: int) -> dict[str, Any]:
     return results
 
 
+def tensor_parallel(out: Path) -> dict[str, Any]:
+    """Llama with 2-way tensor parallelism (D=1 x T=2, ZeRO-2): the test compares it with a
+    plain Trainer in one process."""
+    config = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}
+    trainer = ZeroTrainer(
+        model=model(),
+        args=arguments(str(out / "tp")),
+        train_dataset=Tokens(SAMPLES, 1),
+        eval_dataset=Tokens(8, 2),
+        zero_config=config,
+    )
+    trainer.train()
+    return {
+        "state": weights(trainer),
+        **logged(trainer),
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "mesh": dict(trainer.accelerator.zero_engine.mesh.coordinates),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["parity", "resume"])
+    parser.add_argument("mode", choices=["parity", "resume", "tensor_parallel"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, default=3)
     a = parser.parse_args()
     out = Path(a.out)
-    results = parity(out.parent) if a.mode == "parity" else resume(out.parent, a.stage)
+    if a.mode == "parity":
+        results = parity(out.parent)
+    elif a.mode == "resume":
+        results = resume(out.parent, a.stage)
+    else:
+        results = tensor_parallel(out.parent)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out)
     if dist.is_initialized():
