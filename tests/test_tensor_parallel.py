@@ -62,9 +62,14 @@ def model_numels(kind: str) -> dict[str, torch.Tensor]:
 
 
 def _worker(
-    rank: int, world: int, stage: int, data: list[torch.Tensor], kind: str = "gpt"
+    rank: int,
+    world: int,
+    stage: int,
+    data: list[torch.Tensor],
+    kind: str = "gpt",
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    config = parity_config(stage, ACCUM, CLIP, tensor_parallel={"autotp_size": 2})
+    config = parity_config(stage, ACCUM, CLIP, tensor_parallel={"autotp_size": 2}, **(extra or {}))
     model = MODELS[kind]()
     if kind == "llama":
         inner = model.lm.model.layers[0]
@@ -121,10 +126,19 @@ def _reference_norms(data: list[torch.Tensor]) -> list[float]:
     return norms
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_tp2_x_dp2_equals_single_process_training(stage: int) -> None:
+@pytest.mark.parametrize(
+    ("stage", "extra"),
+    [
+        (0, None),
+        (1, None),
+        (2, None),
+        (3, None),
+        (3, {"activation_checkpointing": {"enabled": True}}),  # recomputes the collectives
+    ],
+)
+def test_tp2_x_dp2_equals_single_process_training(stage: int, extra: Any) -> None:
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    results = run_ranks(_worker, 4, stage, data)
+    results = run_ranks(_worker, 4, stage, data, "gpt", extra)
     reference = train_reference(gpt(), "adamw", data, STEPS, ACCUM, CLIP)
     for rank, r in enumerate(results):
         assert r["sizes"] == (1, 2, 2)
