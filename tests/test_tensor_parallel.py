@@ -329,3 +329,33 @@ def test_bf16_loss_curve_within_2_percent_of_fp32() -> None:
     bf16 = run_ranks(_curve, 4, True, data)[0]
     assert fp32[-1] < fp32[0]  # it learns
     assert bf16 == pytest.approx(fp32, rel=0.02)
+
+
+def _traffic(rank: int, world: int, data: list[torch.Tensor]) -> dict[str, Any]:
+    config = parity_config(
+        2,
+        ACCUM,
+        CLIP,
+        tensor_parallel={"autotp_size": 2},
+        wall_clock_breakdown=True,
+        steps_per_print=1,
+    )
+    model = gpt()
+    engine = ds_strategy.initialize(model, make_optimizer("adamw", model), config)
+    engine.comm_report()  # what building the engine sent
+    _train_steps(engine, data, 0, 1)
+    return {"comm": engine.comm_report(), "timing": engine.timing_report()}
+
+
+def test_comm_report_splits_tensor_and_data_parallel_traffic() -> None:
+    """One optimizer step (2 micro-batches of 4 rows x 8 positions x d=32 per data-parallel
+    rank): each of the 2 blocks all-reduces 4 activations over the tensor-parallel pair (the
+    row-wise outputs in forward, the column-wise inputs' gradients in backward), 4 KiB each at
+    T=2; the gradients go over the data-parallel pair."""
+    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    for r in run_ranks(_traffic, 4, data):
+        comm = r["comm"]
+        assert comm["tp_all_reduce"] == 2 * 2 * 4 * (4 * 8 * 32 * 4)
+        assert comm["reduce_scatter"] > 0 and "tp_reduce_scatter" not in comm
+        assert comm["total"] == sum(v for k, v in comm.items() if k != "total")
+        assert r["timing"]["forward_ms"] > 0 and r["timing"]["backward_ms"] > 0

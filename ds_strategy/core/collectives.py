@@ -101,6 +101,11 @@ class Comm:
     def rank(self) -> int:
         return dist.get_rank(self.group) if self.active else 0
 
+    def record(self, kind: str, nbytes: float) -> None:
+        """Count bytes a collective made outside this class sent on this group (torch's
+        tensor-parallel layers exchange activations through DTensor's own collectives)."""
+        self._count(kind, nbytes)
+
     def _count(self, kind: str, nbytes: float) -> None:
         self.sent_bytes[kind] += int(nbytes)
         self.sent_total[kind] += int(nbytes)

@@ -89,7 +89,10 @@ class ZeroEngine(nn.Module):
                 tp_plan = resolve_plan(model, tp, self.config.tensor_parallel.plan)
             self.mesh = ParallelMesh.build(self.comm.world_size, tp, _pick_device(model))
             assert self.mesh.device_mesh is not None
-            self.tensor_parallel = TensorParallel(model, self.mesh.device_mesh["tp"], tp_plan)
+            tp_comm = Comm(self.mesh.group("tp"))
+            self.tensor_parallel = TensorParallel(
+                model, self.mesh.device_mesh["tp"], tp_plan, tp_comm
+            )
             self.comm = Comm(self.mesh.group("dp"))
         # every rank holding a part of this engine's state: checkpoints are written by them all
         self.checkpoint_comm = Comm(process_group)
@@ -169,7 +172,7 @@ class ZeroEngine(nn.Module):
             if self.tensor_parallel is not None:
                 self._sharded_opt.tp_norm = (
                     self.tensor_parallel.norm_weight,
-                    Comm(self.mesh.group("tp")),
+                    self.tensor_parallel.comm,
                 )
                 if self._sharded_opt.param_norms is not None:
                     raise ValueError(
@@ -573,8 +576,15 @@ class ZeroEngine(nn.Module):
         return dict(self.timers.last_report) if self.timers is not None else {}
 
     def comm_report(self) -> dict[str, int]:
-        """Bytes this rank sent per collective kind since the previous call."""
-        return self.comm.take_report()
+        """Bytes this rank sent per collective kind since the previous call; with tensor
+        parallelism the tensor-parallel group's kinds are prefixed ``tp_`` (the rest are the
+        data-parallel group's) and ``total`` counts both."""
+        report = self.comm.take_report()
+        if self.tensor_parallel is not None:
+            tp = self.tensor_parallel.comm.take_report()
+            report["total"] += tp.pop("total")
+            report.update({f"tp_{k}": v for k, v in tp.items()})
+        return report
 
     @property
     def world_size(self) -> int:

@@ -41,10 +41,7 @@ class Block(nn.Module):
         # a tensor-parallel split of them gives each rank whole heads: the head count is read
         # from the tensor, not assumed
         q, k, v = (
-            self.qkv(self.ln1(x))
-            .view(b, t, -1, 3, self.head_dim)
-            .permute(3, 0, 2, 1, 4)
-            .unbind(0)
+            self.qkv(self.ln1(x)).view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))

@@ -17,6 +17,7 @@ gives the original names and full shapes back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.utils import parametrize
+
+from ..collectives import Comm
 
 __all__ = ["TPParam", "TensorParallel"]
 
@@ -84,7 +87,9 @@ class TPParam:
 class TensorParallel:
     """A model split over ``mesh`` (one dimension, the tensor-parallel ranks) by ``plan``."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    def __init__(
+        self, model: nn.Module, mesh: DeviceMesh, plan: dict[str, str], comm: Comm
+    ) -> None:
         if any(p.is_meta for p in model.parameters()):
             raise ValueError(
                 "tensor_parallel with a model on the meta device is not supported yet; build the "
@@ -100,6 +105,8 @@ class TensorParallel:
             for attr, p in model.get_submodule(name).named_parameters(recurse=False)
         }
         parallelize_module(model, mesh, {name: _STYLES[s]() for name, s in plan.items()})
+        self.comm = comm  # the tensor-parallel group: counts what the layers exchange
+        self._count_exchanges(model)
         self.params: dict[int, TPParam] = {}  # id(local parameter) -> where its full tensor is
         self.replaced: dict[int, nn.Parameter] = {}  # id(original full parameter) -> local
         for mod_name, module in model.named_modules():
@@ -109,6 +116,30 @@ class TensorParallel:
                     original = before.get((mod_name, attr))
                     if original is not None:
                         self.replaced[id(original)] = held
+
+    def _count_exchanges(self, model: nn.Module) -> None:
+        """What the styles' collectives send, counted from the tensors they exchange (ring
+        all-reduce: 2(T-1)/T of the tensor per rank): a row-wise layer all-reduces its output in
+        forward, a column-wise layer the gradient of its input in backward."""
+        factor = 2 * (self.size - 1) / self.size
+
+        def count(t: torch.Tensor) -> None:
+            self.comm.record("all_reduce", factor * t.numel() * t.element_size())
+
+        def after_rowwise(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            count(out)
+
+        def before_colwise(module: nn.Module, args: Any) -> None:
+            x = args[0] if args else None
+            if torch.is_grad_enabled() and torch.is_tensor(x) and x.requires_grad:
+                x.register_hook(lambda g: count(g))
+
+        for name, style in self.plan.items():
+            module = model.get_submodule(name)
+            if style == "rowwise":
+                module.register_forward_hook(after_rowwise)  # after the style's: local output
+            else:
+                module.register_forward_pre_hook(before_colwise, prepend=True)  # the local input
 
     def _localize(self, module: nn.Module, mod_name: str, attr: str, p: DTensor) -> nn.Parameter:
         local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
