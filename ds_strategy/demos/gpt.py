@@ -69,6 +69,32 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class _Embed(nn.Module):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class _Head(nn.Module):
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def as_sequential(model: GPT) -> nn.Sequential:
+    """The same modules as layers (embeddings, each block, final norm and head), for pipeline
+    stages; the model must not tie its head to the embedding."""
+    if model.config.tie_embeddings:
+        raise ValueError("as_sequential: build the GPT with tie_embeddings=False")
+    return nn.Sequential(_Embed(model.wte, model.wpe), *model.blocks, _Head(model.ln_f, model.head))
+
+
 def init_weights(module: nn.Module) -> None:
     """GPT-2's initialisation (N(0, 0.02), zero biases); usable as a ``param_init_fn``."""
     if isinstance(module, (nn.Linear, nn.Embedding)):

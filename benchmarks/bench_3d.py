@@ -1,0 +1,229 @@
+"""Data, tensor and pipeline parallelism on 4 ranks, side by side: the same demo GPT trained as
+D=4 (ZeRO-1), D=2 x T=2 (ZeRO-1 over 2 data-parallel ranks, each layer split over 2),
+P=2 x D=2 (two pipeline stages, each ZeRO-1 over 2) and P=2 x T=2 (when pipelines take tensor
+parallelism). Per layout: the median step time (the slowest rank), each rank's model state, and
+the bytes each rank sends per optimizer step in each group.
+
+    python benchmarks/bench_3d.py
+    python benchmarks/bench_3d.py --d 256 --layers 8 --steps 10
+
+[Note: how the bytes are counted]
+Data- and tensor-parallel bytes are ``engine.comm_report()``: the data-parallel group's
+collectives (gradient reductions, parameter all-gathers, the small norm reductions) and, filed
+as ``tp_*``, the activations the tensor-parallel layers all-reduce. Pipeline bytes are counted
+by this script where the pipeline builds its sends (``torch.distributed.P2POp`` with
+``isend``, each sent once): the activations
+and gradients a stage sends to its neighbour. A ring all-reduce counts 2(n-1)/n of the tensor
+per rank, a send its whole size.
+
+On a CPU with fewer cores than ranks the step times measure the contention as much as the
+layout; the bytes and the memory do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ds_strategy  # noqa: E402
+from ds_strategy.demos.gpt import GPT, GPTConfig, as_sequential, gpt_loss  # noqa: E402
+
+LAYOUTS = ("D=4", "D=2 x T=2", "P=2 x D=2", "P=2 x T=2")
+ACCUM = 2
+
+
+class _P2PCounter:
+    """Bytes this rank sends point to point (the pipeline's activations and gradients)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        init, send = dist.P2POp.__init__, dist.isend
+
+        def counted_init(op: Any, kind: Any, tensor: torch.Tensor, *args: Any, **kw: Any) -> None:
+            init(op, kind, tensor, *args, **kw)
+            if kind is send:
+                self.sent += tensor.numel() * tensor.element_size()
+
+        dist.P2POp.__init__ = counted_init  # type: ignore[method-assign]
+
+    def take(self) -> int:
+        sent, self.sent = self.sent, 0
+        return sent
+
+
+def _config(layout: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "zero_optimization": {"stage": 1},
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": 1.0,
+    }
+    if "T=2" in layout:
+        cfg["tensor_parallel"] = {"autotp_size": 2}
+    if "P=2" in layout:
+        cfg["pipeline"] = {"stages": 2, "schedule": "1f1b"}
+    return cfg
+
+
+def _run(layout: str, args: argparse.Namespace, p2p: _P2PCounter) -> dict[str, Any]:
+    if layout == "P=2 x T=2":
+        return {"skipped": "not yet: tensor parallelism inside pipeline stages"}
+    cfg = GPTConfig(args.vocab, args.d, args.layers, args.heads, args.seq, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    pipeline = "P=2" in layout
+    if pipeline:
+        net = as_sequential(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+        engine = ds_strategy.initialize(net, opt, _config(layout), loss_fn=loss_fn)
+        dp, dp_size, stage_engine = (
+            engine.data_parallel_rank,
+            engine.data_parallel_size,
+            engine.engine,
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = ds_strategy.initialize(model, opt, _config(layout))
+        dp, dp_size, stage_engine = engine.mesh.coordinates["dp"], engine.mesh.dp, engine
+    gen = torch.Generator().manual_seed(1)
+    per = args.batch // dp_size
+
+    def step() -> None:
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        mine = tokens[dp * per : (dp + 1) * per]
+        if pipeline:
+            engine.train_batch(mine[:, :-1], mine[:, 1:])
+            return
+        for micro in mine.chunk(ACCUM):
+            engine.backward(gpt_loss(engine, micro))
+            engine.step()
+
+    step()  # warm-up: optimizer state appears, buffers are allocated
+    stage_engine.comm_report()
+    p2p.take()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    comm = stage_engine.comm_report()
+    tp = sum(v for k, v in comm.items() if k.startswith("tp_"))
+    dp_bytes = comm["total"] - tp
+    result = {
+        "ms": statistics.median(times) * 1e3,
+        "state": stage_engine.memory_report()["total"],
+        "dp": dp_bytes / args.steps,
+        "tp": tp / args.steps,
+        "pp": p2p.take() / args.steps,
+    }
+    engine.destroy()
+    return result
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    p2p = _P2PCounter()
+    try:
+        done = {}
+        for layout in LAYOUTS:
+            done[layout] = _run(layout, args, p2p)
+            if args.verbose and rank == 0:
+                print(f"done {layout}: {done[layout]}", flush=True)
+        queue.put((rank, done))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it instead of waiting
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
+    parser.add_argument("--verbose", action="store_true", help="each layout's figures as done")
+    args = parser.parse_args()
+    world = 4
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    failed = {r: v for r, v in results.items() if isinstance(v, str)}
+    if failed:
+        raise SystemExit(f"bench_3d failed: {failed}")
+    params = sum(
+        p.numel()
+        for p in GPT(
+            GPTConfig(args.vocab, args.d, args.layers, args.heads, args.seq, tie_embeddings=False)
+        ).parameters()
+    )
+    print(
+        f"demo GPT d={args.d} layers={args.layers} heads={args.heads} seq={args.seq} "
+        f"({params / 1e6:.2f}M parameters), AdamW, ZeRO-1, global batch {args.batch}, "
+        f"accumulation {ACCUM}, 4 gloo ranks; per rank (the largest over ranks), per step:"
+    )
+    print(
+        f"{'layout':<12} {'step ms':>9} {'model state MB':>15} "
+        f"{'DP MB/step':>11} {'TP MB/step':>11} {'PP MB/step':>11}"
+    )
+    for layout in LAYOUTS:
+        per_rank = [results[r][layout] for r in range(world)]
+        if "skipped" in per_rank[0]:
+            print(f"{layout:<12} {per_rank[0]['skipped']}")
+            continue
+
+        def worst(key: str, ranks: list[dict[str, Any]] = per_rank) -> float:
+            return max(r[key] for r in ranks)
+
+        print(
+            f"{layout:<12} {worst('ms'):>9.1f} {worst('state') / 1e6:>15.2f} "
+            f"{worst('dp') / 1e6:>11.3f} {worst('tp') / 1e6:>11.3f} {worst('pp') / 1e6:>11.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
