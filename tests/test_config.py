@@ -132,6 +132,7 @@ def test_unsupported_table_does_not_shadow_schema_keys() -> None:
             "optimizer": schema_mod.OptimizerConfig,
             "checkpoint": schema_mod.CheckpointConfig,
             "pipeline": schema_mod.PipelineConfig,
+            "tensor_parallel": schema_mod.TensorParallelConfig,
         }
     )
     assert set(UNSUPPORTED_KEYS) <= set(sections)

@@ -180,11 +180,16 @@ class LightningZeroBase:
         return {"num_replicas": dp_size, "rank": self.global_rank // tp % dp_size}
 
     def _meta_init(self, empty_init: bool | None) -> bool:
-        """Create modules on the meta device under stage 3 (or with ``empty_init=True``)."""
-        return (self.stage == 3 and empty_init is not False) or bool(empty_init)
+        """Create modules on the meta device under stage 3 (or with ``empty_init=True``), not
+        with tensor parallelism, which splits real weights."""
+        return self._meta_stage3 and empty_init is not False or bool(empty_init)
 
     def module_sharded_context(self) -> AbstractContextManager:
-        return torch.device("meta") if self.stage == 3 else nullcontext()
+        return torch.device("meta") if self._meta_stage3 else nullcontext()
+
+    @property
+    def _meta_stage3(self) -> bool:
+        return self.stage == 3 and int(self._base_config.tensor_parallel.autotp_size or 1) == 1
 
     model_sharded_context = module_sharded_context  # the Trainer's name
 

@@ -1,6 +1,6 @@
 """The demo GPT in a LightningModule trained by ``Trainer(strategy=ZeroStrategy(config=...))``
 with ``tensor_parallel.autotp_size=2`` on 4 processes (2 data-parallel x 2 tensor-parallel),
-ZeRO stage 2, accumulation 2 and clipping. Each rank writes the rows it trained on and rank 0
+ZeRO stage 3 (the model built in ``configure_model``), accumulation 2 and clipping. Each rank writes the rows it trained on and rank 0
 the consolidated weights to ``OUT``; the test compares them with one process on the global
 batch.
 
@@ -39,8 +39,14 @@ def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 class LM(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model = gpt()
+        self.model: GPT | None = None
         self.seen: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        # under stage 3 the strategy would build this on the meta device, but not with
+        # tensor parallelism, which splits real weights
+        if self.model is None:
+            self.model = gpt()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (rows,) = batch
@@ -55,7 +61,7 @@ def main() -> None:
     from _common import out_dir, rank, trainer  # this folder is on sys.path when run
 
     out = out_dir()
-    config = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}
+    config = {"zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}}
     lm = LM()
     loop = trainer(
         ZeroStrategy(config=config),
