@@ -359,3 +359,36 @@ def test_comm_report_splits_tensor_and_data_parallel_traffic() -> None:
         assert comm["reduce_scatter"] > 0 and "tp_reduce_scatter" not in comm
         assert comm["total"] == sum(v for k, v in comm.items() if k != "total")
         assert r["timing"]["forward_ms"] > 0 and r["timing"]["backward_ms"] > 0
+
+
+LAMB = {"lr": 0.02, "weight_decay": 0.01, "betas": (0.9, 0.99), "max_coeff": 10.0}
+
+
+def _lamb_run(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> Any:
+    from ds_strategy.core.optim import Lamb
+
+    config = parity_config(stage, ACCUM, CLIP, tensor_parallel={"autotp_size": 2})
+    model = gpt()
+    engine = ds_strategy.initialize(model, Lamb(model.parameters(), **LAMB), config)
+    _train_steps(engine, data, 0, STEPS)
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_lamb_trust_ratios_are_whole_parameter_under_tensor_parallelism(stage: int) -> None:
+    """LAMB's ||w|| / ||update|| is summed over the tensor-parallel parts of a split weight
+    (and its ZeRO pieces), so TP2 x DP2 trains as LAMB does in one process."""
+    from ds_strategy.core.optim import Lamb
+
+    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    model = gpt()
+    opt = Lamb(model.parameters(), **LAMB)
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            (lm_loss(model, data[step * ACCUM + micro]) / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    expected = model.state_dict()
+    for state in run_ranks(_lamb_run, 4, stage, data):
+        assert _close(state, expected) <= TOL

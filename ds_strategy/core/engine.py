@@ -168,17 +168,14 @@ class ZeroEngine(nn.Module):
                 _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
             opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
             self.optimizer = opt
-            self._sharded_opt = ShardedOptimizer(opt, pieces, self.plan.groups, self.comm)
-            if self.tensor_parallel is not None:
-                self._sharded_opt.tp_norm = (
-                    self.tensor_parallel.norm_weight,
-                    self.tensor_parallel.comm,
-                )
-                if self._sharded_opt.param_norms is not None:
-                    raise ValueError(
-                        f"{type(opt).__name__} needs whole-parameter norms, which are not yet "
-                        "reduced over tensor-parallel ranks; use AdamW or SGD with tensor_parallel"
-                    )
+            tp = self.tensor_parallel
+            self._sharded_opt = ShardedOptimizer(
+                opt,
+                pieces,
+                self.plan.groups,
+                self.comm,
+                tp_norm=(tp.norm_weight, tp.comm) if tp is not None else None,
+            )
             if self._offload is not None:
                 self._offload.attach(self._sharded_opt, META_FILE)
             if self.config.scheduler is not None:

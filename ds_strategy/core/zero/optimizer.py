@@ -132,6 +132,7 @@ class ShardedOptimizer:
         pieces: list[OptimizerPiece],
         groups: list[FlatParamGroup],
         comm: Comm,
+        tp_norm: tuple[Callable[[torch.Tensor], float], Comm] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.pieces = pieces
@@ -142,14 +143,17 @@ class ShardedOptimizer:
         self._stepper: Any = None
         # tensor parallelism (core/tp): the parameter -> weight of its squared norm, and the
         # ranks holding the other parts; see sync_grad_flags_and_norm
-        self.tp_norm: tuple[Callable[[torch.Tensor], float], Comm] | None = None
+        self.tp_norm = tp_norm
         self.param_norms: ParamNorms | None = None
         if isinstance(optimizer, NeedsParamNorms):
-            self.param_norms = self._param_norms() if self.sharded else None
+            needed = self.sharded or tp_norm is not None
+            self.param_norms = self._param_norms() if needed else None
             optimizer.use_param_norms(self.param_norms)
 
     def _param_norms(self) -> ParamNorms:
-        """Where each sharded piece's parameter sits in the per-parameter vector (the note)."""
+        """Where each sharded piece's parameter sits in the per-parameter vector (the note);
+        under tensor parallelism every parameter, whose sums are also added over the
+        tensor-parallel ranks (a replicated parameter's counted once, as in the gradient norm)."""
         first: dict[int, int] = {}
         size = 0
         for g in self.groups:
@@ -157,10 +161,26 @@ class ShardedOptimizer:
         slots = {
             id(pc.tensor): first[id(pc.group)] + pc.index
             for pc in self.pieces
-            if pc.group.policy.shard_optimizer and pc.sl is not None
+            if (pc.group.policy.shard_optimizer and pc.sl is not None) or self.tp_norm is not None
         }
         device = self.groups[0].device if self.groups else None
-        return ParamNorms(slots, size, lambda t: self.comm.all_reduce(t, kind="control"), device)
+        if self.tp_norm is None:
+            return ParamNorms(
+                slots, size, lambda t: self.comm.all_reduce(t, kind="control"), device
+            )
+        weight, tp_comm = self.tp_norm
+        weights = torch.ones(size, 1, dtype=torch.float64, device=device)
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                weights[first[id(g)] + i] = weight(p)
+
+        def reduce(t: torch.Tensor) -> None:
+            if self.sharded:
+                self.comm.all_reduce(t, kind="control")
+            t.mul_(weights)
+            tp_comm.all_reduce(t, kind="control")
+
+        return ParamNorms(slots, size, reduce, device)
 
     @property
     def stepper(self) -> Any:
