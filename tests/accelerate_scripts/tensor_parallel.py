@@ -10,28 +10,17 @@ weights, for the test to compare with one process on the global batch.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
-from ds_strategy.demos.gpt import GPT, GPTConfig
 
-VOCAB, SEQ, SAMPLES, STEPS = 37, 9, 64, 4
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests/
 
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(3))
-
-
-def gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab=VOCAB, d=32, layers=2, heads=4, seq=SEQ))
-
-
-def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+from tests.tp_common import STEPS, gpt, loss_of, tokens  # noqa: E402
 
 
 def main() -> None:

@@ -1,45 +1,33 @@
 """The demo GPT in a LightningModule trained by ``Trainer(strategy=ZeroStrategy(config=...))``
 with ``tensor_parallel.autotp_size=2`` on 4 processes (2 data-parallel x 2 tensor-parallel),
-ZeRO stage 3 (the model built in ``configure_model``), accumulation 2 and clipping. Each rank writes the rows it trained on and rank 0
-the consolidated weights to ``OUT``; the test compares them with one process on the global
-batch.
+ZeRO stage 3 (the model built in ``configure_model``), accumulation 2 and clipping. Each rank
+writes the rows it trained on and rank 0 the consolidated weights to ``OUT``; the test
+compares them with one process on the global batch (``tests/tp_common.py``).
 
 Usage: ``MASTER_PORT=... python tensor_parallel.py OUT`` (Lightning starts ranks 1-3).
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ds_strategy.demos.gpt import GPT, GPTConfig
 from ds_strategy.lightning import ZeroStrategy
 
-VOCAB, SEQ, SAMPLES = 37, 9, 64
-STEPS = 4
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests/
 
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(3))
-
-
-def gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab=VOCAB, d=32, layers=2, heads=4, seq=SEQ))
-
-
-def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+from tests.tp_common import STEPS, gpt, loss_of, tokens  # noqa: E402
 
 
 class LM(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model: GPT | None = None
+        self.model: torch.nn.Module | None = None
         self.seen: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
