@@ -27,14 +27,23 @@ def parity_config(stage: int, accum: int, clip: float, **extra: Any) -> dict[str
 
 
 def train_reference(
-    model: torch.nn.Module, kind: str, data: list[torch.Tensor], steps: int, accum: int, clip: float
+    model: torch.nn.Module,
+    kind: str,
+    data: list[torch.Tensor],
+    steps: int,
+    accum: int,
+    clip: float,
+    norms: list[float] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``steps`` optimizer steps of ``accum`` micro-batches each, clipped at ``clip``."""
+    """``steps`` optimizer steps of ``accum`` micro-batches each, clipped at ``clip`` (each
+    step's norm before clipping appended to ``norms``, when given)."""
     opt = make_optimizer(kind, model)
     for step in range(steps):
         for micro in range(accum):
             (lm_loss(model, data[step * accum + micro]) / accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model.state_dict()

@@ -65,6 +65,17 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
             ],
             lr=1e-2,
         )
+    if kind == "lamb":
+        from ds_strategy.core.optim import Lamb
+
+        return Lamb(
+            [
+                {"params": decay, "weight_decay": 0.01},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=0.02,
+            betas=(0.9, 0.99),
+        )
     if kind == "sgd":
         return torch.optim.SGD(
             [{"params": decay, "weight_decay": 1e-3}, {"params": no_decay, "lr": 0.05}],

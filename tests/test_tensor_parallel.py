@@ -27,19 +27,9 @@ def gpt() -> GPT:
 
 
 def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.hf_scripts.trainer_runs import model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    return LlamaForCausalLM(config)
+    return model(VOCAB, SEQ)
 
 
 class Logits(torch.nn.Module):
@@ -114,15 +104,8 @@ def key_bias(bias: torch.Tensor, heads: int = 4) -> torch.Tensor:
 
 
 def _reference_norms(data: list[torch.Tensor]) -> list[float]:
-    model = gpt()
-    opt = make_optimizer("adamw", model)
-    norms = []
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            (lm_loss(model, data[step * ACCUM + micro]) / ACCUM).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    norms: list[float] = []
+    train_reference(gpt(), "adamw", data, STEPS, ACCUM, CLIP, norms=norms)
     return norms
 
 
@@ -175,15 +158,7 @@ def test_tp2_x_dp2_on_a_transformers_llama_equals_single_process_training() -> N
     """q/k/v/gate/up column-wise, o/down row-wise, with grouped key/value heads (4 and 2)."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
     results = run_ranks(_worker, 4, 2, data, "llama")
-    reference = MODELS["llama"]()
-    opt = make_optimizer("adamw", reference)
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            (lm_loss(reference, data[step * ACCUM + micro]) / ACCUM).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    expected = reference.state_dict()
+    expected = train_reference(MODELS["llama"](), "adamw", data, STEPS, ACCUM, CLIP)
     for r in results:
         assert r["state"].keys() == expected.keys()
         worst = max((r["state"][k] - expected[k]).abs().max().item() for k in expected)
@@ -361,15 +336,10 @@ def test_comm_report_splits_tensor_and_data_parallel_traffic() -> None:
         assert r["timing"]["forward_ms"] > 0 and r["timing"]["backward_ms"] > 0
 
 
-LAMB = {"lr": 0.02, "weight_decay": 0.01, "betas": (0.9, 0.99), "max_coeff": 10.0}
-
-
 def _lamb_run(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> Any:
-    from ds_strategy.core.optim import Lamb
-
     config = parity_config(stage, ACCUM, CLIP, tensor_parallel={"autotp_size": 2})
     model = gpt()
-    engine = ds_strategy.initialize(model, Lamb(model.parameters(), **LAMB), config)
+    engine = ds_strategy.initialize(model, make_optimizer("lamb", model), config)
     _train_steps(engine, data, 0, STEPS)
     return engine.full_state_dict()
 
@@ -378,17 +348,7 @@ def _lamb_run(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> An
 def test_lamb_trust_ratios_are_whole_parameter_under_tensor_parallelism(stage: int) -> None:
     """LAMB's ||w|| / ||update|| is summed over the tensor-parallel parts of a split weight
     (and its ZeRO pieces), so TP2 x DP2 trains as LAMB does in one process."""
-    from ds_strategy.core.optim import Lamb
-
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    model = gpt()
-    opt = Lamb(model.parameters(), **LAMB)
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            (lm_loss(model, data[step * ACCUM + micro]) / ACCUM).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-    expected = model.state_dict()
+    expected = train_reference(gpt(), "lamb", data, STEPS, ACCUM, CLIP)
     for state in run_ranks(_lamb_run, 4, stage, data):
         assert _close(state, expected) <= TOL

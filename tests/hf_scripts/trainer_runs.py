@@ -41,16 +41,17 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def model() -> LlamaForCausalLM:
+def model(vocab: int = VOCAB, positions: int = LENGTH) -> LlamaForCausalLM:
+    """A 2-layer Llama (4 attention heads, 2 key/value heads) from a config, seeded."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=LENGTH,
+        max_position_embeddings=positions,
     )
     return LlamaForCausalLM(config)
 
