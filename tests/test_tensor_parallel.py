@@ -154,10 +154,11 @@ def test_tp2_x_dp2_equals_single_process_training(stage: int, extra: Any) -> Non
     assert any(n > CLIP for n in results[0]["norms"])  # clipping was active
 
 
-def test_tp2_x_dp2_on_a_transformers_llama_equals_single_process_training() -> None:
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tp2_x_dp2_on_a_transformers_llama_equals_single_process_training(stage: int) -> None:
     """q/k/v/gate/up column-wise, o/down row-wise, with grouped key/value heads (4 and 2)."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    results = run_ranks(_worker, 4, 2, data, "llama")
+    results = run_ranks(_worker, 4, stage, data, "llama")
     expected = train_reference(MODELS["llama"](), "adamw", data, STEPS, ACCUM, CLIP)
     for r in results:
         assert r["state"].keys() == expected.keys()
