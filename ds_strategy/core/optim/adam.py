@@ -32,6 +32,23 @@ def check_moments(name: str, lr: float, eps: float, weight_decay: float, betas: 
         raise ValueError(f"{name}: betas={tuple(betas)} must each be in [0, 1)")
 
 
+def advance_moments(
+    state: dict[str, Any], w: torch.Tensor, g: torch.Tensor, betas: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the Adam-family state of ``w`` (created at its first step): the step count
+    and the moving averages of ``g`` and ``g * g``, which it returns."""
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(w)
+        state["exp_avg_sq"] = torch.zeros_like(w)
+    state["step"] += 1
+    b1, b2 = betas
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    return m, v
+
+
 class Adam(torch.optim.Optimizer):
     """DeepSpeed's ``FusedAdam``: Adam, or AdamW with ``adam_w_mode=True`` (its default, as
     in DeepSpeed), with bias correction optional. Formula in the module docstring.
@@ -79,17 +96,10 @@ class Adam(torch.optim.Optimizer):
                 if w.grad is None:
                     continue
                 state = self.state[w]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(w)
-                    state["exp_avg_sq"] = torch.zeros_like(w)
-                state["step"] += 1
                 g = w.grad
                 if decay and not group["adam_w_mode"]:
                     g = g.add(w, alpha=decay)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                m, v = advance_moments(state, w, g, (b1, b2))
                 c1, c2 = 1.0, 1.0
                 if group["bias_correction"]:
                     t = float(state["step"])

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .adam import check_moments
+from .adam import advance_moments, check_moments
 from .norms import ParamNorms
 
 __all__ = ["Lamb"]
@@ -136,15 +136,7 @@ class Lamb(torch.optim.Optimizer):
         sums = []
         for group, w in live:
             state = self.state[w]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(w)
-                state["exp_avg_sq"] = torch.zeros_like(w)
-            state["step"] += 1
-            b1, b2 = group["betas"]
-            g = w.grad
-            state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-            state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            advance_moments(state, w, w.grad, group["betas"])
             u = self._update(group, w, state)
             sums.append(torch.stack([torch.linalg.vector_norm(t) for t in (w, u)]).double())
         # this rank's sum(w**2), sum(u**2) per tensor, fetched from the device once
