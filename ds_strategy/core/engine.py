@@ -83,6 +83,8 @@ class ZeroEngine(nn.Module):
         self.stage = zc.stage
         check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
         self.mesh = ParallelMesh.flat(self.comm.rank, self.comm.world_size)
+        # every rank holding a part of this engine's state: checkpoints are written by them all
+        self.checkpoint_comm = self.comm
         self.tensor_parallel: TensorParallel | None = None
         if tp > 1:  # split the layers over consecutive ranks, then ZeRO over the others
             with together(self.comm):
@@ -94,8 +96,6 @@ class ZeroEngine(nn.Module):
                 model, self.mesh.device_mesh["tp"], tp_plan, tp_comm
             )
             self.comm = Comm(self.mesh.group("dp"))
-        # every rank holding a part of this engine's state: checkpoints are written by them all
-        self.checkpoint_comm = Comm(process_group)
         with together(self.comm):
             self._check_supported()
             self.module = model
@@ -614,12 +614,7 @@ def _tensor_parallel_size(
             f"tensor_parallel.autotp_size={tp} with pipeline stages (or an engine on a process "
             "sub-group) is not supported yet; use tensor parallelism with ZeRO data parallelism"
         )
-    if comm.world_size % tp:
-        raise ValueError(
-            f"tensor_parallel.autotp_size={tp} does not divide the world size "
-            f"{comm.world_size}: the world is data-parallel x tensor-parallel ranks; choose a "
-            "size that divides it, or launch a multiple of it"
-        )
+    ParallelMesh.data_parallel_size(comm.world_size, tp)  # an error unless T divides it
     return tp
 
 

@@ -34,18 +34,24 @@ class ParallelMesh:
         return ParallelMesh(1, world, 1, {"pp": 0, "dp": rank, "tp": 0})
 
     @staticmethod
-    def build(world: int, tp: int, device: torch.device) -> ParallelMesh:
-        """The mesh of ``world`` ranks (the default process group) with ``tp``-way tensor
-        parallelism; collective."""
+    def data_parallel_size(world: int, tp: int) -> int:
+        """The data-parallel ranks of ``world`` ranks split ``tp`` ways, or an error."""
         if world % tp:
             raise ValueError(
                 f"tensor_parallel.autotp_size={tp} does not divide the world size {world}: "
                 "the world is data-parallel x tensor-parallel ranks; choose a size that divides "
                 "it or launch a multiple of it"
             )
-        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        return world // tp
+
+    @staticmethod
+    def build(world: int, tp: int, device: torch.device) -> ParallelMesh:
+        """The mesh of ``world`` ranks (the default process group) with ``tp``-way tensor
+        parallelism; collective."""
+        dp = ParallelMesh.data_parallel_size(world, tp)
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_rank, tp_rank = mesh.get_coordinate() or (0, 0)
-        return ParallelMesh(1, world // tp, tp, {"pp": 0, "dp": dp_rank, "tp": tp_rank}, mesh)
+        return ParallelMesh(1, dp, tp, {"pp": 0, "dp": dp_rank, "tp": tp_rank}, mesh)
 
     def group(self, dim: str) -> torch.distributed.ProcessGroup:
         """The process group of this rank's ``dim`` ("dp" or "tp") dimension."""
