@@ -53,6 +53,8 @@ def fill_from_training_args(
 
     def match(key: str, value: Any, argument: str, *, must: bool = True) -> None:
         current = _lookup(tree, key)
+        if isinstance(current, tuple):  # a pair (betas) compares as the list it is given as
+            current = list(current)
         if current == AUTO:
             fills[key] = value
         elif must and current is not _MISSING and current is not None and current != value:
@@ -72,8 +74,7 @@ def fill_from_training_args(
         match("gradient_clipping", float(args.max_grad_norm), "max_grad_norm")
     lr = args.learning_rate
     match("optimizer.params.lr", lr, "learning_rate")
-    betas = [args.adam_beta1, args.adam_beta2]
-    _match_betas(tree, fills, mismatches, betas)
+    match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
     match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
     match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
     match("scheduler.params.warmup_min_lr", 0, "", must=False)
@@ -94,17 +95,6 @@ def fill_from_training_args(
     if absent:
         cfg = cfg.replace(**absent)
     return cfg.resolve(world_size, fills)
-
-
-def _match_betas(tree: dict, fills: dict[str, Any], mismatches: list[str], betas: list) -> None:
-    current = _lookup(tree, "optimizer.params.betas")
-    if current == AUTO:
-        fills["optimizer.params.betas"] = betas
-    elif current not in (_MISSING, None) and [float(b) for b in current] != betas:
-        mismatches.append(
-            f"- optimizer.params.betas={list(current)!r} vs TrainingArguments "
-            f"adam_beta1+adam_beta2={betas!r}"
-        )
 
 
 def _fill_bucket_sizes(tree: dict, fills: dict[str, Any], stage: int, model: Any) -> None:
