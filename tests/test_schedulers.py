@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -244,11 +245,7 @@ def test_engine_steps_the_config_scheduler_at_optimizer_steps() -> None:
         },
     }
     engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
-    seen = []
-    for _ in range(6):
-        seen.append(engine.get_lr()[0])
-        engine.backward(engine(torch.randn(2, 3)).sum())
-        engine.step()
+    seen = _lr_per_micro_step(engine, 6)
     assert seen == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])  # steps once per 2 micro-steps
     with pytest.raises(ValueError, match="keep one of them"):
         ds_strategy.initialize(
@@ -317,9 +314,15 @@ def test_engine_trains_with_a_config_one_cycle_and_a_torch_fallback() -> None:
     model = torch.nn.Linear(3, 1)
     step_lr = {"scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}}
     engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.4), step_lr)
-    lrs = []
-    for _ in range(3):
-        lrs.append(engine.get_lr()[0])
+    lrs = _lr_per_micro_step(engine, 3)
+    assert lrs == pytest.approx([0.4, 0.2, 0.1])
+
+
+def _lr_per_micro_step(engine: Any, micro_steps: int) -> list[float]:
+    """The learning rate before each of ``micro_steps`` backward + step calls on random data."""
+    seen = []
+    for _ in range(micro_steps):
+        seen.append(engine.get_lr()[0])
         engine.backward(engine(torch.randn(2, 3)).sum())
         engine.step()
-    assert lrs == pytest.approx([0.4, 0.2, 0.1])
+    return seen
