@@ -1,20 +1,18 @@
 """Data, tensor and pipeline parallelism on 4 ranks, side by side: the same demo GPT trained as
 D=4 (ZeRO-1), D=2 x T=2 (ZeRO-1 over 2 data-parallel ranks, each layer split over 2),
-P=2 x D=2 (two pipeline stages, each ZeRO-1 over 2) and P=2 x T=2 (when pipelines take tensor
-parallelism). Per layout: the median step time (the slowest rank), each rank's model state, and
+P=2 x D=2 (two pipeline stages, each ZeRO-1 over 2) and P=2 x T=2 (two pipeline stages, each
+layer split over 2). Per layout: the median step time (the slowest rank), each rank's model state, and
 the bytes each rank sends per optimizer step in each group.
 
     python benchmarks/bench_3d.py
     python benchmarks/bench_3d.py --d 256 --layers 8 --steps 10
 
 [Note: how the bytes are counted]
-Data- and tensor-parallel bytes are ``engine.comm_report()``: the data-parallel group's
-collectives (gradient reductions, parameter all-gathers, the small norm reductions) and, filed
-as ``tp_*``, the activations the tensor-parallel layers all-reduce. Pipeline bytes are counted
-by this script where the pipeline builds its sends (``torch.distributed.P2POp`` with
-``isend``, each sent once): the activations
-and gradients a stage sends to its neighbour. A ring all-reduce counts 2(n-1)/n of the tensor
-per rank, a send its whole size.
+All bytes are ``engine.comm_report()``: the data-parallel group's collectives (gradient
+reductions, parameter all-gathers, the small norm reductions); filed as ``tp_*``, the
+activations the tensor-parallel layers all-reduce; filed as ``pp_*``, the activations and
+gradients a pipeline stage sends to its neighbour and the pipeline's small loss and norm
+reductions. A ring all-reduce counts 2(n-1)/n of the tensor per rank, a send its whole size.
 
 On a CPU with fewer cores than ranks the step times measure the contention as much as the
 layout; the bytes and the memory do not depend on the machine.
@@ -46,25 +44,6 @@ LAYOUTS = ("D=4", "D=2 x T=2", "P=2 x D=2", "P=2 x T=2")
 ACCUM = 2
 
 
-class _P2PCounter:
-    """Bytes this rank sends point to point (the pipeline's activations and gradients)."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        init, send = dist.P2POp.__init__, dist.isend
-
-        def counted_init(op: Any, kind: Any, tensor: torch.Tensor, *args: Any, **kw: Any) -> None:
-            init(op, kind, tensor, *args, **kw)
-            if kind is send:
-                self.sent += tensor.numel() * tensor.element_size()
-
-        dist.P2POp.__init__ = counted_init  # type: ignore[method-assign]
-
-    def take(self) -> int:
-        sent, self.sent = self.sent, 0
-        return sent
-
-
 def _config(layout: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "zero_optimization": {"stage": 1},
@@ -78,9 +57,7 @@ def _config(layout: str) -> dict[str, Any]:
     return cfg
 
 
-def _run(layout: str, args: argparse.Namespace, p2p: _P2PCounter) -> dict[str, Any]:
-    if layout == "P=2 x T=2":
-        return {"skipped": "not yet: tensor parallelism inside pipeline stages"}
+def _run(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = GPTConfig(args.vocab, args.d, args.layers, args.heads, args.seq, tie_embeddings=False)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -93,15 +70,11 @@ def _run(layout: str, args: argparse.Namespace, p2p: _P2PCounter) -> dict[str, A
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
         engine = ds_strategy.initialize(net, opt, _config(layout), loss_fn=loss_fn)
-        dp, dp_size, stage_engine = (
-            engine.data_parallel_rank,
-            engine.data_parallel_size,
-            engine.engine,
-        )
+        dp, dp_size = engine.data_parallel_rank, engine.data_parallel_size
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = ds_strategy.initialize(model, opt, _config(layout))
-        dp, dp_size, stage_engine = engine.mesh.coordinates["dp"], engine.mesh.dp, engine
+        dp, dp_size = engine.mesh.coordinates["dp"], engine.mesh.dp
     gen = torch.Generator().manual_seed(1)
     per = args.batch // dp_size
 
@@ -116,23 +89,22 @@ def _run(layout: str, args: argparse.Namespace, p2p: _P2PCounter) -> dict[str, A
             engine.step()
 
     step()  # warm-up: optimizer state appears, buffers are allocated
-    stage_engine.comm_report()
-    p2p.take()
+    engine.comm_report()
     times = []
     for _ in range(args.steps):
         dist.barrier()
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    comm = stage_engine.comm_report()
+    comm = engine.comm_report()
     tp = sum(v for k, v in comm.items() if k.startswith("tp_"))
-    dp_bytes = comm["total"] - tp
+    pp = sum(v for k, v in comm.items() if k.startswith("pp_"))
     result = {
         "ms": statistics.median(times) * 1e3,
-        "state": stage_engine.memory_report()["total"],
-        "dp": dp_bytes / args.steps,
+        "state": engine.memory_report()["total"],
+        "dp": (comm["total"] - tp - pp) / args.steps,
         "tp": tp / args.steps,
-        "pp": p2p.take() / args.steps,
+        "pp": pp / args.steps,
     }
     engine.destroy()
     return result
@@ -150,11 +122,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
-    p2p = _P2PCounter()
     try:
         done = {}
         for layout in LAYOUTS:
-            done[layout] = _run(layout, args, p2p)
+            done[layout] = _run(layout, args)
             if args.verbose and rank == 0:
                 print(f"done {layout}: {done[layout]}", flush=True)
         queue.put((rank, done))
@@ -212,9 +183,6 @@ def main() -> None:
     )
     for layout in LAYOUTS:
         per_rank = [results[r][layout] for r in range(world)]
-        if "skipped" in per_rank[0]:
-            print(f"{layout:<12} {per_rank[0]['skipped']}")
-            continue
 
         def worst(key: str, ranks: list[dict[str, Any]] = per_rank) -> float:
             return max(r[key] for r in ranks)

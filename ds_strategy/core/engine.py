@@ -68,6 +68,7 @@ class ZeroEngine(nn.Module):
         process_group: torch.distributed.ProcessGroup | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         _stage_of: nn.Module | None = None,
+        _mesh: ParallelMesh | None = None,
     ) -> None:
         super().__init__()
         init_process_group_from_env()
@@ -76,7 +77,14 @@ class ZeroEngine(nn.Module):
         # agreed on before the next collective, so every rank raises instead of waiting
         with together(self.comm):
             loaded = load_config(config)
-            tp = _tensor_parallel_size(loaded, self.comm, process_group)
+            if loaded.pipeline.stages > 1:
+                raise ValueError(
+                    f"pipeline.stages={loaded.pipeline.stages}: a pipeline is built by "
+                    "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
+                    "nn.Sequential and trained with engine.train_batch; this front end drives "
+                    "a ZeroEngine, so set pipeline.stages to 1 here"
+                )
+            tp = _tensor_parallel_size(loaded, self.comm, process_group, _mesh)
             # batch sizes count data-parallel ranks: tensor-parallel ones share each batch
             self.config: ZeroConfig = loaded.resolve(world_size=self.comm.world_size // tp)
         zc = self.config.zero_optimization
@@ -89,7 +97,8 @@ class ZeroEngine(nn.Module):
         if tp > 1:  # split the layers over consecutive ranks, then ZeRO over the others
             with together(self.comm):
                 tp_plan = resolve_plan(model, tp, self.config.tensor_parallel.plan)
-            self.mesh = ParallelMesh.build(self.comm.world_size, tp, _pick_device(model))
+            # a pipeline stage's engine gets the pipeline's mesh and runs on one stage's ranks
+            self.mesh = _mesh or ParallelMesh.build(self.comm.world_size, tp, _pick_device(model))
             assert self.mesh.device_mesh is not None
             tp_comm = Comm(self.mesh.group("tp"))
             self.tensor_parallel = TensorParallel(
@@ -119,13 +128,6 @@ class ZeroEngine(nn.Module):
                 self.config.prescale_gradients,
                 self.config.gradient_predivide_factor,
             )
-            if self.config.pipeline.stages > 1:
-                raise ValueError(
-                    f"pipeline.stages={self.config.pipeline.stages}: a pipeline is built by "
-                    "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
-                    "nn.Sequential and trained with engine.train_batch; this front end drives "
-                    "a ZeroEngine, so set pipeline.stages to 1 here"
-                )
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
         self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
         self.plan: ShardingPlan = build_plan(
@@ -604,15 +606,21 @@ class ZeroEngine(nn.Module):
 
 
 def _tensor_parallel_size(
-    cfg: ZeroConfig, comm: Comm, process_group: torch.distributed.ProcessGroup | None
+    cfg: ZeroConfig,
+    comm: Comm,
+    process_group: torch.distributed.ProcessGroup | None,
+    mesh: ParallelMesh | None,
 ) -> int:
     tp = int(cfg.tensor_parallel.autotp_size)
     if tp == 1:
         return 1
-    if process_group is not None or cfg.pipeline.stages > 1:
+    if mesh is not None:  # a pipeline stage: the pipeline built the mesh
+        assert mesh.tp == tp and mesh.dp * tp == comm.world_size, (mesh, comm.world_size)
+        return tp
+    if process_group is not None:
         raise ValueError(
-            f"tensor_parallel.autotp_size={tp} with pipeline stages (or an engine on a process "
-            "sub-group) is not supported yet; use tensor parallelism with ZeRO data parallelism"
+            f"tensor_parallel.autotp_size={tp} with an engine on a process sub-group is not "
+            "supported; build the engine on the default group (its mesh splits the ranks)"
         )
     ParallelMesh.data_parallel_size(comm.world_size, tp)  # an error unless T divides it
     return tp

@@ -96,7 +96,8 @@ class PipelineEngine:
         init_process_group_from_env()
         raw: ZeroConfig = load_config(config)
         pc = raw.pipeline
-        self.mesh = Mesh.build(int(pc.stages))
+        device = next((p.device for m in layers for p in m.parameters()), None)
+        self.mesh = Mesh.build(int(pc.stages), int(raw.tensor_parallel.autotp_size), device)
         self.config = raw.resolve(world_size=self.mesh.dp_size)
         self._check_supported(self.config)
         self.schedule_name: str = pc.schedule
@@ -128,17 +129,23 @@ class PipelineEngine:
             optimizer,
             self._stage_config(),
             lr_scheduler=lr_scheduler,
-            process_group=self.mesh.dp_group,
+            # with tensor parallelism the engine splits the layers over the stage's tp ranks
+            process_group=self.mesh.stage_group or self.mesh.dp_group,
             _stage_of=nn.Sequential(*layers),  # the optimizer holds every stage's parameters
+            _mesh=self.mesh.parallel,
         )
+        with together(Comm()):  # only the owning stages can tell
+            self._check_ties_replicated()
         self.engine.set_gradient_accumulation_boundary(True)  # one step() per train_batch
         device = self.engine.device
         self._chunks = [
             nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(bounds[c], bounds[c + 1])))
             for c in mine
         ]
+        self._pp = Comm(self.mesh.pp_group)
+        self._dp = Comm(self.mesh.dp_group)
         self._stages = [
-            PipelineStage(m, c, n_chunks, device, group=self.mesh.pp_group)
+            _CountingStage(m, c, n_chunks, device, group=self.mesh.pp_group, comm=self._pp)
             for m, c in zip(self._chunks, mine, strict=True)
         ]
         self._loss_fn = loss_fn
@@ -147,8 +154,16 @@ class PipelineEngine:
         )
         self._has_first = 0 in mine
         self._has_last = n_chunks - 1 in mine
-        self._pp = Comm(self.mesh.pp_group)
-        self._dp = Comm(self.mesh.dp_group)
+
+    def _check_ties_replicated(self) -> None:
+        tp = self.engine.tensor_parallel
+        split = [t for t in self.tied if tp is not None and id(t.param) in tp.replaced]
+        if split:
+            raise ValueError(
+                f"tensor_parallel.plan splits a weight shared by pipeline stages {split[0].stages} "
+                "(tied across stages); leave tied weights replicated (remove their layers from "
+                "the plan) or keep the layers that share it on one stage"
+            )
 
     def _stage_config(self) -> ZeroConfig:
         """This stage's data-parallel part of the config; its periodic checkpoints go to
@@ -309,6 +324,21 @@ class PipelineEngine:
         """L2 norm of the whole model's gradients at the last step, before clipping."""
         return self.engine.get_global_grad_norm()
 
+    def comm_report(self) -> dict[str, int]:
+        """Bytes this rank sent per kind since the previous call: the stage engine's
+        (data-parallel, and ``tp_*`` with tensor parallelism, see ``ZeroEngine.comm_report``)
+        and, prefixed ``pp_``, the pipeline group's: ``pp_send`` the activations and gradients
+        sent to the neighbouring stages, the rest the small norm and loss reductions."""
+        report = self.engine.comm_report()
+        pp = self._pp.take_report()
+        report["total"] += pp.pop("total")
+        report.update({f"pp_{k}": v for k, v in pp.items()})
+        return report
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's model-state bytes: its stage's (see ``ZeroEngine.memory_report``)."""
+        return self.engine.memory_report()
+
     def timing_report(self) -> dict[str, float]:
         """With ``wall_clock_breakdown``: the stage engine's per-step means (see
         ``ZeroEngine.timing_report``); ``schedule_ms`` is the forward and backward of all
@@ -322,8 +352,8 @@ class PipelineEngine:
         ``nn.Sequential``'s ``state_dict()``, on every rank (``rank0_only``: on global rank 0
         alone, the others get ``{}``). Collective."""
         mine = self.engine.full_state_dict()
-        if rank0_only and self.data_parallel_rank != 0:
-            return {}  # global rank 0's pipeline gathers; the other replicas hold the same
+        if rank0_only and self.mesh.lane != 0:
+            return {}  # global rank 0's pipeline gathers; the other lanes hold the same
         parts: list[Any] = [None] * self.num_stages
         dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
         if rank0_only and dist.get_rank() != 0:
@@ -396,6 +426,25 @@ class PipelineEngine:
 
     def destroy(self) -> None:
         self.engine.destroy()
+
+
+class _CountingStage(PipelineStage):
+    """A stage that counts what it sends (activations forward, their gradients backward)."""
+
+    def __init__(self, *args: Any, comm: Comm, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._comm = comm
+
+    def _counted(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        for op in ops:
+            self._comm.record("send", op.tensor.numel() * op.tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._counted(super().get_bwd_send_ops(bwd_chunk_id))
 
 
 def _key_order(item: tuple[str, torch.Tensor]) -> int:
