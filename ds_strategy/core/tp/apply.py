@@ -17,20 +17,106 @@ gives the original names and full shapes back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.utils import parametrize
 
 from ..collectives import Comm
+from .plan import FUSED_CHUNKS, is_conv1d
 
 __all__ = ["TPParam", "TensorParallel"]
 
-_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+def _interleave(t: torch.Tensor, dim: int, chunks: int, size: int) -> torch.Tensor:
+    """``t`` whose ``dim`` is ``chunks`` equal blocks (q | k | v) reordered rank by rank, so
+    that an even split over ``size`` ranks gives each rank its part of every block."""
+    shape = t.shape
+    blocks = t.reshape(*shape[:dim], chunks, size, shape[dim] // (chunks * size), *shape[dim + 1 :])
+    return blocks.transpose(dim, dim + 1).reshape(shape)
+
+
+def _uninterleave(t: torch.Tensor, dim: int, chunks: int, size: int) -> torch.Tensor:
+    shape = t.shape
+    ranks = t.reshape(*shape[:dim], size, chunks, shape[dim] // (chunks * size), *shape[dim + 1 :])
+    return ranks.transpose(dim, dim + 1).reshape(shape)
+
+
+def _partition(weight_dim: int, shard_bias: bool, chunks: int, style: ParallelStyle):
+    """``distribute_module``'s partition function: the weight split along ``weight_dim``, the
+    bias split (column-wise) or replicated (row-wise), fused blocks interleaved first."""
+
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for attr, dim in (("weight", weight_dim), ("bias", 0 if shard_bias else None)):
+            p = getattr(module, attr, None)
+            if p is None:
+                continue
+            data = p.detach()
+            if dim is not None and chunks > 1:
+                data = _interleave(data, dim, chunks, mesh.size())
+            placement = Shard(dim) if dim is not None else Replicate()
+            dist_p = distribute_tensor(data, mesh, [placement], src_data_rank=style.src_data_rank)
+            module.register_parameter(attr, nn.Parameter(dist_p, requires_grad=p.requires_grad))
+
+    return partition
+
+
+class _Colwise(ColwiseParallel):
+    """``ColwiseParallel`` for GPT-2's ``Conv1D`` (its weight is (in, out): split along 1) and
+    for a fused layer whose outputs are ``chunks`` equal blocks, each split over the ranks."""
+
+    def __init__(self, chunks: int = 1) -> None:
+        super().__init__()
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        partition = _partition(1 if is_conv1d(module) else 0, True, self.chunks, self)
+        return distribute_module(
+            module,
+            device_mesh,
+            partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class _Rowwise(RowwiseParallel):
+    """``RowwiseParallel`` for GPT-2's ``Conv1D`` (its weight is (in, out): split along 0)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            _partition(0, False, 1, self),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def _style(module: nn.Module, style: str) -> ParallelStyle:
+    """torch's styles for ``nn.Linear``; ours for ``Conv1D`` and fused column-wise layers."""
+    chunks = FUSED_CHUNKS.get(style, 1)
+    if style == "rowwise":
+        return _Rowwise() if is_conv1d(module) else RowwiseParallel()
+    return _Colwise(chunks) if is_conv1d(module) or chunks > 1 else ColwiseParallel()
 
 
 class _FromLocal(nn.Module):
@@ -59,7 +145,8 @@ class TPParam:
     placements: tuple[Placement, ...]
     stride: tuple[int, ...]
     local_shape: torch.Size
-    offset: int  # where this rank's part starts along ``dim``
+    offset: int  # where this rank's part starts along ``dim`` (in each block, when fused)
+    chunks: int = 1  # ``dim`` holds this many equal blocks (q | k | v), each split
 
     @property
     def numel(self) -> int:
@@ -68,16 +155,17 @@ class TPParam:
     def full_runs(self, start: int, length: int) -> list[tuple[int, int, int]]:
         """Elements ``[start, start + length)`` of this rank's flattened part as
         ``(offset in them, start in the full flattened tensor, length)`` runs: one run for a
-        split along the first dimension, one per row (outer index) otherwise."""
+        split along the first dimension, one per row (outer index) otherwise, and one per
+        block of a fused layer."""
         if self.dim is None:
             return [(0, start, length)]
         inner = self.local_shape[self.dim + 1 :].numel()
-        block = self.local_shape[self.dim] * inner  # one outer index's elements, here
-        full_block = self.shape[self.dim] * inner  # and in the full tensor
+        block = self.local_shape[self.dim] // self.chunks * inner  # one block's elements, here
+        full_block = self.shape[self.dim] // self.chunks * inner  # and in the full tensor
         runs = []
         i, end = start, start + length
         while i < end:
-            outer, within = divmod(i, block)
+            outer, within = divmod(i, block)  # outer: (outer index, block) pairs in order
             n = min(block - within, end - i)
             runs.append((i - start, outer * full_block + self.offset * inner + within, n))
             i += n
@@ -104,7 +192,9 @@ class TensorParallel:
             for name in plan
             for attr, p in model.get_submodule(name).named_parameters(recurse=False)
         }
-        parallelize_module(model, mesh, {name: _STYLES[s]() for name, s in plan.items()})
+        styles = {name: _style(model.get_submodule(name), s) for name, s in plan.items()}
+        parallelize_module(model, mesh, styles)
+        self._localize_attention(model)
         self.comm = comm  # the tensor-parallel group: counts what the layers exchange
         self._count_exchanges(model)
         self.params: dict[int, TPParam] = {}  # id(local parameter) -> where its full tensor is
@@ -112,7 +202,8 @@ class TensorParallel:
         for mod_name, module in model.named_modules():
             for attr, p in list(module.named_parameters(recurse=False)):
                 if isinstance(p, DTensor):
-                    held = self._localize(module, mod_name, attr, p)
+                    chunks = FUSED_CHUNKS.get(plan.get(mod_name, ""), 1)
+                    held = self._localize(module, mod_name, attr, p, chunks)
                     original = before.get((mod_name, attr))
                     if original is not None:
                         self.replaced[id(original)] = held
@@ -141,7 +232,17 @@ class TensorParallel:
             else:
                 module.register_forward_pre_hook(before_colwise, prepend=True)  # the local input
 
-    def _localize(self, module: nn.Module, mod_name: str, attr: str, p: DTensor) -> nn.Parameter:
+    def _localize_attention(self, model: nn.Module) -> None:
+        """GPT-2's attention splits its fused q|k|v output at ``split_size`` (the model width):
+        with a rank's heads that is the width over T."""
+        for name, style in self.plan.items():
+            parent = model.get_submodule(name.rpartition(".")[0])
+            if style == "colwise_qkv" and hasattr(parent, "split_size"):
+                parent.split_size //= self.size
+
+    def _localize(
+        self, module: nn.Module, mod_name: str, attr: str, p: DTensor, chunks: int
+    ) -> nn.Parameter:
         local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
         placements = tuple(p.placements)
         shard = next((pl.dim for pl in placements if isinstance(pl, Shard)), None)
@@ -153,7 +254,8 @@ class TensorParallel:
         held = getattr(module.parametrizations, attr).original
         prefix = f"{mod_name}." if mod_name else ""
         # the divisibility checks of the plan make every part the same size
-        offset = 0 if shard is None else local.shape[shard] * p.device_mesh.get_local_rank()
+        part = 0 if shard is None else local.shape[shard] // chunks
+        offset = part * p.device_mesh.get_local_rank()
         self.params[id(held)] = TPParam(
             f"{prefix}{attr}",
             f"{prefix}parametrizations.{attr}.original",
@@ -164,6 +266,7 @@ class TensorParallel:
             p.stride(),
             local.shape,
             offset,
+            chunks if shard is not None else 1,
         )
         return held
 
@@ -194,5 +297,7 @@ class TensorParallel:
                 shape=info.shape,
                 stride=info.stride,
             ).full_tensor()
+            if info.chunks > 1:  # the blocks back in their original order
+                full = _uninterleave(full, info.dim, info.chunks, self.size)
             out[info.name] = full
         return out

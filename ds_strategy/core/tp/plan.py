@@ -9,6 +9,11 @@ it knows, or the config's explicit ``tensor_parallel.plan``.
 - Hugging Face Llama-family models (Llama, Mistral, Qwen2, ... : attention with ``q_proj``,
   ``k_proj``, ``v_proj``, ``o_proj``, an MLP with ``gate_proj``, ``up_proj``, ``down_proj``):
   q/k/v/gate/up column-wise, o/down row-wise; embeddings, norms and ``lm_head`` replicated.
+- Hugging Face GPT-2 (``Conv1D`` layers, whose weight is stored (in, out), transposed from
+  ``nn.Linear``'s): the fused ``c_attn`` column-wise as three blocks (q | k | v, each rank gets
+  its heads of each: style ``colwise_qkv``, and the attention's ``split_size`` becomes the
+  rank's width), ``c_fc`` column-wise, both ``c_proj`` row-wise. Cross-attention layers
+  (``q_attn``) stay replicated.
 Attention heads (and key/value heads) must divide by the tensor-parallel size, or the error
 names the layer and the numbers. A model with none of these layers is an error naming its
 first ``nn.Linear`` and how to write a plan.
@@ -19,9 +24,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
-__all__ = ["resolve_plan"]
+__all__ = ["FUSED_CHUNKS", "is_conv1d", "resolve_plan"]
+
+# column-wise styles of fused layers: how many equal blocks their outputs are
+FUSED_CHUNKS = {"colwise_qkv": 3}
 
 _GPT_BLOCK = {"qkv": "colwise", "fc": "colwise", "proj": "rowwise", "out": "rowwise"}
 _LLAMA_ATTENTION = {
@@ -31,6 +40,29 @@ _LLAMA_ATTENTION = {
     "o_proj": "rowwise",
 }
 _LLAMA_MLP = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+_GPT2_ATTENTION = {"c_attn": "colwise_qkv", "c_proj": "rowwise"}
+_GPT2_MLP = {"c_fc": "colwise", "c_proj": "rowwise"}
+
+
+def is_conv1d(module: nn.Module | None) -> bool:
+    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), known by its shape, not imported: a
+    linear layer whose weight is (in features ``nx``, out features ``nf``)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None))
+    )
+
+
+def _features(module: nn.Module | None) -> tuple[int, int] | None:
+    """(in, out) features of a layer tensor parallelism can split, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return int(module.nx), int(module.nf)  # type: ignore[union-attr]
+    return None
+
 
 PLAN_HELP = (
     'write a plan in the config: "tensor_parallel": {"autotp_size": T, "plan": '
@@ -48,8 +80,8 @@ def resolve_plan(model: nn.Module, size: int, explicit: Mapping[str, str]) -> di
         where = f"its first nn.Linear, {first!r}, and every other layer" if first else "no layer"
         raise ValueError(
             f"tensor_parallel.autotp_size={size}: no tensor-parallel plan for "
-            f"{type(model).__name__} ({where} matched: the automatic plan knows the demo GPT and "
-            f"Llama-family models); {PLAN_HELP}"
+            f"{type(model).__name__} ({where} matched: the automatic plan knows the demo GPT, "
+            f"GPT-2 and Llama-family models); {PLAN_HELP}"
         )
     for name, style in plan.items():
         _check_divisible(model.get_submodule(name), name, style, size)
@@ -63,10 +95,11 @@ def _explicit(model: nn.Module, patterns: Mapping[str, str]) -> dict[str, str]:
         style = next((s for p, s in compiled if name and p.fullmatch(name)), None)
         if style is None or style == "replicate":
             continue
-        if not isinstance(module, nn.Linear):
+        if _features(module) is None:
             raise ValueError(
                 f"tensor_parallel.plan: {name!r} is a {type(module).__name__}; column-wise and "
-                "row-wise splits apply to nn.Linear layers (leave the others replicated)"
+                "row-wise splits apply to nn.Linear (and GPT-2 Conv1D) layers (leave the "
+                "others replicated)"
             )
         plan[name] = style
     return plan
@@ -83,8 +116,19 @@ def _automatic(model: nn.Module, size: int) -> dict[str, str]:
                 plan.update({prefix + k: v for k, v in table.items()})
                 if table is _GPT_BLOCK:
                     _check_heads(f"{prefix}qkv", {"heads": getattr(module, "heads", 1)}, size)
-                if table is _LLAMA_ATTENTION and heads_of:
-                    _check_heads(f"{prefix}q_proj", heads_of, size)
+                if table is _LLAMA_ATTENTION:  # the layer's config, else the model's
+                    heads = _hf_heads(module) or heads_of
+                    if heads:
+                        _check_heads(f"{prefix}q_proj", heads, size)
+        for table in (_GPT2_ATTENTION, _GPT2_MLP):
+            if not all(is_conv1d(children.get(k)) for k in table):
+                continue
+            if table is _GPT2_ATTENTION:
+                if hasattr(module, "q_attn") or not hasattr(module, "split_size"):
+                    continue  # cross-attention: its c_attn holds k | v only
+                heads = {"num_heads": int(getattr(module, "num_heads", 1))}
+                _check_heads(f"{prefix}c_attn", heads, size)
+            plan.update({prefix + k: v for k, v in table.items()})
     return plan
 
 
@@ -109,14 +153,13 @@ def _check_heads(layer: str, heads: Mapping[str, int], size: int) -> None:
 
 
 def _check_divisible(layer: nn.Module, name: str, style: str, size: int) -> None:
-    assert isinstance(layer, nn.Linear)
+    in_features, out_features = _features(layer) or (0, 0)
     features, dim = (
-        (layer.out_features, "out_features")
-        if style == "colwise"
-        else (layer.in_features, "in_features")
+        (in_features, "in_features") if style == "rowwise" else (out_features, "out_features")
     )
-    if features % size:
+    parts = size * FUSED_CHUNKS.get(style, 1)
+    if features % parts:
         raise ValueError(
             f"tensor_parallel: {name!r} ({style}) has {dim}={features}, not divisible by "
-            f"autotp_size={size}"
+            f"autotp_size={size}" + (f" x {parts // size} blocks" if parts > size else "")
         )
