@@ -205,6 +205,25 @@ def test_checkpoint_resumes_at_pp2_x_tp2_and_at_pp2_x_dp2(tmp_path: Any, tp: int
         assert max(d.max().item() for d in diff.values()) <= TOL
 
 
+def _curve(rank: int, world: int, bf16: bool, data: list[torch.Tensor]) -> Any:
+    engine = _engine("gpt", _config(1) | {"bf16": {"enabled": bf16}})
+    engine.comm_report()
+    losses = _train(engine, data, 0, STEPS)
+    return losses, engine.comm_report()["pp_send"], next(engine.module.parameters()).dtype
+
+
+def test_bf16_loss_curve_at_pp2_x_tp2_within_2_percent_of_fp32() -> None:
+    """bf16 compute inside the stages, fp32 master weights; activations and their gradients
+    cross between stages in bf16 (half the bytes)."""
+    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    fp32, fp32_sent, fp32_dtype = run_ranks(_curve, 4, False, data)[0]
+    bf16, bf16_sent, bf16_dtype = run_ranks(_curve, 4, True, data)[0]
+    assert (fp32_dtype, bf16_dtype) == (torch.float32, torch.bfloat16)
+    assert bf16_sent * 2 == fp32_sent
+    worst = max(abs(a - b) / a for a, b in zip(fp32, bf16, strict=True))
+    assert 0 < worst <= 0.02
+
+
 def _refused(rank: int, world: int) -> str | None:
     try:
         _engine("gpt", _config(1))

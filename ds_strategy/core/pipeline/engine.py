@@ -39,6 +39,7 @@ from ..checkpoint.weights_file import write_weights
 from ..collectives import Comm, init_process_group_from_env
 from ..engine import ZeroEngine
 from ..faults import together
+from ..precision.policy import PrecisionPolicy
 from ..timers import phase
 from .mesh import Mesh
 from .partition import partition_layers
@@ -145,7 +146,14 @@ class PipelineEngine:
         self._pp = Comm(self.mesh.pp_group)
         self._dp = Comm(self.mesh.dp_group)
         self._stages = [
-            _CountingStage(m, c, n_chunks, device, group=self.mesh.pp_group, comm=self._pp)
+            _CountingStage(
+                _Precision(m, self.engine.precision, last=c == n_chunks - 1),
+                c,
+                n_chunks,
+                device,
+                group=self.mesh.pp_group,
+                comm=self._pp,
+            )
             for m, c in zip(self._chunks, mine, strict=True)
         ]
         self._loss_fn = loss_fn
@@ -182,10 +190,10 @@ class PipelineEngine:
                 "zero_optimization.stage: a pipeline runs ZeRO stage 0, 1 or 2 within each "
                 "stage (stage 3 would gather every layer once per micro-batch); set stage to 1 or 2"
             )
-        if cfg.fp16.enabled or cfg.bf16.enabled:
+        if cfg.fp16.enabled:
             raise ValueError(
-                "fp16 / bf16: mixed precision is not available with a pipeline in this "
-                "release; disable fp16.enabled and bf16.enabled"
+                "fp16: loss scaling is not available with a pipeline in this release; use "
+                "bf16.enabled (no loss scaling needed) or disable fp16.enabled"
             )
         if zc.offload_optimizer.device != "none" or zc.offload_param.device != "none":
             raise ValueError(
@@ -426,6 +434,21 @@ class PipelineEngine:
 
     def destroy(self) -> None:
         self.engine.destroy()
+
+
+class _Precision(nn.Module):
+    """A chunk under mixed precision, as ``ZeroEngine.forward`` runs a model: floating-point
+    inputs in the compute dtype (the first chunk's data; later chunks receive activations
+    already in it, and send theirs in it), the last chunk's outputs back in fp32 for the
+    loss."""
+
+    def __init__(self, chunk: nn.Module, precision: PrecisionPolicy, last: bool) -> None:
+        super().__init__()
+        self.chunk, self.precision, self.last = chunk, precision, last
+
+    def forward(self, *args: Any) -> Any:
+        out = self.chunk(*self.precision.cast_inputs(args))
+        return self.precision.cast_outputs(out) if self.last else out
 
 
 class _CountingStage(PipelineStage):
