@@ -313,6 +313,11 @@ def test_mesh_rank_layout() -> None:
     assert mesh.pp_ranks() == [1, 4]
     assert mesh.dp_ranks() == [3, 4, 5]
     assert mesh.global_rank(0, 2) == 2
+    assert mesh.coordinates == {"pp": 1, "dp": 1, "tp": 0}
+    # with tensor parallelism the tensor-parallel index varies fastest: s*(D*T) + d*T + t
+    mesh = Mesh(pp_size=2, dp_size=2, rank=6, pp_group=None, dp_group=None, tp_size=2)
+    assert mesh.coordinates == {"pp": 1, "dp": 1, "tp": 0}
+    assert (mesh.pp_ranks(), mesh.dp_ranks(), mesh.world_size) == ([2, 6], [4, 6], 8)
 
 
 # -- the stage engine's own features under a pipeline (2 ranks: 2 stages x 1) ------------------------

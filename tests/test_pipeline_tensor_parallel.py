@@ -132,7 +132,8 @@ def _worker(rank: int, world: int, kind: str, stage: int, data: list[torch.Tenso
     stage_numel = sum(p.numel() for k in engine.module._modules for p in fresh[int(k)].parameters())
     return {
         "state": engine.full_state_dict(),
-        "coordinates": dict(engine.engine.mesh.coordinates),
+        "coordinates": engine.mesh.coordinates,
+        "stage_coordinates": dict(engine.engine.mesh.coordinates),
         "losses": losses,
         "norm": engine.get_global_grad_norm(),
         "memory": engine.memory_report(),
@@ -150,6 +151,7 @@ def test_pp2_x_tp2_equals_single_process_training(kind: str, stage: int) -> None
     assert max((v - MODELS[kind]().state_dict()[k]).abs().max() for k, v in expected.items()) > 1e-2
     for rank, r in enumerate(results):
         assert r["coordinates"] == {"pp": rank // 2, "dp": 0, "tp": rank % 2}
+        assert r["stage_coordinates"] == r["coordinates"]
         assert r["state"].keys() == expected.keys()
         diff = {k: (r["state"][k] - expected[k]).abs() for k in expected}
         for key in [k for k in diff if k.endswith("qkv.bias")]:  # see test_tensor_parallel.py

@@ -66,6 +66,11 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.lane % self.tp_size
 
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's place, as ``ParallelMesh.coordinates``: ``{"pp": .., "dp": .., "tp": ..}``."""
+        return {"pp": self.stage, "dp": self.dp_rank, "tp": self.tp_rank}
+
     def global_rank(self, stage: int, dp_rank: int | None = None) -> int:
         """The global rank running ``stage`` as data-parallel rank ``dp_rank`` (default: ours)
         with our tensor-parallel rank."""
