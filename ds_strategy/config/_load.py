@@ -303,6 +303,20 @@ def _check_top(cfg: ZeroConfig, prefix: str) -> None:
             "fp16.enabled",
             "fp16 and bf16 cannot both be enabled; set fp16.enabled or bf16.enabled to false",
         )
+    if cfg.gradient_compression.method != "none":
+        if cfg.zero_optimization.stage == 3:
+            _fail(
+                "gradient_compression.method",
+                "gradient compression runs with ZeRO stages 0, 1 and 2 (stage 3 reduces each "
+                "layer's gradients as backward produces them); set zero_optimization.stage to "
+                "2 or lower, or method to 'none'",
+            )
+        if cfg.pipeline.stages > 1:
+            _fail(
+                "gradient_compression.method",
+                "gradient compression is not available with pipeline stages; remove the "
+                "pipeline section or set method to 'none'",
+            )
 
 
 def _check_tensor_parallel(cfg: TensorParallelConfig, prefix: str) -> None:

@@ -360,6 +360,28 @@ class TensorParallelConfig:
 
 
 @dataclass(frozen=True)
+class GradientCompressionConfig:
+    """``gradient_compression`` (ds_strategy's section): send only part of the gradients.
+
+    ``method: "topk"`` sends each rank's ``ratio`` largest-magnitude entries of every flat
+    gradient bucket (index and value) after accumulation and keeps the rest as a residual
+    added to the next step's gradients (error feedback); ZeRO stages 0, 1 and 2. The first
+    ``warmup_steps`` optimizer steps are dense. ``momentum_correction`` (Deep Gradient
+    Compression) accumulates a local velocity ``u = momentum * u + g`` instead of the gradient
+    and clears the sent entries from it (factor masking): the optimizer must then be SGD,
+    whose momentum it replaces.
+
+    >>> GradientCompressionConfig().method
+    'none'
+    """
+
+    method: Any = leaf(str, "none", choices=("none", "topk"), normalize=str.lower)
+    ratio: Any = leaf(float, 0.01, gt=0.0, le=1.0)
+    warmup_steps: Any = leaf(int, 0, ge=0)
+    momentum_correction: Any = leaf(bool, False)
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: recompute chosen modules' activations in backward
     (non-reentrant ``torch.utils.checkpoint``) instead of keeping them.
@@ -424,6 +446,7 @@ class ZeroConfig:
     pipeline: PipelineConfig = section(PipelineConfig)
     tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
+    gradient_compression: GradientCompressionConfig = section(GradientCompressionConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = section(CheckpointConfig)

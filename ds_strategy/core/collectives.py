@@ -172,18 +172,25 @@ class Comm:
             Work(handle, "reduce_scatter", self.wait_timer, then=add_up, scratch=recv), async_op
         )
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
-        """Fill ``full`` with every rank's ``shard``, in rank order."""
+    def all_gather(
+        self,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        async_op: bool = False,
+        kind: str = "all_gather",
+    ) -> Work:
+        """Fill ``full`` with every rank's ``shard``, in rank order (bytes filed under
+        ``kind``)."""
         n = self.world_size
         if n == 1:
             if full.data_ptr() != shard.data_ptr():
                 full.copy_(shard)
             return Work(None)
-        self._count("all_gather", (n - 1) / n * full.numel() * full.element_size())
+        self._count(kind, (n - 1) / n * full.numel() * full.element_size())
         start = time.perf_counter()
         if not self._composed(full):
             handle = _all_gather(full, shard, group=self.group, async_op=async_op)
-            return self._work(handle, "all_gather", async_op, start)
+            return self._work(handle, kind, async_op, start)
         # each rank broadcasts its own chunk of the output
         chunks = full.view(n, -1)
         mine = chunks[self.rank]
@@ -193,7 +200,7 @@ class Comm:
             dist.broadcast(chunks[r], src=self._global(r), group=self.group, async_op=True)
             for r in range(n)
         ]
-        return self._settle(Work(handles, "all_gather", self.wait_timer), async_op)
+        return self._settle(Work(handles, kind, self.wait_timer), async_op)
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
         """Chunk ``r`` of ``tensor`` to rank ``r``; ``out``'s chunk ``r`` from rank ``r``."""

@@ -22,6 +22,7 @@ from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
 from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
+from .compression.topk_reduce import TopKReduction
 from .faults import together
 from .fingerprint import check_ranks_agree
 from .mesh import ParallelMesh
@@ -190,8 +191,29 @@ class ZeroEngine(nn.Module):
                 self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
             else:
                 self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
+        self.compression = self._build_compression()
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
+
+    def _build_compression(self) -> TopKReduction | None:
+        """``gradient_compression``: the top-k exchange the reducer runs after warm-up."""
+        gc = self.config.gradient_compression
+        if gc.method == "none" or not self.trainable or self.plan.reducer is None:
+            return None
+        momentum = 0.0
+        if gc.momentum_correction:
+            momentum = _take_sgd_momentum(self.optimizer)
+        compression = TopKReduction(
+            self.plan.groups,
+            self.comm,
+            float(gc.ratio),
+            int(gc.warmup_steps),
+            momentum,
+            loss_scale=lambda: self.loss_scale,
+            optimizer_steps=lambda: self.global_steps,
+        )
+        self.plan.reducer.compression = compression
+        return compression
 
     # -- configuration checks --------------------------------------------------------------------
 
@@ -603,6 +625,23 @@ class ZeroEngine(nn.Module):
             self.plan.remove_hooks()
             if self._offload is not None:
                 self._offload.close()
+
+
+def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:
+    """Momentum correction accumulates the velocity before compression, so it replaces the
+    optimizer's momentum: SGD's (one value for all groups) is taken and set to 0 here."""
+    momenta = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+    if not isinstance(optimizer, torch.optim.SGD) or len(momenta) != 1 or not min(momenta) > 0:
+        raise ValueError(
+            "gradient_compression.momentum_correction: the correction accumulates SGD's "
+            "momentum locally before compression (Deep Gradient Compression), so it needs "
+            f"torch.optim.SGD with one momentum > 0 for all groups (got "
+            f"{type(optimizer).__name__}, momentum {sorted(momenta)}); use SGD(momentum=...) "
+            "or set momentum_correction to false"
+        )
+    for g in optimizer.param_groups:
+        g["momentum"], g["nesterov"] = 0.0, False
+    return momenta.pop()
 
 
 def _tensor_parallel_size(

@@ -38,15 +38,16 @@ class TopK:
         self.residual = torch.zeros(numel, device=device)  # v: what is still to be sent
         self.velocity = torch.zeros(numel, device=device) if momentum else None  # u
 
-    def select(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add ``grad`` (flat, this step's) and take the ``k`` largest entries out:
-        (indices, values), both of length ``k``; the rest stays in the residual."""
-        g = grad.reshape(-1).to(self.residual.dtype)
+    def select(self, grad: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``grad / scale`` (flat, this step's; ``grad`` is only read) and take the ``k``
+        largest entries out: (indices, values), both of length ``k``; the rest stays in the
+        residual."""
+        g = grad.reshape(-1)
         if self.velocity is not None:
-            self.velocity.mul_(self.momentum).add_(g)
+            self.velocity.mul_(self.momentum).add_(g, alpha=1.0 / scale)
             self.residual.add_(self.velocity)
         else:
-            self.residual.add_(g)
+            self.residual.add_(g, alpha=1.0 / scale)
         indices = torch.topk(self.residual.abs(), self.k, sorted=False).indices
         values = self.residual[indices].clone()
         self.residual[indices] = 0

@@ -142,6 +142,7 @@ class FlatParamGroup:
         self._shard_empty = True  # stages 2/3: grad_shard holds no reduction yet
         self._bucket: torch.Tensor | None = None  # stages 2/3: gradients not yet reduced
         self._filled: list[bool] = []
+        self._local: torch.Tensor | None = None  # a bucket taken by take_local_grad
 
     # -- initial values ------------------------------------------------------------------------
 
@@ -384,6 +385,35 @@ class FlatParamGroup:
             if not ok:
                 bucket[slot.offset : slot.offset + slot.numel].zero_()
         return bucket
+
+    # -- compressed reduction (core/compression/topk_reduce.py) ---------------------------------
+
+    def take_local_grad(self) -> torch.Tensor:
+        """This rank's accumulated, unreduced gradients of the whole group (flat, padded, read
+        only): the flat buffer at stages 0/1, the bucket at stage 2 (kept until
+        :meth:`set_reduced_grad`)."""
+        if self.grad_full is not None:
+            return self.grad_full
+        self._local = self._take_bucket()
+        return self._local
+
+    def set_reduced_grad(self, entries: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """This rank's reduced gradient slice from averaged sparse ``(indices, values)`` over
+        the whole group (the entries outside the slice are ignored); ``None`` makes it NaN
+        (an overflow on some rank: the step is skipped)."""
+        assert self.grad_shard is not None
+        if self._local is not None:
+            self.meter.free(_nbytes(self._local))
+            self._local = None
+        self._shard_empty = False
+        if entries is None:
+            self.grad_shard.fill_(float("nan"))
+            return
+        lo, hi = self.layout.shard_range(self.rank)
+        indices, values = entries
+        mine = (indices >= lo) & (indices < hi)
+        self.grad_shard.zero_()
+        self.grad_shard.index_add_(0, indices[mine] - lo, values[mine].to(self.grad_shard.dtype))
 
     def to_accumulation_form(self, scaling: GradScaling) -> None:
         """Stages 0/1, right after a reduction finished: make the flat buffer safe to keep

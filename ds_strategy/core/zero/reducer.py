@@ -13,12 +13,16 @@ gradients, so most buckets still go out while backward is running.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .flat_group import FlatParamGroup, GradScaling
 from .inflight import ReductionQueue
+
+if TYPE_CHECKING:
+    from ..compression.topk_reduce import TopKReduction
 
 __all__ = ["GradReducer"]
 
@@ -52,6 +56,9 @@ class GradReducer:
         self._in_backward = False
         self._reducing = False
         self._dirty = False  # gradients accumulated that no reduction has seen yet
+        # set by the engine with gradient_compression: while active, backward reduces
+        # nothing and finish() runs the compressed exchange instead
+        self.compression: TopKReduction | None = None
         self._handles = []
         for g in self.groups:
             for i, p in enumerate(g.params):
@@ -80,7 +87,8 @@ class GradReducer:
 
     def _start_backward(self) -> None:
         self._in_backward = True
-        self._reducing = self.should_reduce()
+        compressing = self.compression is not None and self.compression.active
+        self._reducing = self.should_reduce() and not compressing
         self._next = 0
         for g in self.groups:
             g.begin_backward()
@@ -113,7 +121,13 @@ class GradReducer:
 
     def finish(self) -> None:
         """Before the optimizer step: reduce anything accumulated without a reduction (e.g.
-        the last backward ran under ``no_sync``), then wait for every reduction."""
+        the last backward ran under ``no_sync``), then wait for every reduction. Under
+        active gradient compression: the compressed exchange of everything accumulated."""
+        if self.compression is not None and self.compression.active:
+            self.queue.drain()
+            self.compression.reduce()
+            self._dirty = False
+            return
         if self._dirty:
             for g in self.groups:
                 g.begin_backward()
