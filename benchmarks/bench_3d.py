@@ -21,9 +21,6 @@ layout; the bytes and the memory do not depend on the machine.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import statistics
 import sys
 import time
@@ -32,12 +29,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ds_strategy  # noqa: E402
+from benchmarks._ranks import run  # noqa: E402
 from ds_strategy.demos.gpt import GPT, GPTConfig, as_sequential, gpt_loss  # noqa: E402
 
 LAYOUTS = ("D=4", "D=2 x T=2", "P=2 x D=2", "P=2 x T=2")
@@ -110,36 +107,13 @@ def _run(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
-    try:
-        done = {}
-        for layout in LAYOUTS:
-            done[layout] = _run(layout, args)
-            if args.verbose and rank == 0:
-                print(f"done {layout}: {done[layout]}", flush=True)
-        queue.put((rank, done))
-    except BaseException as e:  # noqa: BLE001 - the parent reports it instead of waiting
-        queue.put((rank, f"{type(e).__name__}: {e}"))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _all_layouts(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    done = {}
+    for layout in LAYOUTS:
+        done[layout] = _run(layout, args)
+        if args.verbose and rank == 0:
+            print(f"done {layout}: {done[layout]}", flush=True)
+    return done
 
 
 def main() -> None:
@@ -154,18 +128,7 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="each layout's figures as done")
     args = parser.parse_args()
     world = 4
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed:
-        raise SystemExit(f"bench_3d failed: {failed}")
+    results = run(_all_layouts, world, args)
     params = sum(
         p.numel()
         for p in GPT(

@@ -311,6 +311,12 @@ def _check_top(cfg: ZeroConfig, prefix: str) -> None:
                 "layer's gradients as backward produces them); set zero_optimization.stage to "
                 "2 or lower, or method to 'none'",
             )
+        if cfg.tensor_parallel.autotp_size != 1:
+            _fail(
+                "gradient_compression.method",
+                "gradient compression with tensor_parallel is not available yet; set "
+                "tensor_parallel.autotp_size to 1 or method to 'none'",
+            )
         if cfg.pipeline.stages > 1:
             _fail(
                 "gradient_compression.method",

@@ -152,6 +152,56 @@ def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
     return out
 
 
+def _compression_slots(engine: ZeroEngine) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(checkpoint key, this rank's view, numel) of every compression buffer (top-k residual,
+    momentum-correction velocity) of every parameter."""
+    comp = engine.compression
+    if comp is None:
+        return
+    names = _names(engine)
+    for g, st in zip(comp.groups, comp.states, strict=True):
+        for kind, buf in st.state_dict().items():
+            for p, slot in zip(g.params, g.layout.slots, strict=True):
+                view = buf[slot.offset : slot.offset + slot.numel]
+                yield f"compression/{names[id(p)]}/{kind}", view, slot.numel
+
+
+def _compression_entries(engine: ZeroEngine) -> dict[str, FlatPiece]:
+    """[Note: compression residuals in a checkpoint]
+    Each rank's residual is its own (what it has not sent yet), so a parameter's residuals are
+    saved as one tensor of ``world x numel`` elements, rank ``r`` writing row ``r``. Loaded at
+    the same world size, each rank reads its own row back; at another, each rank reads every
+    row and takes their mean: the new ranks then owe, on average, what the old ranks owed (the
+    averaged update still to come is conserved)."""
+    comm = engine.checkpoint_comm
+    return {
+        key: FlatPiece(view, comm.rank * n, comm.world_size * n)
+        for key, view, n in _compression_slots(engine)
+    }
+
+
+def _compression_destinations(
+    engine: ZeroEngine, saved: dict[str, Any]
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+    """What to load the residuals into, and what to do once loaded: nothing when the
+    checkpoint has none (a dense run's: the residuals start at zero) or the same world size;
+    the mean over the saved ranks' rows otherwise."""
+    comm = engine.checkpoint_comm
+    slots = [(k, v, n) for k, v, n in _compression_slots(engine) if k in saved]
+    if not slots:
+        return {}, lambda state: None
+    saved_world = saved[slots[0][0]].size.numel() // slots[0][2]
+    if saved_world == comm.world_size:
+        return dict(_compression_entries(engine)), lambda state: None
+    rows = {k: torch.empty(saved_world * n) for k, _, n in slots}
+
+    def average(state: dict[str, Any]) -> None:
+        for key, view, n in slots:
+            view.copy_(rows[key].view(saved_world, n).mean(0))
+
+    return {k: FlatPiece(t, 0, t.numel()) for k, t in rows.items()}, average
+
+
 def _engine_entry(engine: ZeroEngine) -> dict[str, Any]:
     # counters, lr scheduler and loss scaler: engine.restore_checkpoint_state takes them back
     return {
@@ -179,6 +229,7 @@ def collect_state(
     state: dict[str, Any] = dict(_model_entries(engine))
     if include_optimizer:
         state.update(_optim_entries(engine))
+        state.update(_compression_entries(engine))
     if rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
         if include_optimizer:
             groups = [
@@ -372,8 +423,11 @@ def load_engine(
             )
         engine.plan.wait_params()
         state: dict[str, Any] = dict(_model_entries(engine))
+        after_compression: Callable[[dict[str, Any]], None] = lambda state: None
         if load_optimizer:
             state.update(_optim_destinations(engine, saved))
+            compression, after_compression = _compression_destinations(engine, saved)
+            state.update(compression)
         for key in packed:
             md = saved.get(key)
             state[key] = torch.empty(md.size, dtype=torch.uint8) if md is not None else None
@@ -391,6 +445,7 @@ def load_engine(
             state[key] = _unpack(state[key], f"{path}: '{key}'", trust_checkpoint)
         if load_optimizer:
             _install_optimizer_state(engine, state, path, trust_checkpoint)
+            after_compression(state)
         _restore_engine(engine, state, rng_key, load_optimizer)
     engine.plan.after_load()
     return state["client_state"]
