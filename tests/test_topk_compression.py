@@ -200,7 +200,9 @@ def test_an_overflow_on_one_rank_skips_the_step_everywhere_and_keeps_the_residua
 
 def _momentum_refused(rank: int, world: int) -> str | None:
     model = toy()
-    config = parity_config(1, 1, 0.0, gradient_compression=_compressed(0.1, momentum_correction=True))
+    config = parity_config(
+        1, 1, 0.0, gradient_compression=_compressed(0.1, momentum_correction=True)
+    )
     try:
         ds_strategy.initialize(model, torch.optim.AdamW(model.parameters()), config)
     except ValueError as e:
@@ -235,7 +237,9 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _train_steps(engine: Any, data: list[torch.Tensor], rank: int, world: int, steps: range) -> None:
+def _train_steps(
+    engine: Any, data: list[torch.Tensor], rank: int, world: int, steps: range
+) -> None:
     for step in steps:
         per = data[step].shape[0] // world
         engine.backward(lm_loss(engine, data[step][rank * per : (rank + 1) * per]))

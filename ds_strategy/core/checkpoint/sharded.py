@@ -180,6 +180,10 @@ def _compression_entries(engine: ZeroEngine) -> dict[str, FlatPiece]:
     }
 
 
+def _loaded_as_is(state: dict[str, Any]) -> None:
+    """Nothing to do after loading: the entries went straight into place."""
+
+
 def _compression_destinations(
     engine: ZeroEngine, saved: dict[str, Any]
 ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
@@ -189,10 +193,10 @@ def _compression_destinations(
     comm = engine.checkpoint_comm
     slots = [(k, v, n) for k, v, n in _compression_slots(engine) if k in saved]
     if not slots:
-        return {}, lambda state: None
+        return {}, _loaded_as_is
     saved_world = saved[slots[0][0]].size.numel() // slots[0][2]
     if saved_world == comm.world_size:
-        return dict(_compression_entries(engine)), lambda state: None
+        return dict(_compression_entries(engine)), _loaded_as_is
     rows = {k: torch.empty(saved_world * n) for k, _, n in slots}
 
     def average(state: dict[str, Any]) -> None:
@@ -423,7 +427,7 @@ def load_engine(
             )
         engine.plan.wait_params()
         state: dict[str, Any] = dict(_model_entries(engine))
-        after_compression: Callable[[dict[str, Any]], None] = lambda state: None
+        after_compression = _loaded_as_is
         if load_optimizer:
             state.update(_optim_destinations(engine, saved))
             compression, after_compression = _compression_destinations(engine, saved)

@@ -49,7 +49,6 @@ class TopKReduction:
     ) -> None:
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
-        self.ratio = ratio
         self.warmup_steps = warmup_steps
         self.loss_scale = loss_scale
         self.optimizer_steps = optimizer_steps
@@ -80,6 +79,3 @@ class TopKReduction:
             all_values = values.new_empty(world * state.k)
             self.comm.all_gather(all_values, values, kind="topk")
             g.set_reduced_grad((all_indices.long(), all_values.mul_(scale / world)))
-
-    def state_dict(self) -> list[dict[str, torch.Tensor]]:
-        return [s.state_dict() for s in self.states]
