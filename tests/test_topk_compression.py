@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import ds_strategy
+from tests.compression_common import Wire, corpus_losses
 from tests.distributed import run_ranks
 from tests.loops import parity_config, train_engine, train_reference
 from tests.models import ToyLM, batches, lm_loss
@@ -43,32 +43,8 @@ def test_ratio_one_equals_uncompressed_training(stage: int) -> None:
         assert worst <= 2e-5
 
 
-class _Wire:
-    """Bytes this rank hands to torch.distributed per collective (a broadcast counts on its
-    source only), the engine's float64 bookkeeping reductions (gradient flags, norms, the
-    overflow flag) apart: counted around the library itself."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, int] = {}
-        for name in ("all_reduce", "broadcast", "all_to_all_single", "all_gather_into_tensor"):
-            self._wrap(name)
-
-    def _wrap(self, name: str) -> None:
-        original = getattr(dist, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            tensor = args[1] if name in ("all_to_all_single", "all_gather_into_tensor") else args[0]
-            src = kwargs.get("src", args[1] if len(args) > 1 else None)
-            if name != "broadcast" or src == dist.get_rank():
-                key = "control" if tensor.dtype == torch.float64 else name
-                self.sent[key] = self.sent.get(key, 0) + tensor.numel() * tensor.element_size()
-            return original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-
 def _bytes(rank: int, world: int, stage: int, method: str, data: list[torch.Tensor]) -> Any:
-    wire = _Wire()
+    wire = Wire()
     gc = _compressed(0.01, warmup_steps=2) if method == "topk" else {"method": "none"}
     config = parity_config(stage, ACCUM, CLIP, gradient_compression=gc)
     engine = train_engine(toy(), "sgd", config, data, rank, world, 2)  # the dense warm-up
@@ -107,51 +83,14 @@ def test_top_one_percent_sends_under_a_tenth_of_the_gradient_bytes(stage: int) -
     assert 0 < sparse_wire <= 0.1 * dense_wire
 
 
-CORPUS_STEPS = 300
-
-
-def _corpus_run(rank: int, world: int, gc: dict[str, Any], optimizer: str) -> list[float]:
-    """The demo GPT on the README's characters (the recipes' corpus), 8 sequences a step
-    over the ranks; the mean loss of each of the last 20 steps."""
-    from pathlib import Path
-
-    from ds_strategy.demos.gpt import GPT, GPTConfig
-    from recipes.data import CharCorpus
-
-    corpus = CharCorpus(Path(__file__).resolve().parent.parent / "README.md", 32, 7)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=corpus.vocab, d=32, layers=2, heads=4, seq=32))
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    config = {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
-              "gradient_compression": gc}  # fmt: skip
-    engine = ds_strategy.initialize(model, opt, config)
-    order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(1))
-    per = 8 // world
-    losses = []
-    for step in range(CORPUS_STEPS):
-        rows = order[(step * 8 + rank * per) % len(order) :][:per]
-        batch = torch.stack([corpus[int(i)] for i in rows])
-        logits = engine(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(float(mean) / world)
-    return losses[-20:]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_top_one_percent_trains_the_demo_gpt_to_within_3_percent(world: int) -> None:
     """SGD with momentum, compressed with Deep Gradient Compression's momentum correction after
     30 dense steps: the mean loss of the last 20 of 300 steps within 3% of uncompressed
     training's (measured at 2 ranks: 1.9% lower)."""
-    dense = run_ranks(_corpus_run, world, {"method": "none"}, "sgd", timeout=300)[0]
+    dense = run_ranks(corpus_losses, world, {"method": "none"}, "sgd", timeout=300)[0]
     gc = _compressed(0.01, warmup_steps=30, momentum_correction=True)
-    sparse = run_ranks(_corpus_run, world, gc, "sgd", timeout=300)[0]
+    sparse = run_ranks(corpus_losses, world, gc, "sgd", timeout=300)[0]
     d, s = sum(dense) / 20, sum(sparse) / 20
     print(world, d, s, (s - d) / d)
     assert abs(s - d) / d <= 0.03
