@@ -65,6 +65,15 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
             ],
             lr=1e-2,
         )
+    if kind.startswith("onebit"):  # "onebitadam@5": a 1-bit optimizer frozen after 5 steps
+        from ds_strategy.core.optim import OneBitAdam, OneBitLamb
+
+        name, _, freeze = kind.partition("@")
+        dense = make_optimizer({"onebitadam": "adamw", "onebitlamb": "lamb"}[name], model)
+        keep = ("params", "lr", "weight_decay", "betas")  # the dense twin's hyper-parameters
+        groups = [{k: g[k] for k in keep} for g in dense.param_groups]
+        cls = {"onebitadam": OneBitAdam, "onebitlamb": OneBitLamb}[name]
+        return cls(groups, freeze_step=int(freeze or 10**9))
     if kind == "lamb":
         from ds_strategy.core.optim import Lamb
 

@@ -104,4 +104,4 @@ def test_compressed_all_reduce_is_the_mean_up_to_the_errors_it_keeps() -> None:
     report = results[0]["comm"].take_report()
     dense = 2 * (world - 1) / world * n * 4
     assert report["total"] / steps <= dense / 16
-    assert set(report) == {"all_to_all", "all_gather", "total"}
+    assert set(report) == {"onebit", "total"}

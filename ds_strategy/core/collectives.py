@@ -202,16 +202,16 @@ class Comm:
         ]
         return self._settle(Work(handles, kind, self.wait_timer), async_op)
 
-    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, kind: str = "all_to_all") -> None:
         """Chunk ``r`` of ``tensor`` to rank ``r``; ``out``'s chunk ``r`` from rank ``r``."""
         n = self.world_size
         if n == 1:
             out.copy_(tensor)
             return
-        self._count("all_to_all", (n - 1) / n * tensor.numel() * tensor.element_size())
+        self._count(kind, (n - 1) / n * tensor.numel() * tensor.element_size())
         start = time.perf_counter()
         dist.all_to_all_single(out, tensor, group=self.group)
-        self._work(None, "all_to_all", False, start)
+        self._work(None, kind, False, start)
 
     @staticmethod
     def _settle(work: Work, async_op: bool) -> Work:

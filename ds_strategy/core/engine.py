@@ -22,11 +22,13 @@ from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
 from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
+from .compression.onebit_reduce import OneBitReduction
 from .compression.topk_reduce import TopKReduction
 from .faults import together
 from .fingerprint import check_ranks_agree
 from .mesh import ParallelMesh
 from .offload import Offload, check_offload_config
+from .optim.onebit import MomentumCompressed
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
@@ -195,9 +197,13 @@ class ZeroEngine(nn.Module):
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
 
-    def _build_compression(self) -> TopKReduction | None:
-        """``gradient_compression``: the top-k exchange the reducer runs after warm-up."""
+    def _build_compression(self) -> TopKReduction | OneBitReduction | None:
+        """``gradient_compression``: the top-k exchange the reducer runs after warm-up; a
+        1-bit optimizer (``OneBitAdam``, ``OneBitLamb``): its compressed momentum exchange
+        after ``freeze_step``."""
         gc = self.config.gradient_compression
+        if isinstance(self.optimizer, MomentumCompressed):
+            return self._build_onebit(gc.method)
         if gc.method == "none" or not self.trainable or self.plan.reducer is None:
             return None
         momentum = 0.0
@@ -211,6 +217,40 @@ class ZeroEngine(nn.Module):
             momentum,
             loss_scale=lambda: self.loss_scale,
             optimizer_steps=lambda: self.global_steps,
+        )
+        self.plan.reducer.compression = compression
+        return compression
+
+    def _build_onebit(self, method: str) -> OneBitReduction | None:
+        name = type(self.optimizer).__name__
+        with together(self.comm):
+            refused = []
+            if method != "none":
+                refused.append(
+                    f"gradient_compression.method={method!r} (one compression at a time)"
+                )
+            if self.stage > 2:
+                refused.append("zero_optimization.stage 3 (use stage 0, 1 or 2)")
+            if self._offload is not None:
+                refused.append("optimizer / parameter offload (remove the offload sections)")
+            if self.tensor_parallel is not None:
+                refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
+            if refused:
+                raise ValueError(
+                    f"{name} exchanges the optimizer's momentum 1-bit compressed, which does not "
+                    f"work with {'; '.join(refused)}"
+                )
+        if self.plan.reducer is None or self.comm.world_size == 1:
+            return None  # nothing to exchange: it trains as its dense warm-up does
+        assert isinstance(self.optimizer, MomentumCompressed)
+        compression = OneBitReduction(
+            self.plan.groups,
+            self._sharded_opt.pieces,
+            self.comm,
+            self.optimizer,
+            loss_scale=lambda: self.loss_scale,
+            optimizer_steps=lambda: self.global_steps - self.skipped_steps,
+            clip=float(self.config.gradient_clipping or 0.0),
         )
         self.plan.reducer.compression = compression
         return compression
@@ -340,6 +380,13 @@ class ZeroEngine(nn.Module):
         norm = self.reduced_grad_norm()
         if not math.isfinite(norm):
             return norm
+        if getattr(self.optimizer, "momentum_given", False):
+            raise RuntimeError(
+                f"clip_grad_norm_: {type(self.optimizer).__name__} is in its compressed phase, "
+                "where the ranks exchange momenta, not gradients; set the config's "
+                "gradient_clipping instead, which clips each rank's gradient before it enters "
+                "the momentum"
+            )
         if self._clipped_norm is None:  # the first clip also removes the loss scale
             current, scale = norm / self.loss_scale, self.loss_scale
         else:
@@ -357,6 +404,8 @@ class ZeroEngine(nn.Module):
             self._skip_step(norm)
             return
         clip = float(self.config.gradient_clipping or 0.0)
+        if getattr(self.optimizer, "momentum_given", False):
+            clip = 0.0  # a 1-bit exchange clipped each rank's gradient before the momentum
         self._global_grad_norm = norm / scale
         if self._clipped_norm is None:
             self._sharded_opt.scale_grads(norm, clip, scale)
@@ -547,6 +596,8 @@ class ZeroEngine(nn.Module):
             client_state = self._checkpoints.load(
                 path, tag, load_optimizer, require_checksums, trust_checkpoint
             )
+        if isinstance(self.compression, OneBitReduction):
+            self.compression.reset()  # the momentum comes from the loaded optimizer state
         self._count_resident()
         return client_state
 
@@ -563,8 +614,9 @@ class ZeroEngine(nn.Module):
         return self._offload.resident(dirty)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank holds now: ``params``, ``grads`` and
-        ``optimizer_state`` (``total`` is their sum; bytes swapped to NVMe files are not in
+        """Bytes of model state this rank holds now: ``params``, ``grads``,
+        ``optimizer_state`` and ``compression_state`` (top-k residuals, 1-bit momenta and
+        errors; ``total`` is their sum; bytes swapped to NVMe files are not in
         it, ``offloaded_nvme`` counts them); ``peak``, the most model-state bytes held at
         any moment since the engine was built or :meth:`reset_peak_memory` was called,
         transient buffers included (ZeRO-3's gathered parameters, full-size gradient
@@ -583,7 +635,14 @@ class ZeroEngine(nn.Module):
     def _resident_report(self) -> dict[str, int]:
         report = self.plan.memory_report()
         report["optimizer_state"] = self._sharded_opt.state_bytes()
-        report["total"] = report["params"] + report["grads"] + report["optimizer_state"]
+        # top-k residuals and velocities, 1-bit momenta and errors: state the step keeps
+        report["compression_state"] = self.compression.state_bytes() if self.compression else 0
+        report["total"] = (
+            report["params"]
+            + report["grads"]
+            + report["optimizer_state"]
+            + report["compression_state"]
+        )
         return report
 
     def _count_resident(self) -> None:

@@ -4,7 +4,8 @@ optimizer's ``step`` for the lr schedulers bound to it.
 Every front end goes through these functions (the engine when no optimizer is passed,
 Accelerate for a ``DummyOptim``), so a section is checked the same way everywhere: the type
 must name a ``torch.optim`` class or one of DeepSpeed's that this package implements
-(``Lamb``, in ``core/optim``), and every key of ``params`` must be an argument of it.
+(``Lamb``, ``OneBitAdam``, ``OneBitLamb``, in ``core/optim``), and every key of ``params``
+must be an argument of it.
 
 [Note: DeepSpeed's Adam flags]
 DeepSpeed builds ``"Adam"`` and ``"AdamW"`` (``runtime/engine.py``,
@@ -27,13 +28,14 @@ the class does take.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..config import ConfigError, OptimizerConfig
-from .optim import Adam, Lamb
+from .optim import Adam, Lamb, OneBitAdam, OneBitLamb
 
 __all__ = [
     "build_optimizer",
@@ -43,12 +45,20 @@ __all__ = [
     "evaluation_optimizer",
 ]
 
+log = logging.getLogger("ds_strategy")
+
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 # DeepSpeed's optimizer types that torch.optim lacks, implemented in core/optim
-_OWN: dict[str, type[torch.optim.Optimizer]] = {"lamb": Lamb}
-# DeepSpeed's types built on compressed gradient communication (lower-case, as it matches them)
-_COMPRESSED = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+_OWN: dict[str, type[torch.optim.Optimizer]] = {
+    "lamb": Lamb,
+    "onebitadam": OneBitAdam,
+    "onebitlamb": OneBitLamb,
+}
+# DeepSpeed's types built on compressed communication not implemented yet (lower-case)
+_COMPRESSED = {"zerooneadam": "ZeroOneAdam"}
+# DeepSpeed's 1-bit optimizers' transport switches (MPI / NCCL): accepted, meaningless here
+_TRANSPORT = ("cuda_aware", "comm_backend_name")
 _ADAM_FLAGS = ("torch_adam", "adam_w_mode", "bias_correction")
 
 
@@ -81,9 +91,9 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     key = str(name).lower()
     if key in _COMPRESSED:
         raise ConfigError(
-            f"optimizer.type: {name!r} ({_COMPRESSED[key]}) needs gradient compression "
-            "(1-bit / 0-1 communication of the optimizer's momentum), which ds_strategy does not "
-            "implement yet (planned: issue 'compression'); use 'Adam' or 'Lamb' meanwhile",
+            f"optimizer.type: {name!r} ({_COMPRESSED[key]}: 0/1 Adam, local steps between 1-bit "
+            "momentum exchanges) is not implemented yet; use 'OneBitAdam' (1-bit Adam, the same "
+            "freeze-then-compress idea without local steps) or 'Adam' meanwhile",
             key="optimizer.type",
         )
     classes = {**_torch_optimizers(), **_OWN}
@@ -137,6 +147,15 @@ def _checked(section: OptimizerConfig | None) -> tuple[type[torch.optim.Optimize
             key="optimizer.params.max_grad_norm",
         )
     flags: tuple[str, ...] = ()
+    named = sorted(k for k in _TRANSPORT if k in params)
+    if named and any(k in inspect.signature(cls.__init__).parameters for k in named):
+        log.warning(
+            "optimizer.params %s: DeepSpeed's choice of MPI / NCCL transport for %s, which "
+            "means nothing here (the 1-bit exchange runs on the engine's process group); "
+            "ignored",
+            named,
+            section.type,
+        )
     if str(section.type).lower() in ("adam", "adamw"):
         cls, params = _deepspeed_adam(str(section.type).lower(), params)
         flags = _ADAM_FLAGS

@@ -42,12 +42,16 @@ def decompress_signs(packed: torch.Tensor, scale: torch.Tensor, numel: int) -> t
 
 
 def compressed_all_reduce(
-    x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, comm: Comm
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    comm: Comm,
+    kind: str = "onebit",
 ) -> torch.Tensor:
     """The average of ``x`` over ``comm``'s ranks, 1-bit compressed both ways with error
     compensation (see the note). ``x.numel()`` must divide by ``8 * world``; ``worker_error``
     is ``x``'s size, ``server_error`` one chunk's (``numel / world``). Returns a new tensor;
-    ``comm`` counts the bytes."""
+    ``comm`` counts the bytes under ``kind``."""
     world = comm.world_size
     n = x.numel()
     if n % (8 * world):
@@ -55,18 +59,18 @@ def compressed_all_reduce(
     chunk = n // world
     packed, scale = compress_signs(x, worker_error)
     received = torch.empty_like(packed)
-    comm.all_to_all(received, packed)  # chunk j of every worker to rank j
+    comm.all_to_all(received, packed, kind=kind)  # chunk j of every worker to rank j
     scales = scale.new_empty(world)
-    comm.all_gather(scales, scale)
+    comm.all_gather(scales, scale, kind=kind)
     rows = received.view(world, chunk // 8)
     total = torch.zeros(chunk, dtype=x.dtype, device=x.device)
     for w in range(world):
         total += decompress_signs(rows[w], scales[w], chunk)
     server_packed, server_scale = compress_signs(total / world, server_error)
     gathered = received.new_empty(world * (chunk // 8))
-    comm.all_gather(gathered, server_packed)
+    comm.all_gather(gathered, server_packed, kind=kind)
     server_scales = scale.new_empty(world)
-    comm.all_gather(server_scales, server_scale)
+    comm.all_gather(server_scales, server_scale, kind=kind)
     parts = gathered.view(world, chunk // 8)
     out = [decompress_signs(parts[w], server_scales[w], chunk) for w in range(world)]
     return torch.cat(out).view_as(x)

@@ -59,6 +59,12 @@ class TopKReduction:
         """Compressed from the first step after the dense warm-up."""
         return self.optimizer_steps() >= self.warmup_steps
 
+    def state_bytes(self) -> int:
+        """Residuals and momentum-correction velocities, for ``memory_report()``."""
+        return sum(
+            t.numel() * t.element_size() for st in self.states for t in st.state_dict().values()
+        )
+
     def reduce(self) -> None:
         """Steps 1-4 of [Note: one compressed step], for every group. Collective."""
         local = [g.take_local_grad() for g in self.groups]

@@ -16,6 +16,7 @@ totals, so the same optimizer class runs as a plain ``torch.optim.Optimizer`` to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -44,10 +45,12 @@ class ParamNorms:
         size: int,
         all_reduce: Callable[[torch.Tensor], object],
         device: torch.device | None = None,
+        all_reduce_max: Callable[[torch.Tensor], object] | None = None,
     ) -> None:
         self.slots = dict(slots)
         self.size = size
         self.all_reduce = all_reduce
+        self.all_reduce_max = all_reduce_max
         self.device = device or torch.device("cpu")
 
     def totals(self, tensors: Sequence[torch.Tensor], partial: torch.Tensor) -> torch.Tensor:
@@ -56,16 +59,36 @@ class ParamNorms:
 
         Collective: every rank calls it exactly once per optimizer step, with however many
         tensors it has (none included), or the ranks wait on each other."""
+        return self._combine(tensors, partial, "sum")
+
+    def maxima(self, tensors: Sequence[torch.Tensor], partial: torch.Tensor) -> torch.Tensor:
+        """As :meth:`totals`, for per-tensor maxima: the maximum over the whole parameter.
+        Collective, once per step, like :meth:`totals`."""
+        return self._combine(tensors, partial, "max")
+
+    def _combine(
+        self, tensors: Sequence[torch.Tensor], partial: torch.Tensor, op: str
+    ) -> torch.Tensor:
         here = self.device
         index = torch.tensor([self.slots.get(id(t), -1) for t in tensors], dtype=torch.long)
         index = index.to(here)
         shared = index >= 0
-        sums = partial.to(device=here, dtype=torch.float64, copy=True)
-        vector = torch.zeros(self.size, sums.shape[1], dtype=torch.float64, device=here)
-        vector.index_add_(0, index[shared], sums[shared])
-        self.all_reduce(vector)
-        sums[shared] = vector[index[shared]]
-        return sums.to(partial.device)
+        values = partial.to(device=here, dtype=torch.float64, copy=True)
+        if op == "sum":
+            vector = torch.zeros(self.size, values.shape[1], dtype=torch.float64, device=here)
+            vector.index_add_(0, index[shared], values[shared])
+            self.all_reduce(vector)
+        else:
+            if self.all_reduce_max is None:
+                raise ValueError("ParamNorms.maxima: these ranks were given no max all-reduce")
+            vector = torch.full(
+                (self.size, values.shape[1]), -math.inf, dtype=torch.float64, device=here
+            )
+            rows = index[shared].unsqueeze(1).expand(-1, values.shape[1])
+            vector.scatter_reduce_(0, rows, values[shared], "amax")
+            self.all_reduce_max(vector)
+        values[shared] = vector[index[shared]]
+        return values.to(partial.device)
 
 
 @runtime_checkable

@@ -397,10 +397,13 @@ class FlatParamGroup:
         self._local = self._take_bucket()
         return self._local
 
-    def set_reduced_grad(self, entries: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def set_reduced_grad(
+        self, entries: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None
+    ) -> None:
         """This rank's reduced gradient slice from averaged sparse ``(indices, values)`` over
-        the whole group (the entries outside the slice are ignored); ``None`` makes it NaN
-        (an overflow on some rank: the step is skipped)."""
+        the whole group (the entries outside the slice are ignored), or from a dense tensor
+        over the whole (padded) group; ``None`` makes it NaN (an overflow on some rank: the
+        step is skipped)."""
         assert self.grad_shard is not None
         if self._local is not None:
             self.meter.free(_nbytes(self._local))
@@ -410,6 +413,9 @@ class FlatParamGroup:
             self.grad_shard.fill_(float("nan"))
             return
         lo, hi = self.layout.shard_range(self.rank)
+        if isinstance(entries, torch.Tensor):
+            self.grad_shard.copy_(entries[lo:hi])
+            return
         indices, values = entries
         mine = (indices >= lo) & (indices < hi)
         self.grad_shard.zero_()

@@ -166,7 +166,11 @@ class ShardedOptimizer:
         device = self.groups[0].device if self.groups else None
         if self.tp_norm is None:
             return ParamNorms(
-                slots, size, lambda t: self.comm.all_reduce(t, kind="control"), device
+                slots,
+                size,
+                lambda t: self.comm.all_reduce(t, kind="control"),
+                device,
+                lambda t: self.comm.all_reduce(t, op="max", kind="control"),
             )
         weight, tp_comm = self.tp_norm
         weights = torch.ones(size, 1, dtype=torch.float64, device=device)
