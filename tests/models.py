@@ -74,6 +74,20 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
         groups = [{k: g[k] for k in keep} for g in dense.param_groups]
         cls = {"onebitadam": OneBitAdam, "onebitlamb": OneBitLamb}[name]
         return cls(groups, freeze_step=int(freeze or 10**9))
+    if kind == "adamw-nobc" or kind.startswith("zeroone@"):
+        # DeepSpeed's FusedAdam without bias correction, and 0/1 Adam (which applies none)
+        # "zeroone@F,V,L,H": var_freeze_step, var_update_scaler, local_step_scaler/_clipper
+        from ds_strategy.core.optim import Adam, ZeroOneAdam
+
+        # a tenth of AdamW's rates: without bias correction the first steps are ~3 x lr
+        # sign steps, which turn the rounding differences of two loops into visible ones
+        groups = [{"params": g["params"], "lr": g["lr"] / 10, "weight_decay": g["weight_decay"]}
+                  for g in make_optimizer("adamw", model).param_groups]  # fmt: skip
+        if kind == "adamw-nobc":
+            return Adam(groups, bias_correction=False)
+        f, v, ls, lc = (int(x) for x in kind.partition("@")[2].split(","))
+        return ZeroOneAdam(groups, var_freeze_step=f, var_update_scaler=v,
+                           local_step_scaler=ls, local_step_clipper=lc)  # fmt: skip
     if kind == "lamb":
         from ds_strategy.core.optim import Lamb
 

@@ -40,12 +40,6 @@ MICRO_BATCH = 2  # the loader's batch size, for an "auto" or absent micro-batch 
 # The fragment is a regular expression searched in the error message: it names the feature
 # and says it is refused, so an unrelated error (or a bare "unknown optimizer") fails the test.
 REFUSED: dict[str, tuple[str, str]] = {
-    # DeepSpeed's 0/1 Adam (local steps between 1-bit momentum exchanges): not implemented
-    # (1-bit Adam and 1-bit LAMB are: tests/test_onebit.py trains their configs on 2 ranks)
-    "dsexamples__bing_bert_01adam_seq128_nccl.json": (
-        "ZeroOneAdam (0/1 Adam) is not implemented",
-        r"(?i)'zero_?one_?adam'.*not implement",
-    ),
     # tutorial configs with optimizer.params.max_grad_norm, which DeepSpeed itself rejects
     # ("'max_grad_norm' is not supported as an optimizer parameter, please switch to using
     # the deepspeed parameter 'gradient_clipping'", DeepSpeed's engine.py)

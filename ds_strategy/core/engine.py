@@ -24,11 +24,13 @@ from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
 from .compression.onebit_reduce import OneBitReduction
 from .compression.topk_reduce import TopKReduction
+from .compression.zeroone_reduce import ZeroOneReduction
 from .faults import together
 from .fingerprint import check_ranks_agree
 from .mesh import ParallelMesh
 from .offload import Offload, check_offload_config
-from .optim.onebit import MomentumCompressed
+from .optim.onebit import CompressedExchange, MomentumCompressed
+from .optim.zeroone import ZeroOneAdam
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
@@ -197,12 +199,12 @@ class ZeroEngine(nn.Module):
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
 
-    def _build_compression(self) -> TopKReduction | OneBitReduction | None:
+    def _build_compression(self) -> TopKReduction | OneBitReduction | ZeroOneReduction | None:
         """``gradient_compression``: the top-k exchange the reducer runs after warm-up; a
         1-bit optimizer (``OneBitAdam``, ``OneBitLamb``): its compressed momentum exchange
-        after ``freeze_step``."""
+        after ``freeze_step``; ``ZeroOneAdam``: its 1-bit gradients and synchronisations."""
         gc = self.config.gradient_compression
-        if isinstance(self.optimizer, MomentumCompressed):
+        if isinstance(self.optimizer, CompressedExchange):
             return self._build_onebit(gc.method)
         if gc.method == "none" or not self.trainable or self.plan.reducer is None:
             return None
@@ -221,15 +223,23 @@ class ZeroEngine(nn.Module):
         self.plan.reducer.compression = compression
         return compression
 
-    def _build_onebit(self, method: str) -> OneBitReduction | None:
+    def _build_onebit(self, method: str) -> OneBitReduction | ZeroOneReduction | None:
         name = type(self.optimizer).__name__
+        local_steps = isinstance(self.optimizer, ZeroOneAdam)
         with together(self.comm):
             refused = []
             if method != "none":
                 refused.append(
                     f"gradient_compression.method={method!r} (one compression at a time)"
                 )
-            if self.stage > 2:
+            if local_steps and self.stage > 0:
+                refused.append(
+                    f"zero_optimization.stage {self.stage}: its local steps move each rank's "
+                    "weights with that rank's own momentum, which needs every parameter's "
+                    "optimizer state on every rank (use stage 0, as DeepSpeed runs it, or "
+                    "OneBitAdam, which works at stages 0-2)"
+                )
+            elif self.stage > 2:
                 refused.append("zero_optimization.stage 3 (use stage 0, 1 or 2)")
             if self._offload is not None:
                 refused.append("optimizer / parameter offload (remove the offload sections)")
@@ -242,6 +252,23 @@ class ZeroEngine(nn.Module):
                 )
         if self.plan.reducer is None or self.comm.world_size == 1:
             return None  # nothing to exchange: it trains as its dense warm-up does
+        clip = float(self.config.gradient_clipping or 0.0)
+
+        def optimizer_steps() -> int:  # steps taken, skipped ones not counted
+            return self.global_steps - self.skipped_steps
+
+        compression: OneBitReduction | ZeroOneReduction
+        if isinstance(self.optimizer, ZeroOneAdam):
+            compression = ZeroOneReduction(
+                self.plan.groups,
+                self.comm,
+                self.optimizer,
+                loss_scale=lambda: self.loss_scale,
+                optimizer_steps=optimizer_steps,
+                clip=clip,
+            )
+            self.plan.reducer.compression = compression
+            return compression
         assert isinstance(self.optimizer, MomentumCompressed)
         compression = OneBitReduction(
             self.plan.groups,
@@ -249,8 +276,8 @@ class ZeroEngine(nn.Module):
             self.comm,
             self.optimizer,
             loss_scale=lambda: self.loss_scale,
-            optimizer_steps=lambda: self.global_steps - self.skipped_steps,
-            clip=float(self.config.gradient_clipping or 0.0),
+            optimizer_steps=optimizer_steps,
+            clip=clip,
         )
         self.plan.reducer.compression = compression
         return compression
@@ -380,12 +407,12 @@ class ZeroEngine(nn.Module):
         norm = self.reduced_grad_norm()
         if not math.isfinite(norm):
             return norm
-        if getattr(self.optimizer, "momentum_given", False):
+        if self._exchanged_step():
             raise RuntimeError(
-                f"clip_grad_norm_: {type(self.optimizer).__name__} is in its compressed phase, "
-                "where the ranks exchange momenta, not gradients; set the config's "
-                "gradient_clipping instead, which clips each rank's gradient before it enters "
-                "the momentum"
+                f"clip_grad_norm_: {type(self.optimizer).__name__} is in a compressed step, "
+                "where the ranks exchange compressed momenta or gradients; set the config's "
+                "gradient_clipping instead, which clips each rank's gradient before the "
+                "exchange"
             )
         if self._clipped_norm is None:  # the first clip also removes the loss scale
             current, scale = norm / self.loss_scale, self.loss_scale
@@ -404,8 +431,8 @@ class ZeroEngine(nn.Module):
             self._skip_step(norm)
             return
         clip = float(self.config.gradient_clipping or 0.0)
-        if getattr(self.optimizer, "momentum_given", False):
-            clip = 0.0  # a 1-bit exchange clipped each rank's gradient before the momentum
+        if self._exchanged_step():
+            clip = 0.0  # a 1-bit exchange clipped each rank's gradient before it
         self._global_grad_norm = norm / scale
         if self._clipped_norm is None:
             self._sharded_opt.scale_grads(norm, clip, scale)
@@ -421,6 +448,10 @@ class ZeroEngine(nn.Module):
             self.lr_scheduler.step()
         self.plan.after_optimizer_step()
         self.zero_grad()
+
+    def _exchanged_step(self) -> bool:
+        """This step's gradients came from a 1-bit / 0-1 optimizer's compressed exchange."""
+        return isinstance(self.optimizer, CompressedExchange) and self.optimizer.exchanged
 
     def _skip_step(self, norm: float) -> None:
         """An overflow: weights, optimizer state and lr schedule stay untouched."""
@@ -596,8 +627,8 @@ class ZeroEngine(nn.Module):
             client_state = self._checkpoints.load(
                 path, tag, load_optimizer, require_checksums, trust_checkpoint
             )
-        if isinstance(self.compression, OneBitReduction):
-            self.compression.reset()  # the momentum comes from the loaded optimizer state
+        if isinstance(self.compression, (OneBitReduction, ZeroOneReduction)):
+            self.compression.reset()  # errors restart; 1-bit momenta come from the loaded state
         self._count_resident()
         return client_state
 

@@ -4,7 +4,7 @@ optimizer's ``step`` for the lr schedulers bound to it.
 Every front end goes through these functions (the engine when no optimizer is passed,
 Accelerate for a ``DummyOptim``), so a section is checked the same way everywhere: the type
 must name a ``torch.optim`` class or one of DeepSpeed's that this package implements
-(``Lamb``, ``OneBitAdam``, ``OneBitLamb``, in ``core/optim``), and every key of ``params``
+(``Lamb``, ``OneBitAdam``, ``OneBitLamb``, ``ZeroOneAdam``, in ``core/optim``), and every key of ``params``
 must be an argument of it.
 
 [Note: DeepSpeed's Adam flags]
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, OptimizerConfig
-from .optim import Adam, Lamb, OneBitAdam, OneBitLamb
+from .optim import Adam, Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __all__ = [
     "build_optimizer",
@@ -54,9 +54,8 @@ _OWN: dict[str, type[torch.optim.Optimizer]] = {
     "lamb": Lamb,
     "onebitadam": OneBitAdam,
     "onebitlamb": OneBitLamb,
+    "zerooneadam": ZeroOneAdam,
 }
-# DeepSpeed's types built on compressed communication not implemented yet (lower-case)
-_COMPRESSED = {"zerooneadam": "ZeroOneAdam"}
 # DeepSpeed's 1-bit optimizers' transport switches (MPI / NCCL): accepted, meaningless here
 _TRANSPORT = ("cuda_aware", "comm_backend_name")
 _ADAM_FLAGS = ("torch_adam", "adam_w_mode", "bias_correction")
@@ -80,22 +79,16 @@ def _qualname(cls: type) -> str:
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """The class a config's ``optimizer.type`` names, case-insensitively: a ``torch.optim``
-    class, or ``Lamb`` (:class:`ds_strategy.core.optim.Lamb`). The name alone: the params of
+    class, or one of DeepSpeed's in :mod:`ds_strategy.core.optim` (``Lamb``, ``OneBitAdam``,
+    ``OneBitLamb``, ``ZeroOneAdam``). The name alone: the params of
     a section may change it (``Adam`` trains as ``AdamW`` by default, see the module note).
 
     >>> optimizer_class("adamw").__name__, optimizer_class("LAMB").__name__
     ('AdamW', 'Lamb')
 
     Raises :class:`~ds_strategy.config.ConfigError` (``key="optimizer.type"``) listing the valid
-    names when ``name`` is not one of them, or saying why for DeepSpeed's 1-bit optimizers."""
+    names when ``name`` is not one of them."""
     key = str(name).lower()
-    if key in _COMPRESSED:
-        raise ConfigError(
-            f"optimizer.type: {name!r} ({_COMPRESSED[key]}: 0/1 Adam, local steps between 1-bit "
-            "momentum exchanges) is not implemented yet; use 'OneBitAdam' (1-bit Adam, the same "
-            "freeze-then-compress idea without local steps) or 'Adam' meanwhile",
-            key="optimizer.type",
-        )
     classes = {**_torch_optimizers(), **_OWN}
     cls = classes.get(key)
     if cls is None:

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..collectives import Comm
 from ..compression.topk_reduce import TopKReduction
+from ..compression.zeroone_reduce import ZeroOneReduction
 from ..faults import together
 from ..memory import human_bytes
 from . import swap
@@ -235,6 +236,10 @@ def collect_state(
     if include_optimizer:
         state.update(_optim_entries(engine))
         state.update(_compression_entries(engine))
+    if rank != 0 and isinstance(engine.compression, ZeroOneReduction):
+        # 0/1 Adam's local steps move the stage-0 replicas apart between syncs: rank 0 writes
+        # its whole copy (weights with their accumulators), never a mix of the ranks' copies
+        state = {k: v for k, v in state.items() if not k.startswith(("model/", "optim"))}
     if rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
         if include_optimizer:
             groups = [

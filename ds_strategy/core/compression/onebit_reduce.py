@@ -42,7 +42,46 @@ if TYPE_CHECKING:
     from ..zero.flat_group import FlatParamGroup
     from ..zero.optimizer import OptimizerPiece
 
-__all__ = ["OneBitReduction"]
+__all__ = ["OneBitReduction", "finite_everywhere", "unscaled_and_clipped", "padded_size"]
+
+
+def padded_size(numel: int, world: int) -> int:
+    """``numel`` rounded up to what the compressed all-reduce takes: a multiple of 8 x world."""
+    unit = 8 * world
+    return -(-numel // unit) * unit
+
+
+def finite_everywhere(
+    local: Sequence[torch.Tensor], groups: Sequence[FlatParamGroup], comm: Comm
+) -> bool:
+    """Step 1 of the note: one all-reduce of a finite flag. On an overflow on any rank every
+    group's gradient shard is made NaN (the engine then skips the step on every rank) and
+    ``False`` is returned: the caller leaves its momenta and errors as they are."""
+    bad = torch.tensor(
+        [float(any(not bool(t.isfinite().all()) for t in local))], dtype=torch.float64
+    )
+    comm.all_reduce(bad, op="max", kind="control")
+    if bad.item() > 0:
+        for g in groups:
+            g.set_reduced_grad(None)
+        return False
+    return True
+
+
+def unscaled_and_clipped(
+    local: Sequence[torch.Tensor], groups: Sequence[FlatParamGroup], scale: float, clip: float
+) -> list[torch.Tensor]:
+    """This rank's gradients (new fp32 tensors, padding dropped), loss scale removed and, with
+    ``clip > 0``, clipped by their own L2 norm: the gradients are not averaged yet, so each
+    rank clips its own, as DeepSpeed's 1-bit optimizers do."""
+    grads = [t[: g.layout.total].float() / scale for g, t in zip(groups, local, strict=True)]
+    if clip > 0:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in grads]))
+        coef = min(1.0, clip / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for t in grads:
+                t.mul_(coef)
+    return grads
 
 
 class OneBitReduction:
@@ -66,8 +105,7 @@ class OneBitReduction:
         self.loss_scale = loss_scale
         self.optimizer_steps = optimizer_steps
         self.clip = clip
-        unit = 8 * comm.world_size
-        self.sizes = [-(-g.layout.padded_total // unit) * unit for g in self.groups]
+        self.sizes = [padded_size(g.layout.padded_total, comm.world_size) for g in self.groups]
         self.momenta: list[torch.Tensor] | None = None  # None: to be taken from the optimizer
         self.worker_errors: list[torch.Tensor] = []
         self.server_errors: list[torch.Tensor] = []
@@ -92,29 +130,13 @@ class OneBitReduction:
     def reduce(self) -> None:
         """Steps 1-4 of [Note: one compressed 1-bit step], for every group. Collective."""
         local = [g.take_local_grad() for g in self.groups]
-        bad = torch.tensor(
-            [float(any(not bool(t.isfinite().all()) for t in local))], dtype=torch.float64
-        )
-        self.comm.all_reduce(bad, op="max", kind="control")
-        if bad.item() > 0:
-            for g in self.groups:
-                g.set_reduced_grad(None)  # NaN: the engine skips the step on every rank
+        if not finite_everywhere(local, self.groups, self.comm):
             return
         if self.momenta is None:
             self._start()
         assert self.momenta is not None
         scale = self.loss_scale()
-        grads = [
-            t[: g.layout.total].float() / scale for g, t in zip(self.groups, local, strict=True)
-        ]
-        if self.clip > 0:
-            norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(t) for t in grads])
-            )
-            coef = min(1.0, self.clip / (float(norm) + 1e-6))
-            if coef < 1.0:
-                for t in grads:
-                    t.mul_(coef)
+        grads = unscaled_and_clipped(local, self.groups, scale, self.clip)
         for i, (g, grad) in enumerate(zip(self.groups, grads, strict=True)):
             m = self.momenta[i]
             x = m.mul(self.beta)

@@ -1,7 +1,7 @@
 """Optimizers DeepSpeed configs name that ``torch.optim`` lacks: ``Lamb`` (DeepSpeed's
 ``FusedLamb``, correct under ZeRO), ``Adam`` (``FusedAdam``'s ``bias_correction=False``) and
-the 1-bit optimizers ``OneBitAdam`` and ``OneBitLamb`` (their compressed exchange runs in the
-engine, ``core/compression``).
+the 1-bit optimizers ``OneBitAdam``, ``OneBitLamb`` and ``ZeroOneAdam`` (their compressed
+exchanges run in the engine, ``core/compression``).
 
 An optimizer whose update needs whole-parameter norms implements ``NeedsParamNorms``; the ZeRO
 wrapper then gives it a ``ParamNorms`` (see ``norms.py``).
@@ -10,14 +10,17 @@ wrapper then gives it a ``ParamNorms`` (see ``norms.py``).
 from .adam import Adam
 from .lamb import Lamb
 from .norms import NeedsParamNorms, ParamNorms
-from .onebit import MomentumCompressed, OneBitAdam, OneBitLamb
+from .onebit import CompressedExchange, MomentumCompressed, OneBitAdam, OneBitLamb
+from .zeroone import ZeroOneAdam
 
 __all__ = [
     "Adam",
+    "CompressedExchange",
     "Lamb",
     "MomentumCompressed",
     "NeedsParamNorms",
     "OneBitAdam",
     "OneBitLamb",
     "ParamNorms",
+    "ZeroOneAdam",
 ]

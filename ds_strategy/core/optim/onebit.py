@@ -33,10 +33,20 @@ import torch
 from .adam import advance_moments, check_moments
 from .lamb import Lamb
 
-__all__ = ["OneBitAdam", "OneBitLamb", "MomentumCompressed"]
+__all__ = ["CompressedExchange", "OneBitAdam", "OneBitLamb", "MomentumCompressed"]
 
 
-class MomentumCompressed:
+class CompressedExchange:
+    """An optimizer whose communication the engine replaces by a compressed exchange (1-bit
+    Adam / LAMB, 0/1 Adam). ``exchanged`` is true for a step whose ``.grad`` the exchange
+    gave: each rank's gradient was clipped before it (``gradient_clipping``), so the engine
+    does not clip it again, and ``clip_grad_norm_`` is refused. Each optimizer overrides
+    it from its own record of the step."""
+
+    exchanged: bool = False
+
+
+class MomentumCompressed(CompressedExchange):
     """What the engine's 1-bit exchange needs from an optimizer: ``freeze_step`` dense steps
     first, then ``momentum_given`` set before each compressed step, ``betas`` for folding the
     local gradient into the momentum, and (1-bit LAMB) ``scales_momentum``: each parameter's
@@ -56,6 +66,10 @@ class MomentumCompressed:
                 "give every group the same betas[0]"
             )
         return betas.pop()
+
+    @property
+    def exchanged(self) -> bool:
+        return self.momentum_given
 
     def take_momentum_given(self) -> bool:
         given, self.momentum_given = self.momentum_given, False
