@@ -1,8 +1,11 @@
-"""Gradient compression side by side: dense ZeRO-1 against top-k sparsification with error
-feedback (several ratios) on 2 and 4 gloo ranks, the demo GPT on the README's characters
-(the recipes' corpus), SGD with momentum (top-k with Deep Gradient Compression's momentum
-correction, after 10 dense warm-up steps). Per run: the gradient bytes a rank sends per step,
-the median step time, the loss at the end, and what compressing costs in compute.
+"""Gradient compression side by side on 2 and 4 gloo ranks, the demo GPT on the README's
+characters (the recipes' corpus): dense ZeRO-1 SGD with momentum against top-k
+sparsification with error feedback (several ratios, Deep Gradient Compression's momentum
+correction, after 10 dense warm-up steps); and dense Adam (ZeRO-0, no bias correction)
+against DeepSpeed's 1-bit Adam (compressed from step 10) and 0/1 Adam (variance steps at
+first, local steps after half the run). Per run: the gradient bytes a rank sends per step,
+the median step time, the loss at the end, and what compressing costs in compute; each
+compressed row is compared with its own dense row.
 
     python benchmarks/bench_compression.py
     python benchmarks/bench_compression.py --steps 200 --ratios 0.1 0.01
@@ -13,9 +16,9 @@ the received ones (measured here around ``TopK.select`` and ``set_reduced_grad``
 faster when the bytes saved take longer on the link than that compute: below a bandwidth of
 ``(dense bytes - compressed bytes) / compute seconds`` per step, the column "pays below".
 Loopback on one machine is far above it, so the step times here show the compute cost, not
-the benefit; the bandwidth is what to compare with the links between machines.
-
-DeepSpeed's 1-bit optimizers (``OneBitAdam`` and its relatives) are not in this release.
+the benefit; the bandwidth is what to compare with the links between machines. For the
+1-bit optimizers the compute is the packing and unpacking of signs (``compress_signs``,
+``decompress_signs``) and applying the result.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ds_strategy  # noqa: E402
 from benchmarks._ranks import run  # noqa: E402
-from ds_strategy.core.compression import TopK  # noqa: E402
+from ds_strategy.core.compression import TopK, onebit  # noqa: E402
 from ds_strategy.core.zero.flat_group import FlatParamGroup  # noqa: E402
 from ds_strategy.demos.gpt import GPT, GPTConfig  # noqa: E402
 from recipes.data import CharCorpus  # noqa: E402
@@ -46,10 +49,15 @@ class _ComputeTimer:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        for owner, name in ((TopK, "select"), (FlatParamGroup, "set_reduced_grad")):
+        for owner, name in (
+            (TopK, "select"),
+            (FlatParamGroup, "set_reduced_grad"),
+            (onebit, "compress_signs"),
+            (onebit, "decompress_signs"),
+        ):
             self._wrap(owner, name)
 
-    def _wrap(self, owner: type, name: str) -> None:
+    def _wrap(self, owner: Any, name: str) -> None:
         original = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -62,17 +70,36 @@ class _ComputeTimer:
         setattr(owner, name, timed)
 
 
-def _train(rank: int, world: int, ratio: float | None, args: argparse.Namespace) -> dict[str, Any]:
+def _setup(method: str, args: argparse.Namespace, model: GPT) -> tuple[Any, dict[str, Any]]:
+    """The optimizer (or ``None`` for a config section) and the config of one row."""
+    if method.startswith("top-k") or method == "dense SGD":
+        gc = {"method": "none"}
+        if method != "dense SGD":
+            ratio = float(method.split()[1])
+            gc = {"method": "topk", "ratio": ratio, "warmup_steps": WARMUP,
+                  "momentum_correction": True}  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        return opt, {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+                     "gradient_compression": gc}  # fmt: skip
+    params: dict[str, Any] = {"lr": args.adam_lr, "weight_decay": 0.01, "bias_correction": False}
+    if method == "1-bit Adam":
+        section = {"type": "OneBitAdam", "params": {**params, "freeze_step": WARMUP}}
+    elif method == "0/1 Adam":
+        half = args.steps // 2  # variance steps on the schedule, then local steps
+        section = {"type": "ZeroOneAdam", "params": {**params, "var_freeze_step": half,
+                   "var_update_scaler": 16, "local_step_scaler": 10, "local_step_clipper": 4}}  # fmt: skip
+    else:
+        section = {"type": "Adam", "params": params}
+    return None, {"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0,
+                  "optimizer": section}  # fmt: skip
+
+
+def _train(rank: int, world: int, method: str, args: argparse.Namespace) -> dict[str, Any]:
     timer = _ComputeTimer()
     corpus = CharCorpus(Path(__file__).resolve().parent.parent / "README.md", args.seq, 7)
     torch.manual_seed(0)
     model = GPT(GPTConfig(corpus.vocab, args.d, args.layers, args.heads, args.seq))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    gc = {"method": "none"}
-    if ratio is not None:
-        gc = {"method": "topk", "ratio": ratio, "warmup_steps": WARMUP, "momentum_correction": True}
-    config = {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
-              "gradient_compression": gc}  # fmt: skip
+    opt, config = _setup(method, args, model)
     engine = ds_strategy.initialize(model, opt, config)
     order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(1))
     per = args.batch // world
@@ -95,7 +122,8 @@ def _train(rank: int, world: int, ratio: float | None, args: argparse.Namespace)
         losses.append(float(mean) / world)
     report = engine.comm_report()
     measured = args.steps - WARMUP
-    grad = sum(report.get(k, 0) for k in ("all_reduce", "reduce_scatter", "topk")) / measured
+    kinds = ("all_reduce", "reduce_scatter", "topk", "onebit")
+    grad = sum(report.get(k, 0) for k in kinds) / measured
     return {
         "grad_bytes": grad,
         "ms": statistics.median(times[WARMUP:]) * 1e3,
@@ -112,32 +140,35 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD's")
+    parser.add_argument("--adam-lr", type=float, default=3e-3, help="the Adam rows'")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.01, 0.001])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     print(
-        f"demo GPT d={args.d} layers={args.layers} seq={args.seq}, README corpus, SGD(0.9), "
-        f"ZeRO-1, global batch {args.batch}, {args.steps} steps ({WARMUP} dense warm-up); "
-        "per rank (rank 0), per step after the warm-up:"
+        f"demo GPT d={args.d} layers={args.layers} seq={args.seq}, README corpus, global batch "
+        f"{args.batch}, {args.steps} steps; SGD(0.9) at ZeRO-1 with top-k after {WARMUP} dense "
+        f"steps; Adam at ZeRO-0, 1-bit Adam frozen at step {WARMUP}, 0/1 Adam local from step "
+        f"{args.steps // 2}; per rank (rank 0), per step after step {WARMUP}:"
     )
     print(
         f"{'ranks':>5} {'method':<12} {'grad KB/step':>13} {'vs dense':>9} {'step ms':>8} "
         f"{'final loss':>11} {'compute ms':>11} {'pays below':>12}"
     )
+    families = [["dense SGD"] + [f"top-k {r:g}" for r in args.ratios],
+                ["dense Adam", "1-bit Adam", "0/1 Adam"]]  # fmt: skip
     for world in args.worlds:
-        dense = run(_train, world, None, args)[0]
-        rows = [("dense", dense)] + [
-            (f"top-k {r:g}", run(_train, world, r, args)[0]) for r in args.ratios
-        ]
-        for name, r in rows:
-            saved = dense["grad_bytes"] - r["grad_bytes"]
-            pays = f"{saved / r['compute_s'] / 1e6:>8.0f} MB/s" if name != "dense" else f"{'-':>12}"
-            print(
-                f"{world:>5} {name:<12} {r['grad_bytes'] / 1e3:>13.1f} "
-                f"{r['grad_bytes'] / dense['grad_bytes']:>9.3f} {r['ms']:>8.1f} "
-                f"{r['loss']:>11.3f} {r['compute_s'] * 1e3:>11.2f} {pays}"
-            )
+        for family in families:
+            rows = [(name, run(_train, world, name, args)[0]) for name in family]
+            dense = rows[0][1]
+            for name, r in rows:
+                saved = dense["grad_bytes"] - r["grad_bytes"]
+                pays = f"{'-':>12}" if r is dense else f"{saved / r['compute_s'] / 1e6:>8.0f} MB/s"
+                print(
+                    f"{world:>5} {name:<12} {r['grad_bytes'] / 1e3:>13.1f} "
+                    f"{r['grad_bytes'] / dense['grad_bytes']:>9.3f} {r['ms']:>8.1f} "
+                    f"{r['loss']:>11.3f} {r['compute_s'] * 1e3:>11.2f} {pays}"
+                )
 
 
 if __name__ == "__main__":
