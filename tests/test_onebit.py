@@ -288,3 +288,18 @@ def test_what_does_not_combine_with_them_is_refused(extra: dict[str, Any], fragm
     with pytest.raises(ValueError, match=fragment) as info:
         ds_strategy.initialize(model, opt, extra)
     assert "OneBitLamb" in str(info.value)
+
+
+def _in_a_pipeline(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    config = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 2}}}  # fmt: skip
+    with pytest.raises(ValueError, match="pipeline stages") as info:
+        ds_strategy.initialize(layers, None, config, loss_fn=torch.nn.functional.mse_loss)
+    return str(info.value)
+
+
+def test_pipelines_are_refused_on_every_rank() -> None:
+    for message in run_ranks(_in_a_pipeline, 2):
+        assert "OneBitAdam" in message and "remove the pipeline section" in message

@@ -195,17 +195,19 @@ class ZeroEngine(nn.Module):
                 self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
             else:
                 self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
-        self.compression = self._build_compression()
+        self.compression = self._build_compression(in_pipeline=_stage_of is not None)
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
 
-    def _build_compression(self) -> TopKReduction | OneBitReduction | ZeroOneReduction | None:
+    def _build_compression(
+        self, in_pipeline: bool
+    ) -> TopKReduction | OneBitReduction | ZeroOneReduction | None:
         """``gradient_compression``: the top-k exchange the reducer runs after warm-up; a
         1-bit optimizer (``OneBitAdam``, ``OneBitLamb``): its compressed momentum exchange
         after ``freeze_step``; ``ZeroOneAdam``: its 1-bit gradients and synchronisations."""
         gc = self.config.gradient_compression
         if isinstance(self.optimizer, CompressedExchange):
-            return self._build_onebit(gc.method)
+            return self._build_onebit(gc.method, in_pipeline)
         if gc.method == "none" or not self.trainable or self.plan.reducer is None:
             return None
         momentum = 0.0
@@ -223,7 +225,9 @@ class ZeroEngine(nn.Module):
         self.plan.reducer.compression = compression
         return compression
 
-    def _build_onebit(self, method: str) -> OneBitReduction | ZeroOneReduction | None:
+    def _build_onebit(
+        self, method: str, in_pipeline: bool
+    ) -> OneBitReduction | ZeroOneReduction | None:
         name = type(self.optimizer).__name__
         local_steps = isinstance(self.optimizer, ZeroOneAdam)
         with together(self.comm):
@@ -245,10 +249,12 @@ class ZeroEngine(nn.Module):
                 refused.append("optimizer / parameter offload (remove the offload sections)")
             if self.tensor_parallel is not None:
                 refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
+            if in_pipeline:
+                refused.append("pipeline stages (remove the pipeline section)")
             if refused:
                 raise ValueError(
-                    f"{name} exchanges the optimizer's momentum 1-bit compressed, which does not "
-                    f"work with {'; '.join(refused)}"
+                    f"{name} has the ranks exchange 1-bit compressed momenta or updates, which "
+                    f"does not work with {'; '.join(refused)}"
                 )
         if self.plan.reducer is None or self.comm.world_size == 1:
             return None  # nothing to exchange: it trains as its dense warm-up does
@@ -257,28 +263,18 @@ class ZeroEngine(nn.Module):
         def optimizer_steps() -> int:  # steps taken, skipped ones not counted
             return self.global_steps - self.skipped_steps
 
+        hooks: dict[str, Any] = dict(
+            loss_scale=lambda: self.loss_scale, optimizer_steps=optimizer_steps, clip=clip
+        )
         compression: OneBitReduction | ZeroOneReduction
         if isinstance(self.optimizer, ZeroOneAdam):
-            compression = ZeroOneReduction(
-                self.plan.groups,
-                self.comm,
-                self.optimizer,
-                loss_scale=lambda: self.loss_scale,
-                optimizer_steps=optimizer_steps,
-                clip=clip,
+            compression = ZeroOneReduction(self.plan.groups, self.comm, self.optimizer, **hooks)
+        else:
+            assert isinstance(self.optimizer, MomentumCompressed)
+            pieces = self._sharded_opt.pieces
+            compression = OneBitReduction(
+                self.plan.groups, pieces, self.comm, self.optimizer, **hooks
             )
-            self.plan.reducer.compression = compression
-            return compression
-        assert isinstance(self.optimizer, MomentumCompressed)
-        compression = OneBitReduction(
-            self.plan.groups,
-            self._sharded_opt.pieces,
-            self.comm,
-            self.optimizer,
-            loss_scale=lambda: self.loss_scale,
-            optimizer_steps=optimizer_steps,
-            clip=clip,
-        )
         self.plan.reducer.compression = compression
         return compression
 

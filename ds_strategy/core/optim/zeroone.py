@@ -199,10 +199,11 @@ class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
                     u.add_(w, alpha=group["weight_decay"])
                 w.add_(u, alpha=-group["lr"])
                 if given in ("local", "sync"):
-                    acc = state.setdefault("momentum_accumulator", torch.zeros_like(w))
-                    lrs = state.setdefault("lrs", torch.zeros((), dtype=torch.float64))
-                    acc.add_(u, alpha=-group["lr"])
-                    lrs += group["lr"]
+                    if "momentum_accumulator" not in state:  # the first local step
+                        state["momentum_accumulator"] = torch.zeros_like(w)
+                        state["lrs"] = torch.zeros((), dtype=torch.float64)
+                    state["momentum_accumulator"].add_(u, alpha=-group["lr"])
+                    state["lrs"] += group["lr"]
                 if given == "sync":
                     syncing.append((w, state, denom))
         if syncing:
