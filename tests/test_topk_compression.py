@@ -61,7 +61,15 @@ def _bytes(rank: int, world: int, stage: int, method: str, data: list[torch.Tens
             ))  # fmt: skip
             engine.step()
     report = engine.comm_report()
-    return {"report": report, "wire": wire.sent, "loss_scale_ok": engine.skipped_steps == 0}
+    return {
+        "report": report,
+        "wire": wire.sent,
+        "loss_scale_ok": engine.skipped_steps == 0,
+        "memory": engine.memory_report(),
+        "numel": sum(g.layout.total for g in engine.compression.groups)
+        if engine.compression
+        else 0,
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -81,6 +89,10 @@ def test_top_one_percent_sends_under_a_tenth_of_the_gradient_bytes(stage: int) -
     sparse_wire = sparse["wire"].get("broadcast", 0) - gathers
     assert set(sparse["wire"]) <= {"broadcast", "control"}
     assert 0 < sparse_wire <= 0.1 * dense_wire
+    # memory_report counts each rank's residual: one fp32 entry per parameter element
+    assert dense["memory"]["compression_state"] == 0
+    assert sparse["memory"]["compression_state"] == 4 * sparse["numel"]
+    assert sparse["memory"]["total"] - dense["memory"]["total"] >= 4 * sparse["numel"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

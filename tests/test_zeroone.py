@@ -95,13 +95,15 @@ def _steps(rank: int, world: int, data: list[torch.Tensor]) -> Any:
         weights = torch.cat([p.detach().reshape(-1).clone() for p in engine.module.parameters()])
         out.append((kind, engine.comm_report(), weights))
     numel = sum(g.layout.total for g in engine.compression.groups)
-    return out, numel, engine.memory_report()["compression_state"]
+    states = engine.optimizer.state.values()
+    synced = sum(st["momentum_accumulator"].numel() for st in states if "lrs" in st)
+    return out, numel, (synced, engine.memory_report()["compression_state"])
 
 
 def test_each_kind_of_step_sends_what_it_promises_and_syncs_the_replicas() -> None:
     data = batches(14, 1, 8)
     world = 2
-    (ours, numel, _), (theirs, _, _) = run_ranks(_steps, world, data)
+    (ours, numel, held), (theirs, _, _) = run_ranks(_steps, world, data)
     dense = 2 * (world - 1) / world * numel * 4  # a ring all-reduce of the fp32 gradients
     kinds = [k for k, _, _ in ours]
     assert set(kinds) == {"dense", "onebit", "local", "sync"}, kinds
@@ -117,6 +119,11 @@ def test_each_kind_of_step_sends_what_it_promises_and_syncs_the_replicas() -> No
             assert gap > 1e-6  # each rank moved its own weights
         else:
             assert gap <= 1e-6, (kind, gap)  # one averaged update on every rank
+    # in the local phase memory_report counts the sync errors only (the gradient errors are
+    # dropped): worker errors over the whole model, padded, and this rank's server chunk
+    synced, held = held
+    padded = -(-synced // (8 * world)) * 8 * world
+    assert kinds[-1] in ("local", "sync") and held == 4 * (padded + padded // world)
 
 
 def test_zero_one_adam_trains_the_demo_gpt_to_within_3_percent() -> None:

@@ -179,36 +179,41 @@ class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
         given, self.given = self.given, None
         syncing = []
         for group in self.param_groups:
-            b1, b2 = group["betas"]
             for w in group["params"]:
-                if w.grad is None:
-                    continue
                 state = self.state[w]
-                if given is None:  # a variance step: plain Adam on the averaged gradient
-                    m, v = advance_moments(state, w, w.grad, (b1, b2))
-                else:
-                    if not state:
-                        advance_moments(state, w, torch.zeros_like(w), (b1, b2))
-                    else:
-                        state["step"] += 1
-                    m, v = state["exp_avg"], state["exp_avg_sq"]
-                    m.mul_(b1).add_(w.grad, alpha=1 - b1).masked_fill_(v == 0, 0.0)
-                denom = self._denominator(group, v)
-                u = m / denom
-                if group["weight_decay"]:
-                    u.add_(w, alpha=group["weight_decay"])
-                w.add_(u, alpha=-group["lr"])
-                if given in ("local", "sync"):
-                    if "momentum_accumulator" not in state:  # the first local step
-                        state["momentum_accumulator"] = torch.zeros_like(w)
-                        state["lrs"] = torch.zeros((), dtype=torch.float64)
-                    state["momentum_accumulator"].add_(u, alpha=-group["lr"])
-                    state["lrs"] += group["lr"]
-                if given == "sync":
-                    syncing.append((w, state, denom))
+                if w.grad is not None:
+                    self._update(group, w, state, given)
+                # a parameter without a gradient at the sync still owes its earlier local steps
+                if given == "sync" and "momentum_accumulator" in state:
+                    syncing.append((w, state, self._denominator(group, state["exp_avg_sq"])))
         if syncing:
             self._synchronise(syncing)
         return loss
+
+    def _update(
+        self, group: dict[str, Any], w: torch.Tensor, state: dict[str, Any], given: str | None
+    ) -> None:
+        """One step of ``w`` of the kind ``given`` (None: a variance step), see the note."""
+        b1, b2 = group["betas"]
+        if given is None:  # a variance step: plain Adam on the averaged gradient
+            m, v = advance_moments(state, w, w.grad, (b1, b2))
+        else:
+            if not state:
+                advance_moments(state, w, torch.zeros_like(w), (b1, b2))
+            else:
+                state["step"] += 1
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            m.mul_(b1).add_(w.grad, alpha=1 - b1).masked_fill_(v == 0, 0.0)
+        u = m / self._denominator(group, v)
+        if group["weight_decay"]:
+            u.add_(w, alpha=group["weight_decay"])
+        w.add_(u, alpha=-group["lr"])
+        if given in ("local", "sync"):
+            if "momentum_accumulator" not in state:  # the first local step
+                state["momentum_accumulator"] = torch.zeros_like(w)
+                state["lrs"] = torch.zeros((), dtype=torch.float64)
+            state["momentum_accumulator"].add_(u, alpha=-group["lr"])
+            state["lrs"] += group["lr"]
 
     def _synchronise(
         self, syncing: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor]]
