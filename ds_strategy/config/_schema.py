@@ -382,6 +382,22 @@ class GradientCompressionConfig:
 
 
 @dataclass(frozen=True)
+class TopologyConfig:
+    """``topology`` (ds_strategy's section): how many ranks share a machine.
+
+    ``ranks_per_machine`` overrides what the launcher says (``LOCAL_WORLD_SIZE``, SLURM's
+    tasks per node); ``None`` takes the launcher's word, or one machine without one. Setting
+    it on one machine simulates several: collectives among ranks of different "machines"
+    are then counted as inter-machine (``comm_report()``'s ``inter_machine``).
+
+    >>> TopologyConfig().ranks_per_machine is None
+    True
+    """
+
+    ranks_per_machine: Any = leaf(int, None, ge=1)
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: recompute chosen modules' activations in backward
     (non-reentrant ``torch.utils.checkpoint``) instead of keeping them.
@@ -447,6 +463,7 @@ class ZeroConfig:
     tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
     gradient_compression: GradientCompressionConfig = section(GradientCompressionConfig)
+    topology: TopologyConfig = section(TopologyConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = section(CheckpointConfig)

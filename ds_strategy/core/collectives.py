@@ -6,6 +6,12 @@ both approximate: an all-reduce of M bytes sends 2(N-1)/N * M, a reduce-scatter 
 all-gather whose full (unsharded) buffer is M bytes sends (N-1)/N * M, a broadcast sends M
 from the root. Counting in one place is what lets ``ZeroEngine.comm_report()`` compare the
 stages with DDP honestly: a collective that bypassed this module would be invisible.
+
+Each ``Comm`` also has a ``link``: ``"inter"`` when its group has ranks on more than one
+machine, ``"intra"`` when it lies within one (set from ``core/topology.py`` by the engine that
+builds it). All the bytes and blocked time of a group's collectives are filed under its link:
+a ring over a group that spans machines runs at the pace of its slowest hops, and the
+topology-aware collectives split a collective into groups that lie wholly on one side.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "init_process_group_from_env", "Work"]
+__all__ = ["Comm", "add_link_bytes", "init_process_group_from_env", "Work"]
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -86,7 +92,9 @@ class Comm:
     sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     sent_total: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # never reset
-    wait_timer: Callable[[str, float], None] | None = None  # see core/timers.py
+    # see core/timers.py: (kind, seconds blocked, link)
+    wait_timer: Callable[[str, float, str], None] | None = None
+    link: str = "intra"  # "inter" for a group spanning machines (see the module note)
     _backend: str | None = field(default=None, repr=False)
 
     @property
@@ -100,6 +108,12 @@ class Comm:
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group) if self.active else 0
+
+    def global_ranks(self) -> list[int]:
+        """The global ranks of this group's members, in group-rank order."""
+        if not self.active:
+            return [0]
+        return list(dist.get_process_group_ranks(self.group or dist.group.WORLD))
 
     def record(self, kind: str, nbytes: float) -> None:
         """Count bytes a collective made outside this class sent on this group (torch's
@@ -116,9 +130,13 @@ class Comm:
         if self.wait_timer is None:
             return Work(handle)
         if not async_op:
-            self.wait_timer(kind, time.perf_counter() - start)
+            self._timed(kind, time.perf_counter() - start)
             return Work(None)
-        return Work(handle, kind, self.wait_timer)
+        return Work(handle, kind, self._timed)
+
+    def _timed(self, kind: str, seconds: float) -> None:
+        if self.wait_timer is not None:
+            self.wait_timer(kind, seconds, self.link)
 
     def take_report(self) -> dict[str, int]:
         """Bytes sent per collective kind since the previous call, then reset."""
@@ -168,8 +186,9 @@ class Comm:
         def add_up() -> None:
             torch.sum(recv.view(n, -1), 0, out=out)
 
+        timer = self._timed if self.wait_timer is not None else None
         return self._settle(
-            Work(handle, "reduce_scatter", self.wait_timer, then=add_up, scratch=recv), async_op
+            Work(handle, "reduce_scatter", timer, then=add_up, scratch=recv), async_op
         )
 
     def all_gather(
@@ -200,7 +219,8 @@ class Comm:
             dist.broadcast(chunks[r], src=self._global(r), group=self.group, async_op=True)
             for r in range(n)
         ]
-        return self._settle(Work(handles, kind, self.wait_timer), async_op)
+        timer = self._timed if self.wait_timer is not None else None
+        return self._settle(Work(handles, kind, timer), async_op)
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, kind: str = "all_to_all") -> None:
         """Chunk ``r`` of ``tensor`` to rank ``r``; ``out``'s chunk ``r`` from rank ``r``."""
@@ -271,8 +291,7 @@ class Comm:
             self._count("gather", shard.numel() * shard.element_size())
         start = time.perf_counter()
         dist.gather(shard, parts, dst=global_dst, group=self.group)
-        if self.wait_timer is not None:
-            self.wait_timer("gather", time.perf_counter() - start)
+        self._timed("gather", time.perf_counter() - start)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group rank ``src`` (counted on the sender only)."""
@@ -283,8 +302,7 @@ class Comm:
         global_src = self._global(src)
         start = time.perf_counter()
         dist.broadcast(tensor, src=global_src, group=self.group)
-        if self.wait_timer is not None:
-            self.wait_timer("broadcast", time.perf_counter() - start)
+        self._timed("broadcast", time.perf_counter() - start)
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -297,7 +315,16 @@ class Comm:
         if self.world_size == 1:
             return Comm(self.group)
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        return Comm(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return Comm(group, link=self.link)
+
+
+def add_link_bytes(report: dict[str, int], comm: Comm, nbytes: int) -> None:
+    """File ``nbytes`` that ``comm`` sent under its link in a ``comm_report()``
+    (``intra_machine`` / ``inter_machine``, both always present)."""
+    report.setdefault("intra_machine", 0)
+    report.setdefault("inter_machine", 0)
+    report[f"{comm.link}_machine"] += nbytes
 
 
 def init_process_group_from_env(timeout_s: float | None = None) -> bool:

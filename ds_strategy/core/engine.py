@@ -21,7 +21,7 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
 from .checkpoint.weights_file import write_weights
-from .collectives import Comm, init_process_group_from_env
+from .collectives import Comm, add_link_bytes, init_process_group_from_env
 from .compression.onebit_reduce import OneBitReduction
 from .compression.topk_reduce import TopKReduction
 from .compression.zeroone_reduce import ZeroOneReduction
@@ -36,6 +36,7 @@ from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 from .schedulers import build_scheduler
 from .timers import StepTimers, phase
+from .topology import Topology
 from .tp import TensorParallel, resolve_plan
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
@@ -92,6 +93,10 @@ class ZeroEngine(nn.Module):
             tp = _tensor_parallel_size(loaded, self.comm, process_group, _mesh)
             # batch sizes count data-parallel ranks: tensor-parallel ones share each batch
             self.config: ZeroConfig = loaded.resolve(world_size=self.comm.world_size // tp)
+            world = Comm()  # the topology is the job's, whatever group this engine runs on
+            self.topology = Topology.detect(
+                world.world_size, world.rank, self.config.topology.ranks_per_machine
+            )
         zc = self.config.zero_optimization
         self.stage = zc.stage
         check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
@@ -110,6 +115,8 @@ class ZeroEngine(nn.Module):
                 model, self.mesh.device_mesh["tp"], tp_plan, tp_comm
             )
             self.comm = Comm(self.mesh.group("dp"))
+        for comm in self._comms():
+            comm.link = self.topology.link(comm.global_ranks())
         with together(self.comm):
             self._check_supported()
             self.module = model
@@ -685,13 +692,25 @@ class ZeroEngine(nn.Module):
     def comm_report(self) -> dict[str, int]:
         """Bytes this rank sent per collective kind since the previous call; with tensor
         parallelism the tensor-parallel group's kinds are prefixed ``tp_`` (the rest are the
-        data-parallel group's) and ``total`` counts both."""
+        data-parallel group's) and ``total`` counts both. ``intra_machine`` and
+        ``inter_machine`` split ``total`` by the link of the group each was sent on (a group
+        with ranks on several machines is ``inter``, see ``core/topology.py``)."""
         report = self.comm.take_report()
+        add_link_bytes(report, self.comm, report["total"])
         if self.tensor_parallel is not None:
             tp = self.tensor_parallel.comm.take_report()
-            report["total"] += tp.pop("total")
+            tp_total = tp.pop("total")
+            report["total"] += tp_total
+            add_link_bytes(report, self.tensor_parallel.comm, tp_total)
             report.update({f"tp_{k}": v for k, v in tp.items()})
         return report
+
+    def _comms(self) -> list[Comm]:
+        """Every group this engine sends on: data-parallel, checkpoint, tensor-parallel."""
+        comms = [self.comm, self.checkpoint_comm]
+        if self.tensor_parallel is not None:
+            comms.append(self.tensor_parallel.comm)
+        return comms
 
     @property
     def world_size(self) -> int:

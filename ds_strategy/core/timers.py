@@ -8,8 +8,10 @@ optimizer, post-step gather), summed over the micro-steps of one optimizer step.
 (all-reduce / reduce-scatter) and parameter all-gathers: ``Comm`` times every wait on an
 in-flight collective and every synchronous one. Communication that overlapped computation
 costs nothing here, so ``reduce`` and ``gather`` lie inside the other three phases; they
-are the exposed communication, not extra time. Bytes are what this rank sent, per kind,
-counted by ``Comm`` (see [Note: byte accounting] in ``collectives.py``).
+are the exposed communication, not extra time. ``intra_machine`` and ``inter_machine`` split
+all blocked collective time (and the bytes, ``*_machine_bytes``) by the link of the group it
+ran on (see [Note: byte accounting] in ``collectives.py``). Bytes are what this rank sent, per
+kind, counted by ``Comm``.
 
 Under a pipeline config there is no ``engine(batch)`` / ``engine.backward`` per micro-batch:
 the schedule interleaves the forward and backward of every micro-batch with the transfers
@@ -102,17 +104,25 @@ class StepTimers:
         finally:
             self._step_times[name] += self._now() - start
 
-    def record_wait(self, kind: str, seconds: float) -> None:
-        """Called by ``Comm`` with the time a collective of ``kind`` blocked this rank."""
+    def record_wait(self, kind: str, seconds: float, link: str = "intra") -> None:
+        """Called by ``Comm`` with the time a collective of ``kind`` on a group of ``link``
+        (``"intra"`` / ``"inter"`` machine) blocked this rank."""
         name = WAIT_KIND.get(kind)
         if name is not None:
             self._step_times[name] += seconds
+        self._step_times[f"{link}_machine"] += seconds
 
     def _bytes_delta(self) -> dict[str, int]:
         total = dict(self.comm.sent_total)
         delta = {k: v - self._bytes_seen.get(k, 0) for k, v in total.items()}
         self._bytes_seen = total
         return delta
+
+    def _link_bytes(self, delta: dict[str, int]) -> dict[str, int]:
+        """This step's bytes by link: all of the engine's group's go under its link."""
+        links = {"intra_machine": 0, "inter_machine": 0}
+        links[f"{self.comm.link}_machine"] = sum(delta.values())
+        return links
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -123,8 +133,11 @@ class StepTimers:
         self._last_boundary = now
         for name, seconds in self._step_times.items():
             self._window[f"{name}_ms"] += seconds * 1e3
-        for kind, n in self._bytes_delta().items():
+        delta = self._bytes_delta()
+        for kind, n in delta.items():
             self._window[f"{kind}_bytes"] += n
+        for link, n in self._link_bytes(delta).items():
+            self._window[f"{link}_bytes"] += n
         self._step_times.clear()
         self._window_steps += 1
         if global_step % self.steps_per_print == 0:
@@ -133,9 +146,11 @@ class StepTimers:
     def _report(self, global_step: int) -> None:
         steps = self._window_steps
         report = {k: v / steps for k, v in self._window.items()}
-        for name in (*PHASES, "iteration"):
+        for name in (*PHASES, "iteration", "intra_machine", "inter_machine"):
             report.setdefault(f"{name}_ms", 0.0)
-        report["sent_bytes"] = sum(v for k, v in report.items() if k.endswith("_bytes"))
+        report["sent_bytes"] = sum(
+            v for k, v in report.items() if k.endswith("_bytes") and "_machine" not in k
+        )
         self.last_report = report
         self._window.clear()
         self._window_steps = 0
