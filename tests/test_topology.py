@@ -30,15 +30,30 @@ REPO = Path(__file__).resolve().parents[1]
     [
         ({}, 8),  # no launcher word: one machine
         ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1", "GROUP_RANK": "1"}, 4),
-        ({"SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "2"}, 2),
-        ({"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_LOCALID": "1"}, 4),
-        ({"SLURM_TASKS_PER_NODE": "4,4"}, 4),
+        (
+            {
+                "SLURM_NTASKS_PER_NODE": "2",
+                "SLURM_LOCALID": "1",
+                "SLURM_NODEID": "2",
+                "SLURM_NTASKS": "8",
+            },
+            2,
+        ),
+        ({"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8"}, 4),
+        ({"SLURM_TASKS_PER_NODE": "4,4", "SLURM_NTASKS": "8"}, 4),
+        # SLURM's allocation but ranks it did not start (torchrun would set LOCAL_WORLD_SIZE)
+        ({"SLURM_NTASKS_PER_NODE": "3", "SLURM_NTASKS": "6"}, 8),
     ],
 )
 def test_ranks_per_machine_come_from_the_launcher(env: dict[str, str], per: int) -> None:
     topology = Topology.detect(8, 5, env=env)
     assert topology.ranks_per_machine == per
     assert topology.machine_of(5) == 5 // per
+
+
+def test_a_single_process_is_one_machine_whatever_the_allocation() -> None:
+    env = {"SLURM_NTASKS_PER_NODE": "4", "SLURM_NTASKS": "8", "LOCAL_WORLD_SIZE": "4"}
+    assert Topology.detect(1, 0, env=env) == Topology(1, 1)
 
 
 def test_the_config_overrides_the_launcher() -> None:
@@ -51,7 +66,7 @@ def test_the_config_overrides_the_launcher() -> None:
     [
         ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "2"}, None, r"rank 5 is on local rank 2"),
         ({"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}, None, r"rank 5 is on machine 0"),
-        ({"SLURM_TASKS_PER_NODE": "4,2(x2)"}, None, r"different number of ranks"),
+        ({"SLURM_TASKS_PER_NODE": "4,2(x2)", "SLURM_NTASKS": "8"}, None, r"different number"),
         ({}, 3, r"8 ranks do not split into machines of 3 .*1, 2, 4, 8"),
     ],
 )
@@ -177,10 +192,22 @@ def test_two_torchrun_agents_on_one_host_are_two_machines(tmp_path: Path) -> Non
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-             "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}",
-             str(script)],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(script),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for node in (0, 1)
     ]

@@ -9,7 +9,8 @@ In order, the first that is set:
    machine started; ``torchrun --nnodes=2 --nproc-per-node=2`` with two agents on one host
    simulates two machines);
 3. SLURM's ``SLURM_NTASKS_PER_NODE``, or the first count of ``SLURM_TASKS_PER_NODE``
-   (``"4(x2)"``);
+   (``"4(x2)"``), when SLURM started the ranks (``SLURM_NTASKS`` is the world size: a single
+   process inside an allocation of many tasks is one machine);
 4. otherwise every rank is on one machine.
 
 Ranks are taken to be numbered machine by machine, as torchrun and SLURM's block
@@ -80,7 +81,9 @@ class Topology:
         env = os.environ if env is None else env
         if override is not None:
             return Topology(world, int(override))
-        per, source = _from_launcher(env)
+        if world == 1:
+            return Topology(1, 1)
+        per, source = _from_launcher(env, world)
         if per is None:
             return Topology(world, world)
         topology = Topology(world, per)
@@ -88,9 +91,11 @@ class Topology:
         return topology
 
 
-def _from_launcher(env: Mapping[str, str]) -> tuple[int | None, str]:
+def _from_launcher(env: Mapping[str, str], world: int) -> tuple[int | None, str]:
     if env.get("LOCAL_WORLD_SIZE"):
         return int(env["LOCAL_WORLD_SIZE"]), "LOCAL_WORLD_SIZE"
+    if env.get("SLURM_NTASKS") != str(world):
+        return None, ""  # SLURM did not start these ranks (or there is no SLURM)
     if env.get("SLURM_NTASKS_PER_NODE"):
         return int(env["SLURM_NTASKS_PER_NODE"]), "SLURM_NTASKS_PER_NODE"
     tasks = env.get("SLURM_TASKS_PER_NODE")
