@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "add_link_bytes", "init_process_group_from_env", "Work"]
+__all__ = ["Comm", "init_process_group_from_env", "Work"]
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -95,6 +95,12 @@ class Comm:
     # see core/timers.py: (kind, seconds blocked, link)
     wait_timer: Callable[[str, float, str], None] | None = None
     link: str = "intra"  # "inter" for a group spanning machines (see the module note)
+    # bytes per link: since the last take_links(), and never reset
+    link_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    link_total: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # a level of a hierarchical collective (core/hierarchical.py): its counts and blocked
+    # time are the parent's too, under this level's link
+    parent: Comm | None = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
 
     @property
@@ -120,23 +126,35 @@ class Comm:
         tensor-parallel layers exchange activations through DTensor's own collectives)."""
         self._count(kind, nbytes)
 
-    def _count(self, kind: str, nbytes: float) -> None:
+    def _count(self, kind: str, nbytes: float, link: str | None = None) -> None:
+        link = link or self.link
         self.sent_bytes[kind] += int(nbytes)
         self.sent_total[kind] += int(nbytes)
         self.calls[kind] += 1
+        self.link_bytes[link] += int(nbytes)
+        self.link_total[link] += int(nbytes)
+        if self.parent is not None:
+            self.parent._count(kind, nbytes, link)
 
     def _work(self, handle: object | None, kind: str, async_op: bool, start: float) -> Work:
         """Wrap a collective's handle; a synchronous one under a timer reports its time."""
-        if self.wait_timer is None:
+        if not self.timed:
             return Work(handle)
         if not async_op:
             self._timed(kind, time.perf_counter() - start)
             return Work(None)
         return Work(handle, kind, self._timed)
 
-    def _timed(self, kind: str, seconds: float) -> None:
-        if self.wait_timer is not None:
-            self.wait_timer(kind, seconds, self.link)
+    def _timed(self, kind: str, seconds: float, link: str | None = None) -> None:
+        if self.parent is not None:
+            self.parent._timed(kind, seconds, link or self.link)
+        elif self.wait_timer is not None:
+            self.wait_timer(kind, seconds, link or self.link)
+
+    @property
+    def timed(self) -> bool:
+        """Whether blocked time is recorded (here or by the parent)."""
+        return self.wait_timer is not None or (self.parent is not None and self.parent.timed)
 
     def take_report(self) -> dict[str, int]:
         """Bytes sent per collective kind since the previous call, then reset."""
@@ -145,6 +163,13 @@ class Comm:
         self.sent_bytes.clear()
         self.calls.clear()
         return report
+
+    def take_links(self) -> dict[str, int]:
+        """``intra_machine`` / ``inter_machine``: bytes sent since the previous call by the
+        link of the group they went on, then reset."""
+        links = {f"{k}_machine": self.link_bytes.get(k, 0) for k in ("intra", "inter")}
+        self.link_bytes.clear()
+        return links
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -186,7 +211,7 @@ class Comm:
         def add_up() -> None:
             torch.sum(recv.view(n, -1), 0, out=out)
 
-        timer = self._timed if self.wait_timer is not None else None
+        timer = self._timed if self.timed else None
         return self._settle(
             Work(handle, "reduce_scatter", timer, then=add_up, scratch=recv), async_op
         )
@@ -219,7 +244,7 @@ class Comm:
             dist.broadcast(chunks[r], src=self._global(r), group=self.group, async_op=True)
             for r in range(n)
         ]
-        timer = self._timed if self.wait_timer is not None else None
+        timer = self._timed if self.timed else None
         return self._settle(Work(handles, kind, timer), async_op)
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, kind: str = "all_to_all") -> None:
@@ -317,14 +342,6 @@ class Comm:
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return Comm(group, link=self.link)
-
-
-def add_link_bytes(report: dict[str, int], comm: Comm, nbytes: int) -> None:
-    """File ``nbytes`` that ``comm`` sent under its link in a ``comm_report()``
-    (``intra_machine`` / ``inter_machine``, both always present)."""
-    report.setdefault("intra_machine", 0)
-    report.setdefault("inter_machine", 0)
-    report[f"{comm.link}_machine"] += nbytes
 
 
 def init_process_group_from_env(timeout_s: float | None = None) -> bool:

@@ -21,7 +21,7 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
 from .checkpoint.weights_file import write_weights
-from .collectives import Comm, add_link_bytes, init_process_group_from_env
+from .collectives import Comm, init_process_group_from_env
 from .compression.onebit_reduce import OneBitReduction
 from .compression.topk_reduce import TopKReduction
 from .compression.zeroone_reduce import ZeroOneReduction
@@ -696,12 +696,13 @@ class ZeroEngine(nn.Module):
         ``inter_machine`` split ``total`` by the link of the group each was sent on (a group
         with ranks on several machines is ``inter``, see ``core/topology.py``)."""
         report = self.comm.take_report()
-        add_link_bytes(report, self.comm, report["total"])
+        report.update(self.comm.take_links())
         if self.tensor_parallel is not None:
-            tp = self.tensor_parallel.comm.take_report()
-            tp_total = tp.pop("total")
-            report["total"] += tp_total
-            add_link_bytes(report, self.tensor_parallel.comm, tp_total)
+            comm = self.tensor_parallel.comm
+            tp = comm.take_report()
+            report["total"] += tp.pop("total")
+            for link, n in comm.take_links().items():
+                report[link] += n
             report.update({f"tp_{k}": v for k, v in tp.items()})
         return report
 

@@ -113,16 +113,12 @@ class StepTimers:
         self._step_times[f"{link}_machine"] += seconds
 
     def _bytes_delta(self) -> dict[str, int]:
+        """This step's bytes per kind and (``<link>_machine``) per link."""
         total = dict(self.comm.sent_total)
+        total.update({f"{k}_machine": v for k, v in self.comm.link_total.items()})
         delta = {k: v - self._bytes_seen.get(k, 0) for k, v in total.items()}
         self._bytes_seen = total
         return delta
-
-    def _link_bytes(self, delta: dict[str, int]) -> dict[str, int]:
-        """This step's bytes by link: all of the engine's group's go under its link."""
-        links = {"intra_machine": 0, "inter_machine": 0}
-        links[f"{self.comm.link}_machine"] = sum(delta.values())
-        return links
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -133,11 +129,8 @@ class StepTimers:
         self._last_boundary = now
         for name, seconds in self._step_times.items():
             self._window[f"{name}_ms"] += seconds * 1e3
-        delta = self._bytes_delta()
-        for kind, n in delta.items():
+        for kind, n in self._bytes_delta().items():
             self._window[f"{kind}_bytes"] += n
-        for link, n in self._link_bytes(delta).items():
-            self._window[f"{link}_bytes"] += n
         self._step_times.clear()
         self._window_steps += 1
         if global_step % self.steps_per_print == 0:

@@ -36,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ...config import ZeroConfig, load_config
 from ..checkpoint.weights_file import write_weights
-from ..collectives import Comm, add_link_bytes, init_process_group_from_env
+from ..collectives import Comm, init_process_group_from_env
 from ..engine import ZeroEngine
 from ..faults import together
 from ..precision.policy import PrecisionPolicy
@@ -340,9 +340,9 @@ class PipelineEngine:
         sent to the neighbouring stages, the rest the small norm and loss reductions."""
         report = self.engine.comm_report()
         pp = self._pp.take_report()
-        pp_total = pp.pop("total")
-        report["total"] += pp_total
-        add_link_bytes(report, self._pp, pp_total)
+        report["total"] += pp.pop("total")
+        for link, n in self._pp.take_links().items():
+            report[link] += n
         report.update({f"pp_{k}": v for k, v in pp.items()})
         return report
 
