@@ -389,12 +389,15 @@ class TopologyConfig:
     tasks per node); ``None`` takes the launcher's word, or one machine without one. Setting
     it on one machine simulates several: collectives among ranks of different "machines"
     are then counted as inter-machine (``comm_report()``'s ``inter_machine``).
+    ``hierarchical`` runs ZeRO's reduce-scatters, all-gathers and all-reduces in two levels,
+    inside each machine first, then across machines among ranks with the same local rank.
 
     >>> TopologyConfig().ranks_per_machine is None
     True
     """
 
     ranks_per_machine: Any = leaf(int, None, ge=1)
+    hierarchical: Any = leaf(bool, False)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from .compression.topk_reduce import TopKReduction
 from .compression.zeroone_reduce import ZeroOneReduction
 from .faults import together
 from .fingerprint import check_ranks_agree
+from .hierarchical import HierarchicalComm
 from .mesh import ParallelMesh
 from .offload import Offload, check_offload_config
 from .optim.onebit import CompressedExchange, MomentumCompressed
@@ -117,6 +118,8 @@ class ZeroEngine(nn.Module):
             self.comm = Comm(self.mesh.group("dp"))
         for comm in self._comms():
             comm.link = self.topology.link(comm.global_ranks())
+        if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
+            self.comm = HierarchicalComm.build(self.comm.group, self.topology)
         with together(self.comm):
             self._check_supported()
             self.module = model

@@ -1,0 +1,128 @@
+"""Two-level collectives for a group that spans machines: inside each machine first, then
+across machines among the peers with the same place on theirs.
+
+[Note: the two levels of a reduce-scatter]
+A group of ``N = M x L`` ranks, ``L`` on each of ``M`` machines, numbered machine by machine
+(group rank ``m * L + l``). Flat ZeRO gives group rank ``r`` chunk ``r`` of every flat
+buffer. Viewing the buffer as ``(M, L, c)``, rank ``(m, l)`` owns block ``[m, l]``. The
+reduce-scatter first reorders it to ``(L, M, c)`` and reduce-scatters that over the machine's
+``L`` ranks: local rank ``l`` receives the machine's sum of the blocks ``[:, l]``. Those ``M``
+blocks are then reduce-scattered over the ``M`` ranks with local rank ``l`` (one per
+machine): machine ``m``'s receives block ``[m, l]`` summed over every rank, exactly its flat
+shard (the sum in another order: equal to float rounding). What crosses machines is
+``(M-1)/M`` of ``1/L`` of the buffer per rank, against ``(N-1)/N`` of all of it flat.
+The all-gather is the same two steps in reverse (across machines, then inside). An
+all-reduce is a reduce-scatter inside the machine, an all-reduce of the ``1/L`` piece across
+machines and an all-gather inside (small ones, flags and norms: an all-reduce at each level).
+
+Each level is its own ``Comm`` whose parent is this one, so ``comm_report()`` files the
+machine-internal bytes as ``intra_machine`` and the rest as ``inter_machine``. The two levels
+run one after the other: an asynchronous call here completes before it returns (the
+overlap of reductions with backward is traded for the smaller crossing traffic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Comm, Work
+from .topology import Topology
+
+__all__ = ["HierarchicalComm"]
+
+# an all-reduce of at least this many elements (and divisible by the ranks per machine) sends
+# only 1/L of itself across machines (see the note); smaller ones go whole at both levels
+_SPLIT_AT = 1024
+
+
+@dataclass
+class HierarchicalComm(Comm):
+    """A ``Comm`` over ``group`` whose reduce-scatter, all-gather and all-reduce go in two
+    levels (see the note); everything else runs flat over the whole group."""
+
+    intra: Comm = field(default_factory=Comm)
+    inter: Comm = field(default_factory=Comm)
+    machines: int = 1
+
+    @staticmethod
+    def build(group: dist.ProcessGroup | None, topology: Topology) -> Comm:
+        """The two-level ``Comm`` over ``group``, or a plain one when the group lies within
+        one machine or on one rank per machine (one level would be all there is).
+        Collective over the group's members."""
+        flat = Comm(group)
+        ranks = flat.global_ranks()
+        by_machine: dict[int, list[int]] = {}
+        for r in ranks:
+            by_machine.setdefault(topology.machine_of(r), []).append(r)
+        sizes = {len(v) for v in by_machine.values()}
+        if len(by_machine) == 1 or sizes == {1}:
+            flat.link = topology.link(ranks)
+            return flat
+        if len(sizes) > 1 or ranks != sorted(ranks):
+            raise ValueError(
+                f"hierarchical collectives: the group of ranks {ranks} has "
+                f"{sorted(len(v) for v in by_machine.values())} ranks on its machines; they "
+                "need the same number on each, numbered machine by machine"
+            )
+        per = sizes.pop()
+        me = ranks[flat.rank]
+        mine = by_machine[topology.machine_of(me)]
+        local = mine.index(me)
+        peers = [v[local] for _, v in sorted(by_machine.items())]
+        comm = HierarchicalComm(group, link="inter", machines=len(by_machine))
+        comm.intra = Comm(_subgroup(mine), link="intra", parent=comm)
+        comm.inter = Comm(_subgroup(peers), link="inter", parent=comm)
+        assert comm.intra.world_size == per
+        return comm
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
+        m, per = self.machines, self.intra.world_size
+        blocks = full.view(m, per, -1).transpose(0, 1).contiguous()  # (L, M, c)
+        mid = full.new_empty(m * out.numel())
+        self.intra.reduce_scatter(mid, blocks.view(-1))
+        self.inter.reduce_scatter(out, mid)
+        return Work(None)
+
+    def all_gather(
+        self,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        async_op: bool = False,
+        kind: str = "all_gather",
+    ) -> Work:
+        m, per = self.machines, self.intra.world_size
+        mid = shard.new_empty(m * shard.numel())
+        self.inter.all_gather(mid, shard, kind=kind)
+        blocks = shard.new_empty(per * mid.numel())
+        self.intra.all_gather(blocks, mid, kind=kind)
+        full.view(m, per, -1).copy_(blocks.view(per, m, -1).transpose(0, 1))
+        return Work(None)
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: str = "sum",
+        async_op: bool = False,
+        kind: str = "all_reduce",
+    ) -> Work:
+        per = self.intra.world_size
+        flat = tensor.view(-1) if tensor.is_contiguous() else None
+        if op != "sum" or flat is None or flat.numel() % per or flat.numel() < _SPLIT_AT:
+            # small (a flag, a norm) or not divisible: all of it at both levels
+            self.intra.all_reduce(tensor, op=op, kind=kind)
+            self.inter.all_reduce(tensor, op=op, kind=kind)
+            return Work(None)
+        # reduce-scatter inside the machine, all-reduce the 1/L piece across, all-gather inside
+        piece = flat.new_empty(flat.numel() // per)
+        self.intra.reduce_scatter(piece, flat)
+        self.inter.all_reduce(piece, kind=kind)
+        self.intra.all_gather(flat, piece, kind=kind)
+        return Work(None)
+
+
+def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
+    """A group over ``ranks``, made by its members only."""
+    return dist.new_group(ranks, use_local_synchronization=True)
