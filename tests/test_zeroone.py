@@ -225,3 +225,18 @@ def test_stages_above_zero_are_refused_naming_the_fix(stage: int) -> None:
     with pytest.raises(ValueError, match=f"stage {stage}") as info:
         ds_strategy.initialize(model, opt, {"zero_optimization": {"stage": stage}})
     assert "ZeroOneAdam" in str(info.value) and "use stage 0" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"var_freeze_step": -1}, "var_freeze_step=-1 must be an integer >= 0"),
+        ({"local_step_clipper": 0}, "local_step_clipper=0 must be an integer >= 1"),
+        ({"var_update_scaler": 2.5}, "var_update_scaler=2.5 must be an integer"),
+        ({"amsgrad": True}, "amsgrad=True is not supported"),
+        ({"max_grad_norm": 1.0}, "set the config's gradient_clipping instead"),
+    ],
+)
+def test_bad_arguments_name_the_key(kwargs: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        ZeroOneAdam([torch.nn.Parameter(torch.ones(2))], **kwargs)

@@ -76,9 +76,12 @@ class MomentumCompressed(CompressedExchange):
         return given
 
 
-def _check_onebit(name: str, freeze_step: int, amsgrad: bool, max_grad_norm: float) -> None:
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
-        raise ValueError(f"{name}: freeze_step={freeze_step!r} must be an integer >= 0")
+def check_onebit(name: str, freeze: tuple[str, int], amsgrad: bool, max_grad_norm: float) -> None:
+    """What the 1-bit optimizers refuse alike; ``freeze`` is (key, value) of their freeze
+    step."""
+    key, step = freeze
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{name}: {key}={step!r} must be an integer >= 0")
     if amsgrad:
         raise ValueError(f"{name}: amsgrad=True is not supported (nor by DeepSpeed's {name})")
     if max_grad_norm:
@@ -138,7 +141,7 @@ class OneBitAdam(MomentumCompressed, torch.optim.Optimizer):
         comm_backend_name: str = "nccl",
     ) -> None:
         check_moments("OneBitAdam", lr, eps, weight_decay, betas)
-        _check_onebit("OneBitAdam", freeze_step, amsgrad, max_grad_norm)
+        check_onebit("OneBitAdam", ("freeze_step", freeze_step), amsgrad, max_grad_norm)
         defaults = dict(
             lr=lr,
             freeze_step=freeze_step,
@@ -231,7 +234,7 @@ class OneBitLamb(MomentumCompressed, Lamb):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
     ) -> None:
-        _check_onebit("OneBitLamb", freeze_step, amsgrad, max_grad_norm)
+        check_onebit("OneBitLamb", ("freeze_step", freeze_step), amsgrad, max_grad_norm)
         if not 0.0 <= coeff_beta < 1.0:
             raise ValueError(f"OneBitLamb: coeff_beta={coeff_beta} must be in [0, 1)")
         if not 0.0 < factor_min <= factor_max or factor_threshold < 0:

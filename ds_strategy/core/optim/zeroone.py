@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from .adam import advance_moments, check_moments
-from .onebit import CompressedExchange
+from .onebit import CompressedExchange, check_onebit
 
 __all__ = ["ZeroOneAdam", "zero_one_kind"]
 
@@ -78,11 +78,6 @@ def zero_one_kind(
     return "sync" if n % interval == 0 else "local"
 
 
-def _positive_int(name: str, key: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name}: {key}={value!r} must be an integer >= {least}")
-
-
 class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
     """0/1 Adam: variance updates on exponentially rarer steps with 1-bit averaged gradients
     between them, then frozen variance and local steps with 1-bit synchronisation (module
@@ -120,20 +115,14 @@ class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
     ) -> None:
         name = "ZeroOneAdam"
         check_moments(name, lr, eps, weight_decay, betas)
-        _positive_int(name, "var_freeze_step", var_freeze_step, 0)
+        check_onebit(name, ("var_freeze_step", var_freeze_step), amsgrad, max_grad_norm)
         for key, value in (
             ("var_update_scaler", var_update_scaler),
             ("local_step_scaler", local_step_scaler),
             ("local_step_clipper", local_step_clipper),
         ):
-            _positive_int(name, key, value, 1)
-        if amsgrad:
-            raise ValueError(f"{name}: amsgrad=True is not supported (nor by DeepSpeed's)")
-        if max_grad_norm:
-            raise ValueError(
-                f"{name}: max_grad_norm={max_grad_norm} is not applied by the optimizer; set the "
-                "config's gradient_clipping instead"
-            )
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {key}={value!r} must be an integer >= 1")
         if bias_correction:
             log.warning(
                 "ZeroOneAdam: bias_correction=True is ignored; 0/1 Adam applies no bias "
