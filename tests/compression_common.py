@@ -45,10 +45,12 @@ def corpus_losses(
     optimizer: str | dict[str, Any],
     stage: int = 1,
     clip: float = 1.0,
+    zero: dict[str, Any] | None = None,
 ) -> list[float]:
     """The demo GPT on the README's characters (the recipes' corpus), 8 sequences a step
     over the ranks, ZeRO ``stage``, ``gradient_clipping`` ``clip``; the mean loss of each of the last 20 of 300 steps.
-    ``optimizer``: ``"sgd"`` (momentum 0.9), ``"adamw"``, or a config ``optimizer`` section."""
+    ``optimizer``: ``"sgd"`` (momentum 0.9), ``"adamw"``, or a config ``optimizer`` section;
+    ``zero``: more ``zero_optimization`` keys."""
     from ds_strategy.demos.gpt import GPT, GPTConfig
     from recipes.data import CharCorpus
 
@@ -56,7 +58,7 @@ def corpus_losses(
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=corpus.vocab, d=32, layers=2, heads=4, seq=32))
     config: dict[str, Any] = {
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero or {})},
         "gradient_clipping": clip,
         "gradient_compression": gc,
     }

@@ -211,6 +211,8 @@ class ZeroOptimizationConfig:
     stage3_param_persistence_threshold: Any = leaf(
         int, 100_000, ge=0, aliases=("param_persistence_threshold",)
     )
+    # ZeRO++ qwZ: stage 3's parameter all-gathers in block-quantized int8 (a no-op below 3)
+    zero_quantized_weights: Any = leaf(bool, False)
     offload_optimizer: OffloadConfig = section(_optimizer_offload_defaults)
     offload_param: OffloadConfig = section(OffloadConfig)
 
@@ -581,7 +583,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         **_ignored(
             "a ZeRO-Infinity / ZeRO++ / MiCS tuning knob not implemented here",
             "sub_group_size round_robin_gradients zero_hpz_partition_size "
-            "zero_quantized_weights zero_quantized_nontrainable_weights "
+            "zero_quantized_nontrainable_weights "
             "zero_quantized_gradients zeropp_loco_param mics_shard_size "
             "mics_hierarchical_params_gather zenflow use_multi_rank_bucket_allreduce "
             "stage3_model_persistence_threshold model_persistence_threshold "

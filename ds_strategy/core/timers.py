@@ -47,6 +47,7 @@ WAIT_KIND = {
     "all_reduce": "reduce",
     "reduce_scatter": "reduce",
     "all_gather": "gather",
+    "qwz": "gather",  # ZeRO++'s quantized parameter all-gathers
     "broadcast": "gather",
 }
 Sink = Callable[[dict[str, float], int], None]

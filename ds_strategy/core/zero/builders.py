@@ -312,6 +312,7 @@ def _build_stage3(
                 g.load_from_params()
         for g in groups:
             g.broadcast_and_bind()
+            g.quantized_gather = bool(zc.zero_quantized_weights)  # ZeRO++ qwZ
         units.append(Unit(module, groups, index))
         all_groups.extend(groups)
     persistent = [replaced.get(id(p), p) for p in plan.persistent]

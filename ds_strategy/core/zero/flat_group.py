@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..collectives import Comm, Work
+from ..compression.quantize import quantized_all_gather
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from .inflight import Fold, Gather, Reduction
@@ -110,6 +111,9 @@ class FlatParamGroup:
         self._gather: Gather | None = None
         # where transient buffers are counted (the plan shares one meter among its groups)
         self.meter = ModelStateMeter()
+        # ZeRO++ qwZ (stage 3): gathers send int8 blocks (core/compression/quantize.py)
+        self.quantized_gather = False
+        self._gather_scratch = 0
         if not policy.shard_params:
             self.shard = self._full[lo:hi]
         else:
@@ -211,7 +215,12 @@ class FlatParamGroup:
         self._full.untyped_storage().resize_(self._full_nbytes)
         self.meter.alloc(self._full_nbytes)
         src = self.shard if self.param_store is None else self.param_store.for_gather()
-        self._gather = Gather(self.comm.all_gather(self._full, src, async_op=async_op), src)
+        if self.quantized_gather:
+            work, self._gather_scratch = quantized_all_gather(self.comm, self._full, src, async_op)
+            self.meter.alloc(self._gather_scratch)
+        else:
+            work = self.comm.all_gather(self._full, src, async_op=async_op)
+        self._gather = Gather(work, src)
         self.state = ShardState.GATHERING
 
     def wait_gathered(self) -> None:
@@ -219,6 +228,8 @@ class FlatParamGroup:
             assert self._gather is not None
             self._gather.complete()
             self._gather = None
+            self.meter.free(self._gather_scratch)
+            self._gather_scratch = 0
             if self.param_store is not None:
                 self.param_store.after_gather()
             self._bind_params()
