@@ -213,6 +213,8 @@ class ZeroOptimizationConfig:
     )
     # ZeRO++ qwZ: stage 3's parameter all-gathers in block-quantized int8 (a no-op below 3)
     zero_quantized_weights: Any = leaf(bool, False)
+    # ZeRO++ hpZ: a secondary copy of stage 3's parameters over this many ranks (1: off)
+    zero_hpz_partition_size: Any = leaf(int, 1, ge=1)
     offload_optimizer: OffloadConfig = section(_optimizer_offload_defaults)
     offload_param: OffloadConfig = section(OffloadConfig)
 
@@ -582,7 +584,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
     "zero_optimization": {
         **_ignored(
             "a ZeRO-Infinity / ZeRO++ / MiCS tuning knob not implemented here",
-            "sub_group_size round_robin_gradients zero_hpz_partition_size "
+            "sub_group_size round_robin_gradients "
             "zero_quantized_nontrainable_weights "
             "zero_quantized_gradients zeropp_loco_param mics_shard_size "
             "mics_hierarchical_params_gather zenflow use_multi_rank_bucket_allreduce "

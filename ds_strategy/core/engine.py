@@ -158,6 +158,9 @@ class ZeroEngine(nn.Module):
             param_init_fn=param_init_fn,
             precision=self.precision,
         )
+        for comm in {id(g.secondary_comm): g.secondary_comm for g in self.plan.groups}.values():
+            if comm is not None:  # ZeRO++ hpZ's group
+                comm.link = self.topology.link(comm.global_ranks())
         with together(self.comm):
             # offloaded masters move before the optimizer is built over them
             self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)

@@ -70,6 +70,7 @@ class ShardingPlan:
         if self.stage3 is not None:
             self.stage3.release_all()  # a unit kept gathered by a forward without backward
         for g in self.groups:
+            g.drop_secondary()  # hpZ: the shards are about to change
             g.sync_from_master()
         for g in reversed(self.groups):  # groups are in backward order; gather in forward order
             if not g.policy.shard_params and g.policy.shard_optimizer:
@@ -82,6 +83,7 @@ class ShardingPlan:
         if self.stage3 is not None:
             self.stage3.release_all()
         for g in self.groups:
+            g.drop_secondary()
             g.sync_from_master()
         for g in self.groups:
             if not g.policy.shard_params and g.policy.shard_optimizer:
@@ -156,6 +158,25 @@ class ShardingPlan:
             elem = max((g.shard.element_size() for g in self.groups), default=4)
             peak = self.stage3.peak_live_numel * elem
         return {"params": params, "grads": grads, "peak_gathered_params": peak}
+
+
+def hpz_comm(comm: Comm, size: int) -> Comm | None:
+    """ZeRO++ hpZ's group: this rank and the ``size - 1`` ranks after or before it that share
+    its block of ``size`` consecutive group ranks (one machine, when ``size`` is the ranks per
+    machine). ``None`` for ``size`` 1 or the whole group (nothing to save). Collective."""
+    world = comm.world_size
+    if size == 1 or size >= world and world % size == 0:
+        return None
+    if world % size:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size={size} does not divide the "
+            f"{world} data-parallel ranks; use a divisor (usually the ranks per machine)"
+        )
+    ranks = comm.global_ranks()
+    start = comm.rank // size * size
+    mine = ranks[start : start + size]
+    group = torch.distributed.new_group(mine, use_local_synchronization=True)
+    return Comm(group, parent=comm)  # the engine sets its link from the topology
 
 
 def group_numel(config: ZeroConfig, comm: Comm) -> int:
@@ -294,6 +315,7 @@ def _build_stage3(
     precision: PrecisionPolicy,
 ) -> ShardingPlan:
     zc = config.zero_optimization
+    secondary = hpz_comm(comm, int(zc.zero_hpz_partition_size))
     plan = plan_units(model, int(zc.stage3_param_persistence_threshold))
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}
@@ -313,6 +335,7 @@ def _build_stage3(
         for g in groups:
             g.broadcast_and_bind()
             g.quantized_gather = bool(zc.zero_quantized_weights)  # ZeRO++ qwZ
+            g.secondary_comm = secondary  # ZeRO++ hpZ
         units.append(Unit(module, groups, index))
         all_groups.extend(groups)
     persistent = [replaced.get(id(p), p) for p in plan.persistent]

@@ -114,6 +114,9 @@ class FlatParamGroup:
         # ZeRO++ qwZ (stage 3): gathers send int8 blocks (core/compression/quantize.py)
         self.quantized_gather = False
         self._gather_scratch = 0
+        # ZeRO++ hpZ (stage 3): see [Note: hpZ's secondary shard]
+        self.secondary_comm: Comm | None = None
+        self._secondary: torch.Tensor | None = None
         if not policy.shard_params:
             self.shard = self._full[lo:hi]
         else:
@@ -209,13 +212,25 @@ class FlatParamGroup:
 
     # -- stage 3 gather / release ---------------------------------------------------------------
 
+    # [Note: hpZ's secondary shard]
+    # With ``zero_hpz_partition_size`` P, the first release after a gather from the primary
+    # shards (the forward's, over every rank) keeps this rank's 1/P of the full parameters:
+    # its secondary shard, shared with the P ranks of its machine. Until the shards change
+    # (the optimizer step, a checkpoint load: ``drop_secondary``) every gather, the
+    # backward's and the next micro-batch's forward, all-gathers the secondary shards inside
+    # the machine instead. They hold exactly the values the first gather produced (with qwZ,
+    # the rounded ones), so backward computes with the forward's weights.
+
     def gather(self, async_op: bool = True) -> None:
         if self.state is not ShardState.SHARDED:
             return
         self._full.untyped_storage().resize_(self._full_nbytes)
         self.meter.alloc(self._full_nbytes)
         src = self.shard if self.param_store is None else self.param_store.for_gather()
-        if self.quantized_gather:
+        if self._secondary is not None and self.secondary_comm is not None:
+            src = self._secondary
+            work = self.secondary_comm.all_gather(self._full, src, async_op=async_op)
+        elif self.quantized_gather:
             work, self._gather_scratch = quantized_all_gather(self.comm, self._full, src, async_op)
             self.meter.alloc(self._gather_scratch)
         else:
@@ -242,6 +257,10 @@ class FlatParamGroup:
             return
         if self.state is ShardState.GATHERING:
             self.wait_gathered()
+        if self.secondary_comm is not None and self._secondary is None:
+            parts = self._full.view(self.secondary_comm.world_size, -1)
+            self._secondary = parts[self.secondary_comm.rank].clone()
+            self.meter.alloc(_nbytes(self._secondary))
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
@@ -531,10 +550,18 @@ class FlatParamGroup:
         slot = self.layout.slots[index]
         return self._full[slot.offset : slot.offset + slot.numel].view(self.shapes[index])
 
+    def drop_secondary(self) -> None:
+        """The shards changed: the hpZ secondary shard is stale (see the note)."""
+        if self._secondary is not None:
+            self.meter.free(_nbytes(self._secondary))
+            self._secondary = None
+
     def resident_bytes(self) -> dict[str, int]:
         param = self._full_nbytes if not self.policy.shard_params else 0
         if self.policy.shard_params:
             param += self.shard.untyped_storage().nbytes()
+        if self._secondary is not None:  # hpZ's copy, kept from a forward to the step
+            param += _nbytes(self._secondary)
         if self.master is not None:
             param += self.master.untyped_storage().nbytes()
         grad = 0
