@@ -46,11 +46,12 @@ def corpus_losses(
     stage: int = 1,
     clip: float = 1.0,
     zero: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> list[float]:
     """The demo GPT on the README's characters (the recipes' corpus), 8 sequences a step
     over the ranks, ZeRO ``stage``, ``gradient_clipping`` ``clip``; the mean loss of each of the last 20 of 300 steps.
     ``optimizer``: ``"sgd"`` (momentum 0.9), ``"adamw"``, or a config ``optimizer`` section;
-    ``zero``: more ``zero_optimization`` keys."""
+    ``zero``: more ``zero_optimization`` keys; ``extra``: more top-level sections."""
     from ds_strategy.demos.gpt import GPT, GPTConfig
     from recipes.data import CharCorpus
 
@@ -61,6 +62,7 @@ def corpus_losses(
         "zero_optimization": {"stage": stage, **(zero or {})},
         "gradient_clipping": clip,
         "gradient_compression": gc,
+        **(extra or {}),
     }
     opt: torch.optim.Optimizer | None = None
     if optimizer == "sgd":

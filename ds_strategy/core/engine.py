@@ -158,9 +158,7 @@ class ZeroEngine(nn.Module):
             param_init_fn=param_init_fn,
             precision=self.precision,
         )
-        for comm in {id(g.secondary_comm): g.secondary_comm for g in self.plan.groups}.values():
-            if comm is not None:  # ZeRO++ hpZ's group
-                comm.link = self.topology.link(comm.global_ranks())
+        self._link_zero_plus_plus()
         with together(self.comm):
             # offloaded masters move before the optimizer is built over them
             self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)
@@ -711,6 +709,22 @@ class ZeroEngine(nn.Module):
                 report[link] += n
             report.update({f"tp_{k}": v for k, v in tp.items()})
         return report
+
+    def _link_zero_plus_plus(self) -> None:
+        """ZeRO++'s groups: hpZ's link from the topology; qgZ's reduce-scatters two-level
+        (inside each machine, then across) whenever the ranks span machines, as DeepSpeed's
+        qgZ is, even without ``topology.hierarchical``. Collective."""
+        for comm in {id(g.secondary_comm): g.secondary_comm for g in self.plan.groups}.values():
+            if comm is not None:
+                comm.link = self.topology.link(comm.global_ranks())
+        quantized = [g for g in self.plan.groups if g.quantized_reduce]
+        if not quantized or isinstance(self.comm, HierarchicalComm):
+            return
+        two = HierarchicalComm.build(self.comm.group, self.topology)
+        if isinstance(two, HierarchicalComm):
+            two.parent = self.comm  # its bytes are the engine's
+            for g in quantized:
+                g.reduce_comm = two
 
     def _comms(self) -> list[Comm]:
         """Every group this engine sends on: data-parallel, checkpoint, tensor-parallel."""

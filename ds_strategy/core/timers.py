@@ -46,6 +46,7 @@ OPTIONAL_PHASES = ("schedule",)
 WAIT_KIND = {
     "all_reduce": "reduce",
     "reduce_scatter": "reduce",
+    "qgz": "reduce",  # ZeRO++'s quantized gradient reduce-scatters
     "all_gather": "gather",
     "qwz": "gather",  # ZeRO++'s quantized parameter all-gathers
     "broadcast": "gather",

@@ -18,7 +18,13 @@ import torch
 
 from ..collectives import Comm, Work
 
-__all__ = ["BLOCK", "block_dequantize", "block_quantize", "quantized_all_gather"]
+__all__ = [
+    "BLOCK",
+    "block_dequantize",
+    "block_quantize",
+    "quantized_all_gather",
+    "quantized_reduce_scatter",
+]
 
 BLOCK = 256
 
@@ -82,3 +88,47 @@ def quantized_all_gather(
         work.wait()
     held = q_all.numel() * q_all.element_size() + s_all.numel() * s_all.element_size()
     return work, held
+
+
+# [Note: qgZ's reduce-scatter]
+# With ``zero_quantized_gradients`` stage 3's gradient reduce-scatter sends int8 blocks too:
+# each rank quantizes the chunk meant for every other rank (blocks of BLOCK, one fp32 scale
+# each), an all-to-all delivers them, and each rank adds up the dequantized chunks it
+# received. Over a two-level ``HierarchicalComm`` this runs inside the machine first (the
+# machine's sum of every machine's blocks, as in its reduce-scatter), then across machines
+# on those sums, re-quantized once. No error is carried to the next step: each rank's part
+# is off by at most half a step of its block's scale at each level, which is the bound the
+# tests check.
+
+
+def _quantized_all_to_all_sum(comm: Comm, rows: torch.Tensor) -> torch.Tensor:
+    """Row ``r`` of ``rows`` (``world x k``) to rank ``r`` as int8 blocks; returns the sum of
+    the dequantized rows this rank received (``k`` values, fp32)."""
+    world, k = rows.shape
+    kp = -(-k // BLOCK) * BLOCK
+    padded = rows.new_zeros(world, kp, dtype=torch.float32)
+    padded[:, :k] = rows
+    q, scales = block_quantize(padded.view(-1))
+    q_in, s_in = torch.empty_like(q), torch.empty_like(scales)
+    comm.all_to_all(q_in, q, kind="qgz")
+    comm.all_to_all(s_in, scales, kind="qgz")
+    values = q_in.view(-1, BLOCK).float() * s_in[:, None]
+    return values.view(world, kp)[:, :k].sum(dim=0)
+
+
+def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor) -> Work:
+    """Sum ``full`` over ``comm``'s ranks, this rank's chunk into ``out``, sent as int8 blocks
+    (see the note); two levels when ``comm`` is hierarchical. Completes before it returns."""
+    from ..hierarchical import HierarchicalComm  # the two-level comm builds on this module's
+
+    if isinstance(comm, HierarchicalComm):
+        m, per = comm.machines, comm.intra.world_size
+        blocks = full.view(m, per, -1).transpose(0, 1).reshape(per, -1)  # (L, M*c)
+        mid = _quantized_all_to_all_sum(comm.intra, blocks)
+        out.copy_(_quantized_all_to_all_sum(comm.inter, mid.view(m, -1)))
+        return Work(None)
+    if comm.world_size == 1:
+        out.copy_(full)
+        return Work(None)
+    out.copy_(_quantized_all_to_all_sum(comm, full.view(comm.world_size, -1)))
+    return Work(None)

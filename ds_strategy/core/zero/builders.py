@@ -336,6 +336,7 @@ def _build_stage3(
             g.broadcast_and_bind()
             g.quantized_gather = bool(zc.zero_quantized_weights)  # ZeRO++ qwZ
             g.secondary_comm = secondary  # ZeRO++ hpZ
+            g.quantized_reduce = bool(zc.zero_quantized_gradients)  # ZeRO++ qgZ
         units.append(Unit(module, groups, index))
         all_groups.extend(groups)
     persistent = [replaced.get(id(p), p) for p in plan.persistent]

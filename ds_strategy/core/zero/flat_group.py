@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..collectives import Comm, Work
-from ..compression.quantize import quantized_all_gather
+from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from .inflight import Fold, Gather, Reduction
@@ -114,6 +114,8 @@ class FlatParamGroup:
         # ZeRO++ qwZ (stage 3): gathers send int8 blocks (core/compression/quantize.py)
         self.quantized_gather = False
         self._gather_scratch = 0
+        self.quantized_reduce = False  # ZeRO++ qgZ (stage 3): reduce-scatters in int8 blocks
+        self.reduce_comm: Comm | None = None  # qgZ's two-level comm, when the engine has one
         # ZeRO++ hpZ (stage 3): see [Note: hpZ's secondary shard]
         self.secondary_comm: Comm | None = None
         self._secondary: torch.Tensor | None = None
@@ -331,7 +333,10 @@ class FlatParamGroup:
             self.meter.alloc(_nbytes(out))
             held += _nbytes(out)
             fold = Fold.ADD if self.policy.shard_grads else Fold.REPLACE
-        work = self.comm.reduce_scatter(out, send, async_op=True)
+        if self.quantized_reduce:
+            work = quantized_reduce_scatter(self.reduce_comm or self.comm, out, send)
+        else:
+            work = self.comm.reduce_scatter(out, send, async_op=True)
         self.meter.alloc(work.scratch_nbytes)  # gloo's receive buffer
         held += work.scratch_nbytes
         return Reduction(self, work, send, out, self.grad_shard, fold, scaling.post, held)
