@@ -16,8 +16,11 @@ NVMe (with host staging buffers not counted). Stage 3 also holds the parameters 
 gathered: the root unit (gathered for the whole forward), the block computing and the
 blocks prefetched (``stage3_prefetch_bucket_size`` elements, which the last block prefetched
 may overshoot, within ``stage3_max_live_parameters``); an upper bound, from the model's
-units when it is known. Activations are the user's to give (``activation_bytes``): they
-depend on batch, sequence length and activation checkpointing, not on the stage.
+units when it is known. ZeRO++'s hpZ (``hpz_partition_size`` P, between 1 and N) adds, from
+a forward to the optimizer step, a secondary copy of the sharded parameters over P ranks:
+``P`` bytes x sharded / P (``hpz_secondary``, counted on the device, not in model state at
+rest). Activations are the user's to give (``activation_bytes``): they depend on batch,
+sequence length and activation checkpointing, not on the stage.
 
 [Note: "cheapest"]
 Candidates are ranked by what they cost in speed, cheapest first: stage 0 (plain data
@@ -128,12 +131,16 @@ def estimate(
     *,
     prefetch_numel: float = DEFAULT_PREFETCH,
     max_live_numel: float = DEFAULT_MAX_LIVE,
+    hpz_partition_size: int = 1,
 ) -> Estimate:
     """Per-rank bytes for one configuration (see the note at the top of this module).
 
     >>> e = estimate(ModelFacts(params=1000), world_size=4, stage=3, precision="fp32")
     >>> e.model_state  # 16 * 1000 / 4
     4000.0
+    >>> estimate(ModelFacts(params=1000), 4, 3, precision="fp32",
+    ...          hpz_partition_size=2).device["hpz_secondary"]  # 4 * 1000 / 2
+    2000.0
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -148,6 +155,10 @@ def estimate(
         )
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if hpz_partition_size < 1 or world_size % hpz_partition_size:
+        raise ValueError(
+            f"hpz_partition_size={hpz_partition_size} must divide the world size {world_size}"
+        )
     p, g, k = PRECISIONS[precision]
     n = world_size
     psi, train = facts.params, facts.n_trainable
@@ -184,6 +195,8 @@ def estimate(
         "gathered": gathered,
         "activations": float(activation_bytes),
     }
+    if stage == 3 and 1 < hpz_partition_size < n:
+        device["hpz_secondary"] = p * sharded / hpz_partition_size
     return Estimate(stage, offload, precision, device, cpu, nvme)
 
 
@@ -192,10 +205,13 @@ def estimate_all(
     world_size: int,
     precisions: tuple[str, ...] = ("fp32", "bf16", "fp16"),
     activation_bytes: float = 0.0,
+    hpz_partition_size: int = 1,
 ) -> list[Estimate]:
     """Every (stage, offload) candidate for each precision, cheapest first."""
     return [
-        estimate(facts, world_size, s, o, prec, activation_bytes)
+        estimate(
+            facts, world_size, s, o, prec, activation_bytes, hpz_partition_size=hpz_partition_size
+        )
         for prec in precisions
         for s, o in CANDIDATES
     ]
@@ -440,6 +456,12 @@ def add_cli_parser(sub: Any) -> None:
         help="the precision to recommend a configuration for (default bf16)",
     )
     e.add_argument(
+        "--hpz-partition-size",
+        type=int,
+        default=1,
+        help="ZeRO++ zero_hpz_partition_size (its secondary stage-3 copy is counted)",
+    )
+    e.add_argument(
         "--persistence-threshold",
         type=float,
         default=DEFAULT_PERSISTENCE_THRESHOLD,
@@ -477,11 +499,18 @@ def run_cli(args: Any) -> int:
         act = parse_bytes(args.activations)
         if args.world_size < 1:
             raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+        if args.hpz_partition_size < 1 or args.world_size % args.hpz_partition_size:
+            raise ValueError(
+                f"--hpz-partition-size {args.hpz_partition_size} must divide --world-size "
+                f"{args.world_size}"
+            )
     except ValueError as err:
         print(f"ds-strategy estimate: {err}", file=sys.stderr)
         return 2
     per_node = args.ranks_per_node or min(args.world_size, 8)
-    estimates = estimate_all(facts, args.world_size, activation_bytes=act)
+    estimates = estimate_all(
+        facts, args.world_size, activation_bytes=act, hpz_partition_size=args.hpz_partition_size
+    )
     unit = (
         f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
         f"{facts.largest_unit / 1e6:.2f}M"

@@ -224,3 +224,20 @@ def test_cli_model_factory_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2 and "cannot import" in capsys.readouterr().err
     rc = cli(["estimate", "--params", "7x", "--world-size", "2"])
     assert rc == 2 and "parameter count" in capsys.readouterr().err
+
+
+def test_hpz_adds_its_secondary_copy_at_stage_3(capsys: pytest.CaptureFixture[str]) -> None:
+    facts = ModelFacts(params=8_000_000)
+    plain = estimate(facts, 16, 3, precision="bf16")
+    hpz = estimate(facts, 16, 3, precision="bf16", hpz_partition_size=8)
+    assert hpz.device["hpz_secondary"] == 2 * 8_000_000 / 8
+    assert hpz.device_total == plain.device_total + 2_000_000
+    assert hpz.model_state == plain.model_state  # a copy held from forward to step only
+    assert "hpz_secondary" not in estimate(facts, 16, 2, hpz_partition_size=8).device
+    with pytest.raises(ValueError, match="hpz_partition_size=3 must divide"):
+        estimate(facts, 16, 3, hpz_partition_size=3)
+    rc = cli(["estimate", "--params", "7B", "--world-size", "16", "--hpz-partition-size", "3"])
+    assert rc == 2 and "--hpz-partition-size 3 must divide" in capsys.readouterr().err
+    rc = cli(["estimate", "--params", "7B", "--world-size", "16", "--hpz-partition-size", "8"])
+    zero3 = [line for line in capsys.readouterr().out.splitlines() if line.startswith("zero3 ")]
+    assert rc == 0 and zero3[0].split()[6] == "8.85"  # bf16 device: 7.10 + 1.75 GB secondary
