@@ -17,6 +17,7 @@ from tests.loops import parity_config, train_reference
 from tests.models import batches, lm_loss, make_optimizer
 
 TOL = 2e-5
+LINKS = ("intra_machine", "inter_machine")  # comm_report's split of total by link
 STEPS, ACCUM, CLIP = 10, 2, 0.5
 VOCAB, SEQ = 37, 9
 
@@ -401,7 +402,9 @@ def test_comm_report_splits_tensor_and_data_parallel_traffic() -> None:
         comm = r["comm"]
         assert comm["tp_all_reduce"] == 2 * 2 * 4 * (4 * 8 * 32 * 4)
         assert comm["reduce_scatter"] > 0 and "tp_reduce_scatter" not in comm
-        assert comm["total"] == sum(v for k, v in comm.items() if k != "total")
+        kinds = {k: v for k, v in comm.items() if k not in ("total", *LINKS)}
+        assert comm["total"] == sum(kinds.values())
+        assert comm["total"] == sum(comm[k] for k in LINKS)  # the same bytes, by link
         assert r["timing"]["forward_ms"] > 0 and r["timing"]["backward_ms"] > 0
 
 
