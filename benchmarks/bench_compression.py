@@ -1,5 +1,5 @@
-"""Gradient compression side by side on 2 and 4 gloo ranks, the demo GPT on the README's
-characters (the recipes' corpus): dense ZeRO-1 SGD with momentum against top-k
+"""Gradient compression side by side on 2 and 4 gloo ranks, the demo GPT on a fixed text
+(tests/data/corpus.txt): dense ZeRO-1 SGD with momentum against top-k
 sparsification with error feedback (several ratios, Deep Gradient Compression's momentum
 correction, after 10 dense warm-up steps); and dense Adam (ZeRO-0, no bias correction)
 against DeepSpeed's 1-bit Adam (compressed from step 10) and 0/1 Adam (variance steps at
@@ -40,6 +40,9 @@ from ds_strategy.core.compression import TopK, onebit  # noqa: E402
 from ds_strategy.core.zero.flat_group import FlatParamGroup  # noqa: E402
 from ds_strategy.demos.gpt import GPT, GPTConfig  # noqa: E402
 from recipes.data import CharCorpus  # noqa: E402
+
+# the tests' fixed text (this project's README as it was at one release), not the live README
+CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "corpus.txt"
 
 WARMUP = 10
 
@@ -96,7 +99,7 @@ def _setup(method: str, args: argparse.Namespace, model: GPT) -> tuple[Any, dict
 
 def _train(rank: int, world: int, method: str, args: argparse.Namespace) -> dict[str, Any]:
     timer = _ComputeTimer()
-    corpus = CharCorpus(Path(__file__).resolve().parent.parent / "README.md", args.seq, 7)
+    corpus = CharCorpus(CORPUS, args.seq, 7)
     torch.manual_seed(0)
     model = GPT(GPTConfig(corpus.vocab, args.d, args.layers, args.heads, args.seq))
     opt, config = _setup(method, args, model)
@@ -146,7 +149,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     print(
-        f"demo GPT d={args.d} layers={args.layers} seq={args.seq}, README corpus, global batch "
+        f"demo GPT d={args.d} layers={args.layers} seq={args.seq}, fixed corpus, global batch "
         f"{args.batch}, {args.steps} steps; SGD(0.9) at ZeRO-1 with top-k after {WARMUP} dense "
         f"steps; Adam at ZeRO-0, 1-bit Adam frozen at step {WARMUP}, 0/1 Adam local from step "
         f"{args.steps // 2}; per rank (rank 0), per step after step {WARMUP}:"

@@ -162,7 +162,7 @@ def test_quantized_reduce_scatter_stays_within_its_bound(hierarchical: bool) -> 
 
 
 def test_zero_plus_plus_trains_the_demo_gpt_to_within_3_percent_of_plain_stage_3() -> None:
-    """300 steps, 4 ranks as 2 machines x 2, every parameter sharded; measured: 0.06% above."""
+    """300 steps, 4 ranks as 2 machines x 2, every parameter sharded; measured: 0.08% below."""
     zero = {"stage3_param_persistence_threshold": 0}
     zpp = {**zero, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
            "zero_quantized_gradients": True}  # fmt: skip

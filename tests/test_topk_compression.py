@@ -99,7 +99,7 @@ def test_top_one_percent_sends_under_a_tenth_of_the_gradient_bytes(stage: int) -
 def test_top_one_percent_trains_the_demo_gpt_to_within_3_percent(world: int) -> None:
     """SGD with momentum, compressed with Deep Gradient Compression's momentum correction after
     30 dense steps: the mean loss of the last 20 of 300 steps within 3% of uncompressed
-    training's (measured at 2 ranks: 1.9% lower)."""
+    training's (measured: 2.3% lower at 2 ranks, 2.4% at 4)."""
     dense = run_ranks(corpus_losses, world, {"method": "none"}, "sgd", timeout=300)[0]
     gc = _compressed(0.01, warmup_steps=30, momentum_correction=True)
     sparse = run_ranks(corpus_losses, world, gc, "sgd", timeout=300)[0]
