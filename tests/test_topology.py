@@ -177,17 +177,19 @@ def test_one_machine_sends_everything_intra() -> None:
 
 
 WORKER = """
-import json, sys
+import json, os, sys
 sys.path.insert(0, {repo!r})
 from tests.test_topology import _train
 result = _train(None, 2)
-print("RESULT " + json.dumps(result), flush=True)
+# a file per rank: the agents' stdout interleaves lines the ranks print at once
+with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(result, f)
 """
 
 
 def test_two_torchrun_agents_on_one_host_are_two_machines(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(repo=str(REPO)))
+    script.write_text(WORKER.format(repo=str(REPO), out=str(tmp_path)))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     agents = [
@@ -219,8 +221,6 @@ def test_two_torchrun_agents_on_one_host_are_two_machines(tmp_path: Path) -> Non
                 agent.kill()
     for agent, out in zip(agents, outputs, strict=True):
         assert agent.returncode == 0, out[-4000:]
-    results = [json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines()
-               if line.startswith("RESULT ")]  # fmt: skip
-    assert len(results) == 4
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r in results:
         _check_two_machines(r, 2)
