@@ -164,6 +164,15 @@ class Comm:
         self.calls.clear()
         return report
 
+    def take_into(self, report: dict[str, int], prefix: str) -> None:
+        """Add this group's report to another group's ``comm_report()``-style ``report``:
+        its kinds under ``prefix``, its bytes to ``total`` and to their link's total."""
+        own = self.take_report()
+        report["total"] += own.pop("total")
+        for link, n in self.take_links().items():
+            report[link] += n
+        report.update({f"{prefix}{k}": v for k, v in own.items()})
+
     def take_links(self) -> dict[str, int]:
         """``intra_machine`` / ``inter_machine``: bytes sent since the previous call by the
         link of the group they went on, then reset."""

@@ -702,12 +702,7 @@ class ZeroEngine(nn.Module):
         report = self.comm.take_report()
         report.update(self.comm.take_links())
         if self.tensor_parallel is not None:
-            comm = self.tensor_parallel.comm
-            tp = comm.take_report()
-            report["total"] += tp.pop("total")
-            for link, n in comm.take_links().items():
-                report[link] += n
-            report.update({f"tp_{k}": v for k, v in tp.items()})
+            self.tensor_parallel.comm.take_into(report, "tp_")
         return report
 
     def _link_zero_plus_plus(self) -> None:

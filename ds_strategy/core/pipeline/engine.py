@@ -339,11 +339,7 @@ class PipelineEngine:
         and, prefixed ``pp_``, the pipeline group's: ``pp_send`` the activations and gradients
         sent to the neighbouring stages, the rest the small norm and loss reductions."""
         report = self.engine.comm_report()
-        pp = self._pp.take_report()
-        report["total"] += pp.pop("total")
-        for link, n in self._pp.take_links().items():
-            report[link] += n
-        report.update({f"pp_{k}": v for k, v in pp.items()})
+        self._pp.take_into(report, "pp_")
         return report
 
     def memory_report(self) -> dict[str, int]:
