@@ -221,7 +221,8 @@ class FlatParamGroup:
     # (the optimizer step, a checkpoint load: ``drop_secondary``) every gather, the
     # backward's and the next micro-batch's forward, all-gathers the secondary shards inside
     # the machine instead. They hold exactly the values the first gather produced (with qwZ,
-    # the rounded ones), so backward computes with the forward's weights.
+    # the rounded ones), so backward computes with the forward's weights. The copy is a
+    # transient of the step (the meter's, like the gathered parameters), not resident state.
 
     def gather(self, async_op: bool = True) -> None:
         if self.state is not ShardState.SHARDED:
@@ -565,8 +566,6 @@ class FlatParamGroup:
         param = self._full_nbytes if not self.policy.shard_params else 0
         if self.policy.shard_params:
             param += self.shard.untyped_storage().nbytes()
-        if self._secondary is not None:  # hpZ's copy, kept from a forward to the step
-            param += _nbytes(self._secondary)
         if self.master is not None:
             param += self.master.untyped_storage().nbytes()
         grad = 0
