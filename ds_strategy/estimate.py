@@ -19,7 +19,8 @@ may overshoot, within ``stage3_max_live_parameters``); an upper bound, from the 
 units when it is known. ZeRO++'s hpZ (``hpz_partition_size`` P, between 1 and N) adds, from
 a forward to the optimizer step, a secondary copy of the sharded parameters over P ranks:
 ``P`` bytes x sharded / P (``hpz_secondary``, counted on the device, not in model state at
-rest). Activations are the user's to give (``activation_bytes``): they depend on batch,
+rest). MiCS (``mics_shard_size`` S, dividing N) shards over groups of S ranks and
+replicates across them: every ``/ N`` above becomes ``/ S`` at stages 1-3. Activations are the user's to give (``activation_bytes``): they depend on batch,
 sequence length and activation checkpointing, not on the stage.
 
 [Note: "cheapest"]
@@ -132,6 +133,7 @@ def estimate(
     prefetch_numel: float = DEFAULT_PREFETCH,
     max_live_numel: float = DEFAULT_MAX_LIVE,
     hpz_partition_size: int = 1,
+    mics_shard_size: int = -1,
 ) -> Estimate:
     """Per-rank bytes for one configuration (see the note at the top of this module).
 
@@ -141,6 +143,9 @@ def estimate(
     >>> estimate(ModelFacts(params=1000), 4, 3, precision="fp32",
     ...          hpz_partition_size=2).device["hpz_secondary"]  # 4 * 1000 / 2
     2000.0
+    >>> estimate(ModelFacts(params=1000), 4, 3, precision="fp32",
+    ...          mics_shard_size=2).model_state  # 16 * 1000 / 2
+    8000.0
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -159,8 +164,14 @@ def estimate(
         raise ValueError(
             f"hpz_partition_size={hpz_partition_size} must divide the world size {world_size}"
         )
+    if mics_shard_size > 0 and world_size % mics_shard_size:
+        raise ValueError(
+            f"mics_shard_size={mics_shard_size} must divide the world size {world_size}"
+        )
+    if mics_shard_size > 0 and hpz_partition_size > 1:
+        raise ValueError("mics_shard_size and hpz_partition_size: give one of them")
     p, g, k = PRECISIONS[precision]
-    n = world_size
+    n = mics_shard_size if mics_shard_size > 0 and stage >= 1 else world_size
     psi, train = facts.params, facts.n_trainable
     persistent = facts.persistent if stage == 3 else 0
     sharded = psi - persistent
@@ -206,11 +217,19 @@ def estimate_all(
     precisions: tuple[str, ...] = ("fp32", "bf16", "fp16"),
     activation_bytes: float = 0.0,
     hpz_partition_size: int = 1,
+    mics_shard_size: int = -1,
 ) -> list[Estimate]:
     """Every (stage, offload) candidate for each precision, cheapest first."""
     return [
         estimate(
-            facts, world_size, s, o, prec, activation_bytes, hpz_partition_size=hpz_partition_size
+            facts,
+            world_size,
+            s,
+            o,
+            prec,
+            activation_bytes,
+            hpz_partition_size=hpz_partition_size,
+            mics_shard_size=mics_shard_size,
         )
         for prec in precisions
         for s, o in CANDIDATES
@@ -462,6 +481,12 @@ def add_cli_parser(sub: Any) -> None:
         help="ZeRO++ zero_hpz_partition_size (its secondary stage-3 copy is counted)",
     )
     e.add_argument(
+        "--mics-shard-size",
+        type=int,
+        default=-1,
+        help="MiCS mics_shard_size: stages 1-3 shard over this many ranks, not all of them",
+    )
+    e.add_argument(
         "--persistence-threshold",
         type=float,
         default=DEFAULT_PERSISTENCE_THRESHOLD,
@@ -504,12 +529,27 @@ def run_cli(args: Any) -> int:
                 f"--hpz-partition-size {args.hpz_partition_size} must divide --world-size "
                 f"{args.world_size}"
             )
+        mics = args.mics_shard_size
+        if mics > 0 and (args.world_size % mics or args.hpz_partition_size > 1):
+            raise ValueError(
+                f"--mics-shard-size {mics} must divide --world-size {args.world_size} and "
+                "cannot be combined with --hpz-partition-size"
+            )
     except ValueError as err:
         print(f"ds-strategy estimate: {err}", file=sys.stderr)
         return 2
     per_node = args.ranks_per_node or min(args.world_size, 8)
     estimates = estimate_all(
-        facts, args.world_size, activation_bytes=act, hpz_partition_size=args.hpz_partition_size
+        facts,
+        args.world_size,
+        activation_bytes=act,
+        hpz_partition_size=args.hpz_partition_size,
+        mics_shard_size=args.mics_shard_size,
+    )
+    mics_note = (
+        f" (MiCS: stages 1-3 sharded over groups of {args.mics_shard_size})"
+        if args.mics_shard_size > 0
+        else ""
     )
     unit = (
         f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
@@ -519,7 +559,8 @@ def run_cli(args: Any) -> int:
     )
     print(
         f"{facts.params / 1e9:.3f}B parameters ({facts.n_trainable / 1e9:.3f}B trainable){unit}\n"
-        f"{args.world_size} rank(s), Adam; GB per rank (1 GB = 1e9 bytes); ok = fits"
+        f"{args.world_size} rank(s){mics_note}, Adam; GB per rank (1 GB = 1e9 bytes); "
+        "ok = fits"
     )
     print(format_table(estimates, gpu, cpu, per_node))
     if gpu is None:

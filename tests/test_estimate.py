@@ -241,3 +241,26 @@ def test_hpz_adds_its_secondary_copy_at_stage_3(capsys: pytest.CaptureFixture[st
     rc = cli(["estimate", "--params", "7B", "--world-size", "16", "--hpz-partition-size", "8"])
     zero3 = [line for line in capsys.readouterr().out.splitlines() if line.startswith("zero3 ")]
     assert rc == 0 and zero3[0].split()[6] == "8.85"  # bf16 device: 7.10 + 1.75 GB secondary
+
+
+def test_mics_shards_over_its_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    """MiCS divides stages 1-3 by the shard size, not the world (the live engine's report is
+    compared with it in test_mics.py)."""
+    facts = ModelFacts(params=8_000_000)
+    for stage in (1, 2, 3):
+        mics = estimate(facts, 16, stage, precision="fp32", mics_shard_size=8)
+        assert mics.model_state == estimate(facts, 8, stage, precision="fp32").model_state
+    assert estimate(facts, 16, 0, mics_shard_size=8) == estimate(facts, 16, 0)
+    with pytest.raises(ValueError, match="mics_shard_size=3 must divide"):
+        estimate(facts, 16, 3, mics_shard_size=3)
+    with pytest.raises(ValueError, match="give one of them"):
+        estimate(facts, 16, 3, mics_shard_size=8, hpz_partition_size=8)
+    rc = cli(["estimate", "--params", "7B", "--world-size", "16", "--mics-shard-size", "3"])
+    assert rc == 2 and "--mics-shard-size 3 must divide" in capsys.readouterr().err
+    for flag in ([], ["--mics-shard-size", "8"]):
+        assert cli(["estimate", "--params", "7B", "--world-size", "16", *flag]) == 0
+    plain, mics = [
+        [line.split() for line in block.splitlines() if line.startswith("zero3 ")][0]
+        for block in capsys.readouterr().out.split("7.000B parameters")[1:]
+    ]
+    assert float(mics[6]) > float(plain[6])  # half the shards: more per rank

@@ -217,6 +217,8 @@ class ZeroOptimizationConfig:
     zero_hpz_partition_size: Any = leaf(int, 1, ge=1)
     # ZeRO++ qgZ: stage 3's gradient reduce-scatters in block-quantized int8 (no-op below 3)
     zero_quantized_gradients: Any = leaf(bool, False)
+    # MiCS: shard over groups of this many ranks, replicate across the groups (-1 or 0: off)
+    mics_shard_size: Any = leaf(int, -1, ge=-1)
     offload_optimizer: OffloadConfig = section(_optimizer_offload_defaults)
     offload_param: OffloadConfig = section(OffloadConfig)
 
@@ -588,7 +590,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
             "a ZeRO-Infinity / ZeRO++ / MiCS tuning knob not implemented here",
             "sub_group_size round_robin_gradients "
             "zero_quantized_nontrainable_weights "
-            "zeropp_loco_param mics_shard_size "
+            "zeropp_loco_param "
             "mics_hierarchical_params_gather zenflow use_multi_rank_bucket_allreduce "
             "stage3_model_persistence_threshold model_persistence_threshold "
             "stage3_module_granularity_threshold module_granularity_threshold "

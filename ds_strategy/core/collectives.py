@@ -115,6 +115,13 @@ class Comm:
     def rank(self) -> int:
         return dist.get_rank(self.group) if self.active else 0
 
+    @property
+    def agreement(self) -> Comm:
+        """The group whose ranks agree on a failure (``faults.agree``): this one, or, for a
+        group that is part of a larger one it must not leave waiting (MiCS's shard group,
+        ``core/mics.py``), that larger one."""
+        return self
+
     def global_ranks(self) -> list[int]:
         """The global ranks of this group's members, in group-rank order."""
         if not self.active:

@@ -29,6 +29,7 @@ from .faults import together
 from .fingerprint import check_ranks_agree
 from .hierarchical import HierarchicalComm
 from .mesh import ParallelMesh
+from .mics import MiCSComm
 from .offload import Offload, check_offload_config
 from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
@@ -120,6 +121,13 @@ class ZeroEngine(nn.Module):
             comm.link = self.topology.link(comm.global_ranks())
         if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
             self.comm = HierarchicalComm.build(self.comm.group, self.topology)
+        # what ZeRO shards over: the data-parallel ranks, or under MiCS a group of them
+        self.shard_comm: Comm = self.comm
+        if int(zc.mics_shard_size) > 0:
+            with together(self.comm):
+                self._check_mics(in_pipeline=_stage_of is not None)
+            self.shard_comm = MiCSComm.build(self.comm, int(zc.mics_shard_size), self.topology)
+            self.shard_comm.at_boundary = zc.stage >= 2  # once per step, not per micro-batch
         with together(self.comm):
             self._check_supported()
             self.module = model
@@ -147,7 +155,7 @@ class ZeroEngine(nn.Module):
         self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
         self.plan: ShardingPlan = build_plan(
             model,
-            self.comm,
+            self.shard_comm,
             self.config,
             self.device,
             scaling,
@@ -191,7 +199,7 @@ class ZeroEngine(nn.Module):
                 opt,
                 pieces,
                 self.plan.groups,
-                self.comm,
+                self.shard_comm,
                 tp_norm=(tp.norm_weight, tp.comm) if tp is not None else None,
             )
             if self._offload is not None:
@@ -217,6 +225,15 @@ class ZeroEngine(nn.Module):
         1-bit optimizer (``OneBitAdam``, ``OneBitLamb``): its compressed momentum exchange
         after ``freeze_step``; ``ZeroOneAdam``: its 1-bit gradients and synchronisations."""
         gc = self.config.gradient_compression
+        compressed = gc.method != "none" or isinstance(self.optimizer, CompressedExchange)
+        with together(self.comm):
+            if compressed and self.shard_comm is not self.comm:
+                raise ValueError(
+                    "zero_optimization.mics_shard_size with gradient compression "
+                    f"(gradient_compression.method={gc.method!r}, optimizer "
+                    f"{type(self.optimizer).__name__}): the compressed exchanges run over all "
+                    "data-parallel ranks and MiCS reduces in two groups; remove one of them"
+                )
         if isinstance(self.optimizer, CompressedExchange):
             return self._build_onebit(gc.method, in_pipeline)
         if gc.method == "none" or not self.trainable or self.plan.reducer is None:
@@ -293,6 +310,38 @@ class ZeroEngine(nn.Module):
 
     def _check_supported(self) -> None:
         check_offload_config(self.config)  # offload needs stage >= 1; offload_param stage 3
+
+    def _check_mics(self, in_pipeline: bool) -> None:
+        """``mics_shard_size``: what it composes with (see core/mics.py)."""
+        zc = self.config.zero_optimization
+        size, n = int(zc.mics_shard_size), self.comm.world_size
+        refused = []
+        if zc.stage == 0:
+            refused.append("zero_optimization.stage 0, which shards nothing (use stage 1-3)")
+        if self.config.topology.hierarchical:
+            refused.append(
+                "topology.hierarchical (MiCS's shard groups already keep ZeRO's collectives "
+                "inside a machine; keep one of them)"
+            )
+        if zc.stage == 3 and int(zc.zero_hpz_partition_size) > 1:
+            refused.append(
+                "zero_hpz_partition_size (hpZ's secondary shard inside a machine is what a "
+                "MiCS shard group already is; keep one of them)"
+            )
+        if zc.stage == 3 and zc.zero_quantized_gradients:
+            refused.append("zero_quantized_gradients (remove it, or mics_shard_size)")
+        if in_pipeline:
+            refused.append("pipeline stages (remove mics_shard_size from a pipeline config)")
+        if refused:
+            raise ValueError(
+                f"zero_optimization.mics_shard_size={size} does not work with " + "; ".join(refused)
+            )
+        if size > n or n % size:
+            raise ValueError(
+                f"zero_optimization.mics_shard_size={size} does not divide the {n} "
+                "data-parallel ranks; use a divisor of it (usually the ranks per machine, "
+                f"{self.topology.ranks_per_machine} here), or -1 to shard over all of them"
+            )
 
     # -- the training loop ---------------------------------------------------------------------
 
@@ -387,6 +436,9 @@ class ZeroEngine(nn.Module):
         if self._ready_norm is None:
             self.plan.wait_params()  # the optimizer writes slices a late all-gather still reads
             self.plan.finish_reduction()
+            if isinstance(self.shard_comm, MiCSComm):
+                shards = [g.grad_shard for g in self.plan.groups if g.trainable]
+                self.shard_comm.sum_over_replicas([t for t in shards if t is not None])
             self._ready_norm = self._sharded_opt.sync_grad_flags_and_norm()
         return self._ready_norm
 

@@ -41,7 +41,8 @@ def agree(
 ) -> None:
     """Raise on every rank if any rank has ``err`` (see the note above); otherwise return.
 
-    Collective: every rank of ``comm`` calls it, with its own outcome."""
+    Collective: every rank of ``comm.agreement`` calls it, with its own outcome."""
+    comm = comm.agreement
     if comm.world_size == 1:
         if err is not None:
             raise err

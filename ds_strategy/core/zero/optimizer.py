@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..collectives import Comm
+from ..mics import MiCSComm
 from ..optim.norms import NeedsParamNorms, ParamNorms
 from .flat_group import FlatParamGroup
 
@@ -221,6 +222,9 @@ class ShardedOptimizer:
         packed = torch.cat(flags + [sq]) if flags else sq
         if self.sharded:
             self.comm.all_reduce(packed, kind="control")
+            if isinstance(self.comm, MiCSComm) and flags:
+                # the norm is whole in each shard group; a gradient seen in another counts
+                self.comm.replica.all_reduce(packed, op="max", kind="control")
         elif flags:  # stage 0: gradients are identical everywhere, only flags need combining
             self.comm.all_reduce(packed[:-1], kind="control")
         if self.tp_norm is not None:
