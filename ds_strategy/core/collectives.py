@@ -16,11 +16,12 @@ topology-aware collectives split a collective into groups that lie wholly on one
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,9 @@ class Comm:
     # a level of a hierarchical collective (core/hierarchical.py): its counts and blocked
     # time are the parent's too, under this level's link
     parent: Comm | None = field(default=None, repr=False)
+    # told the bytes of scratch a composed collective allocates (> 0) and frees (< 0): the
+    # engine's memory meter, for memory_report()["peak"]; a level without one tells its parent
+    on_scratch: Callable[[int], None] | None = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
 
     @property
@@ -142,6 +146,29 @@ class Comm:
         self.link_total[link] += int(nbytes)
         if self.parent is not None:
             self.parent._count(kind, nbytes, link)
+
+    @contextlib.contextmanager
+    def holding(self, *buffers: torch.Tensor) -> Iterator[None]:
+        """A collective built from several holds ``buffers`` (its own scratch, not its input
+        or output) inside this block: their bytes are reported to ``on_scratch`` (here or up
+        the parents) as allocated on entry and freed on exit."""
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        self._scratch(nbytes)
+        try:
+            yield
+        finally:
+            self._scratch(-nbytes)
+
+    def _scratch(self, nbytes: int) -> None:
+        if self.on_scratch is not None:
+            self.on_scratch(nbytes)
+        elif self.parent is not None:
+            self.parent._scratch(nbytes)
+
+    def receive_buffer(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a synchronous ``reduce_scatter`` of ``tensor`` holds besides it: gloo's
+        receive buffer (see ``_composed``), as a stand-in of its size; nothing elsewhere."""
+        return (tensor,) if self.world_size > 1 and self._composed(tensor) else ()
 
     def _work(self, handle: object | None, kind: str, async_op: bool, start: float) -> Work:
         """Wrap a collective's handle; a synchronous one under a timer reports its time."""

@@ -167,6 +167,8 @@ class ZeroEngine(nn.Module):
             precision=self.precision,
         )
         self._link_zero_plus_plus()
+        meter = self.plan.meter  # scratch of the composed collectives: in the peak
+        self.comm.on_scratch = lambda n: meter.alloc(n) if n > 0 else meter.free(-n)
         with together(self.comm):
             # offloaded masters move before the optimizer is built over them
             self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)

@@ -18,7 +18,10 @@ machines and an all-gather inside (small ones, flags and norms: an all-reduce at
 Each level is its own ``Comm`` whose parent is this one, so ``comm_report()`` files the
 machine-internal bytes as ``intra_machine`` and the rest as ``inter_machine``. The two levels
 run one after the other: an asynchronous call here completes before it returns (the
-overlap of reductions with backward is traded for the smaller crossing traffic).
+overlap of reductions with backward is traded for the smaller crossing traffic). The
+reordered copy and the levels' buffers live only inside the call; their bytes at its
+fullest go to the engine's meter (``Comm.holding``), so ``memory_report()["peak"]``
+includes them.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ class HierarchicalComm(Comm):
         m, per = self.machines, self.intra.world_size
         blocks = full.view(m, per, -1).transpose(0, 1).contiguous()  # (L, M, c)
         mid = full.new_empty(m * out.numel())
-        self.intra.reduce_scatter(mid, blocks.view(-1))
-        self.inter.reduce_scatter(out, mid)
+        with self.holding(blocks, mid, *self.intra.receive_buffer(blocks)):
+            self.intra.reduce_scatter(mid, blocks.view(-1))
+            self.inter.reduce_scatter(out, mid)  # its receive buffer is mid's size: covered
         return Work(None)
 
     def all_gather(
@@ -97,8 +101,9 @@ class HierarchicalComm(Comm):
         mid = shard.new_empty(m * shard.numel())
         self.inter.all_gather(mid, shard, kind=kind)
         blocks = shard.new_empty(per * mid.numel())
-        self.intra.all_gather(blocks, mid, kind=kind)
-        full.view(m, per, -1).copy_(blocks.view(per, m, -1).transpose(0, 1))
+        with self.holding(mid, blocks):
+            self.intra.all_gather(blocks, mid, kind=kind)
+            full.view(m, per, -1).copy_(blocks.view(per, m, -1).transpose(0, 1))
         return Work(None)
 
     def all_reduce(
@@ -117,9 +122,10 @@ class HierarchicalComm(Comm):
             return Work(None)
         # reduce-scatter inside the machine, all-reduce the 1/L piece across, all-gather inside
         piece = flat.new_empty(flat.numel() // per)
-        self.intra.reduce_scatter(piece, flat)
-        self.inter.all_reduce(piece, kind=kind)
-        self.intra.all_gather(flat, piece, kind=kind)
+        with self.holding(piece, *self.intra.receive_buffer(flat)):
+            self.intra.reduce_scatter(piece, flat)
+            self.inter.all_reduce(piece, kind=kind)
+            self.intra.all_gather(flat, piece, kind=kind)
         return Work(None)
 
 

@@ -110,10 +110,13 @@ def _quantized_all_to_all_sum(comm: Comm, rows: torch.Tensor) -> torch.Tensor:
     padded[:, :k] = rows
     q, scales = block_quantize(padded.view(-1))
     q_in, s_in = torch.empty_like(q), torch.empty_like(scales)
-    comm.all_to_all(q_in, q, kind="qgz")
-    comm.all_to_all(s_in, scales, kind="qgz")
-    values = q_in.view(-1, BLOCK).float() * s_in[:, None]
-    return values.view(world, kp)[:, :k].sum(dim=0)
+    # the fp32 rows: padded, then the dequantized values (the same size) in its place
+    with comm.holding(padded, q, scales, q_in, s_in):
+        comm.all_to_all(q_in, q, kind="qgz")
+        comm.all_to_all(s_in, scales, kind="qgz")
+        del padded
+        values = q_in.view(-1, BLOCK).float() * s_in[:, None]
+        return values.view(world, kp)[:, :k].sum(dim=0)
 
 
 def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor) -> Work:
@@ -124,8 +127,11 @@ def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor) 
     if isinstance(comm, HierarchicalComm):
         m, per = comm.machines, comm.intra.world_size
         blocks = full.view(m, per, -1).transpose(0, 1).reshape(per, -1)  # (L, M*c)
-        mid = _quantized_all_to_all_sum(comm.intra, blocks)
-        out.copy_(_quantized_all_to_all_sum(comm.inter, mid.view(m, -1)))
+        with comm.holding(blocks):  # through the first level, which adds its own
+            mid = _quantized_all_to_all_sum(comm.intra, blocks)
+        del blocks
+        with comm.holding(mid):
+            out.copy_(_quantized_all_to_all_sum(comm.inter, mid.view(m, -1)))
         return Work(None)
     if comm.world_size == 1:
         out.copy_(full)
