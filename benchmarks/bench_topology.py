@@ -1,6 +1,7 @@
 """ZeRO-3 on 2 simulated machines x 2 ranks, with the link between the machines slowed: flat
-collectives against hierarchical ones (``topology.hierarchical``) and ZeRO++ (hpZ + qwZ +
-qgZ), and both together. The same demo GPT, every parameter sharded; per layout: the median
+collectives against hierarchical ones (``topology.hierarchical``), MiCS (``mics_shard_size``
+2: sharded inside each machine, replicated across), ZeRO++ (hpZ + qwZ + qgZ), and ZeRO++
+with hierarchical collectives. The same demo GPT, every parameter sharded; per layout: the median
 step time (slowest rank), each rank's inter- and intra-machine bytes per step
 (``comm_report()``) and its peak model-state memory (``memory_report()["peak"]``).
 
@@ -46,6 +47,7 @@ ZERO_PP = {"zero_hpz_partition_size": 2, "zero_quantized_weights": True,
 LAYOUTS: dict[str, tuple[dict[str, Any], bool]] = {
     "flat": ({}, False),
     "hierarchical": ({}, True),
+    "MiCS": ({"mics_shard_size": PER_MACHINE}, False),
     "ZeRO++": (ZERO_PP, False),
     "ZeRO++ + hier.": (ZERO_PP, True),
 }
