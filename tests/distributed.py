@@ -153,3 +153,18 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _each(rank: int, world: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    return [fn(rank, world, *args) for fn, args in calls]
+
+
+def run_ranks_each(
+    calls: list[tuple[Callable[..., Any], tuple]], world: int, timeout: float = 600
+) -> list[list[Any]]:
+    """Run every ``fn(rank, world, *args)`` of ``calls``, one after the other, in one spawn
+    of ``world`` ranks (starting 4 processes that import torch costs several seconds on two
+    cores; parametrized cases share one start-up this way). Returns ``results[i][rank]`` for
+    call ``i``."""
+    per_rank = run_ranks(_each, world, calls, timeout=timeout)
+    return [[per_rank[r][i] for r in range(world)] for i in range(len(calls))]

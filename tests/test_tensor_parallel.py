@@ -12,7 +12,7 @@ import torch
 import ds_strategy
 from ds_strategy.core.tp import resolve_plan
 from ds_strategy.demos.gpt import GPT, GPTConfig
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, run_ranks_each
 from tests.loops import parity_config, train_reference
 from tests.models import batches, lm_loss, make_optimizer
 
@@ -126,19 +126,37 @@ def _reference_norms(data: list[torch.Tensor]) -> list[float]:
     return norms
 
 
-@pytest.mark.parametrize(
-    ("stage", "extra"),
-    [
-        (0, None),
-        (1, None),
-        (2, None),
-        (3, None),
-        (3, {"activation_checkpointing": {"enabled": True}}),  # recomputes the collectives
-    ],
-)
-def test_tp2_x_dp2_equals_single_process_training(stage: int, extra: Any) -> None:
+GPT_CASES = [
+    (0, None),
+    (1, None),
+    (2, None),
+    (3, None),
+    (3, {"activation_checkpointing": {"enabled": True}}),  # recomputes the collectives
+]
+
+
+@pytest.fixture(scope="module")
+def tp_runs() -> dict[tuple[Any, ...], list[Any]]:
+    """Every TP2 x DP2 training run the parity tests below check, in one spawn of 4 ranks
+    (results by case, then rank)."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    results = run_ranks(_worker, 4, stage, data, "gpt", extra)
+    calls: dict[tuple[Any, ...], tuple[Any, tuple]] = {
+        ("gpt", stage, repr(extra)): (_worker, (stage, data, "gpt", extra))
+        for stage, extra in GPT_CASES
+    }
+    calls.update({("llama", s): (_worker, (s, data, "llama")) for s in (1, 2, 3)})
+    calls.update({("gpt2", s): (_worker, (s, data, "gpt2")) for s in (1, 3)})
+    calls.update({("lamb", s): (_lamb_run, (s, data)) for s in (0, 3)})
+    results = run_ranks_each(list(calls.values()), 4)
+    return dict(zip(calls, results, strict=True))
+
+
+@pytest.mark.parametrize(("stage", "extra"), GPT_CASES)
+def test_tp2_x_dp2_equals_single_process_training(
+    tp_runs: dict[tuple[Any, ...], list[Any]], stage: int, extra: Any
+) -> None:
+    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    results = tp_runs["gpt", stage, repr(extra)]
     reference = train_reference(gpt(), "adamw", data, STEPS, ACCUM, CLIP)
     for rank, r in enumerate(results):
         assert r["sizes"] == (1, 2, 2)
@@ -172,10 +190,12 @@ def test_tp2_x_dp2_equals_single_process_training(stage: int, extra: Any) -> Non
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_tp2_x_dp2_on_a_transformers_llama_equals_single_process_training(stage: int) -> None:
+def test_tp2_x_dp2_on_a_transformers_llama_equals_single_process_training(
+    tp_runs: dict[tuple[Any, ...], list[Any]], stage: int
+) -> None:
     """q/k/v/gate/up column-wise, o/down row-wise, with grouped key/value heads (4 and 2)."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    results = run_ranks(_worker, 4, stage, data, "llama")
+    results = tp_runs["llama", stage]
     expected = train_reference(MODELS["llama"](), "adamw", data, STEPS, ACCUM, CLIP)
     for r in results:
         assert r["state"].keys() == expected.keys()
@@ -197,7 +217,9 @@ def _gpt2_error(state: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) 
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_tp2_x_dp2_on_a_transformers_gpt2_equals_single_process_training(stage: int) -> None:
+def test_tp2_x_dp2_on_a_transformers_gpt2_equals_single_process_training(
+    tp_runs: dict[tuple[Any, ...], list[Any]], stage: int
+) -> None:
     """GPT-2's Conv1D layers (weights stored transposed) and its fused q|k|v ``c_attn``.
 
     GPT-2 at its initialisation (weights N(0, 0.02)) has near-zero attention-score gradients,
@@ -206,7 +228,7 @@ def test_tp2_x_dp2_on_a_transformers_gpt2_equals_single_process_training(stage: 
     to float64 as one fp32 process is (within 2x; measured 1.3x at ZeRO-1, 1.6x at ZeRO-3),
     and within 5e-5 of it (measured 1.3e-5 and 2.5e-5); a wrong split is off by ~1e-1."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    results = run_ranks(_worker, 4, stage, data, "gpt2")
+    results = tp_runs["gpt2", stage]
     fp32 = train_reference(MODELS["gpt2"](), "adamw", data, STEPS, ACCUM, CLIP)
     exact = train_reference(MODELS["gpt2"]().double(), "adamw", data, STEPS, ACCUM, CLIP)
     rounding = _gpt2_error(fp32, exact)
@@ -308,20 +330,47 @@ def weights_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return worst
 
 
-@pytest.mark.parametrize(
-    ("saved_tp", "world", "tp", "stage"), [(2, 4, 1, 2), (2, 2, 2, 3), (2, 4, 2, 1), (1, 4, 2, 2)]
-)
+RESUMES = [(2, 4, 1, 2), (2, 2, 2, 3), (2, 4, 2, 1), (1, 4, 2, 2)]  # saved_tp, world, tp, stage
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    """The saves (ZeRO-2 at T=2 and T=1, GPT-2 at T=2) and every resume of the tests below:
+    those at 4 ranks in the saves' spawn, after them; the one at 2 ranks in a second."""
+    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    root = tmp_path_factory.mktemp("tp_ckpt")
+    paths = {tp: str(root / f"tp{tp}") for tp in (1, 2)}
+    gpt2_path = str(root / "gpt2")
+    calls: dict[Any, tuple[Any, tuple]] = {
+        ("saved", tp): (_save_run, (2, data, paths[tp], tp)) for tp in (2, 1)
+    }
+    calls["saved", "gpt2"] = (_save_run, (2, data, gpt2_path, 2, "gpt2"))
+    for case in RESUMES:
+        saved_tp, world, tp, stage = case
+        if world == 4:
+            calls[case] = (_resume_run, (stage, data, paths[saved_tp], tp))
+    calls["resumed", "gpt2"] = (_resume_run, (2, data, gpt2_path, 1, "gpt2"))
+    out = dict(zip(calls, run_ranks_each(list(calls.values()), 4), strict=True))
+    for case in RESUMES:
+        saved_tp, world, tp, stage = case
+        if world != 4:
+            out[case] = run_ranks(_resume_run, world, stage, data, paths[saved_tp], tp)
+    out["paths"] = paths
+    return out
+
+
+@pytest.mark.parametrize(("saved_tp", "world", "tp", "stage"), RESUMES)
 def test_checkpoint_resumes_under_another_tensor_parallel_layout(
-    tmp_path: Any, saved_tp: int, world: int, tp: int, stage: int
+    checkpoint_runs: dict[Any, Any], tmp_path: Any, saved_tp: int, world: int, tp: int, stage: int
 ) -> None:
     """Saved at D=2 x T=2 (ZeRO-2), loaded at D=4 x T=1, D=1 x T=2 (ZeRO-3) and D=2 x T=2
     (ZeRO-1); and saved at D=4 x T=1, loaded at D=2 x T=2: the loaded weights are the saved
     ones exactly and training goes on as if uninterrupted; the checkpoint consolidates to the
     original names and shapes."""
-    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    path = str(tmp_path / "ckpt")
-    saved = run_ranks(_save_run, 4, 2, data, path, saved_tp)[0]
-    resumed = run_ranks(_resume_run, world, stage, data, path, tp)
+    path = checkpoint_runs["paths"][saved_tp]
+    saved = checkpoint_runs["saved", saved_tp][0]
+    resumed = checkpoint_runs[saved_tp, world, tp, stage]
+    assert len(resumed) == world
     for r in resumed:
         assert r["steps"] == STEPS
         assert all(torch.equal(r["loaded"][k], saved["at_save"][k]) for k in saved["at_save"])
@@ -335,13 +384,13 @@ def test_checkpoint_resumes_under_another_tensor_parallel_layout(
     assert set(saved["at_save"]) - set(full) <= {"head.weight"}  # tied: stored once
 
 
-def test_gpt2_checkpoint_resumes_under_another_tensor_parallel_layout(tmp_path: Any) -> None:
+def test_gpt2_checkpoint_resumes_under_another_tensor_parallel_layout(
+    checkpoint_runs: dict[Any, Any],
+) -> None:
     """The fused q|k|v ``c_attn``, split block by block, saved at D=2 x T=2 and read at D=4:
     the loaded weights are the saved ones exactly."""
-    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    path = str(tmp_path / "ckpt")
-    saved = run_ranks(_save_run, 4, 2, data, path, 2, "gpt2")[0]
-    for r in run_ranks(_resume_run, 4, 2, data, path, 1, "gpt2"):
+    saved = checkpoint_runs["saved", "gpt2"][0]
+    for r in checkpoint_runs["resumed", "gpt2"]:
         assert all(torch.equal(r["loaded"][k], saved["at_save"][k]) for k in saved["at_save"])
         end = {k: v.double() for k, v in saved["end"].items()}
         assert _gpt2_error(r["end"], end) <= 5e-5  # the rounding of GPT-2's test above
@@ -370,8 +419,9 @@ def _curve(rank: int, world: int, bf16: bool, data: list[torch.Tensor]) -> list[
 
 def test_bf16_loss_curve_within_2_percent_of_fp32() -> None:
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    fp32 = run_ranks(_curve, 4, False, data)[0]
-    bf16 = run_ranks(_curve, 4, True, data)[0]
+    fp32, bf16 = (
+        r[0] for r in run_ranks_each([(_curve, (False, data)), (_curve, (True, data))], 4)
+    )
     assert fp32[-1] < fp32[0]  # it learns
     assert bf16 == pytest.approx(fp32, rel=0.02)
 
@@ -417,10 +467,12 @@ def _lamb_run(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> An
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_lamb_trust_ratios_are_whole_parameter_under_tensor_parallelism(stage: int) -> None:
+def test_lamb_trust_ratios_are_whole_parameter_under_tensor_parallelism(
+    tp_runs: dict[tuple[Any, ...], list[Any]], stage: int
+) -> None:
     """LAMB's ||w|| / ||update|| is summed over the tensor-parallel parts of a split weight
     (and its ZeRO pieces), so TP2 x DP2 trains as LAMB does in one process."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
     expected = train_reference(gpt(), "lamb", data, STEPS, ACCUM, CLIP)
-    for state in run_ranks(_lamb_run, 4, stage, data):
+    for state in tp_runs["lamb", stage]:
         assert weights_diff(state, expected) <= TOL
