@@ -6,7 +6,6 @@ checkpoints load into flat ZeRO."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import ds_strategy
 from ds_strategy.core.hierarchical import HierarchicalComm
 from ds_strategy.demos.gpt import GPT, GPTConfig
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks_each
 from tests.loops import parity_config, train_engine, train_reference
 from tests.models import ToyLM, batches
 from tests.test_topology import _GroupCounter
@@ -50,20 +49,32 @@ def _both(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> Any:
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list[Any]]:
+    """Every 4-rank run of this module's tests, in one spawn (results by case, then rank)."""
+    data = batches(STEPS, ACCUM, 8)
+    root = str(tmp_path_factory.mktemp("hier") / "ckpt")
+    calls: dict[Any, tuple[Any, tuple]] = {stage: (_both, (stage, data)) for stage in range(4)}
+    calls["checkpoint"] = (_checkpoint, (root, batches(4, ACCUM, 8)))
+    calls["one machine"] = (_kinds, (4, 1))
+    calls["tp fills the machines"] = (_kinds, (2, 2))
+    calls["peak"] = (_peak_inside_collectives, (2,))  # last: it freezes the collector
+    return dict(zip(calls, run_ranks_each(list(calls.values()), 4), strict=True))
+
+
 @pytest.mark.parametrize(
     ("stage", "bound", "payload"), [(0, 0.7, 0.85), (1, 0.5, 0.6), (2, 0.5, 0.6), (3, 0.5, 0.6)]
 )
 def test_hierarchical_equals_flat_zero_and_crosses_machines_less(
-    stage: int, bound: float, payload: float
+    runs: dict[Any, list[Any]], stage: int, bound: float, payload: float
 ) -> None:
     """Inter-machine bytes, hierarchical over flat. ``comm_report()`` (ring model: a ring of
     M = 2 instead of N = 4 over 1/L = 1/2 of the data) measured 0.53 at stage 0 (whose small
     buckets go whole at both levels), 0.38, 0.36, 0.35 at stages 1-3; the torch.distributed
     counter sees the tensors handed to calls on groups spanning machines, which halve: 0.77,
     0.53, 0.52, 0.51 (a broken split that sends everything across would be 1 or more)."""
-    data = batches(STEPS, ACCUM, 8)
-    expected = train_reference(toy(), "adamw", data, STEPS, ACCUM, CLIP)
-    for r in run_ranks(_both, 4, stage, data):
+    expected = train_reference(toy(), "adamw", batches(STEPS, ACCUM, 8), STEPS, ACCUM, CLIP)
+    for r in runs[stage]:
         flat, two = r[False], r[True]
         assert two["two_level"] and not flat["two_level"]
         for run in (flat, two):
@@ -85,8 +96,8 @@ def _checkpoint(rank: int, world: int, root: str, data: list[torch.Tensor]) -> A
     return saved.full_state_dict(), loaded.full_state_dict()
 
 
-def test_a_hierarchical_checkpoint_loads_into_flat_zero(tmp_path: Path) -> None:
-    for saved, loaded in run_ranks(_checkpoint, 4, str(tmp_path / "ckpt"), batches(4, ACCUM, 8)):
+def test_a_hierarchical_checkpoint_loads_into_flat_zero(runs: dict[Any, list[Any]]) -> None:
+    for saved, loaded in runs["checkpoint"]:
         assert all(torch.equal(saved[k], v) for k, v in loaded.items())
 
 
@@ -99,11 +110,11 @@ def _kinds(rank: int, world: int, per: int, tp: int) -> str:
     return f"{type(engine.comm).__name__} {engine.comm.link}"
 
 
-def test_one_level_stays_flat() -> None:
+def test_one_level_stays_flat(runs: dict[Any, list[Any]]) -> None:
     """One machine: nothing to split; a data-parallel group with one rank per machine (the
     tensor-parallel pairs fill each machine): only the crossing level exists."""
-    assert run_ranks(_kinds, 4, 4, 1) == ["Comm intra"] * 4
-    assert run_ranks(_kinds, 4, 2, 2) == ["Comm inter"] * 4
+    assert runs["one machine"] == ["Comm intra"] * 4
+    assert runs["tp fills the machines"] == ["Comm inter"] * 4
 
 
 def _peak_inside_collectives(rank: int, world: int, stage: int) -> dict[str, Any]:
@@ -144,11 +155,11 @@ def _peak_inside_collectives(rank: int, world: int, stage: int) -> dict[str, Any
     return out
 
 
-def test_the_reported_peak_includes_the_two_level_buffers() -> None:
+def test_the_reported_peak_includes_the_two_level_buffers(runs: dict[Any, list[Any]]) -> None:
     """ZeRO-2, demo GPT: read from live tensors inside the collectives, the two-level
     reduce-scatter's moment is the step's fullest; ``memory_report()["peak"]`` agrees with it
     within 1% (measured 0.9999; before its buffers were metered it read 5.4% low)."""
-    for r in run_ranks(_peak_inside_collectives, 4, 2, timeout=300):
+    for r in runs["peak"]:
         live = max(r["readings"].values())
         assert r["readings"]["in_collective"] > 0
         assert abs(r["peak"] - live) <= 0.01 * live, (r["peak"], r["readings"])
