@@ -7,7 +7,6 @@ within its error bound, and the demo GPT trains 300 steps to within 3% of plain 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import ds_strategy
 from ds_strategy.estimate import ModelFacts, estimate
 from tests.compression_common import corpus_losses
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks_each
 from tests.loops import parity_config, train_engine, train_reference
 from tests.models import ToyLM, batches
 from tests.test_topology import _GroupCounter
@@ -73,8 +72,8 @@ def _runs(rank: int, world: int, data: list[torch.Tensor]) -> Any:
     return out
 
 
-def test_backward_gathers_stay_inside_the_machine() -> None:
-    for r in run_ranks(_runs, 4, batches(STEPS, ACCUM, 8)):
+def test_backward_gathers_stay_inside_the_machine(runs: dict[Any, list[Any]]) -> None:
+    for r in runs["layouts"]:
         plain, hpz, zpp = r["plain"], r["hpz"], r["zero++"]
         assert all(torch.equal(plain["state"][k], v) for k, v in hpz["state"].items())
         # the forward gathers from every rank, the backward inside the machine: measured
@@ -98,10 +97,9 @@ def _exact(rank: int, world: int, data: list[torch.Tensor]) -> Any:
     return train_engine(toy(), "adamw", _config(2), data, rank, world, STEPS).full_state_dict()
 
 
-def test_hpz_trains_to_single_process_weights() -> None:
-    data = batches(STEPS, ACCUM, 8)
-    expected = train_reference(toy(), "adamw", data, STEPS, ACCUM, CLIP)
-    for state in run_ranks(_exact, 4, data):
+def test_hpz_trains_to_single_process_weights(runs: dict[Any, list[Any]]) -> None:
+    expected = train_reference(toy(), "adamw", batches(STEPS, ACCUM, 8), STEPS, ACCUM, CLIP)
+    for state in runs["exact"]:
         worst = max((state[k] - v).abs().max().item() for k, v in expected.items())
         assert worst <= 2e-5, worst
 
@@ -115,8 +113,8 @@ def _checkpoint(rank: int, world: int, root: str, data: list[torch.Tensor]) -> A
     return saved.full_state_dict(), loaded.full_state_dict()
 
 
-def test_a_zero_plus_plus_checkpoint_loads_into_plain_zero(tmp_path: Path) -> None:
-    for saved, loaded in run_ranks(_checkpoint, 4, str(tmp_path / "c"), batches(3, ACCUM, 8)):
+def test_a_zero_plus_plus_checkpoint_loads_into_plain_zero(runs: dict[Any, list[Any]]) -> None:
+    for saved, loaded in runs["checkpoint"]:
         assert all(torch.equal(saved[k], v) for k, v in loaded.items())
 
 
@@ -128,8 +126,10 @@ def _bad(rank: int, world: int) -> str:
     return str(info.value)
 
 
-def test_a_partition_that_does_not_divide_the_ranks_is_refused() -> None:
-    for message in run_ranks(_bad, 4):
+def test_a_partition_that_does_not_divide_the_ranks_is_refused(
+    runs: dict[Any, list[Any]],
+) -> None:
+    for message in runs["bad"]:
         assert "does not divide the 4 data-parallel ranks" in message
 
 
@@ -152,25 +152,45 @@ def _reduce(rank: int, world: int, hierarchical: bool) -> Any:
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
-def test_quantized_reduce_scatter_stays_within_its_bound(hierarchical: bool) -> None:
+def test_quantized_reduce_scatter_stays_within_its_bound(
+    runs: dict[Any, list[Any]], hierarchical: bool
+) -> None:
     """Each rank's part is off by at most half a step (amax / 254) at each level: 4 parts
     flat; 2 parts inside a machine, then the 2 machines' sums (at most 2 amax each)."""
-    for err, amax, report in run_ranks(_reduce, 4, hierarchical):
+    for err, amax, report in runs["reduce", hierarchical]:
         bound = (2 + 2 * 2) * amax / 254 if hierarchical else 4 * amax / 254
         assert 0 < err <= bound, (err, bound)
         assert report["qgz"] > 0
 
 
-def test_zero_plus_plus_trains_the_demo_gpt_to_within_3_percent_of_plain_stage_3() -> None:
+ZERO = {"stage3_param_persistence_threshold": 0}
+ZPP = {**ZERO, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
+       "zero_quantized_gradients": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list[Any]]:
+    """Every 4-rank run of this module's tests, in one spawn (results by case, then rank)."""
+    root = str(tmp_path_factory.mktemp("hpz") / "c")
+    topology = {"topology": {"ranks_per_machine": 2}}
+    calls: dict[Any, tuple[Any, tuple]] = {
+        "layouts": (_runs, (batches(STEPS, ACCUM, 8),)),
+        "exact": (_exact, (batches(STEPS, ACCUM, 8),)),
+        "checkpoint": (_checkpoint, (root, batches(3, ACCUM, 8))),
+        "bad": (_bad, ()),
+        ("reduce", False): (_reduce, (False,)),
+        ("reduce", True): (_reduce, (True,)),
+        ("gpt", "plain"): (corpus_losses, ({"method": "none"}, "adamw", 3, 1.0, ZERO, topology)),
+        ("gpt", "zero++"): (corpus_losses, ({"method": "none"}, "adamw", 3, 1.0, ZPP, topology)),
+    }
+    return dict(zip(calls, run_ranks_each(list(calls.values()), 4), strict=True))
+
+
+def test_zero_plus_plus_trains_the_demo_gpt_to_within_3_percent_of_plain_stage_3(
+    runs: dict[Any, list[Any]],
+) -> None:
     """300 steps, 4 ranks as 2 machines x 2, every parameter sharded; measured: 0.08% below."""
-    zero = {"stage3_param_persistence_threshold": 0}
-    zpp = {**zero, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
-           "zero_quantized_gradients": True}  # fmt: skip
-    losses = [
-        sum(run_ranks(corpus_losses, 4, {"method": "none"}, "adamw", 3, 1.0, z,
-                      {"topology": {"ranks_per_machine": 2}}, timeout=300)[0]) / 20
-        for z in (zero, zpp)
-    ]  # fmt: skip
+    losses = [sum(runs["gpt", name][0]) / 20 for name in ("plain", "zero++")]
     print(losses, (losses[1] - losses[0]) / losses[0])
     assert losses[1] != losses[0]
     assert abs(losses[1] - losses[0]) / losses[0] <= 0.03
