@@ -12,7 +12,7 @@ from torch import nn
 
 import ds_strategy
 from ds_strategy.demos.gpt import GPT, GPTConfig, as_sequential
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, run_ranks_each
 from tests.models import batches, make_optimizer
 from tests.test_tensor_parallel import weights_diff
 
@@ -143,10 +143,31 @@ def _worker(rank: int, world: int, kind: str, stage: int, data: list[torch.Tenso
     }
 
 
-@pytest.mark.parametrize(("kind", "stage"), [("gpt", 1), ("llama", 2)])
-def test_pp2_x_tp2_equals_single_process_training(kind: str, stage: int) -> None:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list[Any]]:
+    """Every 4-rank run of this module's tests, in one spawn (results by case, then rank):
+    the checkpoint's save before its resumes, the refused build last."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    results = run_ranks(_worker, 4, kind, stage, data)
+    path = str(tmp_path_factory.mktemp("pp_tp") / "ckpt")
+    calls: dict[Any, tuple[Any, tuple]] = {
+        ("gpt", 1): (_worker, ("gpt", 1, data)),
+        ("llama", 2): (_worker, ("llama", 2, data)),
+        "saved": (_save_run, (data, path)),
+        ("resumed", 2): (_resume_run, (data, path, 2)),
+        ("resumed", 1): (_resume_run, (data, path, 1)),
+        ("curve", False): (_curve, (False, data)),
+        ("curve", True): (_curve, (True, data)),
+        "split tie": (_split_tie, ()),
+    }
+    return dict(zip(calls, run_ranks_each(list(calls.values()), 4), strict=True))
+
+
+@pytest.mark.parametrize(("kind", "stage"), [("gpt", 1), ("llama", 2)])
+def test_pp2_x_tp2_equals_single_process_training(
+    runs: dict[Any, list[Any]], kind: str, stage: int
+) -> None:
+    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    results = runs[kind, stage]
     expected, losses = _reference(kind, data)
     assert max((v - MODELS[kind]().state_dict()[k]).abs().max() for k, v in expected.items()) > 1e-2
     for rank, r in enumerate(results):
@@ -188,14 +209,14 @@ def _resume_run(rank: int, world: int, data: list[torch.Tensor], path: str, tp: 
 
 
 @pytest.mark.parametrize("tp", [2, 1])
-def test_checkpoint_resumes_at_pp2_x_tp2_and_at_pp2_x_dp2(tmp_path: Any, tp: int) -> None:
+def test_checkpoint_resumes_at_pp2_x_tp2_and_at_pp2_x_dp2(
+    runs: dict[Any, list[Any]], tp: int
+) -> None:
     """Saved at P=2 x T=2 (ZeRO-1): loaded at the same layout and at P=2 x D=2 (ZeRO-2), each
     stage's checkpoint resharded from its 2 tensor-parallel ranks to its 2 data-parallel ones;
     training goes on as if uninterrupted."""
-    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    path = str(tmp_path / "ckpt")
-    uninterrupted = run_ranks(_save_run, 4, data, path)[0]
-    for end in run_ranks(_resume_run, 4, data, path, tp):
+    uninterrupted = runs["saved"][0]
+    for end in runs["resumed", tp]:
         assert weights_diff(end, uninterrupted) <= TOL
 
 
@@ -206,12 +227,11 @@ def _curve(rank: int, world: int, bf16: bool, data: list[torch.Tensor]) -> Any:
     return losses, engine.comm_report()["pp_send"], next(engine.module.parameters()).dtype
 
 
-def test_bf16_loss_curve_at_pp2_x_tp2_within_2_percent_of_fp32() -> None:
+def test_bf16_loss_curve_at_pp2_x_tp2_within_2_percent_of_fp32(runs: dict[Any, list[Any]]) -> None:
     """bf16 compute inside the stages, fp32 master weights; activations and their gradients
     cross between stages in bf16 (half the bytes)."""
-    data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
-    fp32, fp32_sent, fp32_dtype = run_ranks(_curve, 4, False, data)[0]
-    bf16, bf16_sent, bf16_dtype = run_ranks(_curve, 4, True, data)[0]
+    fp32, fp32_sent, fp32_dtype = runs["curve", False][0]
+    bf16, bf16_sent, bf16_dtype = runs["curve", True][0]
     assert (fp32_dtype, bf16_dtype) == (torch.float32, torch.bfloat16)
     assert bf16_sent * 2 == fp32_sent
     worst = max(abs(a - b) / a for a, b in zip(fp32, bf16, strict=True))
@@ -244,7 +264,9 @@ def _split_tie(rank: int, world: int) -> str | None:
     return None
 
 
-def test_a_plan_splitting_a_weight_tied_across_stages_is_refused_on_every_rank() -> None:
-    messages = run_ranks(_split_tie, 4)
+def test_a_plan_splitting_a_weight_tied_across_stages_is_refused_on_every_rank(
+    runs: dict[Any, list[Any]],
+) -> None:
+    messages = runs["split tie"]
     assert all(m is not None for m in messages), messages
     assert all("tied across stages" in m for m in messages), messages
