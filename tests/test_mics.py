@@ -8,7 +8,6 @@ the other; what it does not compose with is refused."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from torch import nn
 import ds_strategy
 from ds_strategy.core.mics import MiCSComm
 from ds_strategy.estimate import estimate, model_facts
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks_each
 from tests.loops import parity_config, train_engine, train_reference
 from tests.models import ToyLM, batches, lm_loss
 from tests.test_topology import _GroupCounter
@@ -56,7 +55,9 @@ def _all_stages(rank: int, world: int, data: list[torch.Tensor]) -> Any:
     return out
 
 
-def test_mics_equals_flat_zero_at_stages_1_to_3_and_crosses_machines_less() -> None:
+def test_mics_equals_flat_zero_at_stages_1_to_3_and_crosses_machines_less(
+    runs: dict[str, list[Any]],
+) -> None:
     """10 fp32 AdamW steps of 2 micro-batches, clipped: MiCS and flat ZeRO both within 2e-5
     of single-process training. Inter-machine bytes of the whole run (the initial broadcast
     included), MiCS over flat, by ``comm_report()`` (ring model): 0.38, 0.26, 0.13 at stages
@@ -68,7 +69,7 @@ def test_mics_equals_flat_zero_at_stages_1_to_3_and_crosses_machines_less() -> N
     data = batches(STEPS, ACCUM, 8)
     expected = train_reference(toy(), "adamw", data, STEPS, ACCUM, CLIP)
     facts = model_facts(toy, persistence_threshold=30)  # parity_config's threshold
-    for r in run_ranks(_all_stages, 4, data):
+    for r in runs["stages"]:
         for stage, bound, payload in ((1, 0.45, 0.35), (2, 0.3, 0.25), (3, 0.16, 0.12)):
             flat, mics = r[stage, -1], r[stage, 2]
             assert mics["mics"] and not flat["mics"]
@@ -125,12 +126,12 @@ def _branchy(rank: int, world: int) -> dict[tuple[int, int], dict[str, torch.Ten
     return out
 
 
-def test_a_gradient_from_one_shard_group_updates_every_replica() -> None:
+def test_a_gradient_from_one_shard_group_updates_every_replica(runs: dict[str, list[Any]]) -> None:
     """Rank 3 alone uses ``rare``; the ranks of the other shard group must still step it
     (which parameters got a gradient is combined over the replicas too), as flat ZeRO does,
     at stage 1 and stage 3. Every rank starts from its own weights: both start from rank
     0's (MiCS broadcasts over every replica, not within each shard group)."""
-    for r in run_ranks(_branchy, 4):
+    for r in runs["branchy"]:
         for stage in (1, 3):
             flat, mics = r[stage, -1], r[stage, 2]
             assert not torch.equal(flat["rare.weight"], _Branchy().rare.weight)  # it moved
@@ -158,12 +159,12 @@ def _resume(rank: int, world: int, root: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def test_checkpoints_go_both_ways_between_mics_and_flat_zero(tmp_path: Path) -> None:
+def test_checkpoints_go_both_ways_between_mics_and_flat_zero(runs: dict[str, list[Any]]) -> None:
     """Five steps at stage 3, MiCS (flat), saved; loaded at stage 2, flat (MiCS), and trained
     five more: the uninterrupted run's weights, so the optimizer state came back too."""
     data = batches(STEPS, ACCUM, 8)
     expected = train_reference(toy(), "adamw", data, STEPS, ACCUM, CLIP)
-    for states in run_ranks(_resume, 4, str(tmp_path / "ckpt")):
+    for states in runs["resume"]:
         for state in states:
             worst = max((state[k] - v).abs().max().item() for k, v in expected.items())
             assert worst <= 2e-5, worst
@@ -211,11 +212,11 @@ def _chain(rank: int, world: int, root: str) -> list[str]:
     return differs
 
 
-def test_checkpoints_move_through_every_layout(tmp_path: Path) -> None:
+def test_checkpoints_move_through_every_layout(runs: dict[str, list[Any]]) -> None:
     """flat stage 1 -> hierarchical stage 2 -> MiCS stage 3 -> ZeRO++ (hpZ + qwZ + qgZ) ->
     MiCS with qwZ -> MiCS stage 2 -> flat stage 3, a step in each: every load restores
     exactly the weights the previous layout saved, and its optimizer state."""
-    assert run_ranks(_chain, 4, str(tmp_path / "ckpt")) == [[]] * 4
+    assert runs["chain"] == [[]] * 4
 
 
 def _fails_in_one_group(rank: int, world: int) -> str:
@@ -236,10 +237,10 @@ def _fails_in_one_group(rank: int, world: int) -> str:
     return "built"
 
 
-def test_a_failure_in_one_shard_group_raises_in_the_other() -> None:
+def test_a_failure_in_one_shard_group_raises_in_the_other(runs: dict[str, list[Any]]) -> None:
     """Rank 3 fails to materialise its layers: ranks 0 and 1, in the other shard group, raise
     too (naming rank 3's error) instead of waiting in a collective rank 3 never joins."""
-    out = run_ranks(_fails_in_one_group, 4, timeout=120)
+    out = runs["failure"]
     assert "out of memory on rank 3" in out[3]
     for r in (0, 1, 2):
         assert out[r].startswith("RankFailedError") and "rank 3" in out[r], out[r]
@@ -273,7 +274,25 @@ def _refused(rank: int, world: int) -> list[str]:
     return out
 
 
-def test_what_mics_does_not_compose_with_is_refused_on_every_rank() -> None:
-    for said in run_ranks(_refused, 4):
+def test_what_mics_does_not_compose_with_is_refused_on_every_rank(
+    runs: dict[str, list[Any]],
+) -> None:
+    for said in runs["refused"]:
         for (_, _, says), text in zip(REFUSED, said, strict=True):
             assert "mics_shard_size" in text and says in text, text
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """Every 4-rank run of this module's tests, in one spawn (results by case, then rank);
+    the initialisation that fails on rank 3 last."""
+    root = tmp_path_factory.mktemp("mics")
+    calls = {
+        "stages": (_all_stages, (batches(STEPS, ACCUM, 8),)),
+        "branchy": (_branchy, ()),
+        "resume": (_resume, (str(root / "resume"),)),
+        "chain": (_chain, (str(root / "chain"),)),
+        "refused": (_refused, ()),
+        "failure": (_fails_in_one_group, ()),
+    }
+    return dict(zip(calls, run_ranks_each(list(calls.values()), 4), strict=True))
