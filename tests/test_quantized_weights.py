@@ -12,7 +12,7 @@ import torch
 
 from ds_strategy.core.compression.quantize import block_dequantize, block_quantize
 from tests.compression_common import Wire, corpus_losses
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks_each
 from tests.loops import parity_config, train_engine
 from tests.models import ToyLM, batches
 
@@ -45,7 +45,9 @@ def _run(rank: int, world: int, quantized: bool, stage: int, data: list[torch.Te
 
 def test_gathers_send_about_a_quarter_of_fp32() -> None:
     data = batches(3, 1, 8)
-    plain, quantized = (run_ranks(_run, 2, q, 3, data)[0] for q in (False, True))
+    plain, quantized = (
+        r[0] for r in run_ranks_each([(_run, (q, 3, data)) for q in (False, True)], 2)
+    )
     gathered = plain["report"]["all_gather"] - quantized["report"].get("all_gather", 0)
     assert quantized["report"]["qwz"] > 0 and gathered > 0
     # int8 blocks plus one fp32 scale per 256 (small shards pad their last block)
@@ -57,19 +59,21 @@ def test_gathers_send_about_a_quarter_of_fp32() -> None:
 
 def test_below_stage_3_it_changes_nothing() -> None:
     data = batches(3, 1, 8)
-    plain, quantized = (run_ranks(_run, 2, q, 2, data)[0] for q in (False, True))
+    plain, quantized = (
+        r[0] for r in run_ranks_each([(_run, (q, 2, data)) for q in (False, True)], 2)
+    )
     assert "qwz" not in quantized["report"]
     assert all(torch.equal(plain["state"][k], v) for k, v in quantized["state"].items())
 
 
 def test_the_demo_gpt_trains_to_within_3_percent_of_plain_stage_3() -> None:
     """300 steps of AdamW, every parameter sharded (no persistent ones)."""
-    losses = [
-        sum(run_ranks(corpus_losses, 2, {"method": "none"}, "adamw", 3, 1.0,
-                      {"zero_quantized_weights": q, "stage3_param_persistence_threshold": 0},
-                      timeout=300)[0]) / 20
+    calls = [
+        (corpus_losses, ({"method": "none"}, "adamw", 3, 1.0,
+                         {"zero_quantized_weights": q, "stage3_param_persistence_threshold": 0}))
         for q in (False, True)
     ]  # fmt: skip
+    losses = [sum(r[0]) / 20 for r in run_ranks_each(calls, 2)]
     print(losses, (losses[1] - losses[0]) / losses[0])
     assert losses[1] != losses[0]  # every layer was gathered quantized (no persistent ones)
     assert abs(losses[1] - losses[0]) / losses[0] <= 0.03
