@@ -19,7 +19,7 @@ from ds_strategy.core.mics import MiCSComm
 from ds_strategy.estimate import estimate, model_facts
 from tests.distributed import run_ranks_each
 from tests.loops import parity_config, train_engine, train_reference
-from tests.models import ToyLM, batches, lm_loss
+from tests.models import ToyLM, batches, lm_loss, make_optimizer
 from tests.test_topology import _GroupCounter
 
 STEPS, ACCUM, CLIP = 10, 2, 0.5
@@ -282,6 +282,48 @@ def test_what_mics_does_not_compose_with_is_refused_on_every_rank(
             assert "mics_shard_size" in text and says in text, text
 
 
+def _composed(rank: int, world: int) -> dict[str, Any]:
+    """MiCS under TP2 x DP2 (shard groups of 1 data-parallel rank, replicated over 2) against
+    the same without MiCS; MiCS with CPU optimizer offload at stage 2 against the reference."""
+    from tests.test_tensor_parallel import SEQ, VOCAB, gpt
+    from tests.test_tensor_parallel import STEPS as TP_STEPS
+
+    data = batches(TP_STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
+    out: dict[str, Any] = {}
+    for mics in (-1, 1):
+        config = parity_config(2, ACCUM, CLIP, tensor_parallel={"autotp_size": 2})
+        config["zero_optimization"]["mics_shard_size"] = mics
+        model = gpt()
+        engine = ds_strategy.initialize(model, make_optimizer("adamw", model), config)
+        dp, dps = engine.mesh.coordinates["dp"], engine.mesh.dp
+        for step in range(TP_STEPS):
+            for micro in range(ACCUM):
+                batch = data[step * ACCUM + micro]
+                per = batch.shape[0] // dps
+                engine.backward(lm_loss(engine, batch[dp * per : (dp + 1) * per]))
+                engine.step()
+        out[f"tp{mics}"] = engine.full_state_dict()
+        out[f"tp{mics}_mics"] = isinstance(engine.shard_comm, MiCSComm)
+        engine.destroy()
+    offload = _config(2, 2)
+    offload["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine = train_engine(toy(), "adamw", offload, batches(STEPS, ACCUM, 8), rank, world, STEPS)
+    out["offload"] = engine.full_state_dict()
+    engine.destroy()
+    return out
+
+
+def test_mics_composes_with_tensor_parallelism_and_offload(runs: dict[str, list[Any]]) -> None:
+    from tests.test_tensor_parallel import weights_diff
+
+    expected = train_reference(toy(), "adamw", batches(STEPS, ACCUM, 8), STEPS, ACCUM, CLIP)
+    for r in runs["composed"]:
+        assert r["tp1_mics"] and not r["tp-1_mics"]
+        assert weights_diff(r["tp1"], r["tp-1"]) <= 2e-5
+        worst = max((r["offload"][k] - v).abs().max().item() for k, v in expected.items())
+        assert worst <= 2e-5, worst
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     """Every 4-rank run of this module's tests, in one spawn (results by case, then rank);
@@ -293,6 +335,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
         "resume": (_resume, (str(root / "resume"),)),
         "chain": (_chain, (str(root / "chain"),)),
         "refused": (_refused, ()),
+        "composed": (_composed, ()),
         "failure": (_fails_in_one_group, ()),
     }
     return dict(zip(calls, run_ranks_each(list(calls.values()), 4), strict=True))
