@@ -40,13 +40,13 @@ def _warm_up(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> Any
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_the_warm_up_is_dense_adam_and_lamb(stage: int) -> None:
+def test_the_warm_up_is_dense_adam_and_lamb(runs: dict[Any, list[Any]], stage: int) -> None:
     data = batches(STEPS, ACCUM, 8)
     expected = {
         "onebitadam": train_reference(toy(), "adamw", data, STEPS, ACCUM, CLIP),
         "onebitlamb": train_reference(toy(), "lamb", data, STEPS, ACCUM, CLIP),
     }
-    for result in run_ranks(_warm_up, 2, stage, data):
+    for result in runs["warm up", stage]:
         for kind, (state, report) in result.items():
             worst = max((state[k] - v).abs().max().item() for k, v in expected[kind].items())
             assert worst <= 2e-5, (kind, worst)
@@ -62,12 +62,14 @@ def _stages(rank: int, world: int, kind: str, data: list[torch.Tensor]) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["onebitadam@3", "onebitlamb@3"])
-def test_the_compressed_phase_at_stage_2_equals_stage_1(kind: str) -> None:
+def test_the_compressed_phase_at_stage_2_equals_stage_1(
+    runs: dict[Any, list[Any]], kind: str
+) -> None:
     """The same whole-model momentum is exchanged over the same flat layout; stage 2 only
     keeps its local gradients in buckets and its reduced gradient in a shard. (Against stage
     0, whose flat groups are padded differently, the 1-bit chunks and their scales differ,
     so the weights do too: sign compression is not a reordering of a sum.)"""
-    for r in run_ranks(_stages, 2, kind, batches(STEPS, ACCUM, 8)):
+    for r in runs["stages", kind]:
         worst = max((r[2][k] - r[1][k]).abs().max().item() for k in r[1])
         assert worst <= 1e-5, worst  # measured 2.5e-6 (Adam), 1.2e-7 (LAMB)
 
@@ -102,10 +104,11 @@ def _bytes(rank: int, world: int, stage: int, kind: str, data: list[torch.Tensor
 @pytest.mark.parametrize(
     ("stage", "kind"), [(0, "onebitadam"), (1, "onebitlamb"), (2, "onebitadam"), (2, "onebitlamb")]
 )
-def test_compressed_steps_send_under_a_sixteenth_of_fp32(stage: int, kind: str) -> None:
-    data = batches(STEPS, ACCUM, 8)
+def test_compressed_steps_send_under_a_sixteenth_of_fp32(
+    runs: dict[Any, list[Any]], stage: int, kind: str
+) -> None:
     world, steps = 2, STEPS - 3
-    for r in run_ranks(_bytes, world, stage, kind, data):
+    for r in runs["bytes", stage, kind]:
         dense = 2 * (world - 1) / world * r["numel"] * 4  # a ring all-reduce of fp32 gradients
         report = r["report"]
         assert r["skipped"] == 0
@@ -235,8 +238,8 @@ def _public(rank: int, world: int, name: str) -> Any:
 
 
 @pytest.mark.parametrize("name", ONEBIT_CONFIGS)
-def test_public_deepspeed_configs_naming_them_train(name: str) -> None:
-    for r in run_ranks(_public, 2, name, timeout=300):
+def test_public_deepspeed_configs_naming_them_train(runs: dict[Any, list[Any]], name: str) -> None:
+    for r in runs["public", name]:
         assert r["type"] in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
         assert r["finite"] and r["changed"] and r["report"]["onebit"] > 0
         assert r["skipped"] < 4  # fp16 at 2**16 may skip the first step or two, as DeepSpeed
@@ -309,3 +312,20 @@ def _in_a_pipeline(rank: int, world: int) -> str:
 def test_pipelines_are_refused_on_every_rank() -> None:
     for message in run_ranks(_in_a_pipeline, 2):
         assert "OneBitAdam" in message and "remove the pipeline section" in message
+
+
+BYTES_CASES = [(0, "onebitadam"), (1, "onebitlamb"), (2, "onebitadam"), (2, "onebitlamb")]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[Any, list[Any]]:
+    """The 2-rank runs of the parametrized tests above, in one spawn (by case, then rank)."""
+    data = batches(STEPS, ACCUM, 8)
+    calls: dict[Any, tuple[Any, tuple]] = {("warm up", s): (_warm_up, (s, data)) for s in (0, 1)}
+    for kind in ("onebitadam@3", "onebitlamb@3"):
+        calls["stages", kind] = (_stages, (kind, data))
+    for stage, kind in BYTES_CASES:
+        calls["bytes", stage, kind] = (_bytes, (stage, kind, data))
+    for name in ONEBIT_CONFIGS:
+        calls["public", name] = (_public, (name,))
+    return dict(zip(calls, run_ranks_each(list(calls.values()), 2), strict=True))

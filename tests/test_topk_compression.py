@@ -34,11 +34,18 @@ def _parity(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> Any:
     return engine.full_state_dict()
 
 
+@pytest.fixture(scope="module")
+def parity_runs() -> list[list[Any]]:
+    """Stages 0-2 at ratio 1.0, in one spawn of 2 ranks (by stage, then rank)."""
+    data = batches(STEPS, ACCUM, 8)
+    return run_ranks_each([(_parity, (stage, data)) for stage in (0, 1, 2)], 2)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_ratio_one_equals_uncompressed_training(stage: int) -> None:
+def test_ratio_one_equals_uncompressed_training(parity_runs: list[list[Any]], stage: int) -> None:
     data = batches(STEPS, ACCUM, 8)
     expected = train_reference(toy(), "adamw", data, STEPS, ACCUM, CLIP)
-    for state in run_ranks(_parity, 2, stage, data):
+    for state in parity_runs[stage]:
         worst = max((state[k] - v).abs().max().item() for k, v in expected.items())
         assert worst <= 2e-5
 
