@@ -285,7 +285,7 @@ def test_what_mics_does_not_compose_with_is_refused_on_every_rank(
 def _composed(rank: int, world: int) -> dict[str, Any]:
     """MiCS under TP2 x DP2 (shard groups of 1 data-parallel rank, replicated over 2) against
     the same without MiCS; MiCS with CPU optimizer offload at stage 2 against the reference."""
-    from tests.test_tensor_parallel import SEQ, VOCAB, gpt
+    from tests.test_tensor_parallel import SEQ, VOCAB, _train_steps, gpt
     from tests.test_tensor_parallel import STEPS as TP_STEPS
 
     data = batches(TP_STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
@@ -295,13 +295,7 @@ def _composed(rank: int, world: int) -> dict[str, Any]:
         config["zero_optimization"]["mics_shard_size"] = mics
         model = gpt()
         engine = ds_strategy.initialize(model, make_optimizer("adamw", model), config)
-        dp, dps = engine.mesh.coordinates["dp"], engine.mesh.dp
-        for step in range(TP_STEPS):
-            for micro in range(ACCUM):
-                batch = data[step * ACCUM + micro]
-                per = batch.shape[0] // dps
-                engine.backward(lm_loss(engine, batch[dp * per : (dp + 1) * per]))
-                engine.step()
+        _train_steps(engine, data, 0, TP_STEPS)  # each data-parallel rank its rows
         out[f"tp{mics}"] = engine.full_state_dict()
         out[f"tp{mics}_mics"] = isinstance(engine.shard_comm, MiCSComm)
         engine.destroy()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "init_process_group_from_env", "Work"]
+__all__ = ["Comm", "init_process_group_from_env", "subgroup", "Work"]
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -385,6 +385,15 @@ class Comm:
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return Comm(group, link=self.link)
+
+
+def subgroup(ranks: list[int]) -> dist.ProcessGroup | None:
+    """A process group over the global ``ranks``, created by its members only (each rank
+    builds just the groups it belongs to, in any order); ``None`` (a world of one) when no
+    process group exists."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(ranks, use_local_synchronization=True)
 
 
 def init_process_group_from_env(timeout_s: float | None = None) -> bool:

@@ -127,7 +127,6 @@ class ZeroEngine(nn.Module):
             with together(self.comm):
                 self._check_mics(in_pipeline=_stage_of is not None)
             self.shard_comm = MiCSComm.build(self.comm, int(zc.mics_shard_size), self.topology)
-            self.shard_comm.at_boundary = zc.stage >= 2  # once per step, not per micro-batch
         with together(self.comm):
             self._check_supported()
             self.module = model

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .collectives import Comm, Work
+from .collectives import Comm, Work, subgroup
 from .topology import Topology
 
 __all__ = ["HierarchicalComm"]
@@ -76,8 +76,8 @@ class HierarchicalComm(Comm):
         local = mine.index(me)
         peers = [v[local] for _, v in sorted(by_machine.items())]
         comm = HierarchicalComm(group, link="inter", machines=len(by_machine))
-        comm.intra = Comm(_subgroup(mine), link="intra", parent=comm)
-        comm.inter = Comm(_subgroup(peers), link="inter", parent=comm)
+        comm.intra = Comm(subgroup(mine), link="intra", parent=comm)
+        comm.inter = Comm(subgroup(peers), link="inter", parent=comm)
         assert comm.intra.world_size == per
         return comm
 
@@ -127,8 +127,3 @@ class HierarchicalComm(Comm):
             self.inter.all_reduce(piece, kind=kind)
             self.intra.all_gather(flat, piece, kind=kind)
         return Work(None)
-
-
-def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
-    """A group over ``ranks``, made by its members only."""
-    return dist.new_group(ranks, use_local_synchronization=True)

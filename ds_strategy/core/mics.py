@@ -6,14 +6,14 @@ The ``N`` data-parallel ranks are cut into shard groups of ``S`` consecutive ran
 machine when ``S`` is the ranks per machine: torchrun and SLURM number ranks machine by
 machine) and replica groups of the ``R`` ranks with the same place in their shard group. ZeRO
 runs over the shard group as if it were the whole world: layouts, the optimizer's slices,
-stage 3's gathers and the post-step all-gathers never leave it. A gradient reduce-scatter
-runs over the shard group and then all-reduces the reduced slice over the replica group, so
-every rank receives its slice summed over all ``N`` ranks, as flat ZeRO's reduce-scatter
-gives it (the sum in another order: equal to float rounding). Under stages 2-3, which
-reduce-scatter every micro-batch into the gradient shard, the replica all-reduce waits for
-the accumulation boundary and sums the accumulated shard once (as DeepSpeed's MiCS does).
-What crosses the replica groups is ``2 (R-1)/R`` of ``1/S`` of the gradients per rank, once
-per optimizer step; parameters never cross.
+stage 3's gathers, the gradient reduce-scatters and the post-step all-gathers never leave
+it. At the accumulation boundary, once the reductions into the gradient shards are done
+(every micro-batch's at stages 2-3, the one reduction of stage 1), the engine sums each
+shard over the replica group (``sum_over_replicas``, as DeepSpeed's MiCS does), so every
+rank holds its slice summed over all ``N`` ranks, as flat ZeRO's reduce-scatter gives it
+(the sum in another order: equal to float rounding). What crosses the replica groups is
+``2 (R-1)/R`` of ``1/S`` of the gradients per rank, once per optimizer step; parameters
+never cross.
 
 Sums over shards (the gradient norm, LAMB's parameter norms) run over the shard group: each
 shard group holds the whole model once. Which parameters got a gradient must be known on
@@ -28,9 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from .collectives import Comm, Work
+from .collectives import Comm, subgroup
 from .topology import Topology
 
 __all__ = ["MiCSComm"]
@@ -39,15 +38,12 @@ __all__ = ["MiCSComm"]
 @dataclass
 class MiCSComm(Comm):
     """The shard group's ``Comm`` (see the note): its ``world_size`` and ``rank`` are the
-    shard group's, its reduce-scatter also sums over ``replica``, its broadcasts and
-    agreements run over ``everyone`` (the data-parallel group, which is also its parent:
+    shard group's, ``sum_over_replicas`` sums the gradient shards over ``replica``, its
+    broadcasts and agreements run over ``everyone`` (the data-parallel group, which is also its parent:
     every byte counts there)."""
 
     replica: Comm = field(default_factory=Comm)
     everyone: Comm = field(default_factory=Comm)
-    # stages 2-3: reduce-scatters stay in the shard group and the accumulated gradient
-    # shards are summed over the replicas once per optimizer step (sum_over_replicas)
-    at_boundary: bool = False
 
     @staticmethod
     def build(comm: Comm, size: int, topology: Topology) -> MiCSComm:
@@ -58,35 +54,17 @@ class MiCSComm(Comm):
         start = me // size * size
         shard = ranks[start : start + size]
         replica = ranks[me % size :: size]
-        mics = MiCSComm(_subgroup(shard), link=topology.link(shard), parent=comm, everyone=comm)
-        mics.replica = Comm(_subgroup(replica), link=topology.link(replica), parent=mics)
+        mics = MiCSComm(subgroup(shard), link=topology.link(shard), parent=comm, everyone=comm)
+        mics.replica = Comm(subgroup(replica), link=topology.link(replica), parent=mics)
         return mics
-
-    @property
-    def replicas(self) -> int:
-        return self.replica.world_size
 
     @property
     def agreement(self) -> Comm:
         return self.everyone
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
-        inside = super().reduce_scatter(out, full, async_op=True)
-        if self.at_boundary:
-            return self._settle(inside, async_op)
-
-        def across() -> None:
-            inside.wait()
-            self.replica.all_reduce(out)
-
-        return self._settle(Work(None, then=across, scratch=inside.scratch), async_op)
-
     def sum_over_replicas(self, shards: list[torch.Tensor]) -> None:
-        """With ``at_boundary``: the gradient shards accumulated over an optimizer step's
-        micro-batches, summed over the replica groups (one all-reduce each, all in flight
-        together)."""
-        if not self.at_boundary:
-            return
+        """The gradient shards of an optimizer step, reduced in the shard group, summed over
+        the replica groups (one all-reduce each, all in flight together)."""
         for work in [self.replica.all_reduce(t, async_op=True) for t in shards]:
             work.wait()
 
@@ -94,7 +72,3 @@ class MiCSComm(Comm):
         """From group rank ``src`` of the first shard group to every rank: every replica
         starts from the same values."""
         self.everyone.broadcast(tensor, src)
-
-
-def _subgroup(ranks: list[int]) -> dist.ProcessGroup | None:
-    return dist.new_group(ranks, use_local_synchronization=True) if dist.is_initialized() else None

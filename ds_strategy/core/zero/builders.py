@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ...config import ZeroConfig
-from ..collectives import Comm, Work
+from ..collectives import Comm, Work, subgroup
 from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..memory import ModelStateMeter
@@ -175,8 +175,7 @@ def hpz_comm(comm: Comm, size: int) -> Comm | None:
     ranks = comm.global_ranks()
     start = comm.rank // size * size
     mine = ranks[start : start + size]
-    group = torch.distributed.new_group(mine, use_local_synchronization=True)
-    return Comm(group, parent=comm)  # the engine sets its link from the topology
+    return Comm(subgroup(mine), parent=comm)  # the engine sets its link from the topology
 
 
 def group_numel(config: ZeroConfig, comm: Comm) -> int:
