@@ -121,12 +121,38 @@ def _peak_inside_collectives(rank: int, world: int, stage: int) -> dict[str, Any
     """The engine's reported peak against live tensors read at every point of a step and
     inside every all-to-all (the reduce-scatters' first level runs on one), where the
     two-level collectives hold their reordered copy and their levels' buffers."""
-    from tests.test_memory_peak import CFG, _sizes, measure
+    import torch.distributed as dist
 
+    from ds_strategy.core.memory import StepMemoryProbe
+    from tests.test_memory_peak import _config as memory_config
+    from tests.test_memory_peak import _model, _probed_step, _sizes
+
+    sizes = _sizes()
     g = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, CFG.vocab, (2, CFG.seq + 1), generator=g) for _ in range(3)]
-    topology = {"topology": {"ranks_per_machine": 2, "hierarchical": True}}
-    return measure(stage, "fp32", 1, data, _sizes(), topology, inside="all_to_all_single")
+    data = [torch.randint(0, 512, (2, 33), generator=g) for _ in range(3)]
+    StepMemoryProbe.exclude_existing()
+    model = _model()
+    probe = StepMemoryProbe(model, baseline=0)
+    probe.armed = False
+    config = memory_config(stage, "fp32", 1, sizes)
+    config["topology"] = {"ranks_per_machine": 2, "hierarchical": True}
+    engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    probe.watch_optimizer(engine.optimizer)
+    original = dist.all_to_all_single
+
+    def read_inside(*args: Any, **kwargs: Any) -> Any:
+        probe.mark("in_collective")
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = read_inside
+    _probed_step(engine, probe, data[:1])
+    engine.reset_peak_memory()
+    probe.armed = True
+    _probed_step(engine, probe, data[1:])
+    dist.all_to_all_single = original
+    out = {"readings": dict(probe.readings), "peak": engine.memory_report()["peak"]}
+    probe.close()
+    return out
 
 
 def test_the_reported_peak_includes_the_two_level_buffers(runs: dict[Any, list[Any]]) -> None:

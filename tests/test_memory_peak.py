@@ -16,11 +16,8 @@ mixed precision the optimizer step adds an fp32 copy of the gradient shard (4 Ps
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import ds_strategy
 from ds_strategy.core.activation_checkpointing import SavedTensorMeter
@@ -123,11 +120,7 @@ def measure(
     data: list[torch.Tensor],
     sizes: dict,
     extra: dict | None = None,
-    inside: str | None = None,
 ) -> dict:
-    """The probe's worst reading at every point of two measured steps and the engine's peak;
-    ``inside`` names a ``torch.distributed`` function to read inside too (``in_collective``),
-    where a composed collective holds its own buffers."""
     StepMemoryProbe.exclude_existing()  # the batches, the imports: not model state
     model = _model()
     probe = StepMemoryProbe(model, baseline=0)  # before the engine: see its docs
@@ -138,22 +131,12 @@ def measure(
         _merge(_config(stage, precision, accumulation, sizes), extra or {}),
     )
     probe.watch_optimizer(engine.optimizer)
-    if inside is not None:
-        original = getattr(dist, inside)
-
-        def read_inside(*args: Any, **kwargs: Any) -> Any:
-            probe.mark("in_collective")
-            return original(*args, **kwargs)
-
-        setattr(dist, inside, read_inside)
     micro = [data[i % len(data)] for i in range(3 * accumulation)]
     _probed_step(engine, probe, micro[:accumulation])  # stage 3 records its order; Adam's state
     engine.reset_peak_memory()
     probe.armed = True
     for i in range(1, 3):
         _probed_step(engine, probe, micro[i * accumulation : (i + 1) * accumulation])
-    if inside is not None:
-        setattr(dist, inside, original)
     result = {"readings": dict(probe.readings), "peak": engine.memory_report()["peak"]}
     probe.close()
     engine.destroy()
