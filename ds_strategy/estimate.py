@@ -32,18 +32,17 @@ optimizer, then of the parameters, then NVMe. The recommendation is the first th
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
+
+from .core.model_factory import build_with, import_factory, meta_device
 
 __all__ = [
     "Estimate",
@@ -275,63 +274,6 @@ def config_of(e: Estimate) -> dict[str, Any]:
 # -- counting a model without allocating it ---------------------------------------------------
 
 
-def _import_factory(spec: str) -> Callable[..., Any]:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"--model {spec!r}: expected 'package.module:factory' (e.g. 'ds_strategy.demos.gpt:GPT' "
-            "or 'mypkg.models:build_model')"
-        )
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # a module of the current project, like python -m
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"--model {spec!r}: cannot import {module_name!r} ({err}); run from the directory "
-            "that contains it or install its package"
-        ) from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"--model {spec!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"--model {spec!r}: {attr!r} is not callable")
-    return obj
-
-
-def _build_meta(factory: Callable[..., Any], kwargs: dict[str, Any]) -> nn.Module:
-    """Call ``factory(**kwargs)`` on the meta device. A factory whose first parameter is a
-    config object (e.g. ``GPT(config)``) gets one built from its annotation's type."""
-    import inspect
-
-    with torch.device("meta"):
-        try:
-            return _checked_module(factory(**kwargs))
-        except TypeError as first:
-            params = list(inspect.signature(factory).parameters.values())
-            if not params:
-                raise
-            ann = params[0].annotation
-            hints = getattr(factory, "__init__", factory)
-            try:
-                import typing
-
-                ann = typing.get_type_hints(hints).get(params[0].name, ann)
-            except Exception:  # noqa: BLE001 - string annotations that do not resolve
-                pass
-            if not isinstance(ann, type):
-                raise ValueError(f"cannot build the model: {first}") from None
-            return _checked_module(factory(ann(**kwargs)))
-
-
-def _checked_module(obj: Any) -> nn.Module:
-    if not isinstance(obj, nn.Module):
-        raise ValueError(f"the model factory returned {type(obj).__name__}, not an nn.Module")
-    return obj
-
-
 def model_facts(
     model: nn.Module | str | Callable[..., Any],
     kwargs: dict[str, Any] | None = None,
@@ -343,9 +285,9 @@ def model_facts(
     from .core.zero.units import plan_units
 
     if isinstance(model, str):
-        model = _import_factory(model)
+        model = import_factory(model)
     if not isinstance(model, nn.Module):
-        model = _build_meta(model, dict(kwargs or {}))
+        model = build_with(model, dict(kwargs or {}), meta_device)
     params = list(model.parameters())
     plan = plan_units(model, persistence_threshold)
     units = [sum(p.numel() for p in plan.params[id(u)]) for u in plan.units]  # root last

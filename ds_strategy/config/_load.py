@@ -29,7 +29,7 @@ import os
 import re
 import typing
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -48,6 +48,7 @@ from ._schema import (
     FP16Config,
     LeafSpec,
     OffloadConfig,
+    QuantizationConfig,
     SchedulerConfig,
     TensorParallelConfig,
     UnknownConfigKeyWarning,
@@ -81,7 +82,7 @@ class _Field:
     """How the loader treats one dataclass field: a leaf, a nested section or a free mapping."""
 
     name: str
-    kind: str  # "leaf" | "section" | "mapping"
+    kind: str  # "leaf" | "section" | "mapping" | "names" (a list of strings)
     field: dataclasses.Field[Any]
     spec: LeafSpec | None = None
     section: type | None = None
@@ -109,6 +110,8 @@ def _schema(cls: type) -> dict[str, _Field]:
             out[f.name] = _Field(f.name, "section", f, section=args[0], optional=True)
         elif typing.get_origin(hint) is dict:
             out[f.name] = _Field(f.name, "mapping", f)
+        elif typing.get_origin(hint) is list:
+            out[f.name] = _Field(f.name, "names", f)
         else:  # a schema bug, not a user error
             raise TypeError(f"{cls.__name__}.{f.name}: declare leaves with leaf(), not {hint}")
     return out
@@ -337,6 +340,19 @@ def _check_tensor_parallel(cfg: TensorParallelConfig, prefix: str) -> None:
             _fail(key, f"{style!r} is not a tensor-parallel style; use one of {choices}")
 
 
+def _check_quantization(cfg: QuantizationConfig, prefix: str) -> None:
+    if cfg.qat is True and cfg.bits is None:
+        _fail(f"{prefix}.bits", "qat trains with fake-quantized weights: set bits to 8 or 4")
+    for i, pattern in enumerate(cfg.modules_to_not_convert):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            _fail(
+                f"{prefix}.modules_to_not_convert[{i}]",
+                f"{pattern!r} is not a regular expression over module names ({e})",
+            )
+
+
 # Sections without an entry need no rule beyond their per-leaf specs.
 _CHECKS: dict[type, Callable[[Any, str], None]] = {
     OffloadConfig: _check_offload,
@@ -344,6 +360,7 @@ _CHECKS: dict[type, Callable[[Any, str], None]] = {
     FP16Config: _check_fp16,
     SchedulerConfig: _check_scheduler,
     TensorParallelConfig: _check_tensor_parallel,
+    QuantizationConfig: _check_quantization,
     ZeroConfig: _check_top,
 }
 
@@ -358,6 +375,14 @@ def _parse_field(f: _Field, value: Any, key: str, base: Any, found: Found) -> An
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             _fail(key, f"expected a mapping with string keys, got {value!r}")
         return copy.deepcopy(dict(value))  # never alias the caller's dict
+    if f.kind == "names":
+        if (
+            not isinstance(value, Sequence)
+            or isinstance(value, str)
+            or not all(isinstance(v, str) for v in value)
+        ):
+            _fail(key, f'expected a list of strings such as ["lm_head"], got {value!r}')
+        return list(value)
     if value is None and f.optional:
         return None
     assert f.section is not None

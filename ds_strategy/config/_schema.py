@@ -363,8 +363,38 @@ class TensorParallelConfig:
     {}
     """
 
-    autotp_size: Any = leaf(int, 1, ge=1)
+    autotp_size: Any = leaf(int, 1, ge=1, aliases=("tp_size",))  # tp_size: DeepSpeed inference's
     plan: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """``quantization`` (ds_strategy's section): weight-only integer quantization of the
+    ``nn.Linear`` and ``nn.Embedding`` weights, for ``ds_strategy.init_inference`` (weights
+    quantized on load and kept quantized in memory, in ZeRO's all-gathers and on disk) or, with
+    ``qat: true``, trained with fake-quantized weights by the training engine.
+
+    ``bits``: 8 (one scale per output channel) or 4 (one scale per ``group_size`` input
+    features, two values packed per byte); unset: no quantization. ``symmetric``: signed values
+    and a scale (as torchao's symmetric schemes), or unsigned values with a scale and a zero
+    point. ``modules_to_not_convert``: regular expressions searched in module names (so a plain
+    name such as ``"lm_head"`` matches it anywhere, as in transformers); those modules keep
+    their full-precision weights, as do embeddings with ``embeddings: false``. ``kernel``:
+    ``auto`` (torchao's quantized tensors where they cover the bits and device, else
+    dequantize-then-matmul), ``torchao``, ``torch`` (torch's int8 weight-only matmul) or
+    ``dequantize``.
+
+    >>> QuantizationConfig(bits=4).group_size
+    64
+    """
+
+    bits: Any = leaf(int, None, choices=(4, 8))
+    group_size: Any = leaf(int, 64, choices=(32, 64, 128))
+    symmetric: Any = leaf(bool, True)
+    modules_to_not_convert: list[str] = field(default_factory=list)
+    embeddings: Any = leaf(bool, True)
+    kernel: Any = leaf(str, None, choices=("torchao", "torch", "dequantize"))
+    qat: Any = leaf(bool, False)
 
 
 @dataclass(frozen=True)
@@ -474,6 +504,7 @@ class ZeroConfig:
     tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
     gradient_compression: GradientCompressionConfig = section(GradientCompressionConfig)
+    quantization: QuantizationConfig = section(QuantizationConfig)
     topology: TopologyConfig = section(TopologyConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
