@@ -40,9 +40,11 @@ def materialize_modules(
     replaced: dict[int, nn.Parameter],
     param_init_fn: ParamInit | None = None,
     names: dict[int, str] | None = None,
+    init: bool = True,
 ) -> None:
     """Give real storage on ``device`` to the meta parameters and buffers held directly by
-    ``modules`` and initialise them (``param_init_fn(module)``, else ``reset_parameters()``)."""
+    ``modules`` and initialise them (``param_init_fn(module)``, else ``reset_parameters()``;
+    ``init=False``: leave them uninitialised, for values about to be loaded)."""
     for m in _post_order(modules):
         direct = [*m._parameters.values(), *m._buffers.values()]
         if not any(t is not None and t.device.type == "meta" for t in direct):
@@ -60,7 +62,8 @@ def materialize_modules(
         for name, b in list(m._buffers.items()):
             if b is not None and b.device.type == "meta":
                 m._buffers[name] = torch.zeros_like(b, device=device)
-        _init(m, param_init_fn, (names or {}).get(id(m), type(m).__name__))
+        if init:
+            _init(m, param_init_fn, (names or {}).get(id(m), type(m).__name__))
 
 
 def _init(m: nn.Module, param_init_fn: ParamInit | None, where: str) -> None:

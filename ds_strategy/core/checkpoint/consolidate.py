@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,19 +27,9 @@ from .manager import resolve_load_dir
 from .sharded import single_process_ok
 from .trust import SafeReader
 from .validate import META_FILE, check_files
+from .weights_file import stream_safetensors
 
 __all__ = ["consolidate"]
-
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float64: "F64",
-}
 
 
 def _entries(reader: SafeReader) -> dict[str, TensorStorageMetadata]:
@@ -111,28 +100,11 @@ def consolidate(
 def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None) -> None:
     reader = SafeReader(src)
     shapes = _shapes(src)
-    header: dict[str, dict] = {}
-    offset = 0
+    entries = []
     for key, m in sorted(_entries(reader).items()):
         name = key.split("/", 1)[1]
         t_dtype = m.properties.dtype
         if dtype is not None and t_dtype.is_floating_point:
             t_dtype = dtype
-        shape = shapes.get(name, list(m.size))
-        nbytes = m.size.numel() * t_dtype.itemsize
-        header[name] = {
-            "dtype": _ST_DTYPES[t_dtype],
-            "shape": shape,
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for _, t in _stream(src, dtype):
-            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-            del t
-    tmp.rename(out)
+        entries.append((name, t_dtype, shapes.get(name, list(m.size))))
+    stream_safetensors(out, entries, (t for _, t in _stream(src, dtype)))

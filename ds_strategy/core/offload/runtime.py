@@ -153,16 +153,16 @@ class Offload:
                 out.append((g, f"param_{i}", g.shard))
         return out
 
-    def _needed_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def _needed_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
         total = sum(t.numel() * t.element_size() for _, _, t in self._swapped_group_tensors())
-        if self.nvme_optimizer:
+        if self.nvme_optimizer and optimizer is not None:
             per = _state_bytes_per_element(optimizer)
             total += sum(per * g.step_params.numel() * 4 for g in self.groups if g.trainable)
         return total
 
-    def attach(self, sharded_opt: Any, checkpoint_marker: str) -> None:
+    def attach(self, sharded_opt: Any | None, checkpoint_marker: str) -> None:
         """Open the swap directory (checking it first), swap out what lives on disk, and give
-        the optimizer its bucketed step."""
+        the optimizer its bucketed step (``None``: no optimizer, as in inference)."""
         if not (self.nvme_optimizer or self.nvme_params):
             return
         cfg = self.opt_cfg if self.nvme_optimizer else self.param_cfg
@@ -176,7 +176,7 @@ class Offload:
         self.swap_dir = SwapDir(
             cfg.nvme_path,
             self.rank,
-            self._needed_bytes(sharded_opt.optimizer),
+            self._needed_bytes(sharded_opt.optimizer if sharded_opt is not None else None),
             checkpoint_marker,
             key=f"zero_optimization.{key}.nvme_path",
             io_threads=2,
@@ -189,6 +189,9 @@ class Offload:
             if name.startswith("param_"):
                 g.param_store = _SwappedParams(g, swap, order)
             swap.release(dirty=True)
+        if sharded_opt is None:
+            self.wait()
+            return
         self.state = StateSwaps(sharded_opt, self.swap_dir) if self.nvme_optimizer else None
         self.stepper = BucketedStep(
             sharded_opt,

@@ -23,6 +23,7 @@ fails loudly instead of reading freed memory.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -186,6 +187,18 @@ class FlatParamGroup:
         self._bind_grads()
         if self.policy.shard_params:
             self.release()
+
+    def load_shard(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Stage 3 filled from a weights file (inference): this rank's slice read piece by
+        piece, ``read(index, start, stop)`` giving elements ``[start, stop)`` of parameter
+        ``index`` flattened; nothing is broadcast. Then the parameters are bound and released."""
+        assert self.policy.shard_params, "load_shard fills a partitioned (stage 3) group"
+        for pc in self.layout.pieces(self.rank):
+            stop = pc.param_start + pc.length
+            piece = read(pc.index, pc.param_start, stop)
+            self.shard[pc.shard_start : pc.shard_start + pc.length].copy_(piece)
+        self._bind_params()
+        self.release()
 
     def _bind_params(self) -> None:
         for p, slot, shape in zip(self.params, self.layout.slots, self.shapes, strict=True):
