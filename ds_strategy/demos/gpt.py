@@ -21,6 +21,23 @@ class GPTConfig:
     tie_embeddings: bool = True  # the head reuses the token embedding's weight
 
 
+class KVCache:
+    """Keys and values of the tokens a generation has seen, one ``(k, v)`` per block, so each
+    new token attends to them without recomputing them (``GPT.forward(idx, cache=...)``)."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.length = 0  # tokens cached so far
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.layers[i] if i < len(self.layers) else None
+
+    def store(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        while len(self.layers) <= i:
+            self.layers.append(None)
+        self.layers[i] = (k, v)
+
+
 class Block(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
@@ -35,7 +52,9 @@ class Block(nn.Module):
         self.fc = nn.Linear(c.d, 4 * c.d)
         self.out = nn.Linear(4 * c.d, c.d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, index: int = 0
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         # qkv's outputs are laid out head by head (q, k, v of head 0, then of head 1, ...), so
         # a tensor-parallel split of them gives each rank whole heads: the head count is read
@@ -43,7 +62,17 @@ class Block(nn.Module):
         q, k, v = (
             self.qkv(self.ln1(x)).view(b, t, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         )
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        past = cache.layer(index) if cache is not None else None
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        if cache is not None:
+            cache.store(index, k, v)
+        start = k.shape[2] - t  # tokens before these
+        if start == 0 or t == 1:  # causal from the start, or one new token that sees all
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        else:
+            mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(start)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -61,11 +90,21 @@ class GPT(nn.Module):
             self.head.weight = self.wte.weight
         self.apply(init_weights)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of every position of ``idx``; with ``cache`` (generation), ``idx`` continues
+        the tokens the cache holds, and their keys and values are added to it."""
+        start = cache.length if cache is not None else 0
+        if start + idx.shape[1] > self.config.seq:
+            raise ValueError(
+                f"{start + idx.shape[1]} positions: this GPT has {self.config.seq} "
+                "(GPTConfig.seq); keep prompt plus generated tokens within it"
+            )
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache, i)
+        if cache is not None:
+            cache.length += idx.shape[1]
         return self.head(self.ln_f(x))
 
 
