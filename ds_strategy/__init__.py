@@ -28,6 +28,7 @@ from .core.engine import ZeroEngine
 from .core.faults import RankFailedError, together
 
 if TYPE_CHECKING:
+    from .core.inference import InferenceEngine
     from .core.pipeline import PipelineEngine
 
 __all__ = [
@@ -35,12 +36,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
     "ConfigError",
+    "InferenceEngine",
     "PipelineEngine",
     "RankFailedError",
     "UntrustedContentError",
     "ZeroConfig",
     "ZeroEngine",
     "consolidate",
+    "init_inference",
     "initialize",
     "load_config",
     "zero_config",
@@ -97,11 +100,81 @@ def initialize(
     )
 
 
+def init_inference(
+    model: Any,
+    config: Any = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    tensor_parallel: int | dict[str, Any] | None = None,
+    quantization: int | dict[str, Any] | None = None,
+    checkpoint: Any = None,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    require_checksums: bool = True,
+) -> InferenceEngine:
+    """A model ready for inference: ``engine(inputs)``, ``engine.generate(input_ids, ...)``,
+    ``engine.memory_report()``, ``engine.save_quantized(path)``, ``engine.destroy()``.
+
+    Args:
+        model: an ``nn.Module`` (with its weights, or on the meta device with ``checkpoint``),
+            a callable building one, ``'package.module:factory'``, a Hugging Face model
+            directory, or a directory with a ``ds_model.json`` (what the example job saves).
+            Its parameters are built on the meta device; each rank reads only its part.
+        config: the training config format (dict, path, ``ZeroConfig``): a ``zero_optimization``
+            section with ``stage: 3`` (and ``offload_param``) for ZeRO-Inference, a
+            ``tensor_parallel`` section, a ``quantization`` section (``bits``: 8 or 4,
+            ``group_size``, ``symmetric``, ``modules_to_not_convert``); ``bf16`` / ``fp16``
+            set the dtype.
+        dtype: ``torch.float32`` / ``bfloat16`` / ``float16`` (or ``"fp32"`` ...); overrides
+            the config's.
+        tensor_parallel: the tensor-parallel size (or a ``tensor_parallel`` section).
+        quantization: the bits (or a ``quantization`` section).
+        checkpoint: the weights: a ds_strategy checkpoint (any world size, stage or
+            tensor-parallel layout it was trained in), a ``.safetensors`` file or a directory
+            of them.
+
+    >>> import torch, ds_strategy
+    >>> engine = ds_strategy.init_inference(torch.nn.Sequential(torch.nn.Linear(64, 8)),
+    ...                                     quantization=8)
+    >>> engine(torch.randn(2, 64)).shape
+    torch.Size([2, 8])
+    """
+    from .core.inference import InferenceEngine
+
+    return InferenceEngine(
+        model,
+        config,
+        dtype=dtype,
+        tensor_parallel=tensor_parallel,
+        quantization=quantization,
+        checkpoint=checkpoint,
+        process_group=process_group,
+        require_checksums=require_checksums,
+        loaders=(hf_model_directory,),
+    )
+
+
+def hf_model_directory(path: Any) -> Any:
+    """A Hugging Face model directory (``config.json``) as a meta-device model, its weights and
+    its tokenizer; ``None`` for any other directory (``ds_strategy.hf`` builds it: the only
+    module that imports transformers)."""
+    from pathlib import Path
+
+    if not (Path(path) / "config.json").is_file():
+        return None
+    from .hf.models import load_model_directory
+
+    return load_model_directory(Path(path))
+
+
 def __getattr__(name: str) -> Any:
     if name == "PipelineEngine":
         from .core.pipeline import PipelineEngine
 
         return PipelineEngine
+    if name == "InferenceEngine":
+        from .core.inference import InferenceEngine
+
+        return InferenceEngine
     raise AttributeError(f"module 'ds_strategy' has no attribute {name!r}")
 
 

@@ -36,6 +36,9 @@ from .optim.zeroone import ZeroOneAdam
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
+from .quant.export import write_quantized_state
+from .quant.qat import prepare_qat
+from .quant.scheme import QuantScheme
 from .schedulers import build_scheduler
 from .timers import StepTimers, phase
 from .topology import Topology
@@ -102,6 +105,10 @@ class ZeroEngine(nn.Module):
         zc = self.config.zero_optimization
         self.stage = zc.stage
         check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
+        self.qat: dict[str, str] = {}  # layer -> fake quantization (quantization.qat)
+        if self.config.quantization.qat:
+            with together(self.comm):
+                self.qat = _prepare_qat(model, self.config, tp)
         self.mesh = ParallelMesh.flat(self.comm.rank, self.comm.world_size)
         # every rank holding a part of this engine's state: checkpoints are written by them all
         self.checkpoint_comm = self.comm
@@ -627,6 +634,37 @@ class ZeroEngine(nn.Module):
             torch.distributed.barrier()
         return path
 
+    def save_quantized(self, path: str | os.PathLike) -> Path:
+        """Write the consolidated weights in the quantized inference format of the config's
+        ``quantization`` section (``bits``, ``group_size``, ``symmetric``,
+        ``modules_to_not_convert``): after quantization-aware training (``qat: true``) these
+        are exactly the integers training computed with. ``ds_strategy.init_inference(model,
+        checkpoint=path)`` loads the file as stored. Collective; rank 0 gathers and writes.
+
+        >>> engine.save_quantized("model-int4.safetensors")  # doctest: +SKIP
+        """
+        qc = self.config.quantization
+        path = Path(path)
+        if qc.bits is None or path.suffix != ".safetensors":
+            raise ValueError(
+                f"save_quantized({str(path)!r}): needs a .safetensors path and a quantization "
+                "section with bits 8 or 4 in the config"
+            )
+        state = self.full_state_dict(rank0_only=True)
+        if self.rank == 0 and self.mesh.coordinates["tp"] == 0:
+            write_quantized_state(
+                state,
+                self.module,
+                QuantScheme(int(qc.bits), int(qc.group_size), bool(qc.symmetric)),
+                path,
+                embeddings=bool(qc.embeddings),
+                modules_to_not_convert=list(qc.modules_to_not_convert),
+            )
+        self.comm.barrier()
+        if self.tensor_parallel is not None:
+            torch.distributed.barrier()
+        return path
+
     def save_checkpoint(
         self,
         path: str | os.PathLike,
@@ -799,6 +837,24 @@ class ZeroEngine(nn.Module):
             self.plan.remove_hooks()
             if self._offload is not None:
                 self._offload.close()
+
+
+def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str]:
+    """``quantization.qat``: the layers the quantization converts train fake-quantized."""
+    qc = config.quantization
+    if tp > 1:
+        raise ValueError(
+            "quantization.qat with tensor_parallel.autotp_size > 1 is not supported: the fake "
+            "quantization rounds whole rows of each weight, which tensor parallelism splits; "
+            "train with qat at autotp_size 1"
+        )
+    scheme = QuantScheme(int(qc.bits), int(qc.group_size), bool(qc.symmetric))
+    return prepare_qat(
+        model,
+        scheme,
+        embeddings=bool(qc.embeddings),
+        modules_to_not_convert=list(qc.modules_to_not_convert),
+    )
 
 
 def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:

@@ -1,0 +1,457 @@
+"""``InferenceEngine``: a model served from sharded, offloaded, quantized or tensor-parallel
+weights, built without the whole model ever existing on one rank.
+
+[Note: the four ways a rank holds the weights]
+- plain: every parameter whole on every rank (each rank an independent replica);
+- ZeRO-Inference (``zero_optimization.stage: 3``): every rank holds a 1/N slice of each
+  block's flat parameters; each forward gathers a block just before it runs (prefetching the
+  next, within ``stage3_prefetch_bucket_size``) and releases it after, so at most
+  ``stage3_max_live_parameters`` elements are ever gathered; with ``offload_param`` the slices
+  live on the CPU or in NVMe files between uses (ZeRO-3's own runtime, ``core/zero/stage3.py``,
+  with no gradients);
+- tensor parallelism (``tensor_parallel.autotp_size``): the training plans split each layer
+  over T consecutive ranks (``tp.py``);
+- quantized (``quantization.bits``): the ``nn.Linear`` / ``nn.Embedding`` weights as int8 or
+  packed int4 with their scales, in any of the above (ZeRO then gathers int8 bytes).
+The model is first built with its parameters on the meta device; each rank then reads from the
+weights only the part it keeps (``placement.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ...config import ZeroConfig, load_config
+from ..checkpoint.validate import META_FILE
+from ..collectives import Comm, init_process_group_from_env
+from ..faults import together
+from ..memory import ModelStateMeter
+from ..mesh import ParallelMesh
+from ..offload import Offload
+from ..quant.modules import QuantPlan, quantize_modules, resolve_kernel
+from ..quant.scheme import QuantScheme
+from ..tp.plan import resolve_plan
+from ..zero.flat_group import GradScaling
+from ..zero.inflight import ReductionQueue
+from ..zero.stage3 import Stage3Runtime, Unit
+from .building import DirectoryLoader, LoadedModel, load_model
+from .generate import agreed_seed, sample_loop
+from .origins import origins_for, quant_metadata
+from .placement import WeightReader, place_sharded, place_whole
+from .save import write_quantized
+from .sources import ModuleSource, WeightSource, open_source, source_kind
+from .tp import TensorParallelInference
+
+__all__ = ["InferenceEngine"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class InferenceEngine(nn.Module):
+    """A model ready to run: ``engine(inputs)``, ``engine.generate(...)``. Build it with
+    :func:`ds_strategy.init_inference`. Every call that runs the model is collective under
+    ZeRO-Inference and tensor parallelism: call it on every rank, the same number of times."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: Any = None,
+        *,
+        dtype: torch.dtype | str | None = None,
+        tensor_parallel: int | dict[str, Any] | None = None,
+        quantization: int | dict[str, Any] | None = None,
+        checkpoint: str | os.PathLike | None = None,
+        process_group: torch.distributed.ProcessGroup | None = None,
+        require_checksums: bool = True,
+        loaders: Sequence[DirectoryLoader] = (),
+    ) -> None:
+        super().__init__()
+        init_process_group_from_env()
+        self.comm = Comm(process_group)
+        with together(self.comm):
+            self.config = _config(config, tensor_parallel, quantization)
+            self.dtype = _dtype(dtype, self.config)
+            loaded = load_model(model, loaders)
+            self.tokenizer = loaded.tokenizer
+            where = _weights_path(loaded, checkpoint)
+            kind = source_kind(where)[0] if where is not None else "module"
+        source = self._open(loaded.model, where, kind, require_checksums)
+        self.module = loaded.model
+        self.device = _device()
+        self.sharded = self.config.zero_optimization.stage == 3
+        self.tensor_parallel: TensorParallelInference | None = None
+        tp = int(self.config.tensor_parallel.autotp_size)
+        with together(self.comm):
+            self._check_layout(tp)
+        if tp > 1:  # a collective: the mesh's groups
+            mesh = ParallelMesh.build(self.comm.world_size, tp, self.device)
+            self.tp_comm = Comm(mesh.group("tp"))
+        self.meter = ModelStateMeter()
+        self.units: list[Unit] = []
+        with together(self.comm):
+            self.quant = self._prepare(source, tp)
+            self._place(source)
+        with together(self.comm):
+            self._offload = Offload.build(
+                self.config, [g for u in self.units for g in u.groups], self.comm.rank
+            )
+            if self._offload is not None:
+                self._offload.attach(None, META_FILE)
+        self.runtime = self._runtime()
+        source.close()
+        self.module.eval()
+        self.meter.set_resident(self._resident_bytes())
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _open(
+        self, model: nn.Module, where: Path | None, kind: str, require_checksums: bool
+    ) -> WeightSource:
+        if kind == "checkpoint":  # collective: the ranks share the checksum work
+            assert where is not None
+            return open_source(where, self.comm, require_checksums)
+        source: WeightSource | None = None
+        with together(self.comm):
+            if kind == "module":
+                source = ModuleSource.take(model)
+            else:
+                assert where is not None
+                source = open_source(where, self.comm)
+        assert source is not None
+        return source
+
+    def _check_layout(self, tp: int) -> None:
+        zc = self.config.zero_optimization
+        if tp > 1 and self.sharded:
+            raise ValueError(
+                f"tensor_parallel.autotp_size={tp} with zero_optimization.stage 3: inference "
+                "shards the weights one way at a time; keep tensor parallelism (each rank holds "
+                "1/T of every split layer) or ZeRO-Inference (each rank 1/N of every layer, "
+                "gathered per layer)"
+            )
+        if zc.stage in (1, 2):
+            raise ValueError(
+                f"zero_optimization.stage {zc.stage}: inference has no optimizer state or "
+                "gradients to shard; use stage 3 (ZeRO-Inference: sharded weights) or 0"
+            )
+        if tp > 1:
+            ParallelMesh.data_parallel_size(self.comm.world_size, tp)
+        if self.config.quantization.qat:
+            raise ValueError(
+                "quantization.qat trains with fake-quantized weights (a training config); for "
+                "inference, set bits and leave qat false: the weights are quantized on load"
+            )
+
+    def _prepare(self, source: WeightSource, tp: int) -> QuantPlan | None:
+        """Tensor-parallel split, quantized layers, and each parameter's origin."""
+        model = self.module
+        splits = {}
+        if tp > 1:
+            plan = resolve_plan(model, tp, self.config.tensor_parallel.plan)
+            self.tensor_parallel = TensorParallelInference(model, plan, self.tp_comm)
+            splits = self.tensor_parallel.splits
+        aliases = _aliases(model)  # before quantized layers replace the weights
+        quant = self._quantize(source)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.install_reductions(model)
+        self.origins = origins_for(
+            model, source, splits, aliases, quant, bool(quant_metadata(source))
+        )
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return quant
+
+    def _quantize(self, source: WeightSource) -> QuantPlan | None:
+        qc = self.config.quantization
+        saved = quant_metadata(source)
+        if saved is not None:  # a quantized export: its scheme and layers
+            scheme = QuantScheme(
+                int(saved["bits"]), int(saved["group_size"]), bool(saved["symmetric"])
+            )
+            if qc.bits is not None and (qc.bits, qc.symmetric) != (scheme.bits, scheme.symmetric):
+                raise ValueError(
+                    f"quantization.bits={qc.bits}, symmetric={qc.symmetric}: the weights were "
+                    f"saved quantized with bits={scheme.bits}, symmetric={scheme.symmetric}; "
+                    "drop the quantization section (or match it), or load full-precision weights"
+                )
+            only = set(saved["modules"])
+        elif qc.bits is not None:
+            scheme = QuantScheme(int(qc.bits), int(qc.group_size), bool(qc.symmetric))
+            only = None
+        else:
+            return None
+        kernel = resolve_kernel(qc.kernel, scheme)
+        return quantize_modules(
+            self.module,
+            scheme,
+            dtype=self.dtype,
+            kernel=kernel,
+            embeddings=bool(qc.embeddings) or only is not None,
+            modules_to_not_convert=[] if only is not None else list(qc.modules_to_not_convert),
+            only=only,
+        )
+
+    def _place(self, source: WeightSource) -> None:
+        reader = WeightReader(source)
+        _load_buffers(self.module, source, self.device)
+        if not self.sharded:
+            place_whole(
+                list(self.module.parameters()),
+                self.module,
+                self.origins,
+                reader,
+                self.device,
+                self.dtype,
+            )
+            return
+        zc = self.config.zero_optimization
+        self.units = place_sharded(
+            self.module,
+            self.origins,
+            reader,
+            self.comm,
+            self.device,
+            self.dtype,
+            int(zc.stage3_param_persistence_threshold),
+            int(zc.reduce_bucket_size),
+            self.meter,
+        )
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        budget = int(self.config.zero_optimization.stage3_max_live_parameters)
+        root = self.units[-1].numel
+        largest = max((u.numel for u in self.units[:-1]), default=0)
+        if root + largest > budget:
+            raise ValueError(
+                f"zero_optimization.stage3_max_live_parameters={budget} is below what one "
+                f"forward gathers at once: the root module's {root} elements (embeddings, "
+                f"final norm, head: gathered for the whole forward) plus the largest block's "
+                f"{largest}; set it to at least {root + largest}"
+            )
+
+    def _runtime(self) -> Stage3Runtime | None:
+        if not self.sharded:
+            return None
+        zc = self.config.zero_optimization
+        return Stage3Runtime(
+            self.units,
+            GradScaling(1.0, 1.0),
+            should_reduce=lambda: False,
+            prefetch_numel=int(zc.stage3_prefetch_bucket_size),
+            max_live_numel=int(zc.stage3_max_live_parameters),
+            queue=ReductionQueue(None),
+        )
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, without gradients; tensors are moved to the engine's device and
+        floating-point inputs cast to its dtype."""
+        args, kwargs = tree_map(self._to_device, (args, kwargs))
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+    def _to_device(self, t: Any) -> Any:
+        if not torch.is_tensor(t):
+            return t
+        return t.to(self.device, dtype=self.dtype if t.is_floating_point() else None)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """``input_ids`` (batch, tokens) followed by up to ``max_new_tokens`` new tokens: greedy,
+        or sampled (``do_sample``, ``temperature``, ``top_k``, ``top_p``; ``seed`` makes it
+        repeatable). A Hugging Face causal LM generates with its own ``generate`` (KV cache;
+        extra keyword arguments go to it); other models with the engine's loop (a KV cache
+        where the model offers one). Collective; see ``generate.py`` for how ranks keep step.
+        """
+        seed = agreed_seed(self.comm, seed)
+        input_ids = input_ids.to(self.device)
+        hf = hasattr(self.module, "generation_config") and callable(
+            getattr(self.module, "generate", None)
+        )
+        if hf:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(seed)
+                return self.module.generate(
+                    input_ids,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens if eos_token_id is None else None,
+                    do_sample=do_sample,
+                    temperature=temperature if do_sample else None,
+                    top_k=top_k if do_sample else None,
+                    top_p=top_p if do_sample else None,
+                    eos_token_id=eos_token_id,
+                    synced_gpus=self.sharded and self.comm.world_size > 1,
+                    **kwargs,
+                )
+        if kwargs:
+            raise TypeError(
+                f"generate(): unexpected arguments {sorted(kwargs)} for {type(self.module).__name__}"
+            )
+        return sample_loop(
+            self.forward,
+            self.module,
+            input_ids,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+            all_done=self._all_done if self.sharded else None,
+        )
+
+    def _all_done(self, mine: bool) -> bool:
+        left = torch.tensor([0 if mine else 1])
+        self.comm.all_reduce(left, kind="control")
+        return int(left.item()) == 0
+
+    # -- reports, export, teardown -----------------------------------------------------------------
+
+    def _resident_bytes(self) -> int:
+        grouped = {id(p) for u in self.units for g in u.groups for p in g.params}
+        whole = sum(
+            p.untyped_storage().nbytes() for p in self.module.parameters() if id(p) not in grouped
+        )
+        shards = sum(g.resident_bytes()["params"] for u in self.units for g in u.groups)
+        return whole + shards
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds: ``params`` (whole parameters and ZeRO slices; quantized
+        layers at their stored size, scales included), ``peak`` (the most held at once since
+        the engine was built or :meth:`reset_peak_memory`, gathered blocks included),
+        ``peak_gathered_params`` (of which gathered at once) and, with NVMe offload,
+        ``offloaded_nvme`` (the bytes in files, not in ``params``)."""
+        report = {"params": self._resident_bytes(), "peak": self.meter.peak}
+        peak_live = self.runtime.peak_live_numel if self.runtime is not None else 0
+        elem = max((g.shard.element_size() for u in self.units for g in u.groups), default=0)
+        report["peak_gathered_params"] = peak_live * elem
+        if self._offload is not None:  # a slice swapped out to its file holds no storage
+            report.update(self._offload.report())
+        return report
+
+    def reset_peak_memory(self) -> None:
+        self.meter.reset_peak()
+        if self.runtime is not None:
+            self.runtime.peak_live_numel = self.runtime.live_numel
+
+    def save_quantized(self, path: str | os.PathLike) -> Path:
+        """Write the weights as they are held (quantized layers as their int8 / packed int4
+        tensors and scales) to one ``.safetensors`` file that :func:`ds_strategy.init_inference`
+        loads, quantized as it is; the quantization is recorded in the file's metadata.
+        Collective; rank 0 writes (tensor-parallel parts and ZeRO slices are joined first)."""
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            raise ValueError(f"save_quantized({str(path)!r}): write a .safetensors file")
+        if self.quant is None:
+            raise ValueError(
+                "save_quantized: this engine holds full-precision weights; build it with a "
+                "quantization section (bits 8 or 4) first"
+            )
+        write_quantized(self, path)
+        return path
+
+    def destroy(self) -> None:
+        """Remove the engine's hooks and its offload swap files."""
+        if self.runtime is not None:
+            self.runtime.remove_hooks()
+        if self._offload is not None:
+            self._offload.close()
+
+
+def _config(config: Any, tensor_parallel: Any, quantization: Any) -> ZeroConfig:
+    cfg = load_config(config)
+    if tensor_parallel is not None:
+        tp = (
+            {"autotp_size": tensor_parallel}
+            if isinstance(tensor_parallel, int)
+            else tensor_parallel
+        )
+        cfg = cfg.replace(tensor_parallel=dict(tp))
+    if quantization is not None:
+        q = {"bits": quantization} if isinstance(quantization, int) else quantization
+        cfg = cfg.replace(quantization=dict(q))
+    return cfg.resolve(world_size=1)
+
+
+def _dtype(dtype: torch.dtype | str | None, cfg: ZeroConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype}: use torch.float32, torch.bfloat16 or torch.float16")
+        return dtype
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.bfloat16 if cfg.bf16.enabled else torch.float32
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _weights_path(loaded: LoadedModel, checkpoint: str | os.PathLike | None) -> Path | None:
+    if checkpoint is not None:
+        return Path(checkpoint)
+    if loaded.weights is not None:
+        return loaded.weights
+    if any(p.is_meta for p in loaded.model.parameters()):
+        raise ValueError(
+            f"{type(loaded.model).__name__} has its parameters on the meta device and no "
+            "checkpoint= was given: pass checkpoint= (a ds_strategy checkpoint, a .safetensors "
+            "file or a model directory) to read the weights from"
+        )
+    return None
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """First name of each parameter -> every name it has (a tied weight has several)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {names[0]: names for names in by_id.values()}
+
+
+def _load_buffers(model: nn.Module, source: WeightSource, device: torch.device) -> None:
+    """Persistent buffers found in the weights are read from them; a buffer still on the meta
+    device and not in the weights cannot be recovered."""
+    persistent = set(model.state_dict(keep_vars=True))
+    for mod_name, m in model.named_modules():
+        for name, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            full = f"{mod_name}.{name}" if mod_name else name
+            if full in persistent and full in source:
+                m._buffers[name] = source.read(full, slice(None)).to(device=device, dtype=b.dtype)
+            elif b.is_meta:
+                raise ValueError(
+                    f"buffer {full!r} is on the meta device and not in the weights; build the "
+                    "model with its buffers real (ds_strategy.inference builds models that way; "
+                    "torch.device('meta') puts buffers there too)"
+                )
+            else:
+                m._buffers[name] = b.to(device)

@@ -1,0 +1,108 @@
+"""Token generation for the inference engine.
+
+[Note: every rank takes the same steps]
+Under ZeRO-Inference each forward gathers every layer's parameters, a collective: all ranks
+must run the same number of forwards, whatever their prompts. Greedy decoding of the same
+logits picks the same tokens everywhere; sampling draws from a generator seeded alike on every
+rank (the seed is broadcast from rank 0); with an end-of-sequence token, the ranks stop when
+all of them are done (one small all-reduce per token). Under tensor parallelism every rank
+computes the same logits, so the same rules keep the ranks in step.
+
+A Hugging Face model generates with its own ``generate`` (its KV cache, its sampling
+options), called with ``synced_gpus`` under ZeRO-Inference as DeepSpeed's ZeRO-3 users call
+it. Any other model that returns logits ``(batch, positions, vocab)`` generates with the loop
+below, reusing keys and values when the model offers a cache (``model.new_cache()`` and a
+``cache=`` argument, as the demo GPT does), else recomputing the whole prefix every token.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from ..collectives import Comm
+
+__all__ = ["agreed_seed", "sample_loop", "pick"]
+
+
+def agreed_seed(comm: Comm, seed: int | None) -> int:
+    """``seed``, or rank 0's random one, the same on every rank of ``comm``."""
+    value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()))])
+    comm.broadcast(value, 0)
+    return int(value.item())
+
+
+def pick(
+    logits: torch.Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """The next token of each row of ``logits`` (batch, vocab): the argmax, or a draw from the
+    softmax at ``temperature`` restricted to the ``top_k`` most likely tokens and to the
+    smallest set whose probabilities reach ``top_p``."""
+    if not do_sample:
+        return logits.argmax(-1)
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 when sampling")
+    scores = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        mass = ordered.softmax(-1).cumsum(-1)
+        drop = mass - ordered.softmax(-1) >= top_p  # keep the tokens until the mass reaches p
+        scores = scores.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = F.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _accepts_cache(module: Any) -> bool:
+    if not callable(getattr(module, "new_cache", None)):
+        return False
+    return "cache" in inspect.signature(module.forward).parameters
+
+
+def sample_loop(
+    forward: Callable[..., Any],
+    module: Any,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    all_done: Callable[[bool], bool] | None = None,
+) -> torch.Tensor:
+    """``input_ids`` followed by up to ``max_new_tokens`` generated tokens (rows that reached
+    ``eos_token_id`` are padded with it). ``all_done(mine)``: whether every rank is done."""
+    gen = None
+    if do_sample:
+        gen = torch.Generator(device=input_ids.device).manual_seed(seed)
+    cache = module.new_cache() if _accepts_cache(module) else None
+    tokens = input_ids
+    finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    step_input = tokens
+    for _ in range(max_new_tokens):
+        logits = forward(step_input, cache=cache) if cache is not None else forward(tokens)
+        nxt = pick(logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+        if eos_token_id is not None:
+            nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+            finished |= nxt == eos_token_id
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        step_input = nxt[:, None]
+        if eos_token_id is not None:
+            done = bool(finished.all())
+            if all_done(done) if all_done is not None else done:
+                break
+    return tokens

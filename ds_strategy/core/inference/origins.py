@@ -1,0 +1,136 @@
+"""Which tensor of the weights each parameter of the (split, quantized) model comes from.
+
+A parameter is looked up under every name it has in the model (a tied weight has several: a
+Hugging Face checkpoint keeps the embedding and drops the tied ``lm_head.weight``), then with
+the model's ``base_model_prefix`` removed or added (a ``LlamaModel`` checkpoint loaded into a
+``LlamaForCausalLM``). A quantized layer's ``qweight`` / ``scales`` / ``zeros`` come from the
+full-precision weight of the layer it replaced, quantized on load, or, from weights saved
+quantized (``engine.save_quantized``), under their own names. Shapes are checked against the
+weights before anything is read, and every missing or mismatched name is reported at once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from torch import nn
+
+from ..quant.export import QUANT_META
+from ..quant.modules import QuantPlan
+from .placement import Origin
+from .sources import WeightSource
+from .tp import Split
+
+__all__ = ["origins_for", "quant_metadata"]
+
+_KINDS = ("qweight", "scales", "zeros")
+
+
+def quant_metadata(source: WeightSource) -> dict[str, Any] | None:
+    text = source.metadata.get(QUANT_META)
+    return json.loads(text) if text else None
+
+
+def _candidates(name: str, prefix: str | None) -> list[str]:
+    out = [name]
+    if prefix:
+        if name.startswith(prefix + "."):
+            out.append(name[len(prefix) + 1 :])
+        else:
+            out.append(f"{prefix}.{name}")
+    return out
+
+
+class _Resolver:
+    def __init__(self, source: WeightSource, prefix: str | None) -> None:
+        self.source, self.prefix = source, prefix
+        self.missing: list[str] = []
+        self.mismatched: list[str] = []
+
+    def find(self, names: list[str]) -> str:
+        for name in names:
+            for cand in _candidates(name, self.prefix):
+                if cand in self.source:
+                    return cand
+        self.missing.append(names[0])
+        return names[0]
+
+    def check(self, found: str, split: Split | None, want: tuple[int, ...], what: str) -> None:
+        if found not in self.source:
+            return
+        shape = tuple(self.source.shape(found))
+        local = split.local_shape(shape) if split is not None else shape
+        if local != want:
+            part = f" (this rank's part: {list(local)})" if local != shape else ""
+            self.mismatched.append(
+                f"{found}: {list(shape)}{part} in the weights, {what} {list(want)}"
+            )
+
+    def raise_if_any(self, where: str) -> None:
+        problems = []
+        if self.missing:
+            shown = ", ".join(repr(n) for n in self.missing[:5])
+            more = f" and {len(self.missing) - 5} more" if len(self.missing) > 5 else ""
+            have = ", ".join(repr(n) for n in self.source.names()[:5])
+            problems.append(f"missing {shown}{more} (the weights hold e.g. {have})")
+        if self.mismatched:
+            problems.append("shapes differ: " + "; ".join(self.mismatched[:5]))
+        if problems:
+            raise ValueError(
+                f"{where}: the weights do not fit the model: {'; '.join(problems)}. Build the "
+                "model with the configuration the weights were trained with"
+            )
+
+
+def origins_for(
+    model: nn.Module,
+    source: WeightSource,
+    splits: dict[str, Split],
+    aliases: dict[str, list[str]],
+    quant: QuantPlan | None,
+    saved_quantized: bool,
+) -> dict[int, Origin]:
+    """id(parameter) -> :class:`Origin`, for every parameter of ``model``. ``splits``: this
+    rank's tensor-parallel part per parameter name; ``aliases``: every name of each weight
+    before quantization replaced it; ``saved_quantized``: the weights hold quantized layers."""
+    resolver = _Resolver(source, getattr(model, "base_model_prefix", None))
+    stored: dict[int, tuple[str, str]] = {}  # id(param) -> (quantized module, kind)
+    for module in quant.modules if quant is not None else ():
+        m = model.get_submodule(module)
+        for kind in _KINDS:
+            p = getattr(m, kind, None)
+            if p is not None:
+                stored.setdefault(id(p), (module, kind))
+    all_names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        all_names.setdefault(id(p), []).append(name)
+    out: dict[int, Origin] = {}
+    for name, p in model.named_parameters():
+        if id(p) in stored:
+            module, kind = stored[id(p)]
+            assert quant is not None
+            split = splits.get(f"{module}.weight")
+            if not saved_quantized:  # quantized from the full-precision weight, as read
+                weight = quant.weights[module]
+                found = resolver.find(aliases.get(weight, [weight]))
+                m = model.get_submodule(module)
+                rows_cols = (m.qweight.shape[0], m.qweight.shape[1] * 8 // quant.scheme.bits)
+                resolver.check(found, split, rows_cols, f"{module!r} expects")
+                out[id(p)] = Origin(found, split, kind, quant.scheme)
+                continue
+            if (
+                split is not None
+                and split.dim == 1
+                and kind != "qweight"
+                and quant.scheme.bits == 8
+            ):
+                split = None  # saved with one scale per whole row: a row-wise part keeps all
+        else:
+            split = splits.get(name)
+        found = resolver.find(all_names[id(p)])
+        resolver.check(found, split, tuple(p.shape), f"{name!r} expects")
+        out[id(p)] = Origin(found, split)
+    where = getattr(source, "where", None) or getattr(source, "path", None) or "the weights"
+    resolver.raise_if_any(str(where))
+    return out
