@@ -41,7 +41,7 @@ from ..tp.plan import resolve_plan
 from ..zero.flat_group import GradScaling
 from ..zero.inflight import ReductionQueue
 from ..zero.stage3 import Stage3Runtime, Unit
-from .building import DirectoryLoader, LoadedModel, load_model
+from .building import CharTokenizer, DirectoryLoader, LoadedModel, load_model
 from .generate import agreed_seed, sample_loop
 from .origins import origins_for, quant_metadata
 from .placement import WeightReader, place_sharded, place_whole
@@ -321,6 +321,20 @@ class InferenceEngine(nn.Module):
             all_done=self._all_done if self.sharded else None,
         )
 
+    def generate_text(self, prompt: str, max_new_tokens: int = 32, **kwargs: Any) -> str:
+        """``prompt`` and its continuation, through the model's tokenizer (a Hugging Face model
+        directory's, or the character alphabet of a ``ds_model.json``); keyword arguments as
+        :meth:`generate`. Collective."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "generate_text: this model came without a tokenizer (a Hugging Face directory "
+                "with tokenizer files, or a ds_model.json with one, has it); call generate() "
+                "with token ids instead"
+            )
+        ids = _encode(self.tokenizer, prompt)
+        out = self.generate(ids, max_new_tokens, **kwargs)
+        return _decode(self.tokenizer, out[0].tolist())
+
     def _all_done(self, mine: bool) -> bool:
         left = torch.tensor([0 if mine else 1])
         self.comm.all_reduce(left, kind="control")
@@ -377,6 +391,18 @@ class InferenceEngine(nn.Module):
             self.runtime.remove_hooks()
         if self._offload is not None:
             self._offload.close()
+
+
+def _encode(tokenizer: Any, text: str) -> torch.Tensor:
+    if isinstance(tokenizer, CharTokenizer):
+        return torch.tensor([tokenizer.encode(text)])
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    if isinstance(tokenizer, CharTokenizer):
+        return tokenizer.decode(ids)
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _config(config: Any, tensor_parallel: Any, quantization: Any) -> ZeroConfig:

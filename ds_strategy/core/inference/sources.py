@@ -125,8 +125,10 @@ class SafetensorsSource(WeightSource):
     def read(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
         s = self._slice(name)
         if len(s.get_shape()) == 0:
-            return self._files[name].get_tensor(name)
-        return s[rows] if cols is None else s[rows, cols]
+            return self._files[name].get_tensor(name).clone()
+        # a slice may be a view of the file's mapping: a copy owns its memory, so nothing the
+        # engine keeps depends on the file after loading
+        return (s[rows] if cols is None else s[rows, cols]).clone()
 
 
 _ST_DTYPES = {

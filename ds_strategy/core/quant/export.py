@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.weights_file import stream_safetensors
-from .modules import _candidates
+from .modules import _candidates, fitting
 from .qat import FakeQuantEmbedding, FakeQuantLinear
 from .scheme import QuantScheme, quantize
 
@@ -41,7 +41,9 @@ def quant_meta(scheme: QuantScheme, modules: list[str]) -> dict[str, str]:
     return {QUANT_META: text}
 
 
-def _trained_layers(model: nn.Module, embeddings: bool, skip: list[str]) -> list[list[str]]:
+def _trained_layers(
+    model: nn.Module, scheme: QuantScheme, embeddings: bool, skip: list[str]
+) -> list[list[str]]:
     """Names of the layers a quantization converts, grouped by shared weight: plain layers
     and the fake-quantized ones quantization-aware training put in their place."""
     linear: tuple[type, ...] = (nn.Linear, FakeQuantLinear)
@@ -58,8 +60,8 @@ def _trained_layers(model: nn.Module, embeddings: bool, skip: list[str]) -> list
     except ImportError:
         pass
     patterns = [re.compile(p) for p in skip]
-    groups = _candidates(model, embeddings, patterns, linear, embedding)
-    return [[name for name, _ in g] for g in groups.values()]
+    groups = _candidates(model, embeddings, patterns, linear, embedding).values()
+    return [[name for name, _ in g] for g in fitting(groups, scheme, [])]
 
 
 def write_quantized_state(
@@ -74,14 +76,13 @@ def write_quantized_state(
 ) -> list[str]:
     """Write ``state`` (the full weights of ``model``, keyed like its ``state_dict()``) to
     ``path`` in the quantized format; return the quantized layers' names."""
-    groups = _trained_layers(model, embeddings, list(modules_to_not_convert))
+    groups = _trained_layers(model, scheme, embeddings, list(modules_to_not_convert))
     out: dict[str, torch.Tensor] = {}
     replaced: dict[str, list[str]] = {}  # first layer -> its stored tensors' names
     dropped: set[str] = set()
     for names in groups:
         first = names[0]
         weight = state[f"{first}.weight"]
-        scheme.check(*weight.shape, where=repr(first))
         replaced[first] = []
         for kind, t in quantize(weight, scheme).tensors().items():
             keep = t if kind == "qweight" else t.to(dtype)

@@ -25,7 +25,8 @@ import contextlib
 import functools
 import logging
 import re
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,10 +204,13 @@ class QuantizedEmbedding(_Quantized):
 @dataclass
 class QuantPlan:
     """What :func:`quantize_modules` changed: each quantized module's name and the name of the
-    full-precision weight it stands for (a tied weight: the first name it was found under)."""
+    full-precision weight it stands for (a tied weight: the first name it was found under);
+    ``skipped``: layers left in full precision because their input features do not split
+    into whole groups."""
 
     scheme: QuantScheme
     weights: dict[str, str] = field(default_factory=dict)  # module name -> weight name
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def modules(self) -> list[str]:
@@ -254,13 +258,12 @@ def quantize_modules(
     quantized checkpoint says which), instead of every convertible one."""
     skip = [re.compile(p) for p in modules_to_not_convert]
     plan = QuantPlan(scheme)
-    for group in _candidates(model, embeddings, skip).values():
+    groups = _candidates(model, embeddings, skip).values()
+    for group in fitting(groups, scheme, plan.skipped):
         names = [n for n, _ in group]
         if only is not None and not any(n in only for n in names):
             continue
         first_name, first = group[0]
-        shape = tuple(first.weight.shape)
-        scheme.check(*shape, where=f"{first_name!r} ({type(first).__name__}{list(shape)})")
         weight = first.weight
         shared: _Quantized | None = None
         for name, m in group:
@@ -275,6 +278,25 @@ def quantize_modules(
             _set_submodule(model, name, new)
             plan.weights[name] = f"{first_name}.weight" if first_name else "weight"
     return plan
+
+
+def fitting(
+    groups: Iterable[list[tuple[str, nn.Module]]], scheme: QuantScheme, skipped: list[str]
+) -> Iterator[list[tuple[str, nn.Module]]]:
+    """The groups whose weight ``scheme`` can hold; the others' names go to ``skipped``, with
+    one warning naming them (torchao leaves such layers alone too)."""
+    for group in groups:
+        if scheme.fits(group[0][1].weight.shape[1]):
+            yield group
+        else:
+            skipped.extend(n for n, _ in group)
+    if skipped:
+        warnings.warn(
+            f"quantization: {len(skipped)} layer(s) kept in full precision, their input "
+            f"features not a multiple of group_size={scheme.group_size}: "
+            f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}",
+            stacklevel=3,
+        )
 
 
 def _replacement(m: nn.Module, scheme: QuantScheme, dtype: torch.dtype, kernel: str) -> _Quantized:

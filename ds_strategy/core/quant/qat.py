@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .modules import _candidates, _quiet_import, _set_submodule
+from .modules import _candidates, _quiet_import, _set_submodule, fitting
 from .scheme import QuantScheme, dequantize, quantize
 
 __all__ = ["FakeQuantEmbedding", "FakeQuantLinear", "fake_quantize", "prepare_qat"]
@@ -100,10 +100,7 @@ def prepare_qat(
 
     skip = [re.compile(p) for p in modules_to_not_convert]
     done: dict[str, str] = {}
-    for group in _candidates(model, embeddings, skip).values():
-        first_name, first = group[0]
-        shape = tuple(first.weight.shape)
-        scheme.check(*shape, where=f"{first_name!r} ({type(first).__name__}{list(shape)})")
+    for group in fitting(_candidates(model, embeddings, skip).values(), scheme, []):
         for name, m in group:
             new = _torchao(m, scheme) if use_torchao else None
             done[name] = "ds_strategy" if new is None else "torchao"

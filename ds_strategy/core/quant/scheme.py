@@ -64,14 +64,10 @@ class QuantScheme:
     def qdtype(self) -> torch.dtype:
         return torch.int8 if self.bits == 8 and self.symmetric else torch.uint8
 
-    def check(self, rows: int, cols: int, where: str) -> None:
-        """A clear error for a weight this scheme cannot hold."""
-        if cols % self.group(cols):
-            raise ValueError(
-                f"quantization: {where} has {cols} input features, not a multiple of "
-                f"group_size={self.group_size}; choose a group_size that divides it, or leave "
-                "the module in full precision (quantization.modules_to_not_convert)"
-            )
+    def fits(self, cols: int) -> bool:
+        """Whether a weight of ``cols`` columns splits into whole groups (as torchao, a layer
+        that does not is left in full precision)."""
+        return cols % self.group(cols) == 0
 
     def shapes(self, rows: int, cols: int) -> dict[str, tuple[int, int]]:
         """The stored tensors' shapes for a (rows, cols) weight."""
