@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from . import generate_cli
 from .core.checkpoint.consolidate import consolidate
 from .estimate import add_cli_parser, run_cli
 
@@ -34,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         help="accept a checkpoint that records no checksums (only one you trust)",
     )
     add_cli_parser(sub)
+    generate_cli.add_cli_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return run_cli(args)
+    if args.command == "generate":
+        return generate_cli.run_cli(args)
     try:
         out = consolidate(
             args.checkpoint_dir,

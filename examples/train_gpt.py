@@ -3,15 +3,24 @@
     torchrun --nproc-per-node=2 examples/train_gpt.py            # 2 CPU processes (gloo)
     torchrun --nproc-per-node=2 examples/train_gpt.py --stage 1 --steps 100
     torchrun --nproc-per-node=2 examples/train_gpt.py --precision bf16 --breakdown
+    torchrun --nproc-per-node=2 examples/train_gpt.py --save out/gpt    # then:
+    ds-strategy generate out/gpt --prompt "ZeRO" --bits 4
+    torchrun --nproc-per-node=2 examples/train_gpt.py --init out/gpt --qat 4 --steps 100 \
+        --lr 1e-3 --save out/gpt-qat                  # quantization-aware fine-tuning
 
-The corpus is the repository's own README (no download). Each rank reads a different slice
-of every global batch; the loss printed is the mean over ranks. At the end: a sample of
+The corpus is the repository's own README (no download; ``--text`` another file), its last
+tenth held out (``--holdout``). Each rank reads a different slice of every global batch; the
+loss printed is the mean over ranks. At the end: the held-out perplexity, a sample of
 generated text, and each rank's model-state memory next to the ZeRO formula and its time.
+``--save DIR`` writes the weights (``model.safetensors``) and ``ds_model.json``, which
+``ds_strategy.init_inference(DIR)`` and ``ds-strategy generate DIR`` read; with ``--qat``
+also ``model-int<bits>.safetensors``, the quantized export.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -20,7 +29,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 import ds_strategy
-from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss
+from ds_strategy.core.inference import write_model_card
+from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss, perplexity, split_text
 from ds_strategy.estimate import estimate, model_facts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,14 +93,30 @@ def main() -> None:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--breakdown", action="store_true", help="wall_clock_breakdown every 20 steps")
     ap.add_argument("--sample", type=int, default=200, help="characters to generate at the end")
+    ap.add_argument("--text", type=Path, default=ROOT / "README.md", help="the corpus")
+    ap.add_argument("--holdout", type=float, default=0.1, help="fraction held out at the end")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--save", type=Path, help="write the trained model here")
+    ap.add_argument("--init", type=Path, help="start from a model --save wrote")
+    ap.add_argument("--qat", type=int, choices=(4, 8), help="quantization-aware training")
+    ap.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     args = ap.parse_args()
 
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text])
-    cfg = GPTConfig(vocab=len(chars), d=128, layers=4, heads=4, seq=args.seq)
+    text = args.text.read_text(encoding="utf-8")
+    train_text, held_out = split_text(text, args.holdout)
+    card = json.loads((args.init / "ds_model.json").read_text()) if args.init else None
+    chars = card["tokenizer"]["chars"] if card else "".join(sorted(set(text)))
+    data = torch.tensor([chars.index(c) for c in train_text])
+    kwargs = (
+        card["kwargs"] if card else dict(vocab=len(chars), d=128, layers=4, heads=4, seq=args.seq)
+    )
+    cfg = GPTConfig(**kwargs)
     torch.manual_seed(0)
     model = GPT(cfg)
+    if args.init:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(args.init / "model.safetensors"))
     config = {
         "zero_optimization": {
             "stage": args.stage,
@@ -102,7 +128,10 @@ def main() -> None:
         "wall_clock_breakdown": args.breakdown,
         "steps_per_print": 20,
     }
-    engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config)
+    if args.qat:
+        config["quantization"] = {"bits": args.qat, "group_size": args.group_size, "qat": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    engine = ds_strategy.initialize(model, opt, config)
     rank, world = engine.rank, engine.world_size
     micro = engine.config.train_micro_batch_size_per_gpu
     if engine.timers is not None:
@@ -127,14 +156,25 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
 
     state = engine.full_state_dict()  # collective: every rank takes part in the gathers
-    if rank == 0 and args.sample > 0:
+    if rank == 0:
         local = GPT(cfg)
         local.load_state_dict(state)
         local.eval()
-        prompt = "ZeRO"
-        out = sample(local, [chars.index(c) for c in prompt], args.sample, args.seq)
-        print(f"\nsample: {prompt}{''.join(chars[i] for i in out)}\n", flush=True)
+        held = torch.tensor([chars.index(c) for c in held_out if c in chars])
+        if held.numel() > cfg.seq:
+            ppl = perplexity(local, held, cfg.seq)
+            print(f"\nheld-out perplexity: {ppl:.3f} ({held.numel()} characters)", flush=True)
+        if args.sample > 0:
+            prompt = "ZeRO"
+            out = sample(local, [chars.index(c) for c in prompt], args.sample, args.seq)
+            print(f"\nsample: {prompt}{''.join(chars[i] for i in out)}\n", flush=True)
     del state
+    if args.save:
+        engine.save_weights(args.save / "model.safetensors")
+        if rank == 0:
+            write_model_card(args.save, "ds_strategy.demos.gpt:GPT", kwargs, chars=chars)
+        if args.qat:
+            engine.save_quantized(args.save / f"model-int{args.qat}.safetensors")
     if dist.is_initialized():
         dist.barrier()
     line = memory_line(engine, cfg, args.precision)

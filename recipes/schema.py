@@ -152,3 +152,28 @@ def corpus_path(cfg: DictConfig) -> Path:
             f"the repository root ({REPO}) or absolute"
         )
     return path
+
+
+@dataclass
+class GenerateConfig:
+    """``recipes/generate.py``: a trained model served by ``ds_strategy.init_inference`` with
+    the ``strategy`` node as its config (``zero3``: ZeRO-Inference; its ``quantization``,
+    ``tensor_parallel`` and ``offload_param`` sections apply)."""
+
+    strategy: Any = None
+    model_path: str = "???"  # a model directory (ds_model.json or Hugging Face) or a factory
+    checkpoint: Any = None  # weights, when the model directory does not hold them
+    prompt: str = "ZeRO"
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Any = None
+    top_p: Any = None
+    seed: int = 0
+    devices: int = 1  # processes (started through torchrun when > 1)
+
+
+def register_generate() -> None:
+    """The generation recipe's schema next to the shared ``strategy`` / ``precision`` options."""
+    register()
+    ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)

@@ -107,6 +107,10 @@ class GPT(nn.Module):
             cache.length += idx.shape[1]
         return self.head(self.ln_f(x))
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for generation (``forward(idx, cache=...)``)."""
+        return KVCache()
+
 
 class _Embed(nn.Module):
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
@@ -143,6 +147,30 @@ def init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.LayerNorm):
         nn.init.ones_(module.weight)
         nn.init.zeros_(module.bias)
+
+
+def split_text(text: str, holdout: float) -> tuple[str, str]:
+    """The text to train on and the held-out tail (its last ``holdout`` fraction)."""
+    cut = len(text) - int(len(text) * holdout)
+    return text[:cut], text[cut:]
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, tokens: torch.Tensor, seq: int, batch: int = 16) -> float:
+    """exp(mean next-token cross-entropy) of ``model`` over ``tokens`` (1-D), read in
+    consecutive windows of ``seq`` predictions (the last partial window dropped)."""
+    n = (tokens.numel() - 1) // seq
+    if n == 0:
+        raise ValueError(f"perplexity: {tokens.numel()} tokens are fewer than seq+1={seq + 1}")
+    windows = tokens[: n * seq + 1].unfold(0, seq + 1, seq)
+    total = 0.0
+    for i in range(0, n, batch):
+        chunk = windows[i : i + batch]
+        logits = model(chunk[:, :-1]).float()
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+        ).item()
+    return float(torch.tensor(total / (n * seq)).exp())
 
 
 def gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""``ds-strategy generate``: text from a model directory or checkpoint, plain, sharded,
+offloaded, quantized or tensor-parallel.
+
+    ds-strategy generate out/gpt --prompt "ZeRO" --bits 4
+    torchrun --nproc-per-node=2 -m ds_strategy.cli generate out/gpt --prompt "ZeRO" --tp 2
+    ds-strategy generate ckpt/global_step200 --model out/gpt --prompt "ZeRO" --zero3
+    ds-strategy generate path/to/hf-llama --prompt "Hello" --bits 8 --max-new-tokens 64
+
+Under ``torchrun`` every rank runs the model and rank 0 prints the text.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["add_cli_parser", "run_cli"]
+
+
+def add_cli_parser(sub: Any) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a model directory or checkpoint (ZeRO-Inference, int8/int4, TP)",
+        description="Generate text with ds_strategy.init_inference.",
+    )
+    g.add_argument(
+        "model_or_checkpoint",
+        help="a model directory (Hugging Face, or one with ds_model.json), a .safetensors file or "
+        "a ds_strategy checkpoint (then --model says which model)",
+    )
+    g.add_argument("--prompt", help="the text to continue (needs the model's tokenizer)")
+    g.add_argument("--prompt-ids", help="the prompt as comma-separated token ids instead")
+    g.add_argument(
+        "--model",
+        help="the model, when the first argument holds weights only: "
+        "a model directory or 'package.module:factory'",
+    )
+    g.add_argument("--config", help="a config file (zero_optimization, quantization, ...)")
+    g.add_argument("--bits", type=int, choices=(4, 8), help="quantize the weights on load")
+    g.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128))
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    g.add_argument("--zero3", action="store_true", help="ZeRO-Inference: shard over the ranks")
+    g.add_argument("--offload", choices=("cpu", "nvme"), help="ZeRO-Inference parameter offload")
+    g.add_argument("--nvme-path", help="directory for --offload nvme")
+    g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _config(args: Any) -> dict[str, Any]:
+    from ds_strategy.config import load_config
+
+    cfg = load_config(args.config).to_dict() if args.config else {}
+    zero = cfg.setdefault("zero_optimization", {})
+    if args.zero3 or args.offload:
+        zero["stage"] = 3
+    if args.offload:
+        zero["offload_param"] = {"device": args.offload, "nvme_path": args.nvme_path}
+    if args.bits:
+        q = cfg.setdefault("quantization", {})
+        q["bits"] = args.bits
+        if args.group_size:
+            q["group_size"] = args.group_size
+    if args.tp:
+        cfg.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
+    return cfg
+
+
+def run_cli(args: Any) -> int:
+    import torch
+
+    import ds_strategy
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        print("ds-strategy generate: give --prompt or --prompt-ids", file=sys.stderr)
+        return 2
+    try:
+        model: Any = args.model if args.model else args.model_or_checkpoint
+        checkpoint = args.model_or_checkpoint if args.model else None
+        engine = ds_strategy.init_inference(
+            model, _config(args), dtype=args.dtype, checkpoint=checkpoint
+        )
+        options = dict(
+            do_sample=args.sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+        if args.prompt is not None:
+            text = engine.generate_text(args.prompt, args.max_new_tokens, **options)
+        else:
+            ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
+            text = ",".join(
+                str(t) for t in engine.generate(ids, args.max_new_tokens, **options)[0].tolist()
+            )
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        print(f"ds-strategy generate: {e}", file=sys.stderr)
+        return 2
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(text, flush=True)
+    engine.destroy()
+    return 0
