@@ -42,7 +42,11 @@ def quant_meta(scheme: QuantScheme, modules: list[str]) -> dict[str, str]:
 
 
 def _trained_layers(
-    model: nn.Module, scheme: QuantScheme, embeddings: bool, skip: list[str]
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    scheme: QuantScheme,
+    embeddings: bool,
+    skip: list[str],
 ) -> list[list[str]]:
     """Names of the layers a quantization converts, grouped by shared weight: plain layers
     and the fake-quantized ones quantization-aware training put in their place."""
@@ -61,7 +65,11 @@ def _trained_layers(
         pass
     patterns = [re.compile(p) for p in skip]
     groups = _candidates(model, embeddings, patterns, linear, embedding).values()
-    return [[name for name, _ in g] for g in fitting(groups, scheme, [])]
+
+    def columns(name: str, module: nn.Module) -> int:  # from the full weights: a ZeRO-3
+        return int(state[f"{name}.weight"].shape[1])  # module's own are released
+
+    return [[name for name, _ in g] for g in fitting(groups, scheme, [], columns)]
 
 
 def write_quantized_state(
@@ -76,7 +84,7 @@ def write_quantized_state(
 ) -> list[str]:
     """Write ``state`` (the full weights of ``model``, keyed like its ``state_dict()``) to
     ``path`` in the quantized format; return the quantized layers' names."""
-    groups = _trained_layers(model, scheme, embeddings, list(modules_to_not_convert))
+    groups = _trained_layers(model, state, scheme, embeddings, list(modules_to_not_convert))
     out: dict[str, torch.Tensor] = {}
     replaced: dict[str, list[str]] = {}  # first layer -> its stored tensors' names
     dropped: set[str] = set()

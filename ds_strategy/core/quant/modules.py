@@ -26,7 +26,7 @@ import functools
 import logging
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,12 +281,18 @@ def quantize_modules(
 
 
 def fitting(
-    groups: Iterable[list[tuple[str, nn.Module]]], scheme: QuantScheme, skipped: list[str]
+    groups: Iterable[list[tuple[str, nn.Module]]],
+    scheme: QuantScheme,
+    skipped: list[str],
+    columns: Callable[[str, nn.Module], int] | None = None,
 ) -> Iterator[list[tuple[str, nn.Module]]]:
     """The groups whose weight ``scheme`` can hold; the others' names go to ``skipped``, with
-    one warning naming them (torchao leaves such layers alone too)."""
+    one warning naming them (torchao leaves such layers alone too). ``columns(name, module)``:
+    a layer's input features, when its weight is not at hand (a released ZeRO-3 shard)."""
     for group in groups:
-        if scheme.fits(group[0][1].weight.shape[1]):
+        name, module = group[0]
+        cols = columns(name, module) if columns is not None else module.weight.shape[1]
+        if scheme.fits(cols):
             yield group
         else:
             skipped.extend(n for n, _ in group)
