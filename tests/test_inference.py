@@ -252,18 +252,38 @@ def _checkpoint_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _sampling_worker(rank: int, world: int, directory: str) -> dict[str, Any]:
+def _sampling_worker(rank: int, world: int, dirs: dict[str, str]) -> dict[str, Any]:
     """Sampling under ZeRO-Inference: both ranks draw the same tokens (one seed, broadcast),
-    the same seed draws them again, and a plain engine with that seed draws them too."""
+    the same seed draws them again, and a plain engine with that seed draws them too. An end
+    token stops a sharded generation where the plain model stops, on each rank's own prompt
+    (the ranks keep running forwards until both are done). Plain replicas generate
+    independently: rank 0 twice, rank 1 once."""
+    llama, gpt = dirs["llama"], dirs["gpt"]
     prompt = corpus_tokens(LLAMA_VOCAB, 8).view(1, 8)
-    sharded = ds_strategy.init_inference(directory, LAYOUTS["zero3"][0])
+    sharded = ds_strategy.init_inference(llama, LAYOUTS["zero3"][0])
     opts = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
-    a = sharded.generate(prompt, 16, seed=11, **opts)
-    b = sharded.generate(prompt, 16, seed=11, **opts)
-    c = sharded.generate(prompt, 16, seed=12, **opts)
-    unseeded = sharded.generate(prompt, 16, **opts)  # rank 0's random seed, broadcast
-    plain = ds_strategy.init_inference(directory).generate(prompt, 16, seed=11, **opts)
-    return {"a": a, "b": b, "c": c, "unseeded": unseeded, "plain": plain}
+    out: dict[str, Any] = {
+        "a": sharded.generate(prompt, 16, seed=11, **opts),
+        "b": sharded.generate(prompt, 16, seed=11, **opts),
+        "c": sharded.generate(prompt, 16, seed=12, **opts),
+        "unseeded": sharded.generate(prompt, 16, **opts),  # rank 0's random seed, broadcast
+    }
+    plain = ds_strategy.init_inference(llama)
+    out["plain"] = plain.generate(prompt, 16, seed=11, **opts)
+    for _ in range(2 if rank == 0 else 1):  # no collective: this would hang otherwise
+        plain.generate(prompt, 4, do_sample=True)
+    for kind, directory, vocab in (
+        ("llama", llama, LLAMA_VOCAB),
+        ("gpt", gpt, GPT_KWARGS["vocab"]),
+    ):
+        mine = corpus_tokens(vocab, 8, 300 * rank + 20).view(1, 8)
+        whole = ds_strategy.init_inference(directory)
+        free = whole.generate(mine, 12)
+        eos = int(free[0, 8 + 3 + rank])  # each rank's prompt ends at another step
+        config = LAYOUTS["zero3"][0]
+        stopped = ds_strategy.init_inference(directory, config).generate(mine, 12, eos_token_id=eos)
+        out[f"eos/{kind}"] = (stopped, whole.generate(mine, 12, eos_token_id=eos), eos)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +299,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
         (_quant_worker, (dirs,)),
         (_budget_worker, (dirs["llama"], str(swap))),
         (_checkpoint_worker, (str(tmp / "ckpt"),)),
-        (_sampling_worker, (dirs["llama"],)),
+        (_sampling_worker, (dirs,)),
     ]
     names = ["parity", "quant", "budget", "checkpoint", "sampling"]
     return dict(zip(names, run_ranks_each(calls, WORLD, timeout=900), strict=True))
@@ -356,3 +376,13 @@ def test_sampling_stays_in_step_and_repeats_with_its_seed(runs: dict[str, Any]) 
         assert torch.equal(r0[key], r1[key]), key
     assert torch.equal(r0["a"], r0["b"]) and torch.equal(r0["a"], r0["plain"])
     assert not torch.equal(r0["a"], r0["c"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_an_end_token_stops_sharded_generation_where_the_plain_model_stops(
+    runs: dict[str, Any], kind: str
+) -> None:
+    for rank in range(WORLD):
+        stopped, plain, eos = runs["sampling"][rank][f"eos/{kind}"]
+        assert torch.equal(stopped, plain), (rank, stopped, plain)
+        assert int(stopped[0, -1]) == eos and stopped.shape[1] < 8 + 12

@@ -59,7 +59,9 @@ def test_a_model_directory_a_file_and_a_module_with_its_weights(gpt_dir: Path) -
     x = corpus_tokens(CFG.vocab, 2 * 20).view(2, 20)
     with torch.no_grad():
         want = ref(x)
-    from_dir = ds_strategy.init_inference(gpt_dir)
+    # a training config (batch sizes for some world size) serves as it is
+    training = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
+    from_dir = ds_strategy.init_inference(gpt_dir, training)
     from_file = ds_strategy.init_inference(
         lambda: GPT(CFG), checkpoint=gpt_dir / "model.safetensors"
     )

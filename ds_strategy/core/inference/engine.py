@@ -283,26 +283,22 @@ class InferenceEngine(nn.Module):
         extra keyword arguments go to it); other models with the engine's loop (a KV cache
         where the model offers one). Collective; see ``generate.py`` for how ranks keep step.
         """
-        seed = agreed_seed(self.comm, seed)
+        seed = agreed_seed(self._step_group(), seed)
         input_ids = input_ids.to(self.device)
         hf = hasattr(self.module, "generation_config") and callable(
             getattr(self.module, "generate", None)
         )
-        if hf:
+        if hf:  # its own options, passed only where given (its generation_config otherwise)
+            options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+            if do_sample:
+                options.update(temperature=temperature, top_k=top_k, top_p=top_p)
+            if eos_token_id is not None:
+                options["eos_token_id"] = eos_token_id
+            if self.sharded and self.comm.world_size > 1:
+                options["synced_gpus"] = True
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(seed)
-                return self.module.generate(
-                    input_ids,
-                    max_new_tokens=max_new_tokens,
-                    min_new_tokens=max_new_tokens if eos_token_id is None else None,
-                    do_sample=do_sample,
-                    temperature=temperature if do_sample else None,
-                    top_k=top_k if do_sample else None,
-                    top_p=top_p if do_sample else None,
-                    eos_token_id=eos_token_id,
-                    synced_gpus=self.sharded and self.comm.world_size > 1,
-                    **kwargs,
-                )
+                return self.module.generate(input_ids, **options, **kwargs)
         if kwargs:
             raise TypeError(
                 f"generate(): unexpected arguments {sorted(kwargs)} for {type(self.module).__name__}"
@@ -334,6 +330,13 @@ class InferenceEngine(nn.Module):
         ids = _encode(self.tokenizer, prompt)
         out = self.generate(ids, max_new_tokens, **kwargs)
         return _decode(self.tokenizer, out[0].tolist())
+
+    def _step_group(self) -> Comm | None:
+        """The ranks whose generations must take the same steps: all of them under
+        ZeRO-Inference, a tensor-parallel group, none for a plain replica."""
+        if self.sharded:
+            return self.comm
+        return self.tensor_parallel.comm if self.tensor_parallel is not None else None
 
     def _all_done(self, mine: bool) -> bool:
         left = torch.tensor([0 if mine else 1])
@@ -417,6 +420,10 @@ def _config(config: Any, tensor_parallel: Any, quantization: Any) -> ZeroConfig:
     if quantization is not None:
         q = {"bits": quantization} if isinstance(quantization, int) else quantization
         cfg = cfg.replace(quantization=dict(q))
+    # batch sizes are a training loop's: a training config's must not fail (or matter) here
+    cfg = cfg.replace(
+        train_batch_size=None, train_micro_batch_size_per_gpu=None, gradient_accumulation_steps=None
+    )
     return cfg.resolve(world_size=1)
 
 

@@ -4,7 +4,8 @@
 Under ZeRO-Inference each forward gathers every layer's parameters, a collective: all ranks
 must run the same number of forwards, whatever their prompts. Greedy decoding of the same
 logits picks the same tokens everywhere; sampling draws from a generator seeded alike on every
-rank (the seed is broadcast from rank 0); with an end-of-sequence token, the ranks stop when
+rank (the seed is broadcast from rank 0; a plain replica, in step with no other rank, keeps
+its own); with an end-of-sequence token, the ranks stop when
 all of them are done (one small all-reduce per token). Under tensor parallelism every rank
 computes the same logits, so the same rules keep the ranks in step.
 
@@ -29,10 +30,12 @@ from ..collectives import Comm
 __all__ = ["agreed_seed", "sample_loop", "pick"]
 
 
-def agreed_seed(comm: Comm, seed: int | None) -> int:
-    """``seed``, or rank 0's random one, the same on every rank of ``comm``."""
+def agreed_seed(comm: Comm | None, seed: int | None) -> int:
+    """``seed``, or a random one: rank 0's, the same on every rank of ``comm`` (none: this
+    rank's own)."""
     value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()))])
-    comm.broadcast(value, 0)
+    if comm is not None:
+        comm.broadcast(value, 0)
     return int(value.item())
 
 
@@ -84,25 +87,28 @@ def sample_loop(
     eos_token_id: int | None = None,
     all_done: Callable[[bool], bool] | None = None,
 ) -> torch.Tensor:
-    """``input_ids`` followed by up to ``max_new_tokens`` generated tokens (rows that reached
-    ``eos_token_id`` are padded with it). ``all_done(mine)``: whether every rank is done."""
+    """``input_ids`` followed by up to ``max_new_tokens`` generated tokens, up to the step
+    where every row has produced ``eos_token_id`` (rows done earlier are padded with it).
+    ``all_done(mine)``: whether every rank is done; until then this rank keeps taking steps
+    without adding tokens."""
     gen = None
     if do_sample:
         gen = torch.Generator(device=input_ids.device).manual_seed(seed)
     cache = module.new_cache() if _accepts_cache(module) else None
     tokens = input_ids
     finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-    step_input = tokens
+    step_input, done = tokens, False
     for _ in range(max_new_tokens):
+        # a rank already done still runs the step (its collectives), appending nothing
         logits = forward(step_input, cache=cache) if cache is not None else forward(tokens)
-        nxt = pick(logits[:, -1], do_sample, temperature, top_k, top_p, gen)
-        if eos_token_id is not None:
-            nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
-            finished |= nxt == eos_token_id
-        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-        step_input = nxt[:, None]
-        if eos_token_id is not None:
-            done = bool(finished.all())
-            if all_done(done) if all_done is not None else done:
-                break
+        if not done:
+            nxt = pick(logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+            if eos_token_id is not None:
+                nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+                finished |= nxt == eos_token_id
+                done = bool(finished.all())
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            step_input = nxt[:, None]
+        if eos_token_id is not None and (all_done(done) if all_done is not None else done):
+            break
     return tokens
