@@ -114,7 +114,7 @@ class InferenceEngine(nn.Module):
     def _open(
         self, model: nn.Module, where: Path | None, kind: str, require_checksums: bool
     ) -> WeightSource:
-        if kind == "checkpoint":  # collective: the ranks share the checksum work
+        if kind in ("checkpoint", "pipeline"):  # collective: the ranks share the checksums
             assert where is not None
             return open_source(where, self.comm, require_checksums)
         source: WeightSource | None = None

@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointSource",
     "ModuleSource",
     "SafetensorsSource",
+    "UnionSource",
     "WeightSource",
     "open_source",
     "source_kind",
@@ -256,9 +257,63 @@ class ModuleSource(WeightSource):
         self.tensors = {}  # the model's original storage goes once the engine holds its own
 
 
+class UnionSource(WeightSource):
+    """Several sources read as one (a pipeline checkpoint's stages: each holds its layers
+    under their names in the whole ``nn.Sequential``; a weight tied across stages is in
+    several, and read from the first)."""
+
+    def __init__(self, parts: list[WeightSource], where: Path) -> None:
+        self.parts, self.where = parts, where
+        self.metadata = {}
+        self._owner: dict[str, WeightSource] = {}
+        for part in parts:
+            for name in part.names():
+                self._owner.setdefault(name, part)
+
+    def names(self) -> list[str]:
+        return list(self._owner)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._owner
+
+    def _part(self, name: str) -> WeightSource:
+        part = self._owner.get(name)
+        if part is None:
+            raise KeyError(f"{self.where}: no tensor named {name!r}")
+        return part
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._part(name).shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._part(name).dtype(name)
+
+    def read(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
+        return self._part(name).read(name, rows, cols)
+
+    def read_flat(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return self._part(name).read_flat(name, lo, hi)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
+
+def _stage_dirs(p: Path) -> list[Path]:
+    """A pipeline checkpoint root's ``stage_<k>`` directories, in stage order (none: not one)."""
+    stages = sorted(
+        (d for d in p.glob("stage_*") if d.is_dir() and d.name[6:].isdigit()),
+        key=lambda d: int(d.name[6:]),
+    )
+    if [int(d.name[6:]) for d in stages] != list(range(len(stages))):
+        return []
+    return [resolve_load_dir(d, None) for d in stages]
+
+
 def source_kind(path: str | Path) -> tuple[str, Path]:
-    """``("checkpoint", its directory)`` or ``("safetensors", path)``: what :func:`open_source`
-    will read, checked without reading it (local work, before any rank opens a checkpoint)."""
+    """``("checkpoint", its directory)``, ``("pipeline", its root)`` or ``("safetensors",
+    path)``: what :func:`open_source` will read, checked without reading it (local work,
+    before any rank opens a checkpoint)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory (expected weights to load)")
@@ -272,16 +327,22 @@ def source_kind(path: str | Path) -> tuple[str, Path]:
         return "safetensors", p
     if (p / META_FILE).is_file() or (p / "latest").is_file():
         return "checkpoint", resolve_load_dir(p, None)
+    if _stage_dirs(p):
+        return "pipeline", p
     return "safetensors", p
 
 
 def open_source(path: str | Path, comm: Comm, require_checksums: bool = True) -> WeightSource:
     """The weights at ``path``: a ds_strategy checkpoint directory (or a root whose ``latest``
-    names one; collective: the ranks check it together), a ``.safetensors`` file, or a
-    directory of ``.safetensors`` files (a Hugging Face model directory, sharded or not)."""
+    names one), a pipeline checkpoint's root (its ``stage_<k>`` checkpoints; both collective:
+    the ranks check them together), a ``.safetensors`` file, or a directory of
+    ``.safetensors`` files (a Hugging Face model directory, sharded or not)."""
     kind, p = source_kind(path)
     if kind == "checkpoint":
         return CheckpointSource(p, comm, require_checksums)
+    if kind == "pipeline":
+        stages = [CheckpointSource(d, comm, require_checksums) for d in _stage_dirs(p)]
+        return UnionSource(list(stages), p)
     if p.is_file():
         return SafetensorsSource([p], p)
     index = p / "model.safetensors.index.json"
