@@ -50,16 +50,18 @@ def corpus_losses(
     clip: float = 1.0,
     zero: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    seed: int = 0,
 ) -> list[float]:
     """The demo GPT on the characters of ``CORPUS``, 8 sequences a step
     over the ranks, ZeRO ``stage``, ``gradient_clipping`` ``clip``; the mean loss of each of the last 20 of 300 steps.
     ``optimizer``: ``"sgd"`` (momentum 0.9), ``"adamw"``, or a config ``optimizer`` section;
-    ``zero``: more ``zero_optimization`` keys; ``extra``: more top-level sections."""
+    ``zero``: more ``zero_optimization`` keys; ``extra``: more top-level sections; ``seed``:
+    the model's initialisation."""
     from ds_strategy.demos.gpt import GPT, GPTConfig
     from recipes.data import CharCorpus
 
     corpus = CharCorpus(CORPUS, 32, 7)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab=corpus.vocab, d=32, layers=2, heads=4, seq=32))
     config: dict[str, Any] = {
         "zero_optimization": {"stage": stage, **(zero or {})},

@@ -223,10 +223,13 @@ def test_tp2_x_dp2_on_a_transformers_gpt2_equals_single_process_training(
     """GPT-2's Conv1D layers (weights stored transposed) and its fused q|k|v ``c_attn``.
 
     GPT-2 at its initialisation (weights N(0, 0.02)) has near-zero attention-score gradients,
-    which AdamW normalises to full-size updates, so here one fp32 process is itself 4e-5 from
-    the same training in float64 (measured). The check: the tensor-parallel runs are as close
-    to float64 as one fp32 process is (within 2x; measured 1.3x at ZeRO-1, 1.6x at ZeRO-3),
-    and within 5e-5 of it (measured 1.3e-5 and 2.5e-5); a wrong split is off by ~1e-1."""
+    which AdamW normalises to full-size updates, so here one fp32 process is itself far from
+    the same training in float64, by an amount that depends on the CPU's kernels (measured:
+    4e-5 on one machine, 6.5e-5 on an AMD EPYC with AVX2). The check: the tensor-parallel runs
+    are as close to float64 as one fp32 process is (within 2x; measured 1.3x / 1.6x at ZeRO-1 /
+    3 on the first machine, 0.22x on the second), and as close to the fp32 process as that
+    process is to float64, doubled (measured 1.3e-5 / 2.5e-5, then 5.1e-5 = 0.78x of 6.5e-5);
+    a wrong split is off by ~1e-1."""
     data = batches(STEPS, ACCUM, 8, seq=SEQ, vocab=VOCAB)
     results = tp_runs["gpt2", stage]
     fp32 = train_reference(MODELS["gpt2"](), "adamw", data, STEPS, ACCUM, CLIP)
@@ -236,7 +239,7 @@ def test_tp2_x_dp2_on_a_transformers_gpt2_equals_single_process_training(
     for r in results:
         assert r["state"].keys() == fp32.keys()
         assert _gpt2_error(r["state"], exact) <= 2 * rounding
-        assert _gpt2_error(r["state"], {k: v.double() for k, v in fp32.items()}) <= 5e-5
+        assert _gpt2_error(r["state"], {k: v.double() for k, v in fp32.items()}) <= 2 * rounding
         assert r["comm"]["tp_all_reduce"] > 0
 
 

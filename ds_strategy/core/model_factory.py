@@ -96,7 +96,7 @@ def params_on_meta() -> Iterator[None]:
         if p is not None and p.device.type != "meta":
             module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:

@@ -41,6 +41,7 @@ from ..tp.plan import resolve_plan
 from ..zero.flat_group import GradScaling
 from ..zero.inflight import ReductionQueue
 from ..zero.stage3 import Stage3Runtime, Unit
+from ..zero.units import UnitPlan, plan_units
 from .building import CharTokenizer, DirectoryLoader, LoadedModel, load_model
 from .generate import agreed_seed, sample_loop
 from .origins import origins_for, quant_metadata
@@ -212,29 +213,32 @@ class InferenceEngine(nn.Module):
             )
             return
         zc = self.config.zero_optimization
+        plan = plan_units(self.module, int(zc.stage3_param_persistence_threshold))
+        self._check_budget(plan)  # before reading anything
         self.units = place_sharded(
             self.module,
+            plan,
             self.origins,
             reader,
             self.comm,
             self.device,
             self.dtype,
-            int(zc.stage3_param_persistence_threshold),
             int(zc.reduce_bucket_size),
             self.meter,
         )
-        self._check_budget()
 
-    def _check_budget(self) -> None:
+    def _check_budget(self, plan: UnitPlan) -> None:
         budget = int(self.config.zero_optimization.stage3_max_live_parameters)
-        root = self.units[-1].numel
-        largest = max((u.numel for u in self.units[:-1]), default=0)
-        if root + largest > budget:
+        sizes = [sum(p.numel() for p in plan.params[id(u)]) for u in plan.units]
+        root, largest = sizes[-1], max(sizes[:-1], default=0)
+        # each flat group pads to a multiple of the ranks
+        slack = len(sizes) * self.comm.world_size
+        if root + largest + slack > budget:
             raise ValueError(
                 f"zero_optimization.stage3_max_live_parameters={budget} is below what one "
                 f"forward gathers at once: the root module's {root} elements (embeddings, "
                 f"final norm, head: gathered for the whole forward) plus the largest block's "
-                f"{largest}; set it to at least {root + largest}"
+                f"{largest}, and flat groups' padding; set it to at least {root + largest + slack}"
             )
 
     def _runtime(self) -> Stage3Runtime | None:
@@ -298,7 +302,8 @@ class InferenceEngine(nn.Module):
                 options["synced_gpus"] = True
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(seed)
-                return self.module.generate(input_ids, **options, **kwargs)
+                generate = self.module.generate
+                return generate(input_ids, **options, **kwargs)  # type: ignore[operator]
         if kwargs:
             raise TypeError(
                 f"generate(): unexpected arguments {sorted(kwargs)} for {type(self.module).__name__}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..quant.export import QUANT_META
@@ -114,8 +115,8 @@ def origins_for(
             if not saved_quantized:  # quantized from the full-precision weight, as read
                 weight = quant.weights[module]
                 found = resolver.find(aliases.get(weight, [weight]))
-                m = model.get_submodule(module)
-                rows_cols = (m.qweight.shape[0], m.qweight.shape[1] * 8 // quant.scheme.bits)
+                stored_q: torch.Tensor = model.get_submodule(module).qweight  # type: ignore[assignment]
+                rows_cols = (stored_q.shape[0], stored_q.shape[1] * 8 // quant.scheme.bits)
                 resolver.check(found, split, rows_cols, f"{module!r} expects")
                 out[id(p)] = Origin(found, split, kind, quant.scheme)
                 continue

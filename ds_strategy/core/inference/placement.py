@@ -27,7 +27,7 @@ from ..precision.policy import PrecisionPolicy
 from ..quant.scheme import QuantScheme, quantize
 from ..zero.flat_group import FlatParamGroup
 from ..zero.stage3 import Unit, build_groups
-from ..zero.units import plan_units
+from ..zero.units import UnitPlan
 from .sources import WeightSource
 from .tp import Split
 
@@ -74,7 +74,7 @@ class WeightReader:
         if origin.kind != "plain":
             assert origin.scheme is not None
             t = quantize(t, origin.scheme).tensors()[origin.kind]
-        return t.to(dtype) if t.is_floating_point() or t.dtype == dtype else t
+        return t.to(dtype) if t.is_floating_point() else t  # integers keep their dtype
 
     def flat(
         self, origin: Origin, shape: torch.Size, dtype: torch.dtype, lo: int, hi: int
@@ -125,20 +125,19 @@ def place_whole(
 
 def place_sharded(
     model: nn.Module,
+    plan: UnitPlan,
     origins: dict[int, Origin],
     reader: WeightReader,
     comm: Comm,
     device: torch.device,
     dtype: torch.dtype,
-    persistence_threshold: int,
     bucket_numel: int,
     meter: ModelStateMeter,
 ) -> list[Unit]:
-    """ZeRO-3: units planned as in training; each unit's parameters materialised empty, flat
-    groups built over them, this rank's slice of each read from the source (nothing is
-    broadcast: every rank reads its own), then released. Parameters at most
-    ``persistence_threshold`` elements stay whole on every rank. Returns the units, root last."""
-    plan = plan_units(model, persistence_threshold)
+    """ZeRO-3 over ``plan``'s units (``zero/units.py``, as in training): each unit's
+    parameters materialised empty, flat groups built over them, this rank's slice of each read
+    from the source (nothing is broadcast: every rank reads its own), then released. The
+    plan's persistent parameters stay whole on every rank. Returns the units, root last."""
     place_whole(plan.persistent, model, origins, reader, device, dtype)  # before the units
     precision = PrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     units = []

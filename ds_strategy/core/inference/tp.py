@@ -79,8 +79,9 @@ class TensorParallelInference:
             setattr(model.get_submodule(parent) if parent else model, child, local)
             if style == "colwise_qkv":
                 attention = model.get_submodule(parent)
-                if hasattr(attention, "split_size"):  # GPT-2: the width its q|k|v split at
-                    attention.split_size //= self.size
+                width = getattr(attention, "split_size", None)
+                if width is not None:  # GPT-2: the width its q|k|v split at
+                    attention.split_size = int(width) // self.size  # type: ignore[assignment]
 
     def install_reductions(self, model: nn.Module) -> None:
         """Each row-wise layer sums its partial outputs over the ranks; call it once the layers
@@ -106,7 +107,8 @@ class TensorParallelInference:
                 else Split(0, self.rank, self.size, chunks)
             )
             self.splits[f"{name}.bias"] = bias
-        shape = self.splits[f"{name}.weight"].local_shape(tuple(module.weight.shape))
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        shape = self.splits[f"{name}.weight"].local_shape(tuple(weight.shape))
         has_bias = getattr(module, "bias", None) is not None
         with torch.device("meta"):
             if conv:

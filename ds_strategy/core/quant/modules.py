@@ -107,6 +107,11 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> nn.Parame
 class _Quantized(nn.Module):
     """What both layers hold: the stored tensors of a (rows, cols) weight."""
 
+    scheme: QuantScheme
+    qweight: nn.Parameter
+    scales: nn.Parameter
+    zeros: nn.Parameter | None
+
     def _init_quantized(
         self, rows: int, cols: int, scheme: QuantScheme, device: Any, dtype: torch.dtype
     ) -> None:
@@ -129,6 +134,8 @@ class _Quantized(nn.Module):
 
 class QuantizedLinear(_Quantized):
     """``nn.Linear`` with a quantized weight; ``bias`` in the compute dtype."""
+
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -264,7 +271,7 @@ def quantize_modules(
         if only is not None and not any(n in only for n in names):
             continue
         first_name, first = group[0]
-        weight = first.weight
+        weight: torch.Tensor = first.weight  # type: ignore[assignment]
         shared: _Quantized | None = None
         for name, m in group:
             new = _replacement(m, scheme, dtype, kernel)
@@ -291,7 +298,8 @@ def fitting(
     a layer's input features, when its weight is not at hand (a released ZeRO-3 shard)."""
     for group in groups:
         name, module = group[0]
-        cols = columns(name, module) if columns is not None else module.weight.shape[1]
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        cols = columns(name, module) if columns is not None else int(weight.shape[1])
         if scheme.fits(cols):
             yield group
         else:
@@ -319,7 +327,7 @@ def _replacement(m: nn.Module, scheme: QuantScheme, dtype: torch.dtype, kernel: 
         )
         if m.bias is not None and device.type != "meta":
             with torch.no_grad():
-                new.bias.copy_(m.bias)  # type: ignore[union-attr]
+                new.bias.copy_(m.bias)  # type: ignore[operator]
         return new
     assert isinstance(m, nn.Embedding)
     return QuantizedEmbedding(

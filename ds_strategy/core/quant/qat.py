@@ -57,7 +57,7 @@ def _ours(m: nn.Module, scheme: QuantScheme) -> nn.Module:
     new = cls.__new__(cls)
     # same parameters, hooks and settings (their dicts copied, not shared); another forward
     new.__dict__.update({k: v.copy() if isinstance(v, dict) else v for k, v in vars(m).items()})
-    new.scheme = scheme
+    new.scheme = scheme  # type: ignore[assignment]
     return new
 
 
@@ -71,7 +71,7 @@ def _torchao(m: nn.Module, scheme: QuantScheme) -> nn.Module | None:
             from torchao.quantization.qat.linear import FakeQuantizedLinear
     except ImportError:
         return None
-    dtype = torch.int8 if scheme.bits == 8 else torch.int4
+    dtype = torch.int8 if scheme.bits == 8 else torch.int4  # type: ignore[attr-defined]
     config: Any
     if scheme.bits == 8:
         config = IntxFakeQuantizeConfig(dtype, "per_channel", is_symmetric=True)
