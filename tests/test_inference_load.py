@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.nn import functional as F
 
 import ds_strategy
 from ds_strategy.core.inference.sources import open_source
@@ -112,6 +113,21 @@ def test_save_quantized_stays_quantized_on_disk_and_loads_as_stored(
         assert torch.equal(again(x), out)
     with pytest.raises(ValueError, match="saved quantized with bits"):
         ds_strategy.init_inference(lambda: GPT(CFG), quantization=12 - bits, checkpoint=path)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_bf16_serves_plain_sharded_and_quantized(gpt_dir: Path, bits: int | None) -> None:
+    """bf16 compute (quantized layers keep their scales in it too): logits close to fp32's."""
+    x = corpus_tokens(CFG.vocab, 2 * 16, 60).view(2, 16)
+    ref = ds_strategy.init_inference(gpt_dir)(x).flatten()
+    bound = {None: 0.9999, 8: 0.999, 4: 0.97}[bits]
+    for stage in (0, 3):
+        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        engine = ds_strategy.init_inference(gpt_dir, config, dtype="bf16", quantization=bits)
+        out = engine(x)
+        assert out.dtype == torch.bfloat16
+        assert F.cosine_similarity(out.float().flatten(), ref, 0) >= bound
+        assert engine.generate(x[:, :4], 6).shape == (2, 10)
 
 
 def test_the_toy_model_with_attention_ties_and_a_block_used_twice(tmp_path: Path) -> None:
