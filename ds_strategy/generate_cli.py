@@ -73,34 +73,45 @@ def _config(args: Any) -> dict[str, Any]:
 def run_cli(args: Any) -> int:
     import torch
 
-    import ds_strategy
+    from ds_strategy.core.collectives import init_process_group_from_env
 
     if (args.prompt is None) == (args.prompt_ids is None):
         print("ds-strategy generate: give --prompt or --prompt-ids", file=sys.stderr)
         return 2
+    started = init_process_group_from_env()  # under torchrun; this command then ends it
     try:
-        model: Any = args.model if args.model else args.model_or_checkpoint
-        checkpoint = args.model_or_checkpoint if args.model else None
-        engine = ds_strategy.init_inference(
-            model, _config(args), dtype=args.dtype, checkpoint=checkpoint
-        )
-        options = dict(
-            do_sample=args.sample,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-        )
-        if args.prompt is not None:
-            text = engine.generate_text(args.prompt, args.max_new_tokens, **options)
-        else:
-            ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
-            text = ",".join(
-                str(t) for t in engine.generate(ids, args.max_new_tokens, **options)[0].tolist()
-            )
+        return _generate(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"ds-strategy generate: {e}", file=sys.stderr)
         return 2
+    finally:
+        if started:  # a clean shutdown, not the process group's destructor at exit
+            torch.distributed.destroy_process_group()
+
+
+def _generate(args: Any) -> int:
+    import torch
+
+    import ds_strategy
+
+    model: Any = args.model if args.model else args.model_or_checkpoint
+    checkpoint = args.model_or_checkpoint if args.model else None
+    engine = ds_strategy.init_inference(
+        model, _config(args), dtype=args.dtype, checkpoint=checkpoint
+    )
+    options = dict(
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    if args.prompt is not None:
+        text = engine.generate_text(args.prompt, args.max_new_tokens, **options)
+    else:
+        ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
+        out = engine.generate(ids, args.max_new_tokens, **options)
+        text = ",".join(str(t) for t in out[0].tolist())
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(text, flush=True)
     engine.destroy()

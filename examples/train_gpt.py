@@ -186,6 +186,9 @@ def main() -> None:
         lines = [x for part in gathered if part for x in part]
     if rank == 0:
         print("\n".join(lines), flush=True)
+    engine.destroy()
+    if dist.is_initialized():  # a clean shutdown, not the process group's destructor at exit
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hydra  # noqa: E402
+import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -82,6 +83,8 @@ def main(cfg: DictConfig) -> None:
     if rank == 0:
         print(f"text: {text!r}", flush=True)
     engine.destroy()
+    if torch.distributed.is_initialized():  # a clean shutdown, not the group's destructor
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
