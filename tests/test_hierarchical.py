@@ -17,6 +17,7 @@ from ds_strategy.demos.gpt import GPT, GPTConfig
 from tests.distributed import run_ranks_each
 from tests.loops import parity_config, train_engine, train_reference
 from tests.models import ToyLM, batches
+from tests.test_memory_peak import CFG
 from tests.test_topology import _GroupCounter
 
 STEPS, ACCUM, CLIP = 10, 2, 0.5
@@ -158,8 +159,16 @@ def _peak_inside_collectives(rank: int, world: int, stage: int) -> dict[str, Any
 def test_the_reported_peak_includes_the_two_level_buffers(runs: dict[Any, list[Any]]) -> None:
     """ZeRO-2, demo GPT: read from live tensors inside the collectives, the two-level
     reduce-scatter's moment is the step's fullest; ``memory_report()["peak"]`` agrees with it
-    within 1% (measured 0.9999; before its buffers were metered it read 5.4% low)."""
+    within 1% (measured 0.9999; before its buffers were metered it read 5.4% low).
+
+    The live reading is model state plus whatever else is alive then, and the first reduction
+    starts from the head's gradient hook, while autograd may still hold the gradient of the
+    logits, an activation's (2 x 32 x 512 fp32 here): in most runs it is already freed (live
+    616 bytes above the peak), in some (a clean-clone run) still there, 131,688 bytes above
+    (1.35%). So that one tensor is allowed for on top of the 1%."""
+    logits_grad = 2 * 32 * CFG.vocab * 4  # (batch, positions, vocabulary) fp32
     for r in runs["peak"]:
         live = max(r["readings"].values())
         assert r["readings"]["in_collective"] > 0
-        assert abs(r["peak"] - live) <= 0.01 * live, (r["peak"], r["readings"])
+        assert r["peak"] <= 1.01 * live, (r["peak"], r["readings"])
+        assert live - r["peak"] <= 0.01 * live + logits_grad, (r["peak"], r["readings"])
