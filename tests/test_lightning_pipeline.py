@@ -36,3 +36,14 @@ def test_pipeline_samples_by_data_parallel_rank(pipe: dict[str, Any]) -> None:
 def test_pipeline_refuses_trainer_accumulation(pipe: dict[str, Any]) -> None:
     err = pipe["accumulate_error"]
     assert err is not None and "accumulate_grad_batches=2" in err
+
+
+@pytest.mark.parametrize("flag", ["bf16-mixed", "fp16-config"])
+def test_pipeline_trains_under_lightning_mixed_precision(pipe: dict[str, Any], flag: str) -> None:
+    got = pipe[flag]
+    assert got["enabled"] == ((True, False) if flag == "bf16-mixed" else (False, True))
+    assert str(got["compute"]) == ("torch.bfloat16" if flag == "bf16-mixed" else "torch.float16")
+    assert got["skipped"] == 0  # fp16's loss scale starts low enough not to overflow
+    # fp32 master weights: the validation loss of fp32 training within 2%
+    assert got["val"] == pytest.approx(pipe["ref_val"], rel=0.02)
+    assert got["val"] != pytest.approx(pipe["ref_val"], rel=1e-6)  # it did compute in 16 bits

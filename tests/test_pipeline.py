@@ -240,7 +240,10 @@ def errors_worker(rank: int, world: int) -> dict:
         lambda: ds_strategy.initialize(m, opt(m), _config(2, "1f1b", 1), loss_fn=mse),
     )
     m = mlp()
-    attempt("zero3", lambda: ds_strategy.initialize(m, opt(m), _config(2, "1f1b", 3), loss_fn=mse))
+    lm = tied_lm()
+    attempt(
+        "zero3_tied", lambda: ds_strategy.initialize(lm, opt(lm), _config(2, "1f1b", 3), loss_fn=mse)
+    )
     attempt("no_loss_fn", lambda: ds_strategy.initialize(m, opt(m), _config(2, "1f1b", 1)))
     engine = ds_strategy.initialize(m, opt(m), _config(2, "gpipe", 1), loss_fn=mse)
     attempt("bad_batch", lambda: engine.train_batch(torch.randn(7, D_IN), torch.randn(7, 6)))
@@ -253,7 +256,7 @@ def test_bad_specs_are_clear_errors(results: list[dict]) -> None:
     assert "nn.Sequential" in res["not_sequential"]
     assert "not divisible by 3" in res["not_divisible"]
     assert "need at least 2 layers" in res["too_few_layers"]
-    assert "stage 0, 1 or 2" in res["zero3"]
+    assert "tied across stages" in res["zero3_tied"] and "stage 1 or 2" in res["zero3_tied"]
     assert "loss_fn" in res["no_loss_fn"]
     assert "got 7 samples" in res["bad_batch"]
     for other in results[1:]:  # every rank raised (no rank left waiting in the schedule)

@@ -153,13 +153,6 @@ class PipelineFront(Front):
                 f"pipeline.stages={stages}: a pipeline computes the loss on its last stage; pass "
                 "ZeroPlugin(loss_fn=fn) with fn(output, target) -> scalar loss of one micro-batch"
             )
-        mp = str(acc.state.mixed_precision)
-        if mp != "no":
-            raise ValueError(
-                f"mixed_precision={mp!r}: mixed precision is not available with a pipeline "
-                "config in this release; launch with mixed_precision 'no' (or remove the "
-                "pipeline section)"
-            )
         world = acc.num_processes
         if world % stages:
             raise ValueError(

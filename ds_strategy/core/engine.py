@@ -758,8 +758,11 @@ class ZeroEngine(nn.Module):
         return report
 
     def reset_peak_memory(self) -> None:
-        """Start ``memory_report()["peak"]`` again from the bytes held now."""
+        """Start ``memory_report()["peak"]`` and ``["peak_gathered_params"]`` again from the
+        bytes held now."""
         self.plan.meter.reset_peak()
+        if self.plan.stage3 is not None:
+            self.plan.stage3.peak_live_numel = self.plan.stage3.live_numel
 
     def _resident_report(self) -> dict[str, int]:
         report = self.plan.memory_report()

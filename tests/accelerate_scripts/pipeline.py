@@ -5,7 +5,8 @@ Runs, in one launch:
 - ``uninterrupted``: every batch of the loader; records which samples each rank read, the
   losses, the lr, what a plain-Accelerate call under a pipeline raises;
 - ``save``: the same from the same seed, stopped after ``STOP`` steps, ``save_state``;
-- ``load``: built afresh, ``load_state``, skips the batches already seen and finishes.
+- ``load``: built afresh, ``load_state``, skips the batches already seen and finishes;
+- ``bf16``: ``uninterrupted`` again under ``mixed_precision="bf16"``.
 Rank 0 also trains the same model in one process with plain PyTorch on the global batches
 (the reference) and saves everything to ``--out``.
 """
@@ -17,6 +18,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from common import arguments, save_on_main
@@ -101,9 +103,15 @@ def refusals(accelerator: ZeroAccelerator, model: nn.Module, x: torch.Tensor) ->
 
 def run(phase: str, ckpt: str, dp_size: int) -> dict:
     # the resumed runs: ZeRO-2 within each stage, DummyOptim / DummyScheduler
-    resumed = phase != "uninterrupted"
+    resumed = phase in ("save", "load")
     plugin = ZeroPlugin(config=config(2 if resumed else 1, resumed), loss_fn=mse)
-    accelerator = ZeroAccelerator(zero_plugin=plugin, gradient_accumulation_steps=ACCUM)
+    precision = "no"
+    if phase == "bf16":  # Accelerate's mixed_precision flag; a new state for the new flag
+        AcceleratorState._reset_state()
+        precision = "bf16"
+    accelerator = ZeroAccelerator(
+        zero_plugin=plugin, gradient_accumulation_steps=ACCUM, mixed_precision=precision
+    )
     model, optimizer, loader, scheduler = accelerator.prepare(*build(dp_size, resumed))
     result: dict = {"losses": [], "seen": [], "lrs": []}
     skip = 0
@@ -149,6 +157,7 @@ def run(phase: str, ckpt: str, dp_size: int) -> dict:
         },
         unwrapped=sorted(accelerator.unwrap_model(model).state_dict()),
         skipped=optimizer.step_was_skipped,
+        bf16=model.engine.config.bf16.enabled,
     )
     if phase == "uninterrupted":
         accelerator.save_model(model, os.path.join(ckpt, "..", "model"))
@@ -189,6 +198,7 @@ def main() -> None:
         "uninterrupted": run("uninterrupted", args.ckpt, dp_size),
         "save": run("save", args.ckpt, dp_size),
         "load": run("load", args.ckpt, dp_size),
+        "bf16": run("bf16", args.ckpt, dp_size),
     }
     if int(os.environ["RANK"]) == 0:
         results["reference"] = reference(dp_size)

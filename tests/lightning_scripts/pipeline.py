@@ -1,5 +1,6 @@
 """Train an ``nn.Sequential`` as a 2-stage pipeline (P=2 x D=1) under ``ZeroStrategy``, then
-validate, checkpoint, evaluate the checkpoint in a fresh Trainer and export the weights; rank
+validate, checkpoint, evaluate the checkpoint in a fresh Trainer and export the weights, and
+again under ``precision="bf16-mixed"`` and with fp16 in the config; rank
 0 trains the same model with plain PyTorch on the same batches and saves both to
 ``OUT/results.pt``.
 
@@ -89,6 +90,29 @@ fresh = trainer(ZeroStrategy(config=CONFIG), ROOT / "fresh", accumulate_grad_bat
 results["fresh_val"] = fresh.validate(
     PipeModule(), val_loader(), ckpt_path=ROOT / "pipe.ckpt", verbose=False
 )[0]["val_loss"]
+
+# mixed precision: bf16 from Lightning's flag; fp16 (loss scaling) from the config, as
+# Lightning turns precision="16-mixed" into bf16 on a CPU
+for flag in ("bf16-mixed", "fp16-config"):
+    mixed = trainer(
+        ZeroStrategy(
+            config={**CONFIG, "fp16": {"enabled": flag == "fp16-config", "initial_scale_power": 8}}
+        ),
+        ROOT / flag,
+        max_epochs=1,
+        accumulate_grad_batches=1,
+        gradient_clip_val=CLIP,
+        precision=flag if flag == "bf16-mixed" else "32-true",
+    )
+    mixed_model = PipeModule()
+    mixed.fit(mixed_model, train_loader())
+    engine = mixed.strategy.pipeline.engine
+    results[flag] = {
+        "enabled": (engine.config.bf16.enabled, engine.config.fp16.enabled),
+        "compute": engine.precision.param_dtype,
+        "val": mixed.validate(mixed_model, val_loader(), verbose=False)[0]["val_loss"],
+        "skipped": mixed.strategy.pipeline.skipped_steps,
+    }
 
 try:
     trainer(ZeroStrategy(config=CONFIG), ROOT / "acc", accumulate_grad_batches=2).fit(

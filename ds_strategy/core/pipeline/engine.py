@@ -2,17 +2,22 @@
 data-parallel by a :class:`~ds_strategy.core.engine.ZeroEngine` over its ranks.
 
 [Note: one training step]
-1. The stage's ``ZeroEngine`` is put in ``no_sync``: the ``torch.distributed.pipelining``
-   schedule runs forward and backward of ``gradient_accumulation_steps`` micro-batches and
-   gradients accumulate locally (the loss function divides by the micro-batch count).
+1. The ``torch.distributed.pipelining`` schedule runs forward and backward of
+   ``gradient_accumulation_steps`` micro-batches, each chunk through the stage's module (so
+   the stage engine's hooks see every micro-batch); the loss it runs backward from is the
+   micro-batch's share of the mean, times the fp16 loss scale. Under ZeRO 0-2 the stage's
+   ``ZeroEngine`` is in ``no_sync`` and gradients accumulate locally; under ZeRO-3 each
+   micro-batch gathers a layer's parameters for its forward and backward (prefetching the
+   next) and reduce-scatters that layer's gradients as its backward finishes.
 2. Tied weights sum their gradients across the stages that hold them.
 3. ``engine.reduced_grad_norm()`` reduces (ZeRO-1: all-reduce into the sharded slice; ZeRO-2:
-   reduce-scatter of the accumulated bucket) over the stage's data-parallel group and returns
+   reduce-scatter of the accumulated bucket; ZeRO-3: already reduced) over the stage's data-parallel group and returns
    the stage's gradient norm.
 4. The squared gradient norms of all stages are summed over the pipeline group (each tied
    weight counted once), and ``engine.step(grad_norm=...)`` clips by that global norm of the
-   whole model, or skips the step on every rank when it is not finite. The stage engine's own
-   step does the rest: lr scheduler, counters, ``max_consecutive_skipped_steps``,
+   whole model, or skips the step on every rank when it is not finite (an fp16 overflow on
+   any rank of any stage: every rank lowers its loss scale alike). The stage engine's own
+   step does the rest: offloaded optimizer state, lr scheduler, counters, ``max_consecutive_skipped_steps``,
    ``wall_clock_breakdown`` and the periodic checkpoint (``checkpoint.save_interval``, into
    ``<save_dir>/stage_<k>``, which :meth:`PipelineEngine.load_checkpoint` reads).
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,7 +106,6 @@ class PipelineEngine:
         device = next((p.device for m in layers for p in m.parameters()), None)
         self.mesh = Mesh.build(int(pc.stages), int(raw.tensor_parallel.autotp_size), device)
         self.config = raw.resolve(world_size=self.mesh.dp_size)
-        self._check_supported(self.config)
         self.schedule_name: str = pc.schedule
         chunks = pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1)
         if chunks > 1 and pc.schedule != "interleaved_1f1b":
@@ -120,11 +125,20 @@ class PipelineEngine:
         broadcast_tied(self.tied)
         mine = stage_indices(self.stage_id, self.mesh.pp_size, chunks)
         self.chunk_ids = mine
-        # the stage's layers under their index in the full model, so state_dict keys match
-        local = OrderedDict(
-            (str(i), layers[i]) for c in mine for i in range(bounds[c], bounds[c + 1])
+        if self.tied and self.config.zero_optimization.stage == 3:
+            t = self.tied[0]
+            raise ValueError(
+                f"zero_optimization.stage 3: a weight is shared by pipeline stages {t.stages} "
+                "(tied across stages, e.g. an embedding and its output head); under ZeRO-3 each "
+                "stage reduce-scatters its gradients as backward runs, so the copies cannot be "
+                "summed. Use stage 1 or 2, or keep the layers that share it on one stage "
+                "(pipeline.partition_method)"
+            )
+        # the stage's layers under their index in the full model, so state_dict keys match;
+        # the schedule runs each chunk through this module, so its hooks (ZeRO-3) see it
+        self.module = _StageModule(
+            [[(str(i), layers[i]) for i in range(bounds[c], bounds[c + 1])] for c in mine]
         )
-        self.module = nn.Sequential(local)
         self.engine = ZeroEngine(
             self.module,
             optimizer,
@@ -139,23 +153,19 @@ class PipelineEngine:
             self._check_ties_replicated()
         self.engine.set_gradient_accumulation_boundary(True)  # one step() per train_batch
         device = self.engine.device
-        self._chunks = [
-            nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(bounds[c], bounds[c + 1])))
-            for c in mine
-        ]
         self._pp = Comm(self.mesh.pp_group)
         self._pp.link = self.engine.topology.link(self._pp.global_ranks())
         self._dp = Comm(self.mesh.dp_group)
         self._stages = [
             _CountingStage(
-                _Precision(m, self.engine.precision, last=c == n_chunks - 1),
+                _Chunk(self.module, k, self.engine.precision, last=c == n_chunks - 1),
                 c,
                 n_chunks,
                 device,
                 group=self.mesh.pp_group,
                 comm=self._pp,
             )
-            for m, c in zip(self._chunks, mine, strict=True)
+            for k, c in enumerate(mine)
         ]
         self._loss_fn = loss_fn
         self._schedule = make_schedule(
@@ -182,25 +192,6 @@ class PipelineEngine:
         if save_dir:
             changes["checkpoint.save_dir"] = str(Path(save_dir) / f"stage_{self.stage_id}")
         return self.config.replace(**changes)
-
-    @staticmethod
-    def _check_supported(cfg: ZeroConfig) -> None:
-        zc = cfg.zero_optimization
-        if zc.stage == 3:
-            raise ValueError(
-                "zero_optimization.stage: a pipeline runs ZeRO stage 0, 1 or 2 within each "
-                "stage (stage 3 would gather every layer once per micro-batch); set stage to 1 or 2"
-            )
-        if cfg.fp16.enabled:
-            raise ValueError(
-                "fp16: loss scaling is not available with a pipeline in this release; use "
-                "bf16.enabled (no loss scaling needed) or disable fp16.enabled"
-            )
-        if zc.offload_optimizer.device != "none" or zc.offload_param.device != "none":
-            raise ValueError(
-                "zero_optimization.offload_*: offload is not available with a pipeline in this "
-                "release; set offload_optimizer.device and offload_param.device to 'none'"
-            )
 
     # -- properties front ends use ---------------------------------------------------------------
 
@@ -245,7 +236,9 @@ class PipelineEngine:
     # -- training --------------------------------------------------------------------------------
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(output, target) / self.micro_batches
+        """What the schedule runs backward from: the micro-batch's share of the mean loss,
+        times the fp16 loss scale (1 without fp16), which :meth:`_mean_loss` takes out again."""
+        return self._loss_fn(output, target) * (self.engine.loss_scale / self.micro_batches)
 
     def _check_batch(self, inputs: Any, targets: Any) -> None:
         """Every rank checks what it reads (the first stage its inputs, the last its
@@ -277,7 +270,11 @@ class PipelineEngine:
         if self._has_last:
             kwargs = {"target": targets, "losses": losses}
         if train:
-            with self.engine.no_sync(), phase(self.engine.timers, "schedule"):
+            # Stages 0-2 accumulate the micro-batches' gradients locally and reduce once, in
+            # _step; ZeRO-3 reduce-scatters each micro-batch's as its backward runs, so no
+            # full-size gradient outlives the layer it belongs to.
+            accumulate = self.engine.no_sync() if self.engine.stage < 3 else nullcontext()
+            with accumulate, phase(self.engine.timers, "schedule"):
                 self._schedule.step(*args, **kwargs)
         else:
             with torch.no_grad():
@@ -289,7 +286,7 @@ class PipelineEngine:
         along the pipeline, averaged over data-parallel ranks."""
         loss = torch.zeros(1, dtype=torch.float64)
         if self._has_last:
-            loss += sum(float(x.detach()) for x in losses)
+            loss += sum(float(x.detach()) for x in losses) / self.engine.loss_scale
         self._pp.broadcast(loss, self.num_stages - 1)
         self._dp.all_reduce(loss)
         return (loss / self.data_parallel_size).float().squeeze(0)
@@ -435,18 +432,39 @@ class PipelineEngine:
         self.engine.destroy()
 
 
-class _Precision(nn.Module):
-    """A chunk under mixed precision, as ``ZeroEngine.forward`` runs a model: floating-point
-    inputs in the compute dtype (the first chunk's data; later chunks receive activations
-    already in it, and send theirs in it), the last chunk's outputs back in fp32 for the
-    loss."""
+class _StageModule(nn.Sequential):
+    """A rank's layers under their index in the whole model (``"3"``: the fourth layer), so
+    its ``state_dict`` keys are the original ``nn.Sequential``'s; ``forward(x, chunk=k)`` runs
+    the ``k``-th chunk this rank holds (one, or several under the interleaved schedule).
+    Every chunk runs through this module's ``__call__``: the stage engine's module hooks
+    (ZeRO-3's gather / release around a forward) see each micro-batch of each chunk."""
 
-    def __init__(self, chunk: nn.Module, precision: PrecisionPolicy, last: bool) -> None:
+    def __init__(self, chunks: list[list[tuple[str, nn.Module]]]) -> None:
+        super().__init__(OrderedDict(item for chunk in chunks for item in chunk))
+        self.chunk_names = [[name for name, _ in chunk] for chunk in chunks]
+
+    def forward(self, x: Any, chunk: int = 0) -> Any:  # type: ignore[override]
+        for name in self.chunk_names[chunk]:
+            x = self._modules[name](x)  # type: ignore[misc]
+        return x
+
+
+class _Chunk(nn.Module):
+    """One chunk of a stage as the schedule runs it, under mixed precision as
+    ``ZeroEngine.forward`` runs a model: floating-point inputs in the compute dtype (the first
+    chunk's data; later chunks receive activations already in it, and send theirs and their
+    gradients in it), the last chunk's outputs back in fp32 for the loss. The stage module
+    is not registered as a child: the schedule sees no parameters of its own."""
+
+    def __init__(
+        self, stage: _StageModule, index: int, precision: PrecisionPolicy, last: bool
+    ) -> None:
         super().__init__()
-        self.chunk, self.precision, self.last = chunk, precision, last
+        self._stage = [stage]
+        self.index, self.precision, self.last = index, precision, last
 
     def forward(self, *args: Any) -> Any:
-        out = self.chunk(*self.precision.cast_inputs(args))
+        out = self._stage[0](*self.precision.cast_inputs(args), chunk=self.index)
         return self.precision.cast_outputs(out) if self.last else out
 
 
