@@ -112,6 +112,13 @@ class ZeroEngine(nn.Module):
         self.mesh = ParallelMesh.flat(self.comm.rank, self.comm.world_size)
         # every rank holding a part of this engine's state: checkpoints are written by them all
         self.checkpoint_comm = self.comm
+        # a pipeline stage holds part of a model (_stage_of): a checkpoint it loads may hold
+        # more, and a weight tied across stages may be saved under the whole model's name
+        self.checkpoint_partial = _stage_of is not None
+        self.checkpoint_stage: int | None = None  # which stage_<k> of a pipeline checkpoint
+        self.checkpoint_aliases: dict[str, str] = (
+            _tied_aliases(model, _stage_of) if _stage_of is not None else {}
+        )
         self.tensor_parallel: TensorParallel | None = None
         if tp > 1:  # split the layers over consecutive ranks, then ZeRO over the others
             with together(self.comm):
@@ -712,8 +719,9 @@ class ZeroEngine(nn.Module):
     ) -> Any:
         """Restore weights, optimizer state, lr scheduler, step counters and RNG state from a
         checkpoint written by :meth:`save_checkpoint`, at any world size or stage: ``path/tag``,
-        the checkpoint a root's ``latest`` file names, or the directory ``path``. Returns the
-        saved ``client_state``. ``load_optimizer=False`` restores the weights (and counters)
+        the checkpoint a root's ``latest`` file names, or the directory ``path``; or a
+        pipeline's checkpoint (its root, holding ``stage_<k>``), whatever its stages. Returns
+        the saved ``client_state``. ``load_optimizer=False`` restores the weights (and counters)
         only, into an engine whose optimizer may differ, e.g. one built for evaluation. A
         damaged or foreign checkpoint raises on every rank, naming the file; so does one that
         records no checksums, unless ``require_checksums=False``, and one whose ``latest`` or
@@ -858,6 +866,21 @@ def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str
         embeddings=bool(qc.embeddings),
         modules_to_not_convert=list(qc.modules_to_not_convert),
     )
+
+
+def _tied_aliases(part: nn.Module, whole: nn.Module) -> dict[str, str]:
+    """``part``'s parameter names that differ from the name ``whole`` gives the same tensor
+    (its first: a pipeline stage's copy of a weight tied to an earlier stage's), both ways."""
+    first: dict[int, str] = {}
+    for name, p in whole.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    out = {}
+    for name, p in part.named_parameters():
+        canonical = first.get(id(p), name)
+        if canonical != name:
+            out[name] = canonical
+            out.setdefault(canonical, name)
+    return out
 
 
 def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .manager import resolve_load_dir
+from .manager import resolve_sources
 from .sharded import single_process_ok
 from .trust import SafeReader
 from .validate import META_FILE, check_files
@@ -47,10 +47,14 @@ def _shapes(path: Path) -> dict[str, list[int]]:
     return meta.get("shapes", {})
 
 
-def _stream(path: Path, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(
+    path: Path, dtype: torch.dtype | None, keys: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     reader = SafeReader(path)
     shapes = _shapes(path)
     for key, m in sorted(_entries(reader).items()):
+        if key not in keys:
+            continue
         t = torch.empty(m.size, dtype=m.properties.dtype)
         with single_process_ok(False):
             dcp.load({key: t}, storage_reader=SafeReader(path), no_dist=True)
@@ -74,37 +78,57 @@ def consolidate(
     >>> ds_strategy.consolidate("ckpt/step100", "model.safetensors")  # doctest: +SKIP
 
     Runs in one process, with no process group, whatever world size wrote the checkpoint.
-    ``checkpoint_dir`` may be a checkpoint root: its ``latest`` checkpoint is exported. Every
+    ``checkpoint_dir`` may be a checkpoint root: its ``latest`` checkpoint is exported; or a
+    pipeline checkpoint's root: its stages' layers together, as one model. Every
     file is checked against the sizes and checksums recorded at save time first.
     ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype);
     ``require_checksums=False`` accepts a checkpoint that records no checksums. Tied weights
     appear once, under their first name; ``load_state_dict(strict=False)`` or re-tying after
     loading restores the other name.
     """
-    src, out = resolve_load_dir(Path(checkpoint_dir), None), Path(output_path)
-    if not (src / META_FILE).is_file():
-        raise FileNotFoundError(
-            f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
-        )
-    # a damaged file is an error naming it, never a silently wrong export
-    check_files(src, require_checksums)
+    out = Path(output_path)
+    sources = resolve_sources(Path(checkpoint_dir), None)
+    for src in sources:
+        if not (src / META_FILE).is_file():
+            raise FileNotFoundError(
+                f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
+            )
+        # a damaged file is an error naming it, never a silently wrong export
+        check_files(src, require_checksums)
     if out.suffix == ".safetensors":
-        _write_safetensors(src, out, dtype)
+        _write_safetensors(sources, out, dtype)
     elif out.suffix in (".pt", ".pth", ".bin"):
-        torch.save(dict(_stream(src, dtype)), out)
+        torch.save(dict(_stream_all(sources, dtype)), out)
     else:
         raise ValueError(f"{out}: choose a .safetensors or .pt output file")
     return out
 
 
-def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None) -> None:
-    reader = SafeReader(src)
-    shapes = _shapes(src)
+def _owned(sources: list[Path]) -> list[tuple[Path, dict[str, TensorStorageMetadata]]]:
+    """Each checkpoint's entries that no earlier one has (a pipeline's stages hold disjoint
+    layers; only a weight tied across stages is in two of them, under two names)."""
+    seen: set[str] = set()
+    out = []
+    for src in sources:
+        entries = {k: m for k, m in _entries(SafeReader(src)).items() if k not in seen}
+        seen.update(entries)
+        out.append((src, entries))
+    return out
+
+
+def _stream_all(sources: list[Path], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for src, entries in _owned(sources):
+        yield from _stream(src, dtype, set(entries))
+
+
+def _write_safetensors(sources: list[Path], out: Path, dtype: torch.dtype | None) -> None:
     entries = []
-    for key, m in sorted(_entries(reader).items()):
-        name = key.split("/", 1)[1]
-        t_dtype = m.properties.dtype
-        if dtype is not None and t_dtype.is_floating_point:
-            t_dtype = dtype
-        entries.append((name, t_dtype, shapes.get(name, list(m.size))))
-    stream_safetensors(out, entries, (t for _, t in _stream(src, dtype)))
+    for src, owned in _owned(sources):
+        shapes = _shapes(src)
+        for key, m in sorted(owned.items()):
+            name = key.split("/", 1)[1]
+            t_dtype = m.properties.dtype
+            if dtype is not None and t_dtype.is_floating_point:
+                t_dtype = dtype
+            entries.append((name, t_dtype, shapes.get(name, list(m.size))))
+    stream_safetensors(out, entries, (t for _, t in _stream_all(sources, dtype)))

@@ -188,10 +188,10 @@ class CheckpointManager:
     ) -> Any:
         self.wait()
         with together(self.engine.checkpoint_comm, CheckpointError):
-            directory = resolve_load_dir(Path(path), tag)
+            directories = resolve_sources(Path(path), tag)
         client_state = sharded.load_engine(
             self.engine,
-            directory,
+            directories,
             load_optimizer,
             require_checksums,
             trust_checkpoint,
@@ -272,6 +272,30 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
             f"tag= to load another one (complete checkpoints there: {', '.join(tags) or 'none'})"
         )
     return target
+
+
+def stage_dirs(root: Path) -> list[Path]:
+    """A pipeline checkpoint root's ``stage_<k>`` directories in stage order (``[]``: ``root``
+    is not one; a gap in the numbering is not one either)."""
+    if (root / META_FILE).exists() or not root.is_dir():
+        return []
+    stages = sorted(
+        (d for d in root.glob("stage_*") if d.is_dir() and d.name[6:].isdigit()),
+        key=lambda d: int(d.name[6:]),
+    )
+    if [int(d.name[6:]) for d in stages] != list(range(len(stages))):
+        return []
+    return stages
+
+
+def resolve_sources(path: Path, tag: str | None) -> list[Path]:
+    """The checkpoint directories a load reads: one (see :func:`resolve_load_dir`), or, for a
+    pipeline checkpoint's root, each stage's (``stage_<k>/tag``, or the one its ``latest``
+    names), which together hold the whole model whatever layout loads them."""
+    stages = stage_dirs(path)
+    if not stages:
+        return [resolve_load_dir(path, tag)]
+    return [resolve_load_dir(d, tag) for d in stages]
 
 
 def _check_tag(tag: str, saving: bool = True) -> None:

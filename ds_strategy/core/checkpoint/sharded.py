@@ -45,6 +45,7 @@ from .trust import unpack as _unpack
 from .validate import (
     FORMAT,
     CheckpointError,
+    check_shapes_within,
     merge_checksums,
     record_checksums,
     validate,
@@ -409,20 +410,37 @@ def _as_write_error(
 
 def load_engine(
     engine: ZeroEngine,
-    path: str | os.PathLike,
+    paths: str | os.PathLike | list[Path],
     load_optimizer: bool = True,
     require_checksums: bool = True,
     trust_checkpoint: bool = False,
 ) -> Any:
-    """Restore ``engine`` from ``path`` (any world size or stage); returns ``client_state``.
+    """Restore ``engine`` from ``paths`` (any world size or stage); returns ``client_state``.
 
-    ``load_optimizer=False`` restores weights, buffers, counters and RNG only, into an engine
-    whose optimizer may differ (e.g. one built just for evaluation)."""
-    path = Path(path)
+    ``paths``: one checkpoint directory, or several that together hold the model (a pipeline
+    checkpoint's stages, see [Note: loading across layouts]). ``load_optimizer=False``
+    restores weights, buffers, counters and RNG only, into an engine whose optimizer may
+    differ (e.g. one built just for evaluation)."""
+    dirs = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
     comm = engine.checkpoint_comm
-    saved = validate(path, comm, _param_shapes(engine), require_checksums)
-    reader = SafeReader(path)
+    aliases, partial = engine.checkpoint_aliases, engine.checkpoint_partial
+    strict = len(dirs) == 1 and not partial  # the checkpoint is this model, no more, no less
+    live_shapes = _param_shapes(engine)
+    metas = [validate(d, comm, live_shapes if strict else None, require_checksums) for d in dirs]
+    if not strict:
+        with together(comm, CheckpointError):
+            check_shapes_within(dirs, live_shapes, aliases)
+    saved: dict[str, Any] = {}
+    source: dict[str, int] = {}  # key -> the first directory holding it
+    for i, md in enumerate(metas):
+        for key, value in md.items():
+            if key not in saved:
+                saved[key], source[key] = value, i
+    path = dirs[0] if len(dirs) == 1 else dirs[0].parent
     rng_key = f"rng/{comm.rank}"
+    home = engine.checkpoint_stage  # a pipeline stage's random state: from its own stage's
+    if home is not None and home < len(metas) and rng_key in metas[home]:
+        saved[rng_key], source[rng_key] = metas[home][rng_key], home
     packed = ["engine", "client_state"] + (["optim_groups"] if load_optimizer else [])
     packed += [rng_key] if rng_key in saved else []
     with together(comm, CheckpointError):  # whatever one rank refuses, every rank does
@@ -432,7 +450,7 @@ def load_engine(
                 "(include_optimizer=False); load it with load_optimizer=False"
             )
         engine.plan.wait_params()
-        state: dict[str, Any] = dict(_model_entries(engine))
+        state: dict[str, Any] = _aliased(dict(_model_entries(engine)), saved, aliases)
         after_compression = _loaded_as_is
         if load_optimizer:
             state.update(_optim_destinations(engine, saved))
@@ -447,8 +465,12 @@ def load_engine(
                 f"{path}: checkpoint does not match this model: {len(missing)} entr"
                 f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
             )
-    with single_process_ok(comm.active):
-        dcp.load(state, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
+    for i, d in enumerate(dirs):  # every rank reads every directory, in the same order
+        part = {k: v for k, v in state.items() if source[k] == i}
+        reader = SafeReader(d)
+        with single_process_ok(comm.active):
+            dcp.load(part, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
+        state.update(part)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):
         for key in packed:
@@ -459,6 +481,20 @@ def load_engine(
         _restore_engine(engine, state, rng_key, load_optimizer)
     engine.plan.after_load()
     return state["client_state"]
+
+
+def _aliased(
+    entries: dict[str, torch.Tensor], saved: dict[str, Any], aliases: dict[str, str]
+) -> dict[str, torch.Tensor]:
+    """``entries`` with each parameter missing from ``saved`` under its name read from its
+    alias instead (a weight a pipeline stage holds under its own layer's name, saved once
+    under the first name of the whole model, or the reverse)."""
+    out = {}
+    for key, t in entries.items():
+        kind, _, name = key.partition("/")
+        other = f"{kind}/{aliases.get(name, name)}"
+        out[other if key not in saved and other in saved else key] = t
+    return out
 
 
 def _saved_optim_keys(saved: dict[str, Any]) -> dict[str, list[tuple[str, str, Any]]]:
@@ -472,6 +508,13 @@ def _saved_optim_keys(saved: dict[str, Any]) -> dict[str, list[tuple[str, str, A
     return out
 
 
+def _saved_for(
+    by_name: dict[str, list[tuple[str, str, Any]]], name: str, aliases: dict[str, str]
+) -> list[tuple[str, str, Any]]:
+    """A parameter's saved optimizer entries, under its name or else under its alias."""
+    return by_name.get(name) or by_name.get(aliases.get(name, name), [])
+
+
 def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, Any]:
     """Tensors to load the optimizer state into: this rank's pieces of per-element state
     (created if the optimizer has not stepped yet) and placeholders for the rest."""
@@ -479,7 +522,7 @@ def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, 
     by_name = _saved_optim_keys(saved)
     out: dict[str, Any] = {}
     for pc, name, p, numel in _pieces(engine):
-        for key, k, md in by_name.get(name, []):
+        for key, k, md in _saved_for(by_name, name, engine.checkpoint_aliases):
             if key.startswith("optim/"):
                 st = opt.state[pc.tensor]
                 if k not in st:
@@ -496,7 +539,7 @@ def _install_optimizer_state(
     opt = engine.optimizer
     by_name = _saved_optim_keys(state)
     for pc, name, _, _ in _pieces(engine):
-        for key, k, value in by_name.get(name, []):
+        for key, k, value in _saved_for(by_name, name, engine.checkpoint_aliases):
             if key.startswith("optim_scalar/"):
                 opt.state[pc.tensor][k] = value
             elif key.startswith("optim_obj/"):

@@ -33,6 +33,7 @@ from .trust import SafeReader, UntrustedContentError
 __all__ = [
     "CheckpointError",
     "check_files",
+    "check_shapes_within",
     "merge_checksums",
     "record_checksums",
     "validate",
@@ -195,6 +196,35 @@ def _check_file(f: Path, want: dict[str, int], verify_crc: bool) -> None:
                 f"{f}: corrupt: CRC-32 {got:08x}, but {want['crc32']:08x} was recorded when "
                 "it was written"
             )
+
+
+def check_shapes_within(
+    paths: list[Path], live: dict[str, list[int]], aliases: dict[str, str]
+) -> None:
+    """Every parameter of ``live`` (this rank's part of a model, or a whole model) is in one of
+    the checkpoints at ``paths`` (a pipeline's stages: together the whole model), under its
+    name or its alias, with its shape; parameters of other parts may be there too."""
+    saved: dict[str, list[int]] = {}
+    for p in paths:
+        for name, shape in (_read_meta(p).get("shapes") or {}).items():
+            saved.setdefault(name, shape)
+    if not saved:
+        return
+    missing, problems = [], []
+    for name, shape in sorted(live.items()):
+        got = saved.get(name, saved.get(aliases.get(name, name)))
+        if got is None:
+            missing.append(name)
+        elif list(got) != list(shape):
+            problems.append(f"'{name}' has shape {got} in the checkpoint, {shape} in this model")
+    if missing:
+        problems.append(f"{len(missing)} parameter(s) of this model are not in it, e.g. {missing[:3]}")
+    if problems:
+        where = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent} (stages {len(paths)})"
+        raise CheckpointError(
+            f"{where}: checkpoint does not match this model: {'; '.join(problems[:4])}. "
+            "Build the model that was saved (same architecture and sizes)."
+        )
 
 
 def _check_shapes(meta_path: Path, saved: dict[str, list[int]], live: dict[str, list[int]]) -> None:

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checkpoint.flat_piece import FlatPiece
-from ..checkpoint.manager import resolve_load_dir
+from ..checkpoint.manager import resolve_load_dir, stage_dirs
 from ..checkpoint.sharded import single_process_ok
 from ..checkpoint.trust import SafeReader
 from ..checkpoint.validate import META_FILE, validate
@@ -300,14 +300,8 @@ class UnionSource(WeightSource):
 
 
 def _stage_dirs(p: Path) -> list[Path]:
-    """A pipeline checkpoint root's ``stage_<k>`` directories, in stage order (none: not one)."""
-    stages = sorted(
-        (d for d in p.glob("stage_*") if d.is_dir() and d.name[6:].isdigit()),
-        key=lambda d: int(d.name[6:]),
-    )
-    if [int(d.name[6:]) for d in stages] != list(range(len(stages))):
-        return []
-    return [resolve_load_dir(d, None) for d in stages]
+    """A pipeline checkpoint root's stage checkpoints (their latest), in stage order."""
+    return [resolve_load_dir(d, None) for d in stage_dirs(p)]
 
 
 def source_kind(path: str | Path) -> tuple[str, Path]:

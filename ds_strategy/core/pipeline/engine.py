@@ -149,6 +149,7 @@ class PipelineEngine:
             _stage_of=nn.Sequential(*layers),  # the optimizer holds every stage's parameters
             _mesh=self.mesh.parallel,
         )
+        self.engine.checkpoint_stage = self.stage_id
         with together(Comm()):  # only the owning stages can tell
             self._check_ties_replicated()
         self.engine.set_gradient_accumulation_boundary(True)  # one step() per train_batch
@@ -386,7 +387,8 @@ class PipelineEngine:
         include_optimizer: bool = True,
     ) -> Path:
         """Every stage writes its ZeRO checkpoint to ``path/stage_<k>`` (``path/stage_<k>/tag``
-        with a tag). Collective. Loads into a pipeline with the same stages and partition."""
+        with a tag). Collective. Loads into a pipeline of any layout and into a plain engine
+        (``load_checkpoint(path)``); ``ds_strategy.consolidate(path, file)`` exports it."""
         if not include_optimizer:
             raise ValueError(
                 "weights-only checkpoints are not available with a pipeline config; save a "
@@ -407,17 +409,14 @@ class PipelineEngine:
         load_optimizer: bool = True,
         trust_checkpoint: bool = False,
     ) -> Any:
-        """Restore what :meth:`save_checkpoint` wrote; returns the ``client_state`` (see
-        ``ZeroEngine.load_checkpoint`` for the keywords)."""
-        stage_dir = Path(path) / f"stage_{self.stage_id}"
+        """Restore a checkpoint; returns its ``client_state`` (see
+        ``ZeroEngine.load_checkpoint`` for the keywords). ``path``: what
+        :meth:`save_checkpoint` wrote (its root, with the ``stage_<k>`` checkpoints), from a
+        pipeline of any number of stages, data-parallel size or ZeRO stage, or a plain
+        engine's checkpoint; each stage reads its own layers' weights and optimizer state."""
         with together(self._pp):  # agreed within the stage by the engine, across stages here
-            if not stage_dir.is_dir():
-                raise FileNotFoundError(
-                    f"{stage_dir}: no checkpoint for pipeline stage {self.stage_id}; was it "
-                    f"saved with pipeline.stages={self.num_stages}?"
-                )
             return self.engine.load_checkpoint(
-                stage_dir,
+                path,
                 tag,
                 load_optimizer=load_optimizer,
                 trust_checkpoint=trust_checkpoint,
