@@ -201,12 +201,13 @@ def _pipeline_engine(
         )
     from .core.pipeline import PipelineEngine  # torch.distributed.pipelining is slow to import
 
-    if process_group is not None or param_init_fn is not None:
+    if process_group is not None:
         raise ValueError(
-            "process_group / param_init_fn: a pipeline builds its own groups from the default "
-            "group and needs a materialised model; leave both unset"
+            "process_group: a pipeline builds its own groups from the default group; leave it unset"
         )
-    return PipelineEngine(model, optimizer, config, loss_fn, lr_scheduler=lr_scheduler)
+    return PipelineEngine(
+        model, optimizer, config, loss_fn, lr_scheduler=lr_scheduler, param_init_fn=param_init_fn
+    )
 
 
 from ._lightning_hook import register_when_lightning_is_imported  # noqa: E402

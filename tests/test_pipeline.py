@@ -242,7 +242,8 @@ def errors_worker(rank: int, world: int) -> dict:
     m = mlp()
     lm = tied_lm()
     attempt(
-        "zero3_tied", lambda: ds_strategy.initialize(lm, opt(lm), _config(2, "1f1b", 3), loss_fn=mse)
+        "zero3_tied",
+        lambda: ds_strategy.initialize(lm, opt(lm), _config(2, "1f1b", 3), loss_fn=mse),
     )
     attempt("no_loss_fn", lambda: ds_strategy.initialize(m, opt(m), _config(2, "1f1b", 1)))
     engine = ds_strategy.initialize(m, opt(m), _config(2, "gpipe", 1), loss_fn=mse)

@@ -23,7 +23,10 @@ TOL = 1e-6  # another layout sums the same gradients in another order (1e-8 meas
 def _steps(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     return [
-        (torch.randint(0, 11, (GLOBAL, 5), generator=g), torch.randint(0, 11, (GLOBAL, 5), generator=g))
+        (
+            torch.randint(0, 11, (GLOBAL, 5), generator=g),
+            torch.randint(0, 11, (GLOBAL, 5), generator=g),
+        )
         for _ in range(n)
     ]
 

@@ -103,7 +103,9 @@ def mixed_worker(rank: int, world: int) -> dict:
     _, bf16_losses = _reference(mlp(), data, autocast=torch.bfloat16)
     for schedule in ("1f1b", "interleaved_1f1b"):
         engine = _engine(mlp(), schedule, 1, bf16={"enabled": True})
-        losses = [float(engine.train_batch(x, y)) for x, y in _shard(data, engine.data_parallel_rank)]
+        losses = [
+            float(engine.train_batch(x, y)) for x, y in _shard(data, engine.data_parallel_rank)
+        ]
         out[f"bf16-{schedule}"] = {"losses": losses, "reference": bf16_losses}
         engine.destroy()
     # fp16: dynamic loss scaling; one rank's gradient of one stage overflows on step 3

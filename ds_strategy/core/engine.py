@@ -80,6 +80,7 @@ class ZeroEngine(nn.Module):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         _stage_of: nn.Module | None = None,
         _mesh: ParallelMesh | None = None,
+        _replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
         super().__init__()
         init_process_group_from_env()
@@ -179,6 +180,9 @@ class ZeroEngine(nn.Module):
             param_init_fn=param_init_fn,
             precision=self.precision,
         )
+        # parameters a pipeline materialised before this engine (the optimizer may hold the
+        # meta ones they replaced)
+        self.plan.replaced.update(_replaced or {})
         self._link_zero_plus_plus()
         meter = self.plan.meter  # scratch of the composed collectives: in the peak
         self.comm.on_scratch = lambda n: meter.alloc(n) if n > 0 else meter.free(-n)

@@ -116,7 +116,9 @@ def _owned(sources: list[Path]) -> list[tuple[Path, dict[str, TensorStorageMetad
     return out
 
 
-def _stream_all(sources: list[Path], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_all(
+    sources: list[Path], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     for src, entries in _owned(sources):
         yield from _stream(src, dtype, set(entries))
 

@@ -218,7 +218,9 @@ def check_shapes_within(
         elif list(got) != list(shape):
             problems.append(f"'{name}' has shape {got} in the checkpoint, {shape} in this model")
     if missing:
-        problems.append(f"{len(missing)} parameter(s) of this model are not in it, e.g. {missing[:3]}")
+        problems.append(
+            f"{len(missing)} parameter(s) of this model are not in it, e.g. {missing[:3]}"
+        )
     if problems:
         where = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent} (stages {len(paths)})"
         raise CheckpointError(

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from contextlib import nullcontext
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,9 @@ from torch.distributed.pipelining import PipelineStage
 from ...config import ZeroConfig, load_config
 from ..checkpoint.weights_file import write_weights
 from ..collectives import Comm, init_process_group_from_env
-from ..engine import ZeroEngine
+from ..engine import ZeroEngine, _pick_device
 from ..faults import together
+from ..materialize import has_meta, materialize_modules
 from ..precision.policy import PrecisionPolicy
 from ..timers import phase
 from .mesh import Mesh
@@ -57,18 +58,45 @@ __all__ = ["PipelineEngine"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _as_layers(model: Any) -> list[nn.Module]:
+LayerBuilder = Callable[[], nn.Module]
+
+
+def _as_layers(model: Any) -> tuple[list[nn.Module], list[LayerBuilder | None]]:
+    """The layers, and for each one given as a callable, that callable (its layer here is
+    built on the meta device: shapes for partitioning, no storage)."""
     if isinstance(model, nn.Sequential):
-        return list(model)
-    if isinstance(model, (list, tuple, nn.ModuleList)) and all(
-        isinstance(m, nn.Module) for m in model
+        return list(model), [None] * len(model)
+    if (
+        isinstance(model, (list, tuple, nn.ModuleList))
+        and model
+        and all(isinstance(m, nn.Module) or callable(m) for m in model)
     ):
-        return list(model)
+        layers: list[nn.Module] = []
+        builders: list[LayerBuilder | None] = []
+        for i, m in enumerate(model):
+            if isinstance(m, nn.Module):
+                layers.append(m)
+                builders.append(None)
+                continue
+            with torch.device("meta"):
+                layers.append(_built(m(), i))
+            builders.append(m)
+        return layers, builders
     raise TypeError(
         f"a pipeline config needs the model as an nn.Sequential or a list of layers, got "
         f"{type(model).__name__}; write it as nn.Sequential(layer, layer, ...) whose layers "
-        "each take the previous layer's output"
+        "each take the previous layer's output (or a list whose items build each layer: "
+        "functools.partial(Block, i))"
     )
+
+
+def _built(layer: Any, index: int) -> nn.Module:
+    if not isinstance(layer, nn.Module):
+        raise TypeError(
+            f"pipeline layer {index}: its builder returned {type(layer).__name__}, not an "
+            "nn.Module; a list item that is not a module must be a callable returning one"
+        )
+    return layer
 
 
 class PipelineEngine:
@@ -96,14 +124,16 @@ class PipelineEngine:
         loss_fn: LossFn,
         *,
         lr_scheduler: Any = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
-        layers = _as_layers(model)
         if not callable(loss_fn):
             raise TypeError("loss_fn: pass a callable (output, target) -> scalar loss")
         init_process_group_from_env()
+        with together(Comm()):  # a builder failing on one rank fails every rank
+            layers, builders = _as_layers(model)
         raw: ZeroConfig = load_config(config)
         pc = raw.pipeline
-        device = next((p.device for m in layers for p in m.parameters()), None)
+        device = _pick_device(nn.Sequential(*layers))  # a model all on meta: cuda, else cpu
         self.mesh = Mesh.build(int(pc.stages), int(raw.tensor_parallel.autotp_size), device)
         self.config = raw.resolve(world_size=self.mesh.dp_size)
         self.schedule_name: str = pc.schedule
@@ -122,7 +152,6 @@ class PipelineEngine:
         chunk_of_layer = [c for c in range(n_chunks) for _ in range(bounds[c], bounds[c + 1])]
         rank_of_layer = [c % self.mesh.pp_size for c in chunk_of_layer]
         self.tied = find_tied(layers, rank_of_layer, self.mesh)
-        broadcast_tied(self.tied)
         mine = stage_indices(self.stage_id, self.mesh.pp_size, chunks)
         self.chunk_ids = mine
         if self.tied and self.config.zero_optimization.stage == 3:
@@ -134,6 +163,12 @@ class PipelineEngine:
                 "summed. Use stage 1 or 2, or keep the layers that share it on one stage "
                 "(pipeline.partition_method)"
             )
+        own = [i for c in mine for i in range(bounds[c], bounds[c + 1])]
+        with together(Comm()):  # building a layer may fail on one rank (memory, a builder)
+            replaced = _build_own(layers, builders, own, device, self.config, param_init_fn)
+        for t in self.tied:  # the materialised copy of a tied weight is the one kept in sync
+            t.param = replaced.get(id(t.param), t.param)  # type: ignore[assignment]
+        broadcast_tied(self.tied)
         # the stage's layers under their index in the full model, so state_dict keys match;
         # the schedule runs each chunk through this module, so its hooks (ZeRO-3) see it
         self.module = _StageModule(
@@ -146,8 +181,10 @@ class PipelineEngine:
             lr_scheduler=lr_scheduler,
             # with tensor parallelism the engine splits the layers over the stage's tp ranks
             process_group=self.mesh.stage_group or self.mesh.dp_group,
+            param_init_fn=param_init_fn,
             _stage_of=nn.Sequential(*layers),  # the optimizer holds every stage's parameters
             _mesh=self.mesh.parallel,
+            _replaced=replaced,
         )
         self.engine.checkpoint_stage = self.stage_id
         with together(Comm()):  # only the owning stages can tell
@@ -429,6 +466,30 @@ class PipelineEngine:
 
     def destroy(self) -> None:
         self.engine.destroy()
+
+
+def _build_own(
+    layers: list[nn.Module],
+    builders: list[LayerBuilder | None],
+    own: list[int],
+    device: torch.device,
+    config: ZeroConfig,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> dict[int, nn.Parameter]:
+    """Build this rank's layers, one at a time: a builder's on ``device``; a layer on the meta
+    device materialised there (``reset_parameters()`` or ``param_init_fn``), except under
+    ZeRO-3, where the stage engine materialises and shards it one unit at a time. The other
+    stages' layers stay on the meta device. Returns old parameter -> materialised one."""
+    replaced: dict[int, nn.Parameter] = {}
+    for i in own:
+        builder = builders[i]
+        if builder is not None:
+            with torch.device(device):
+                layers[i] = _built(builder(), i)
+        if config.zero_optimization.stage < 3 and has_meta(layers[i]):
+            names = {id(m): f"{i}.{n}" if n else str(i) for n, m in layers[i].named_modules()}
+            materialize_modules(list(layers[i].modules()), device, replaced, param_init_fn, names)
+    return replaced
 
 
 class _StageModule(nn.Sequential):
