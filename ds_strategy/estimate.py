@@ -52,6 +52,7 @@ __all__ = [
     "model_facts",
     "parse_bytes",
     "parse_count",
+    "pipeline_facts",
     "recommend",
     "format_table",
 ]
@@ -300,6 +301,58 @@ def model_facts(
     )
 
 
+@dataclass(frozen=True)
+class StageFacts:
+    """One pipeline rank's part of a model: its layers (``first`` to ``last``, its chunks'
+    under the interleaved schedule) and their counts."""
+
+    stage: int
+    layers: list[int]
+    facts: ModelFacts
+
+
+def pipeline_facts(
+    model: nn.Module | str | Callable[..., Any] | list[nn.Module],
+    stages: int,
+    partition_method: str = "parameters",
+    chunks: int = 1,
+    kwargs: dict[str, Any] | None = None,
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+) -> list[StageFacts]:
+    """Count each pipeline rank's layers as :class:`~ds_strategy.core.pipeline.PipelineEngine`
+    partitions them (a weight tied across stages counts on each stage holding it, as each
+    keeps a copy). ``model``: an ``nn.Sequential`` or list of layers, or a factory of one,
+    called on the meta device."""
+    from .core.pipeline.partition import partition_layers
+    from .core.pipeline.schedules import stage_indices
+
+    if isinstance(model, str):
+        model = import_factory(model)
+    if not isinstance(model, (nn.Module, list, tuple)):
+        model = build_with(model, dict(kwargs or {}), meta_device)
+    if not isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
+        raise ValueError(
+            f"a pipeline estimate needs the model as an nn.Sequential or a list of layers, got "
+            f"{type(model).__name__}"
+        )
+    layers = list(model)
+    bounds = partition_layers(layers, stages * chunks, partition_method)
+    out = []
+    for stage in range(stages):
+        own = [
+            i for c in stage_indices(stage, stages, chunks) for i in range(bounds[c], bounds[c + 1])
+        ]
+        part = nn.Sequential(*[layers[i] for i in own])
+        out.append(StageFacts(stage, own, model_facts(part, None, persistence_threshold)))
+    return out
+
+
+def worst_per_candidate(per_stage: list[list[Estimate]]) -> list[Estimate]:
+    """For each (stage, offload, precision), the pipeline stage needing the most device
+    memory: one config serves every stage, so it must fit the largest."""
+    return [max(row, key=lambda e: e.device_total) for row in zip(*per_stage, strict=True)]
+
+
 # -- parsing and printing ---------------------------------------------------------------------
 
 _UNITS = {
@@ -429,6 +482,26 @@ def add_cli_parser(sub: Any) -> None:
         help="MiCS mics_shard_size: stages 1-3 shard over this many ranks, not all of them",
     )
     e.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="pipeline stages (with --model, an nn.Sequential factory): the table per stage; "
+        "--world-size is then the data-parallel ranks of each stage",
+    )
+    e.add_argument(
+        "--partition-method",
+        default=None,
+        help="pipeline.partition_method: parameters (default), uniform, type:<regex>",
+    )
+    e.add_argument(
+        "--stages-per-rank", type=int, default=None, help="chunks per rank (interleaved 1F1B)"
+    )
+    e.add_argument(
+        "--config",
+        help="a ds_strategy / DeepSpeed config whose pipeline section gives the three above "
+        "(flags given explicitly win)",
+    )
+    e.add_argument(
         "--persistence-threshold",
         type=float,
         default=DEFAULT_PERSISTENCE_THRESHOLD,
@@ -445,9 +518,48 @@ def _literal(text: str) -> Any:
         return text
 
 
+def _pipeline_args(args: Any) -> tuple[int, str, int]:
+    """(stages, partition method, chunks per rank) from the flags, else the config's
+    ``pipeline`` section, else no pipeline."""
+    stages, method, chunks = 1, "parameters", 1
+    if args.config:
+        from .config import load_config
+
+        pc = load_config(args.config).pipeline
+        stages, method = int(pc.stages), str(pc.partition_method)
+        chunks = int(pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1))
+    if args.pipeline_stages != 1:
+        stages = args.pipeline_stages
+    method = args.partition_method or method
+    chunks = args.stages_per_rank or chunks
+    if stages < 1 or chunks < 1:
+        raise ValueError(f"--pipeline-stages {stages} / --stages-per-rank {chunks}: must be >= 1")
+    return stages, method, chunks
+
+
+def _whole(parts: list[StageFacts]) -> ModelFacts:
+    """The pipeline's parameters in total (a tied copy on each stage counted each time)."""
+    return ModelFacts(
+        params=sum(p.facts.params for p in parts),
+        trainable=sum(p.facts.n_trainable for p in parts),
+    )
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 6]`` -> ``"0-2, 5-6"``."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+
+
 def run_cli(args: Any) -> int:
     """Print the table and the recommendation; 0 when something fits (or nothing to fit),
     1 when nothing does, 2 on bad input."""
+    parts: list[StageFacts] = []
     try:
         if args.model:
             kwargs = {}
@@ -456,10 +568,19 @@ def run_cli(args: Any) -> int:
                 if not sep:
                     raise ValueError(f"--model-arg {item!r}: expected KEY=VALUE")
                 kwargs[key] = _literal(value)
-            facts = model_facts(args.model, kwargs, int(args.persistence_threshold))
+            stages, method, chunks = _pipeline_args(args)
+            if stages > 1:
+                parts = pipeline_facts(
+                    args.model, stages, method, chunks, kwargs, int(args.persistence_threshold)
+                )
+                facts = _whole(parts)
+            else:
+                facts = model_facts(args.model, kwargs, int(args.persistence_threshold))
         else:
             if args.model_arg:
                 raise ValueError("--model-arg needs --model")
+            if _pipeline_args(args)[0] > 1:
+                raise ValueError("--pipeline-stages needs --model (its layers are partitioned)")
             facts = ModelFacts(params=parse_count(args.params))
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
         cpu = parse_bytes(args.cpu_mem) if args.cpu_mem else None
@@ -477,17 +598,21 @@ def run_cli(args: Any) -> int:
                 f"--mics-shard-size {mics} must divide --world-size {args.world_size} and "
                 "cannot be combined with --hpz-partition-size"
             )
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         print(f"ds-strategy estimate: {err}", file=sys.stderr)
         return 2
     per_node = args.ranks_per_node or min(args.world_size, 8)
-    estimates = estimate_all(
-        facts,
-        args.world_size,
-        activation_bytes=act,
-        hpz_partition_size=args.hpz_partition_size,
-        mics_shard_size=args.mics_shard_size,
-    )
+
+    def table(f: ModelFacts) -> list[Estimate]:
+        return estimate_all(
+            f,
+            args.world_size,
+            activation_bytes=act,
+            hpz_partition_size=args.hpz_partition_size,
+            mics_shard_size=args.mics_shard_size,
+        )
+
+    estimates = table(facts)
     mics_note = (
         f" (MiCS: stages 1-3 sharded over groups of {args.mics_shard_size})"
         if args.mics_shard_size > 0
@@ -496,14 +621,29 @@ def run_cli(args: Any) -> int:
     unit = (
         f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
         f"{facts.largest_unit / 1e6:.2f}M"
-        if args.model
+        if args.model and not parts
+        else f" in {len(parts)} pipeline stages"
+        if parts
         else "; ZeRO-3 gathers counted as the prefetch bucket only (give --model for its units)"
     )
     print(
         f"{facts.params / 1e9:.3f}B parameters ({facts.n_trainable / 1e9:.3f}B trainable){unit}\n"
-        f"{args.world_size} rank(s){mics_note}, Adam; GB per rank (1 GB = 1e9 bytes); "
-        "ok = fits"
+        f"{args.world_size} rank(s){mics_note}{' per stage' if parts else ''}, Adam; GB per rank "
+        "(1 GB = 1e9 bytes); ok = fits"
     )
+    if parts:
+        per_stage = [table(part.facts) for part in parts]
+        for part, rows in zip(parts, per_stage, strict=True):
+            f = part.facts
+            print(
+                f"\npipeline stage {part.stage}: layers {_ranges(part.layers)}, "
+                f"{f.params / 1e6:.2f}M parameters, ZeRO-3 units: root {f.root_unit / 1e6:.2f}M, "
+                f"largest block {f.largest_unit / 1e6:.2f}M"
+            )
+            print(format_table(rows, None, cpu, per_node))
+        # one config serves every stage: the recommendation must fit the largest
+        estimates = worst_per_candidate(per_stage)
+        print("\nper configuration, the stage needing the most memory:")
     print(format_table(estimates, gpu, cpu, per_node))
     if gpu is None:
         print("give --gpu-mem (and --cpu-mem) for a recommendation")
@@ -517,8 +657,11 @@ def run_cli(args: Any) -> int:
         return 1
     where = f", {_gb(best.cpu)} GB host" if best.cpu else ""
     where += f", {_gb(best.nvme)} GB NVMe" if best.nvme else ""
+    config = config_of(best)
+    if parts:
+        config = {"pipeline": {"stages": len(parts)}, **config}
     print(
         f"recommended: {best.name} {args.precision} -- {_gb(best.device_total)} GB per device"
-        f"{where}\n  config: {json.dumps(config_of(best))}"
+        f"{where}\n  config: {json.dumps(config)}"
     )
     return 0

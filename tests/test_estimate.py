@@ -3,7 +3,9 @@ what the engine really holds on CPU, and the command's table and recommendation.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,9 @@ from ds_strategy.estimate import (
     model_facts,
     parse_bytes,
     parse_count,
+    pipeline_facts,
     recommend,
+    worst_per_candidate,
 )
 
 from .distributed import run_ranks
@@ -264,3 +268,31 @@ def test_mics_shards_over_its_groups(capsys: pytest.CaptureFixture[str]) -> None
         for block in capsys.readouterr().out.split("7.000B parameters")[1:]
     ]
     assert float(mics[6]) > float(plain[6])  # half the shards: more per rank
+
+
+def test_pipeline_estimate_per_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Per-stage tables for a pipeline (the engines' own reports are compared with it in
+    test_pipeline_build.py); the recommendation fits the largest stage."""
+    args = ["--model", "ds_strategy.demos.gpt:gpt_layers", "--model-arg", "layers=4"]
+    rc = cli(["estimate", *args, "--world-size", "2", "--pipeline-stages", "2", "--gpu-mem", "1GB"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "in 2 pipeline stages" in out
+    assert "pipeline stage 0: layers 0-2" in out and "pipeline stage 1: layers 3-5" in out
+    assert '"pipeline": {"stages": 2}' in out
+    # from a config's pipeline section: interleaved, 2 chunks per rank
+    config = tmp_path / "pipe.json"
+    config.write_text(json.dumps({"pipeline": {"stages": 2, "schedule": "interleaved_1f1b"}}))
+    rc = cli(["estimate", *args, "--world-size", "1", "--config", str(config)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "pipeline stage 0: layers 0, 3-4" in out  # chunks 0 and 2 of 4
+    parts = pipeline_facts("ds_strategy.demos.gpt:gpt_layers", 2, kwargs={"layers": 4})
+    whole = model_facts("ds_strategy.demos.gpt:GPT", {"layers": 4, "tie_embeddings": False})
+    assert sum(p.facts.params for p in parts) == whole.params
+    worst = worst_per_candidate([estimate_all(p.facts, 2) for p in parts])
+    assert all(
+        w.device_total
+        == max(estimate(p.facts, 2, w.stage, w.offload, w.precision).device_total for p in parts)
+        for w in worst
+    )
+    rc = cli(["estimate", "--params", "7B", "--world-size", "2", "--pipeline-stages", "2"])
+    assert rc == 2 and "--pipeline-stages needs --model" in capsys.readouterr().err

@@ -5,13 +5,14 @@ storage (4 CPU ranks, P=2 x D=2; the model is 64 MiB of fp32 weights)."""
 from __future__ import annotations
 
 import functools
-import resource
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import ds_strategy
+from ds_strategy.estimate import estimate, pipeline_facts
 from tests.distributed import run_ranks
 from tests.test_pipeline import lm_ce, tied_lm
 
@@ -22,8 +23,17 @@ def block(i: int) -> nn.Module:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> float:
+    """Start the peak RSS (VmHWM) again from the current RSS; return that."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_mib("VmRSS")
 
 
 def _config(zero: int) -> dict:  # 2 stages x 2 data-parallel ranks
@@ -45,7 +55,7 @@ def _stored_bytes(model_layers: list[nn.Module]) -> int:
 
 
 def _build(kind: str, zero: int) -> dict:
-    before = _rss_mib()
+    before = _reset_peak_rss()
     if kind == "meta":
         with torch.device("meta"):
             model = nn.Sequential(*[block(i) for i in range(LAYERS)])
@@ -61,7 +71,7 @@ def _build(kind: str, zero: int) -> dict:
             loss_fn=nn.functional.mse_loss,
         )
         layers = []  # the engine's own
-    built = _rss_mib()
+    built = _status_mib("VmHWM")
     x = torch.randn(2, WIDTH)
     loss = float(engine.train_batch(x, x))  # it trains: a step runs through both stages
     own = {name for name, _ in engine.module.named_children()}
@@ -167,3 +177,15 @@ def test_tied_weight_built_on_meta_stays_one_weight(built: tuple[str, list[dict]
         # the head trains the embedding's weight on the other stage: one weight, two copies
         assert torch.equal(res["tied"]["embedding"], res["tied"]["head"])
         assert torch.equal(res["tied"]["embedding"], first["embedding"])
+
+
+def test_estimate_per_stage_matches_the_engines(built: tuple[str, list[dict]]) -> None:
+    """``ds-strategy estimate --pipeline-stages``'s per-stage model state is what each stage's
+    engine reports holding (fp32, ZeRO-1 and ZeRO-3 over D=2)."""
+    _, results = built
+    parts = pipeline_facts([block(i) for i in range(LAYERS)], 2, persistence_threshold=0)
+    assert [p.layers for p in parts] == [list(range(8)), list(range(8, 16))]
+    for rank, both in enumerate(results):
+        for zero in (1, 3):
+            est = estimate(parts[rank // 2].facts, 2, zero, precision="fp32")
+            assert both[zero]["memory"]["total"] == pytest.approx(est.model_state, rel=1e-4)

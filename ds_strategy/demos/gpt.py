@@ -5,6 +5,7 @@ example, the recipes and the benchmarks. Plain PyTorch; imports only torch and t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -136,6 +137,12 @@ def as_sequential(model: GPT) -> nn.Sequential:
     if model.config.tie_embeddings:
         raise ValueError("as_sequential: build the GPT with tie_embeddings=False")
     return nn.Sequential(_Embed(model.wte, model.wpe), *model.blocks, _Head(model.ln_f, model.head))
+
+
+def gpt_layers(**config: Any) -> nn.Sequential:
+    """A GPT (``GPTConfig`` keywords; the head untied) as pipeline layers: a factory for
+    ``ds-strategy estimate --model ds_strategy.demos.gpt:gpt_layers --pipeline-stages N``."""
+    return as_sequential(GPT(GPTConfig(**{**config, "tie_embeddings": False})))
 
 
 def init_weights(module: nn.Module) -> None:
