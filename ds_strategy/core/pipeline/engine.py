@@ -48,6 +48,7 @@ from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..precision.policy import PrecisionPolicy
 from ..timers import phase
+from ..zero.stage3 import Stage3Runtime
 from .mesh import Mesh
 from .partition import partition_layers
 from .schedules import bubble_fraction, make_schedule, stage_indices
@@ -202,6 +203,7 @@ class PipelineEngine:
                 device,
                 group=self.mesh.pp_group,
                 comm=self._pp,
+                stage3=self.engine.plan.stage3,
             )
             for k, c in enumerate(mine)
         ]
@@ -529,11 +531,28 @@ class _Chunk(nn.Module):
 
 
 class _CountingStage(PipelineStage):
-    """A stage that counts what it sends (activations forward, their gradients backward)."""
+    """A stage that counts what it sends (activations forward, their gradients backward).
 
-    def __init__(self, *args: Any, comm: Comm, **kwargs: Any) -> None:
+    Under ZeRO-3 its first step's shape inference runs a backward for the input gradients
+    only, which never produces the parameter gradients whose reduction releases a layer;
+    the runtime is told, so that it releases each layer once backward has passed it and the
+    stage's parameters are never all gathered at once."""
+
+    def __init__(
+        self, *args: Any, comm: Comm, stage3: Stage3Runtime | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._comm = comm
+        self._stage3 = stage3
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stage3 is None:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        self._stage3.input_grads_only = True
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            self._stage3.input_grads_only = False
 
     def _counted(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         for op in ops:

@@ -141,6 +141,10 @@ class Stage3Runtime:
         self._order_ok = True
         self._reducing = False
         self._dirty = False  # gradients accumulated under no_sync, not reduced yet
+        # a backward computing input gradients only (torch.autograd.grad over the inputs, as a
+        # pipeline stage's shape inference runs): no parameter gradient will ever release a
+        # unit, so each is released once backward has moved on to the unit before it
+        self.input_grads_only = False
         self.live_numel = 0
         self.peak_live_numel = 0
         self._handles: list[Any] = []
@@ -208,6 +212,10 @@ class Stage3Runtime:
         def hook(grad: Any) -> None:
             if self.state is not TrainingState.BACKWARD:
                 self._start_backward()
+            if self.input_grads_only:  # the units after this one have computed theirs
+                for later in self.units[unit.index + 1 :]:
+                    if later is not self.root:
+                        self._release(later)
             self._gather(unit, wait=True)
             if self._order_ok:
                 self._prefetch(range(forward_index - 1, -1, -1))
