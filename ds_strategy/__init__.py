@@ -66,7 +66,9 @@ def initialize(
     Args:
         model: the model; may live on the meta device (then every module needs
             ``reset_parameters()`` or ``param_init_fn``), which ZeRO-3 materialises one unit
-            at a time.
+            at a time. With a pipeline config: an ``nn.Sequential`` or a list of layers, whose
+            items may also be callables building one layer each; each rank builds (or
+            materialises from meta) only its own stage's layers.
         optimizer: a ``torch.optim.Optimizer`` built on ``model.parameters()`` (rebuilt over
             this rank's shards with the same param groups and hyper-parameters), a callable
             ``params -> Optimizer``, or None to build one from the config's ``optimizer``

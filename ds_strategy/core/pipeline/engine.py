@@ -104,7 +104,8 @@ class PipelineEngine:
     """Pipeline stages over ``pipeline.stages`` ranks times ZeRO data parallelism over the rest.
 
     Build it with ``ds_strategy.initialize(model, optimizer, config, loss_fn=fn)`` on every
-    rank (each builds the whole model; a rank keeps only its stage's layers). Example, under
+    rank; a rank keeps only its stage's layers, and builds only those when the model is on
+    the meta device or a list of layer builders (callables returning one layer each). Example, under
     ``torchrun --nproc-per-node=4`` (2 stages x 2 data-parallel ranks)::
 
         model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
