@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consolidate", help="write a sharded checkpoint's weights to one file")
     c.add_argument(
         "checkpoint_dir",
-        help="a directory written by engine.save_checkpoint, or a checkpoint root (its latest)",
+        help="a directory written by engine.save_checkpoint, a checkpoint root (its latest), "
+        "or a pipeline checkpoint's root (its stage_<k> together)",
     )
     c.add_argument("output", help="the file to write: .safetensors (streamed) or .pt")
     c.add_argument(

@@ -11,14 +11,14 @@ data-parallel by a :class:`~ds_strategy.core.engine.ZeroEngine` over its ranks.
    next) and reduce-scatters that layer's gradients as its backward finishes.
 2. Tied weights sum their gradients across the stages that hold them.
 3. ``engine.reduced_grad_norm()`` reduces (ZeRO-1: all-reduce into the sharded slice; ZeRO-2:
-   reduce-scatter of the accumulated bucket; ZeRO-3: already reduced) over the stage's data-parallel group and returns
-   the stage's gradient norm.
+   reduce-scatter of the accumulated bucket; ZeRO-3: already reduced) over the stage's
+   data-parallel group and returns the stage's gradient norm.
 4. The squared gradient norms of all stages are summed over the pipeline group (each tied
    weight counted once), and ``engine.step(grad_norm=...)`` clips by that global norm of the
    whole model, or skips the step on every rank when it is not finite (an fp16 overflow on
    any rank of any stage: every rank lowers its loss scale alike). The stage engine's own
-   step does the rest: offloaded optimizer state, lr scheduler, counters, ``max_consecutive_skipped_steps``,
-   ``wall_clock_breakdown`` and the periodic checkpoint (``checkpoint.save_interval``, into
+   step does the rest: offloaded optimizer state, lr scheduler, counters,
+   ``max_consecutive_skipped_steps``, ``wall_clock_breakdown`` and the periodic checkpoint (``checkpoint.save_interval``, into
    ``<save_dir>/stage_<k>``, which :meth:`PipelineEngine.load_checkpoint` reads).
 
 The stage engine treats every ``step()`` as an accumulation boundary: the schedule, not the
@@ -105,8 +105,8 @@ class PipelineEngine:
 
     Build it with ``ds_strategy.initialize(model, optimizer, config, loss_fn=fn)`` on every
     rank; a rank keeps only its stage's layers, and builds only those when the model is on
-    the meta device or a list of layer builders (callables returning one layer each). Example, under
-    ``torchrun --nproc-per-node=4`` (2 stages x 2 data-parallel ranks)::
+    the meta device or a list of layer builders (callables returning one layer each).
+    Example, under ``torchrun --nproc-per-node=4`` (2 stages x 2 data-parallel ranks)::
 
         model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
         engine = ds_strategy.initialize(
