@@ -222,10 +222,14 @@ def check_shapes_within(
             f"{len(missing)} parameter(s) of this model are not in it, e.g. {missing[:3]}"
         )
     if problems:
-        where = str(paths[0]) if len(paths) == 1 else f"{paths[0].parent} (stages {len(paths)})"
+        where, hint = str(paths[0]), "Build the model that was saved (same architecture and sizes)."
+        stages = [p for p in paths if "stage_" in (p.name[:6], p.parent.name[:6])]
+        if stages:
+            first = stages[0] if stages[0].name.startswith("stage_") else stages[0].parent
+            where = f"{first.parent} (a pipeline checkpoint, {len(stages)} stage(s) found)"
+            hint += " If a stage_<k> directory is missing, restore it: its layers are only there."
         raise CheckpointError(
-            f"{where}: checkpoint does not match this model: {'; '.join(problems[:4])}. "
-            "Build the model that was saved (same architecture and sizes)."
+            f"{where}: checkpoint does not match this model: {'; '.join(problems[:4])}. {hint}"
         )
 
 
