@@ -171,13 +171,27 @@ class StepMemoryProbe:
         if not self.armed:
             return 0
         # A collective that just completed can still be referenced by gloo's worker thread
-        # for a moment (it drops the work object after marking it done): let it.
+        # for a moment (it drops the work object, and with it the collective's input and
+        # receive buffers, after marking it done): let it. A reading that would raise the
+        # point's worst is read again after longer waits (up to ~0.1 s) and the lowest kept,
+        # so a buffer on its way out on a loaded machine is not counted as held.
         time.sleep(0.001)
-        alive = [t for t in (r() for r in self._saved) if t is not None]
-        exclude = {t.untyped_storage().data_ptr() for t in alive}
-        nbytes = live_tensor_bytes(self.device_type, exclude) - self.baseline
+        nbytes = self._read()
+        for delay in (0.005, 0.02, 0.08):
+            if nbytes <= self.readings.get(point, -1):
+                break
+            time.sleep(delay)
+            again = self._read()
+            if again == nbytes:
+                break  # settled: nothing was on its way out
+            nbytes = min(nbytes, again)
         self.readings[point] = max(self.readings.get(point, nbytes), nbytes)
         return nbytes
+
+    def _read(self) -> int:
+        alive = [t for t in (r() for r in self._saved) if t is not None]
+        exclude = {t.untyped_storage().data_ptr() for t in alive}
+        return live_tensor_bytes(self.device_type, exclude) - self.baseline
 
     @contextmanager
     def forward(self) -> Iterator[None]:
