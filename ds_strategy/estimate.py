@@ -303,8 +303,8 @@ def model_facts(
 
 @dataclass(frozen=True)
 class StageFacts:
-    """One pipeline rank's part of a model: its layers (``first`` to ``last``, its chunks'
-    under the interleaved schedule) and their counts."""
+    """One pipeline rank's part of a model: its layers' indices (its chunks' under the
+    interleaved schedule) and their counts."""
 
     stage: int
     layers: list[int]
@@ -324,7 +324,7 @@ def pipeline_facts(
     keeps a copy). ``model``: an ``nn.Sequential`` or list of layers, or a factory of one,
     called on the meta device."""
     from .core.pipeline.partition import partition_layers
-    from .core.pipeline.schedules import stage_indices
+    from .core.pipeline.schedules import stage_layers
 
     if isinstance(model, str):
         model = import_factory(model)
@@ -339,9 +339,7 @@ def pipeline_facts(
     bounds = partition_layers(layers, stages * chunks, partition_method)
     out = []
     for stage in range(stages):
-        own = [
-            i for c in stage_indices(stage, stages, chunks) for i in range(bounds[c], bounds[c + 1])
-        ]
+        own = stage_layers(bounds, stage, stages, chunks)
         part = nn.Sequential(*[layers[i] for i in own])
         out.append(StageFacts(stage, own, model_facts(part, None, persistence_threshold)))
     return out
@@ -612,7 +610,6 @@ def run_cli(args: Any) -> int:
             mics_shard_size=args.mics_shard_size,
         )
 
-    estimates = table(facts)
     mics_note = (
         f" (MiCS: stages 1-3 sharded over groups of {args.mics_shard_size})"
         if args.mics_shard_size > 0
@@ -644,6 +641,8 @@ def run_cli(args: Any) -> int:
         # one config serves every stage: the recommendation must fit the largest
         estimates = worst_per_candidate(per_stage)
         print("\nper configuration, the stage needing the most memory:")
+    else:
+        estimates = table(facts)
     print(format_table(estimates, gpu, cpu, per_node))
     if gpu is None:
         print("give --gpu-mem (and --cpu-mem) for a recommendation")

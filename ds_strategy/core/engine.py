@@ -873,8 +873,8 @@ def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str
 
 
 def _tied_aliases(part: nn.Module, whole: nn.Module) -> dict[str, str]:
-    """``part``'s parameter names that differ from the name ``whole`` gives the same tensor
-    (its first: a pipeline stage's copy of a weight tied to an earlier stage's), both ways."""
+    """``part``'s parameter names -> the name ``whole`` gives the same tensor first, where
+    they differ (a pipeline stage's copy of a weight tied to an earlier stage's)."""
     first: dict[int, str] = {}
     for name, p in whole.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
@@ -883,7 +883,6 @@ def _tied_aliases(part: nn.Module, whole: nn.Module) -> dict[str, str]:
         canonical = first.get(id(p), name)
         if canonical != name:
             out[name] = canonical
-            out.setdefault(canonical, name)
     return out
 
 

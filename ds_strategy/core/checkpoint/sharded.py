@@ -11,6 +11,19 @@ Keys in the checkpoint (``<p>`` is the parameter's name in ``model.named_paramet
   ``optim_obj/<p>/<k>``: non-tensor state, as ``trust.pack`` writes it;
 - ``optim_groups``, ``engine``, ``client_state``: hyper-parameters, counters and lr-scheduler
   state, the caller's ``client_state``; ``rng/<rank>``: each rank's random state.
+
+[Note: loading across layouts]
+A pipeline saves one checkpoint per stage (``<root>/stage_<k>``), each holding its layers
+under their index in the whole ``nn.Sequential``. A load may read several directories: every
+key is taken from the first directory holding it (one DCP load per directory, in the same
+order on every rank, each rank asking only for its own pieces), so a pipeline of another
+number of stages, or a plain engine, finds its parameters wherever they were saved. A
+pipeline stage's engine holds part of the model (``checkpoint_partial``): the checkpoint may
+hold other layers too, only its own must be there. A weight tied across stages is saved by
+each stage under its own layer's name, and by a plain engine once, under the whole model's
+first name; a stage reads it under that name when its own is missing
+(``checkpoint_aliases``). The counters and ``client_state`` come from the first directory;
+a stage's random state from its own stage's, when the layouts match.
 """
 
 from __future__ import annotations
@@ -488,7 +501,7 @@ def _aliased(
 ) -> dict[str, torch.Tensor]:
     """``entries`` with each parameter missing from ``saved`` under its name read from its
     alias instead (a weight a pipeline stage holds under its own layer's name, saved once
-    under the first name of the whole model, or the reverse)."""
+    under the whole model's first name)."""
     out = {}
     for key, t in entries.items():
         kind, _, name = key.partition("/")

@@ -210,17 +210,7 @@ def check_shapes_within(
             saved.setdefault(name, shape)
     if not saved:
         return
-    missing, problems = [], []
-    for name, shape in sorted(live.items()):
-        got = saved.get(name, saved.get(aliases.get(name, name)))
-        if got is None:
-            missing.append(name)
-        elif list(got) != list(shape):
-            problems.append(f"'{name}' has shape {got} in the checkpoint, {shape} in this model")
-    if missing:
-        problems.append(
-            f"{len(missing)} parameter(s) of this model are not in it, e.g. {missing[:3]}"
-        )
+    problems = _shape_problems(saved, live, aliases)
     if problems:
         where, hint = str(paths[0]), "Build the model that was saved (same architecture and sizes)."
         stages = [p for p in paths if "stage_" in (p.name[:6], p.parent.name[:6])]
@@ -233,20 +223,30 @@ def check_shapes_within(
         )
 
 
-def _check_shapes(meta_path: Path, saved: dict[str, list[int]], live: dict[str, list[int]]) -> None:
-    if not saved:
-        return
-    problems = [
-        f"'{n}' has shape {saved[n]} in the checkpoint, {live[n]} in this model"
-        for n in sorted(saved.keys() & live.keys())
-        if list(saved[n]) != list(live[n])
-    ]
-    missing = sorted(live.keys() - saved.keys())
-    extra = sorted(saved.keys() - live.keys())
+def _shape_problems(
+    saved: dict[str, list[int]], live: dict[str, list[int]], aliases: dict[str, str]
+) -> list[str]:
+    """Parameters of ``live`` saved with another shape, then those not saved at all (under
+    their name, or else their alias)."""
+    missing, problems = [], []
+    for name, shape in sorted(live.items()):
+        got = saved.get(name, saved.get(aliases.get(name, name)))
+        if got is None:
+            missing.append(name)
+        elif list(got) != list(shape):
+            problems.append(f"'{name}' has shape {got} in the checkpoint, {shape} in this model")
     if missing:
         problems.append(
             f"{len(missing)} parameter(s) of this model are not in it, e.g. {missing[:3]}"
         )
+    return problems
+
+
+def _check_shapes(meta_path: Path, saved: dict[str, list[int]], live: dict[str, list[int]]) -> None:
+    if not saved:
+        return
+    problems = _shape_problems(saved, live, {})
+    extra = sorted(saved.keys() - live.keys())
     if extra:
         problems.append(f"{len(extra)} saved parameter(s) are not in this model, e.g. {extra[:3]}")
     if problems:

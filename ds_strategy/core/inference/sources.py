@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checkpoint.flat_piece import FlatPiece
-from ..checkpoint.manager import resolve_load_dir, stage_dirs
+from ..checkpoint.manager import resolve_load_dir, resolve_sources, stage_dirs
 from ..checkpoint.sharded import single_process_ok
 from ..checkpoint.trust import SafeReader
 from ..checkpoint.validate import META_FILE, validate
@@ -299,11 +299,6 @@ class UnionSource(WeightSource):
             part.close()
 
 
-def _stage_dirs(p: Path) -> list[Path]:
-    """A pipeline checkpoint root's stage checkpoints (their latest), in stage order."""
-    return [resolve_load_dir(d, None) for d in stage_dirs(p)]
-
-
 def source_kind(path: str | Path) -> tuple[str, Path]:
     """``("checkpoint", its directory)``, ``("pipeline", its root)`` or ``("safetensors",
     path)``: what :func:`open_source` will read, checked without reading it (local work,
@@ -321,7 +316,7 @@ def source_kind(path: str | Path) -> tuple[str, Path]:
         return "safetensors", p
     if (p / META_FILE).is_file() or (p / "latest").is_file():
         return "checkpoint", resolve_load_dir(p, None)
-    if _stage_dirs(p):
+    if stage_dirs(p):
         return "pipeline", p
     return "safetensors", p
 
@@ -335,7 +330,7 @@ def open_source(path: str | Path, comm: Comm, require_checksums: bool = True) ->
     if kind == "checkpoint":
         return CheckpointSource(p, comm, require_checksums)
     if kind == "pipeline":
-        stages = [CheckpointSource(d, comm, require_checksums) for d in _stage_dirs(p)]
+        stages = [CheckpointSource(d, comm, require_checksums) for d in resolve_sources(p, None)]
         return UnionSource(list(stages), p)
     if p.is_file():
         return SafetensorsSource([p], p)

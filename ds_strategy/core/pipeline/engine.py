@@ -51,7 +51,7 @@ from ..timers import phase
 from ..zero.stage3 import Stage3Runtime
 from .mesh import Mesh
 from .partition import partition_layers
-from .schedules import bubble_fraction, make_schedule, stage_indices
+from .schedules import bubble_fraction, make_schedule, stage_indices, stage_layers
 from .ties import broadcast_tied, duplicate_sq_norm, find_tied, sum_tied_grads
 
 __all__ = ["PipelineEngine"]
@@ -165,7 +165,7 @@ class PipelineEngine:
                 "summed. Use stage 1 or 2, or keep the layers that share it on one stage "
                 "(pipeline.partition_method)"
             )
-        own = [i for c in mine for i in range(bounds[c], bounds[c + 1])]
+        own = stage_layers(bounds, self.stage_id, self.mesh.pp_size, chunks)
         with together(Comm()):  # building a layer may fail on one rank (memory, a builder)
             replaced = _build_own(layers, builders, own, device, self.config, param_init_fn)
         for t in self.tied:  # the materialised copy of a tied weight is the one kept in sync

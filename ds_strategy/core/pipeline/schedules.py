@@ -19,7 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-__all__ = ["bubble_fraction", "make_schedule", "stage_indices"]
+__all__ = ["bubble_fraction", "make_schedule", "stage_indices", "stage_layers"]
 
 
 def bubble_fraction(schedule: str, stages: int, micro_batches: int, chunks: int = 1) -> float:
@@ -38,6 +38,18 @@ def stage_indices(stage: int, pp_size: int, chunks: int) -> list[int]:
     """Model chunks a pipeline rank holds: ``stage``, ``stage + P``, ... (looped placement,
     which the interleaved schedule expects)."""
     return [stage + i * pp_size for i in range(chunks)]
+
+
+def stage_layers(bounds: list[int], stage: int, pp_size: int, chunks: int) -> list[int]:
+    """The layers a pipeline rank holds: those of its chunks (see :func:`stage_indices`),
+    ``bounds`` being the chunks' layer boundaries from ``partition_layers``.
+
+    >>> stage_layers([0, 1, 3, 4, 6], stage=0, pp_size=2, chunks=2)
+    [0, 3]
+    """
+    return [
+        i for c in stage_indices(stage, pp_size, chunks) for i in range(bounds[c], bounds[c + 1])
+    ]
 
 
 def make_schedule(
