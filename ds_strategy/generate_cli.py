@@ -5,12 +5,14 @@ offloaded, quantized or tensor-parallel.
     torchrun --nproc-per-node=2 -m ds_strategy.cli generate out/gpt --prompt "ZeRO" --tp 2
     ds-strategy generate ckpt/global_step200 --model out/gpt --prompt "ZeRO" --zero3
     ds-strategy generate path/to/hf-llama --prompt "Hello" --bits 8 --max-new-tokens 64
+    ds-strategy generate out/gpt --prompt "ZeRO" --json   # prompt, ids and text as JSON
 
 Under ``torchrun`` every rank runs the model and rank 0 prints the text.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -49,6 +51,12 @@ def add_cli_parser(sub: Any) -> None:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: prompt, prompt_ids, generated_ids (the new tokens) and "
+        "text (prompt and continuation; absent without a tokenizer)",
+    )
 
 
 def _config(args: Any) -> dict[str, Any]:
@@ -107,11 +115,24 @@ def _generate(args: Any) -> int:
         seed=args.seed,
     )
     if args.prompt is not None:
-        text = engine.generate_text(args.prompt, args.max_new_tokens, **options)
+        ids = engine.encode(args.prompt)
     else:
         ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
-        out = engine.generate(ids, args.max_new_tokens, **options)
-        text = ",".join(str(t) for t in out[0].tolist())
+    out = engine.generate(ids, args.max_new_tokens, **options)[0].tolist()
+    if args.json:
+        prompt_ids = ids[0].tolist()
+        result: dict[str, Any] = {
+            "prompt": args.prompt,
+            "prompt_ids": prompt_ids,
+            "generated_ids": out[len(prompt_ids) :],
+        }
+        if engine.tokenizer is not None:
+            result["text"] = engine.decode(out)
+        text = json.dumps(result)
+    elif args.prompt is not None:
+        text = engine.decode(out)
+    else:
+        text = ",".join(str(t) for t in out)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(text, flush=True)
     engine.destroy()

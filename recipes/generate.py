@@ -16,6 +16,7 @@ starts itself under ``torchrun``; rank 0 prints the text.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import ds_strategy  # noqa: E402
+from recipes.output import say  # noqa: E402
 from recipes.schema import REPO, register_generate  # noqa: E402
 
 register_generate()
@@ -65,23 +67,23 @@ def main(cfg: DictConfig) -> None:
         ds_strategy.load_config(cfg.strategy),
         checkpoint=_path(cfg.checkpoint) if cfg.checkpoint else None,
     )
-    text = engine.generate_text(
-        cfg.prompt,
+    prompt_ids = engine.encode(cfg.prompt)
+    out = engine.generate(
+        prompt_ids,
         cfg.max_new_tokens,
         do_sample=cfg.do_sample,
         temperature=cfg.temperature,
         top_k=cfg.top_k,
         top_p=cfg.top_p,
         seed=cfg.seed,
-    )
+    )[0].tolist()
+    new_ids = out[prompt_ids.shape[1] :]
     report = engine.memory_report()
     rank = int(os.environ.get("RANK", "0"))
-    print(
-        f"rank {rank}: weights {report['params'] / 1e6:.3f} MB, peak {report['peak'] / 1e6:.3f} MB",
-        flush=True,
-    )
+    say(f"rank {rank}: weights {report['params'] / 1e6:.3f} MB, peak {report['peak'] / 1e6:.3f} MB")
     if rank == 0:
-        print(f"text: {text!r}", flush=True)
+        result = {"prompt": cfg.prompt, "generated_ids": new_ids}
+        say(f"text: {engine.decode(out)!r}", f"result: {json.dumps(result)}")
     engine.destroy()
     if torch.distributed.is_initialized():  # a clean shutdown, not the group's destructor
         torch.distributed.destroy_process_group()

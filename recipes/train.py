@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from ds_strategy.lightning import ZeroStrategy  # noqa: E402
 from recipes.data import CharCorpus  # noqa: E402
 from recipes.models import build_model, generate, lm_loss  # noqa: E402
+from recipes.output import say  # noqa: E402
 from recipes.schema import (  # noqa: E402
     corpus_path,
     engine_config,
@@ -101,15 +102,14 @@ def main(cfg: DictConfig) -> None:
     engine = trainer.strategy.engine
     report = engine.memory_report()
     loss = trainer.callback_metrics.get("train_loss")
-    print(
+    say(
         f"rank {trainer.global_rank}: stage {engine.stage}, {lightning_precision(zero)}, "
         f"{engine.global_steps} steps, final loss {float(loss) if loss is not None else float('nan'):.3f}, "
-        f"model state {report['total'] / 1e6:.3f} MB",
-        flush=True,
+        f"model state {report['total'] / 1e6:.3f} MB"
     )
     text = sample(trainer, lm, corpus, t.sample_chars)
     if text is not None:
-        print(f"sample: {text!r}", flush=True)
+        say(f"sample: {text!r}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin  # noqa: E402
 from recipes.data import CharCorpus  # noqa: E402
 from recipes.models import build_model, generate, lm_loss  # noqa: E402
+from recipes.output import say  # noqa: E402
 from recipes.schema import REPO, corpus_path, engine_config, precision_name, register  # noqa: E402
 
 register()
@@ -114,11 +115,10 @@ def train(cfg: DictConfig) -> None:
     bar.close()
     engine = accelerator.zero_engine
     report = engine.memory_report()
-    print(
+    say(
         f"rank {accelerator.process_index}: stage {engine.stage}, {precision_name(zero)}, "
         f"{engine.global_steps} steps in {time.perf_counter() - start:.1f}s, "
-        f"model state {report['total'] / 1e6:.3f} MB",
-        flush=True,
+        f"model state {report['total'] / 1e6:.3f} MB"
     )
     state = accelerator.get_state_dict(model)  # collective: consolidates on every rank
     if accelerator.is_main_process and t.sample_chars > 0:
@@ -126,7 +126,7 @@ def train(cfg: DictConfig) -> None:
         local.load_state_dict(state)
         local.eval()
         text = corpus.decode(generate(local, corpus.encode("ZeRO "), t.sample_chars))
-        print(f"sample: {'ZeRO ' + text!r}", flush=True)
+        say(f"sample: {'ZeRO ' + text!r}")
     accelerator.end_training()
 
 

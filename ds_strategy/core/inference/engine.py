@@ -326,15 +326,25 @@ class InferenceEngine(nn.Module):
         """``prompt`` and its continuation, through the model's tokenizer (a Hugging Face model
         directory's, or the character alphabet of a ``ds_model.json``); keyword arguments as
         :meth:`generate`. Collective."""
+        out = self.generate(self.encode(prompt), max_new_tokens, **kwargs)
+        return self.decode(out[0].tolist())
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``text`` as a (1, tokens) tensor of ids, through the model's tokenizer."""
+        return _encode(self._require_tokenizer("encode"), text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text, through the model's tokenizer (special tokens skipped)."""
+        return _decode(self._require_tokenizer("decode"), ids)
+
+    def _require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
             raise ValueError(
-                "generate_text: this model came without a tokenizer (a Hugging Face directory "
+                f"{what}: this model came without a tokenizer (a Hugging Face directory "
                 "with tokenizer files, or a ds_model.json with one, has it); call generate() "
                 "with token ids instead"
             )
-        ids = _encode(self.tokenizer, prompt)
-        out = self.generate(ids, max_new_tokens, **kwargs)
-        return _decode(self.tokenizer, out[0].tolist())
+        return self.tokenizer
 
     def _step_group(self) -> Comm | None:
         """The ranks whose generations must take the same steps: all of them under
