@@ -4,8 +4,44 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+from tests.pool import RankPools, session_pools
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu`` tests need a CUDA device: skipped, with the reason, where none is present."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+_POOL_SUMMARY = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_pools(request: pytest.FixtureRequest) -> Iterator[RankPools]:
+    """Gloo ranks started once for the whole run, one pool per world size used; every
+    ``run_ranks`` call of the session runs in them (see ``tests/pool.py``)."""
+    with session_pools() as pools:
+        yield pools
+        request.config.stash[_POOL_SUMMARY] = pools.summary()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """How often each pool's ranks were started, and after which tests they were replaced."""
+    lines = config.stash.get(_POOL_SUMMARY, [])
+    if lines:
+        terminalreporter.write_sep("-", "rank pools")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture

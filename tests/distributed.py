@@ -1,7 +1,9 @@
-"""Spawn N gloo ranks on 127.0.0.1 for a test, with a timeout so a hang fails fast.
+"""Run a test's function on N gloo ranks on 127.0.0.1, with a timeout so a hang fails fast.
 
-Each test group picks its own free port; a worker's exception comes back to the test with
-its rank and traceback.
+During a test run the ranks come from the session's pool (``tests/pool.py``: started once,
+reused by every test, isolated between tests); ``fresh=True``, or a call outside pytest, spawns
+new processes for this call alone. Each call gets its own free port; a worker's exception comes
+back to the test with its rank and traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
-import socket
 import subprocess
 import time
 import traceback
@@ -22,11 +23,9 @@ from typing import Any
 
 import torch
 
+from tests.pool import WorkerError, active, free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["WorkerError", "free_port", "run_command", "run_ranks", "run_ranks_each"]
 
 
 def _entry(
@@ -96,18 +95,30 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, 
     return output
 
 
-class WorkerError(RuntimeError):
-    pass
-
-
 def run_ranks(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, pg_timeout: float = 60
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 240,
+    pg_timeout: float = 60,
+    fresh: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank.
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; return results by rank.
 
     Raises ``WorkerError`` with the first failing rank's traceback, or ``TimeoutError`` if the
-    ranks are not all done within ``timeout`` seconds (every process is killed then).
+    ranks are not all done within ``timeout`` seconds (their processes are killed then).
+    ``fresh``: new processes for this call, for a test of what only a new process has (an
+    environment variable read at start-up).
     """
+    pools = active()
+    if pools is not None and not fresh:
+        return pools.pool(world).run(fn, args, timeout, pg_timeout)
+    return _spawn(fn, world, args, timeout, pg_timeout)
+
+
+def _spawn(
+    fn: Callable[..., Any], world: int, args: tuple, timeout: float, pg_timeout: float
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
