@@ -17,6 +17,9 @@ import torch
 
 from tests.accelerate_scripts.launch import launch
 
+# launcher: every run is an `accelerate launch`
+pytestmark = pytest.mark.launcher
+
 TOL = 2e-5
 MAX_NORM = 0.3  # tests/accelerate_scripts/common.py
 BOUNDARIES = 12  # 2 epochs x (5 full accumulation windows + the odd last batch)

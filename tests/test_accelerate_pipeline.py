@@ -36,6 +36,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.launcher
 def test_train_batch_matches_one_process_on_the_global_batches(launched: dict[str, Any]) -> None:
     run, ref = launched["uninterrupted"], launched["reference"]
     assert max_diff(ref["state"], ref["initial"]) > 1e-2  # the reference really trained
@@ -59,6 +60,7 @@ def test_train_batch_matches_one_process_on_the_global_batches(launched: dict[st
     assert run["bad_loader"] is not None and "use batch_size=4" in run["bad_loader"]
 
 
+@pytest.mark.launcher
 def test_mixed_precision_bf16_runs_the_stages_in_bf16(launched: dict[str, Any]) -> None:
     run, ref = launched["bf16"], launched["reference"]
     assert run["bf16"] is True and launched["uninterrupted"]["bf16"] is False
@@ -68,6 +70,7 @@ def test_mixed_precision_bf16_runs_the_stages_in_bf16(launched: dict[str, Any]) 
     assert run["global_steps"] == STEPS and run["skipped"] is False
 
 
+@pytest.mark.launcher
 def test_loaders_are_sharded_by_the_data_parallel_rank(launched: dict[str, Any]) -> None:
     per_rank = launched["uninterrupted"]["per_rank"]
     layouts = [r["layout"] for r in per_rank]
@@ -81,6 +84,7 @@ def test_loaders_are_sharded_by_the_data_parallel_rank(launched: dict[str, Any])
         assert batch == list(range(step * DP * PER_RANK, (step + 1) * DP * PER_RANK))
 
 
+@pytest.mark.launcher
 def test_resumed_run_matches_uninterrupted(launched: dict[str, Any]) -> None:
     """The saving and resuming runs use ZeRO-2 inside each stage, the config's optimizer
     section through a DummyOptim and an engine-built scheduler from a DummyScheduler."""
@@ -97,6 +101,7 @@ def test_resumed_run_matches_uninterrupted(launched: dict[str, Any]) -> None:
     assert sorted(p.name for p in engine_dir.iterdir() if p.is_dir()) == ["stage_0", "stage_1"]
 
 
+@pytest.mark.launcher
 def test_weights_and_unwrap(launched: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
@@ -110,6 +115,7 @@ def test_weights_and_unwrap(launched: dict[str, Any]) -> None:
     assert unwrapped[0] | unwrapped[2] == set(run["state"])
 
 
+@pytest.mark.launcher
 def test_plain_accelerate_calls_name_train_batch(launched: dict[str, Any]) -> None:
     refused = launched["uninterrupted"]["refused"]
     assert "model.train_batch(inputs, targets)" in refused["backward"]

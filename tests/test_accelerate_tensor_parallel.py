@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.accelerate_scripts.launch import launch
 from tests.tp_common import check_against_one_process
+
+# launcher: an `accelerate launch` on 4 processes
+pytestmark = pytest.mark.launcher
 
 
 def test_tensor_parallel_accelerate_loop_equals_one_process(tmp_path: Path) -> None:

@@ -118,6 +118,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path: Path) -> None:
         engine.load_checkpoint(tmp_path / "nowhere")
 
 
+@pytest.mark.launcher
 def test_consolidated_file_loads_into_the_plain_model(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -19,6 +19,9 @@ from tests.distributed import WorkerError, free_port, run_command, run_ranks
 from tests.models import ToyLM, batches
 from tests.test_checkpoint_manage import GB, STEPS, _opt, max_diff, reference, train
 
+# launcher: a rank killed with SIGKILL, and torchrun restarts
+pytestmark = pytest.mark.launcher
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -364,6 +364,7 @@ def kill_every_step_job(root: str, scenario: str, queue: Any) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["same tag", "new tag, pruning the old"])
+@pytest.mark.launcher
 def test_a_save_killed_at_every_step_never_loses_latest(tmp_path: Path, scenario: str) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -416,6 +417,7 @@ def other_job(root: str, queue: Any, hold: bool) -> None:
         time.sleep(120)
 
 
+@pytest.mark.launcher
 def test_a_second_job_saving_into_a_root_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
     root = tmp_path / "root"
     model = nn.Linear(4, 4)
@@ -439,6 +441,7 @@ def test_a_second_job_saving_into_a_root_fails_at_once_naming_the_holder(tmp_pat
     assert outcome == "saved" and (root / "latest").read_text() == "theirs"
 
 
+@pytest.mark.launcher
 def test_a_holder_killed_with_sigkill_releases_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
     ctx = mp.get_context("spawn")
@@ -511,6 +514,7 @@ def _private_mount(tmp: Path, size: str, script: str) -> list[str] | None:
     return None
 
 
+@pytest.mark.launcher
 def test_a_really_full_disk(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     disk.mkdir()

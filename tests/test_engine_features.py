@@ -312,6 +312,7 @@ def hang_worker(rank: int, world: int) -> None:
         time.sleep(30)
 
 
+@pytest.mark.slow
 def test_a_collective_that_never_completes_fails_fast() -> None:
     with pytest.raises((WorkerError, TimeoutError)):
         run_ranks(hang_worker, 2, timeout=60, pg_timeout=5)

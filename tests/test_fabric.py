@@ -14,7 +14,8 @@ from tests.lightning_scripts.launch import max_diff, run_for_results
 pytest.importorskip("lightning")
 
 TOL = 2e-5
-pytestmark = pytest.mark.timeout(300)
+# launcher: Fabric runs as a 2-process script
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launcher]
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,7 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("zero3", "plain"),
     ],
 )
+@pytest.mark.launcher
 def test_zero_trainer_ends_at_the_plain_trainers_weights(
     parity: dict[str, Any], zero: str, plain: str
 ) -> None:
@@ -72,6 +73,7 @@ def test_zero_trainer_ends_at_the_plain_trainers_weights(
     assert z["eval_loss"] == pytest.approx(p["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.launcher
 def test_auto_values_are_filled_as_transformers_fills_them(parity: dict[str, Any]) -> None:
     for name in ("zero2_config", "zero3_config"):
         cfg = parity[name]
@@ -95,6 +97,7 @@ def test_auto_values_are_filled_as_transformers_fills_them(parity: dict[str, Any
     assert parity["zero3_config"]["offload"] == ("cpu", "cpu")
 
 
+@pytest.mark.launcher
 def test_saved_model_loads_with_from_pretrained(parity: dict[str, Any]) -> None:
     assert "model.safetensors" in parity["saved_files"]
     assert not any(f.endswith(".bin") and "model" in f for f in parity["saved_files"])
@@ -110,6 +113,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.launcher
 def test_resumed_run_equals_the_uninterrupted_one(resumed: dict[str, Any]) -> None:
     assert {"model.safetensors", "trainer_state.json", "zero_checkpoint"} <= set(
         resumed["checkpoint_files"]
@@ -122,6 +126,7 @@ def test_resumed_run_equals_the_uninterrupted_one(resumed: dict[str, Any]) -> No
     assert again["lr"] == pytest.approx(whole["lr"])  # the config's WarmupDecayLR, resumed
 
 
+@pytest.mark.launcher
 def test_tensor_parallel_trainer_equals_a_plain_trainer_in_one_process(tmp_path: Path) -> None:
     """Llama at D=1 x T=2 (ZeRO-2) through ZeroTrainer on two processes, against a plain
     Trainer in this process: the two ranks of the pair read the same batches."""

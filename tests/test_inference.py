@@ -26,6 +26,9 @@ from tests.inference_common import (
     write_llama,
 )
 
+# slow: every layout and model generates in one 2-rank run (about 20 s)
+pytestmark = pytest.mark.slow
+
 WORLD = 2
 NEW_TOKENS = 32
 

@@ -21,6 +21,9 @@ from ds_strategy.demos.gpt import perplexity, split_text
 from tests.distributed import free_port, run_command
 from tests.inference_common import CORPUS
 
+# launcher: the main job under torchrun, the CLI and the recipe as commands
+pytestmark = pytest.mark.launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -273,6 +273,7 @@ def _rss_worker(rank: int, world: int, path: str, config: Any) -> dict[str, floa
     return {"peak_increase": peak[0] - before, "held": held}
 
 
+@pytest.mark.launcher
 def test_building_a_sharded_model_never_allocates_all_of_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -290,8 +291,12 @@ def test_building_a_sharded_model_never_allocates_all_of_it(
     # glibc keeps freed blocks below its (growing) mmap threshold in the heap, resident; a
     # fixed low threshold returns every freed buffer, so RSS follows what is allocated
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    sharded = run_ranks(_rss_worker, 2, str(tmp_path / "big.safetensors"), zero, timeout=240)
-    (plain,) = run_ranks(_rss_worker, 1, str(tmp_path / "big.safetensors"), None, timeout=240)
+    sharded = run_ranks(
+        _rss_worker, 2, str(tmp_path / "big.safetensors"), zero, timeout=240, fresh=True
+    )
+    (plain,) = run_ranks(
+        _rss_worker, 1, str(tmp_path / "big.safetensors"), None, timeout=240, fresh=True
+    )
     for r in sharded:
         assert r["held"] < 0.55 * size
         assert r["peak_increase"] < 0.75 * size, (r, size)

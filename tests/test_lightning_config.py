@@ -48,6 +48,7 @@ def test_import_registers_the_names_for_trainer_and_fabric() -> None:
         "from ds_strategy.lightning import ZeroStrategy",
     ],
 )
+@pytest.mark.launcher
 def test_import_defers_lightning_and_registers_whatever_comes_first(first: str) -> None:
     """``import ds_strategy`` leaves Lightning unimported (seconds saved in every rank) and the
     names appear, for the Trainer and Fabric alike and without a warning, the moment anything
@@ -92,6 +93,7 @@ def test_names_build_the_right_strategy(
         )
 
 
+@pytest.mark.launcher
 def test_import_works_without_lightning() -> None:
     code = (
         "import sys; sys.modules['lightning'] = None\n"
@@ -210,6 +212,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("16-true", "torch.float16", True, True),
     ],
 )
+@pytest.mark.launcher
 def test_trainer_precision_reaches_the_engine(
     single: dict[str, Any], flag: str, dtype: str, master: bool, scaled: bool
 ) -> None:
@@ -223,6 +226,7 @@ def test_trainer_precision_reaches_the_engine(
 @pytest.mark.parametrize(
     "name, devices", [("zero2_offload", ["cpu", "none"]), ("zero3_offload", ["cpu", "cpu"])]
 )
+@pytest.mark.launcher
 def test_offload_names_train(single: dict[str, Any], name: str, devices: list[str]) -> None:
     res = single["precision"][name]
     assert res["offload"] == devices
@@ -230,6 +234,7 @@ def test_offload_names_train(single: dict[str, Any], name: str, devices: list[st
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.launcher
 def test_fabric_precision_reaches_the_engine(single: dict[str, Any]) -> None:
     assert single["precision"]["fabric_bf16-mixed"]["param_dtype"] == "torch.bfloat16"
 
@@ -255,6 +260,7 @@ def test_fabric_precision_reaches_the_engine(single: dict[str, Any]) -> None:
         ("fabric_double", ["Fabric(precision='64-true')"]),
     ],
 )
+@pytest.mark.launcher
 def test_misconfiguration_fails_clearly(
     single: dict[str, Any], case: str, fragments: list[str]
 ) -> None:

@@ -9,6 +9,9 @@ import pytest
 
 from tests.lightning_scripts.launch import max_diff, run_for_results
 
+# launcher: the Trainer runs as a 2-process script
+pytestmark = pytest.mark.launcher
+
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

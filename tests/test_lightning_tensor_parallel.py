@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.lightning_scripts.launch import run_script
 from tests.tp_common import check_against_one_process
+
+# launcher: the Trainer runs as a 4-process script
+pytestmark = pytest.mark.launcher
 
 
 def test_tensor_parallel_trainer_equals_one_process(tmp_path: Path) -> None:

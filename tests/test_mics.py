@@ -22,6 +22,9 @@ from tests.loops import parity_config, train_engine, train_reference
 from tests.models import ToyLM, batches, lm_loss, make_optimizer
 from tests.test_topology import _GroupCounter
 
+# slow: 4 ranks posing as 2 machines x 2, every case in one run of about 20-30 s
+pytestmark = pytest.mark.slow
+
 STEPS, ACCUM, CLIP = 10, 2, 0.5
 
 

@@ -237,6 +237,7 @@ def test_bad_offload_combinations_name_the_key(tmp_path: Path) -> None:
     assert engine.config.zero_optimization.offload_param.device == "none"
 
 
+@pytest.mark.launcher
 def test_swap_dir_removed_on_destroy_and_at_exit(tmp_path: Path) -> None:
     engine = _engine(_nvme(tmp_path, stage=3))
     _train(engine, batches(2, 1, GB), 0, 1)

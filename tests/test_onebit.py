@@ -40,6 +40,7 @@ def _warm_up(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> Any
 
 
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.slow
 def test_the_warm_up_is_dense_adam_and_lamb(runs: dict[Any, list[Any]], stage: int) -> None:
     data = batches(STEPS, ACCUM, 8)
     expected = {
@@ -62,6 +63,7 @@ def _stages(rank: int, world: int, kind: str, data: list[torch.Tensor]) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["onebitadam@3", "onebitlamb@3"])
+@pytest.mark.slow
 def test_the_compressed_phase_at_stage_2_equals_stage_1(
     runs: dict[Any, list[Any]], kind: str
 ) -> None:
@@ -104,6 +106,7 @@ def _bytes(rank: int, world: int, stage: int, kind: str, data: list[torch.Tensor
 @pytest.mark.parametrize(
     ("stage", "kind"), [(0, "onebitadam"), (1, "onebitlamb"), (2, "onebitadam"), (2, "onebitlamb")]
 )
+@pytest.mark.slow
 def test_compressed_steps_send_under_a_sixteenth_of_fp32(
     runs: dict[Any, list[Any]], stage: int, kind: str
 ) -> None:
@@ -129,6 +132,7 @@ def test_compressed_steps_send_under_a_sixteenth_of_fp32(
         assert r["memory"] == r["held"] + extra
 
 
+@pytest.mark.slow
 def test_one_bit_adam_and_lamb_train_the_demo_gpt_to_within_3_percent() -> None:
     """300 steps at stage 1 on 2 ranks, compressed after a dense warm-up. 1-bit Adam with the
     public configs' gradient_clipping 1.0; 1-bit LAMB with the public 1-bit LAMB config's
@@ -238,6 +242,7 @@ def _public(rank: int, world: int, name: str) -> Any:
 
 
 @pytest.mark.parametrize("name", ONEBIT_CONFIGS)
+@pytest.mark.slow
 def test_public_deepspeed_configs_naming_them_train(runs: dict[Any, list[Any]], name: str) -> None:
     for r in runs["public", name]:
         assert r["type"] in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")

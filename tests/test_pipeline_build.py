@@ -142,9 +142,10 @@ def built(request: pytest.FixtureRequest) -> tuple[str, list[dict]]:
     # glibc's heap kept of freed temporaries
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-        return request.param, run_ranks(build_worker, 4, request.param, timeout=240)
+        return request.param, run_ranks(build_worker, 4, request.param, timeout=240, fresh=True)
 
 
+@pytest.mark.launcher
 def test_each_rank_builds_only_its_stage(built: tuple[str, list[dict]]) -> None:
     kind, results = built
     stage_bytes = MODEL_BYTES // 2
@@ -169,6 +170,7 @@ def test_each_rank_builds_only_its_stage(built: tuple[str, list[dict]]) -> None:
 
 
 @pytest.mark.parametrize("built", ["meta"], indirect=True)  # builders cannot share a weight
+@pytest.mark.launcher
 def test_tied_weight_built_on_meta_stays_one_weight(built: tuple[str, list[dict]]) -> None:
     _, results = built
     first = results[0]["tied"]
@@ -179,6 +181,7 @@ def test_tied_weight_built_on_meta_stays_one_weight(built: tuple[str, list[dict]
         assert torch.equal(res["tied"]["embedding"], first["embedding"])
 
 
+@pytest.mark.launcher
 def test_estimate_per_stage_matches_the_engines(built: tuple[str, list[dict]]) -> None:
     """``ds-strategy estimate --pipeline-stages``'s per-stage model state is what each stage's
     engine reports holding (fp32, ZeRO-1 and ZeRO-3 over D=2)."""

@@ -163,6 +163,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list[Any]]:
 
 
 @pytest.mark.parametrize(("kind", "stage"), [("gpt", 1), ("llama", 2)])
+@pytest.mark.slow
 def test_pp2_x_tp2_equals_single_process_training(
     runs: dict[Any, list[Any]], kind: str, stage: int
 ) -> None:
@@ -209,6 +210,7 @@ def _resume_run(rank: int, world: int, data: list[torch.Tensor], path: str, tp: 
 
 
 @pytest.mark.parametrize("tp", [2, 1])
+@pytest.mark.slow
 def test_checkpoint_resumes_at_pp2_x_tp2_and_at_pp2_x_dp2(
     runs: dict[Any, list[Any]], tp: int
 ) -> None:
@@ -227,6 +229,7 @@ def _curve(rank: int, world: int, bf16: bool, data: list[torch.Tensor]) -> Any:
     return losses, engine.comm_report()["pp_send"], next(engine.module.parameters()).dtype
 
 
+@pytest.mark.slow
 def test_bf16_loss_curve_at_pp2_x_tp2_within_2_percent_of_fp32(runs: dict[Any, list[Any]]) -> None:
     """bf16 compute inside the stages, fp32 master weights; activations and their gradients
     cross between stages in bf16 (half the bytes)."""
@@ -264,6 +267,7 @@ def _split_tie(rank: int, world: int) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_plan_splitting_a_weight_tied_across_stages_is_refused_on_every_rank(
     runs: dict[Any, list[Any]],
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from ds_strategy.core.compression.quantize import block_dequantize, block_quantize
@@ -66,6 +67,7 @@ def test_below_stage_3_it_changes_nothing() -> None:
     assert all(torch.equal(plain["state"][k], v) for k, v in quantized["state"].items())
 
 
+@pytest.mark.slow
 def test_the_demo_gpt_trains_to_within_3_percent_of_plain_stage_3() -> None:
     """300 steps of AdamW, every parameter sharded (no persistent ones)."""
     calls = [

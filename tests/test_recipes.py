@@ -45,6 +45,7 @@ def hydra_conf():  # type: ignore[no-untyped-def]
         yield
 
 
+@pytest.mark.slow
 def test_every_preset_combination_composes(hydra_conf: None) -> None:
     strategies, precisions = strategy_presets(), precision_presets()
     assert {"zero1", "zero2", "zero3", "zero1_tp2"} <= set(strategies)
@@ -149,6 +150,7 @@ def _sample(out: str) -> str:
     return str(ast.literal_eval(found[0]))
 
 
+@pytest.mark.launcher
 def test_lightning_recipe_trains_on_two_processes(tmp_path: Path) -> None:
     out = _run(
         "train.py",
@@ -174,6 +176,7 @@ def test_lightning_recipe_trains_on_two_processes(tmp_path: Path) -> None:
     assert sum(1 for r in rows if r.split(",")[col]) == 2
 
 
+@pytest.mark.launcher
 def test_accelerate_recipe_spawns_and_trains(tmp_path: Path) -> None:
     out = _run(
         "train_accelerate.py", "trainer=smoke", "strategy=zero2", "precision=fp32", tmp=tmp_path
@@ -185,6 +188,7 @@ def test_accelerate_recipe_spawns_and_trains(tmp_path: Path) -> None:
     assert _sample(out).startswith("ZeRO "), out[-3000:]
 
 
+@pytest.mark.launcher
 def test_tensor_parallel_preset_trains_on_two_processes(tmp_path: Path) -> None:
     """``strategy=zero1_tp2``: the two processes are one tensor-parallel pair (D=1 x T=2), so
     they read the same batches and report the same loss."""

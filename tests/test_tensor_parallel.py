@@ -152,6 +152,7 @@ def tp_runs() -> dict[tuple[Any, ...], list[Any]]:
 
 
 @pytest.mark.parametrize(("stage", "extra"), GPT_CASES)
+@pytest.mark.slow
 def test_tp2_x_dp2_equals_single_process_training(
     tp_runs: dict[tuple[Any, ...], list[Any]], stage: int, extra: Any
 ) -> None:
@@ -190,6 +191,7 @@ def test_tp2_x_dp2_equals_single_process_training(
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.slow
 def test_tp2_x_dp2_on_a_transformers_llama_equals_single_process_training(
     tp_runs: dict[tuple[Any, ...], list[Any]], stage: int
 ) -> None:
@@ -217,6 +219,7 @@ def _gpt2_error(state: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) 
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.slow
 def test_tp2_x_dp2_on_a_transformers_gpt2_equals_single_process_training(
     tp_runs: dict[tuple[Any, ...], list[Any]], stage: int
 ) -> None:
@@ -470,6 +473,7 @@ def _lamb_run(rank: int, world: int, stage: int, data: list[torch.Tensor]) -> An
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.slow
 def test_lamb_trust_ratios_are_whole_parameter_under_tensor_parallelism(
     tp_runs: dict[tuple[Any, ...], list[Any]], stage: int
 ) -> None:

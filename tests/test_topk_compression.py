@@ -104,6 +104,7 @@ def test_top_one_percent_sends_under_a_tenth_of_the_gradient_bytes(stage: int) -
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_top_one_percent_trains_the_demo_gpt_to_within_3_percent(world: int) -> None:
     """SGD with momentum, compressed with Deep Gradient Compression's momentum correction after
     30 dense steps: the mean loss of the last 20 of 300 steps within 3% of uncompressed

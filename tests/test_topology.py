@@ -199,6 +199,7 @@ with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as 
 """
 
 
+@pytest.mark.launcher
 def test_two_torchrun_agents_on_one_host_are_two_machines(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(repo=str(REPO), out=str(tmp_path)))

@@ -126,6 +126,7 @@ def test_each_kind_of_step_sends_what_it_promises_and_syncs_the_replicas() -> No
     assert kinds[-1] in ("local", "sync") and held == 4 * (padded + padded // world)
 
 
+@pytest.mark.slow
 def test_zero_one_adam_trains_the_demo_gpt_close_to_dense_adam() -> None:
     """300 steps at stage 0 on 2 ranks, gradient_clipping 1.0 (the public config's), against
     dense Adam without bias correction (0/1 Adam applies none), from three initialisations.
