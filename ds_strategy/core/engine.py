@@ -167,6 +167,11 @@ class ZeroEngine(nn.Module):
             )
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
         self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
+        with together(self.comm):  # the offload tier takes the groups as they are built
+            self._offload = Offload.build(self.config, [], self.comm.rank)
+            if self._offload is not None and self._offload.streams_build:
+                shard_bytes = _shard_bytes(model, self.shard_comm.world_size, self.precision)
+                self._offload.open_for_build(shard_bytes, META_FILE)
         self.plan: ShardingPlan = build_plan(
             model,
             self.shard_comm,
@@ -179,6 +184,7 @@ class ZeroEngine(nn.Module):
             ),
             param_init_fn=param_init_fn,
             precision=self.precision,
+            on_groups=self._offload.adopt if self._offload is not None else None,
         )
         # parameters a pipeline materialised before this engine (the optimizer may hold the
         # meta ones they replaced)
@@ -187,8 +193,6 @@ class ZeroEngine(nn.Module):
         meter = self.plan.meter  # scratch of the composed collectives: in the peak
         self.comm.on_scratch = lambda n: meter.alloc(n) if n > 0 else meter.free(-n)
         with together(self.comm):
-            # offloaded masters move before the optimizer is built over them
-            self._offload = Offload.build(self.config, self.plan.groups, self.comm.rank)
             self.trainable = any(p.requires_grad for p in model.parameters())
             if not self.trainable:
                 if optimizer is not None or self.config.optimizer is not None:
@@ -211,16 +215,19 @@ class ZeroEngine(nn.Module):
                 if self.tensor_parallel is not None:  # the user's optimizer holds full weights
                     self.plan.replaced.update(self.tensor_parallel.replaced)
                 _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
-            opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
+            # the optimizer's pieces are views of masters a streaming build has written out
+            viewable = self._offload.viewable() if self._offload else contextlib.nullcontext()
+            with viewable:
+                opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
+                tp = self.tensor_parallel
+                self._sharded_opt = ShardedOptimizer(
+                    opt,
+                    pieces,
+                    self.plan.groups,
+                    self.shard_comm,
+                    tp_norm=(tp.norm_weight, tp.comm) if tp is not None else None,
+                )
             self.optimizer = opt
-            tp = self.tensor_parallel
-            self._sharded_opt = ShardedOptimizer(
-                opt,
-                pieces,
-                self.plan.groups,
-                self.shard_comm,
-                tp_norm=(tp.norm_weight, tp.comm) if tp is not None else None,
-            )
             if self._offload is not None:
                 self._offload.attach(self._sharded_opt, META_FILE)
             if self.config.scheduler is not None:
@@ -456,8 +463,8 @@ class ZeroEngine(nn.Module):
             self.plan.wait_params()  # the optimizer writes slices a late all-gather still reads
             self.plan.finish_reduction()
             if isinstance(self.shard_comm, MiCSComm):
-                shards = [g.grad_shard for g in self.plan.groups if g.trainable]
-                self.shard_comm.sum_over_replicas([t for t in shards if t is not None])
+                shards = [g.ensure_grad_shard() for g in self.plan.groups if g.trainable]
+                self.shard_comm.sum_over_replicas(shards)
             self._ready_norm = self._sharded_opt.sync_grad_flags_and_norm()
         return self._ready_norm
 
@@ -761,8 +768,10 @@ class ZeroEngine(nn.Module):
         it, ``offloaded_nvme`` counts them); ``peak``, the most model-state bytes held at
         any moment since the engine was built or :meth:`reset_peak_memory` was called,
         transient buffers included (ZeRO-3's gathered parameters, full-size gradient
-        buckets, reductions in flight, the step's fp32 gradient copies); and
-        ``peak_gathered_params``, the bytes of ZeRO-3 parameters gathered at once."""
+        buckets, reductions in flight, the step's fp32 gradient copies; with NVMe parameter
+        offload the gradient shards, which exist only during a step, are counted there and
+        not in ``grads``); and ``peak_gathered_params``, the bytes of ZeRO-3 parameters
+        gathered at once."""
         report = self._resident_report()
         if self._offload is not None:  # bytes moved out to files: not in total
             report.update(self._offload.report())
@@ -922,6 +931,17 @@ def _tensor_parallel_size(
         )
     ParallelMesh.data_parallel_size(comm.world_size, tp)  # an error unless T divides it
     return tp
+
+
+def _shard_bytes(model: nn.Module, shards: int, precision: PrecisionPolicy) -> int:
+    """This rank's bytes of ZeRO-3 parameter shards and fp32 masters: what a streaming build
+    writes to the swap directory (the parameters' shapes are known on the meta device)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    elem = torch.empty((), dtype=precision.param_dtype).element_size()
+    total = -(-sum(p.numel() for p in params) // shards) * elem
+    if precision.master_weights and precision.param_dtype != torch.float32:
+        total += -(-sum(p.numel() for p in params if p.requires_grad) // shards) * 4
+    return total
 
 
 def _pick_device(model: nn.Module) -> torch.device:

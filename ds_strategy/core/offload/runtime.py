@@ -22,7 +22,7 @@ import torch
 from ...config import UnsupportedConfigWarning, ZeroConfig
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
-from .swap import SwapDir, SwappedTensor
+from .swap import SwapDir, SwappedTensor, SwapState, check_nvme_path
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
     from ..zero.flat_group import FlatParamGroup
@@ -103,12 +103,16 @@ class Offload:
     def __init__(self, config: ZeroConfig, groups: list[FlatParamGroup], rank: int) -> None:
         zc = config.zero_optimization
         self.opt_cfg, self.param_cfg = zc.offload_optimizer, zc.offload_param
-        self.groups = groups
+        self.groups: list[FlatParamGroup] = []
+        self._index: dict[int, int] = {}  # id(group) -> its number in the swap files' names
         self.rank = rank
         self.swap_dir: SwapDir | None = None
         self.group_swaps: dict[int, list[SwappedTensor]] = {}
+        self._order = _GatherOrder()
+        self._writing: list[SwappedTensor] = []  # the latest groups' writes (streaming build)
         self.state: StateSwaps | None = None
         self.stepper: BucketedStep | None = None
+        self.adopt(groups)
 
     @staticmethod
     def build(config: ZeroConfig, groups: list[FlatParamGroup], rank: int) -> Offload | None:
@@ -124,9 +128,7 @@ class Offload:
                 UnsupportedConfigWarning,
                 stacklevel=4,
             )
-        off = Offload(config, groups, rank)
-        off.place()
-        return off
+        return Offload(config, groups, rank)
 
     @property
     def nvme_optimizer(self) -> bool:
@@ -136,62 +138,115 @@ class Offload:
     def nvme_params(self) -> bool:
         return self.param_cfg.device == "nvme"
 
-    def place(self) -> None:
+    def adopt(self, groups: list[FlatParamGroup]) -> None:
+        """Take groups as they are built: their masters (and partitioned shards) move to the
+        host, and once the swap directory is open (:meth:`open_for_build`) what lives on disk
+        is written out at once. See [Note: the streaming build]."""
+        for g in groups:
+            self._index[id(g)] = len(self.groups)
+            self.groups.append(g)
         # Swapped tensors are resized as they come and go: plain host memory, never pinned.
         swapped = self.nvme_optimizer or self.nvme_params
         pin = bool(self.opt_cfg.pin_memory or self.param_cfg.pin_memory) and not swapped
-        place_on_host(self.groups, pin, params=self.param_cfg.device != "none")
+        place_on_host(groups, pin, params=self.param_cfg.device != "none")
+        if self.swap_dir is not None:
+            self._swap_out(groups)
 
     # -- NVMe -------------------------------------------------------------------------------------
 
-    def _swapped_group_tensors(self) -> list[tuple[FlatParamGroup, str, torch.Tensor]]:
+    @property
+    def streams_build(self) -> bool:
+        """[Note: the streaming build]
+        With NVMe parameter offload (stage 3) the model is written out unit by unit while it
+        is built: the engine opens the swap directory before the first unit
+        (:meth:`open_for_build`), and each unit's parameter shards (and fp32 masters) go to
+        their files as soon as the unit is sharded, before the next unit is materialised.
+        The writes of one unit run while the next is built; a unit's writes must finish
+        before the one after it starts its own, so a rank holds at most two units' shards
+        whatever the model's size. Gradient shards hold no storage outside a step
+        (``FlatParamGroup.free_grads``)."""
+        return self.nvme_params
+
+    def open_for_build(self, shard_bytes: int, checkpoint_marker: str) -> None:
+        """Open the swap directory before the model is built, checking there is room for its
+        ``shard_bytes`` of parameter shards and masters (the optimizer state's room is
+        checked again by :meth:`attach`)."""
+        self._open(shard_bytes, checkpoint_marker)
+
+    def _swapped_group_tensors(
+        self, groups: list[FlatParamGroup]
+    ) -> list[tuple[FlatParamGroup, str, torch.Tensor]]:
         out = []
-        for i, g in enumerate(self.groups):
+        for g in groups:
+            i = self._index[id(g)]
             if g.master is not None and (self.nvme_optimizer or self.nvme_params) and g.trainable:
                 out.append((g, f"master_{i}", g.master))
             if self.nvme_params and g.policy.shard_params:
                 out.append((g, f"param_{i}", g.shard))
         return out
 
-    def _needed_bytes(self, optimizer: torch.optim.Optimizer | None) -> int:
-        total = sum(t.numel() * t.element_size() for _, _, t in self._swapped_group_tensors())
-        if self.nvme_optimizer and optimizer is not None:
-            per = _state_bytes_per_element(optimizer)
-            total += sum(per * g.step_params.numel() * 4 for g in self.groups if g.trainable)
-        return total
+    def _swap_out(self, groups: list[FlatParamGroup]) -> None:
+        """Write the groups' swapped tensors behind, once the previous writes are done."""
+        assert self.swap_dir is not None
+        for s in self._writing:
+            s.wait()
+        self._writing = []
+        for g, name, t in self._swapped_group_tensors(groups):
+            swap = SwappedTensor(t, self.swap_dir.file(name), self.swap_dir.pool)
+            self.group_swaps.setdefault(id(g), []).append(swap)
+            if name.startswith("param_"):
+                g.param_store = _SwappedParams(g, swap, self._order)
+            swap.release(dirty=True)
+            self._writing.append(swap)
+        if self.nvme_params:
+            for g in groups:
+                if g.trainable and g.policy.shard_grads and not g.transient_grads:
+                    g.free_grads()
 
-    def attach(self, sharded_opt: Any | None, checkpoint_marker: str) -> None:
-        """Open the swap directory (checking it first), swap out what lives on disk, and give
-        the optimizer its bucketed step (``None``: no optimizer, as in inference)."""
-        if not (self.nvme_optimizer or self.nvme_params):
-            return
-        cfg = self.opt_cfg if self.nvme_optimizer else self.param_cfg
-        key = "offload_optimizer" if self.nvme_optimizer else "offload_param"
+    def _key(self) -> tuple[Any, str]:
+        if self.nvme_optimizer:
+            return self.opt_cfg, "zero_optimization.offload_optimizer.nvme_path"
+        return self.param_cfg, "zero_optimization.offload_param.nvme_path"
+
+    def _open(self, needed: int, checkpoint_marker: str) -> None:
         paths = {c.nvme_path for c in (self.opt_cfg, self.param_cfg) if c.device == "nvme"}
         if len(paths) > 1:
             raise ValueError(
                 "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path differ "
                 f"({sorted(paths)}); use one directory for both"
             )
-        self.swap_dir = SwapDir(
-            cfg.nvme_path,
-            self.rank,
-            self._needed_bytes(sharded_opt.optimizer if sharded_opt is not None else None),
-            checkpoint_marker,
-            key=f"zero_optimization.{key}.nvme_path",
-            io_threads=2,
-        )
-        pool = self.swap_dir.pool
-        order = _GatherOrder()
-        for g, name, t in self._swapped_group_tensors():
-            swap = SwappedTensor(t, self.swap_dir.file(name), pool)
-            self.group_swaps.setdefault(id(g), []).append(swap)
-            if name.startswith("param_"):
-                g.param_store = _SwappedParams(g, swap, order)
-            swap.release(dirty=True)
+        cfg, key = self._key()
+        self.swap_dir = SwapDir(cfg.nvme_path, self.rank, needed, checkpoint_marker, key=key)
+
+    def _needed_bytes(self, optimizer: torch.optim.Optimizer | None, groups: list[Any]) -> int:
+        """Swap space for ``groups``' shards and masters, and the optimizer's state."""
+        total = sum(t.numel() * t.element_size() for _, _, t in self._swapped_group_tensors(groups))
+        if self.nvme_optimizer and optimizer is not None:
+            per = _state_bytes_per_element(optimizer)
+            total += sum(per * g.step_params.numel() * 4 for g in self.groups if g.trainable)
+        return total
+
+    def attach(self, sharded_opt: Any | None, checkpoint_marker: str) -> None:
+        """Open the swap directory (checking it first), swap out what lives on disk and is
+        not out yet, and give the optimizer its bucketed step (``None``: no optimizer, as in
+        inference). After a streaming build the directory is open: the room left is checked
+        for what comes now (the optimizer state)."""
+        if not (self.nvme_optimizer or self.nvme_params):
+            return
+        optimizer = sharded_opt.optimizer if sharded_opt is not None else None
+        rest = [g for g in self.groups if id(g) not in self.group_swaps]
+        if self.swap_dir is None:
+            self._open(self._needed_bytes(optimizer, rest), checkpoint_marker)
+        else:
+            cfg, key = self._key()
+            check_nvme_path(
+                cfg.nvme_path, self._needed_bytes(optimizer, rest), checkpoint_marker, key
+            )
+        self._swap_out(rest)
         if sharded_opt is None:
             self.wait()
             return
+        cfg = self._key()[0]
         self.state = StateSwaps(sharded_opt, self.swap_dir) if self.nvme_optimizer else None
         self.stepper = BucketedStep(
             sharded_opt,
@@ -232,6 +287,21 @@ class Offload:
             if self.state is not None:
                 self.state.release_all(dirty)
             self.wait()
+
+    @contextlib.contextmanager
+    def viewable(self) -> Iterator[None]:
+        """Inside the block, tensors that are out in their files have storage of their full
+        size again, unread, so that views can be cut from them (the optimizer's pieces are
+        views of the masters, built after a streaming build wrote them out); nothing in the
+        block may read or write them. Untouched pages of a fresh allocation take no memory."""
+        out = [s for ss in self.group_swaps.values() for s in ss if s.state is SwapState.ON_DISK]
+        for s in out:
+            s.tensor.untyped_storage().resize_(s.nbytes)
+        try:
+            yield
+        finally:
+            for s in out:
+                s.tensor.untyped_storage().resize_(0)
 
     def is_swap_path(self, path: str | os.PathLike) -> bool:
         return self.swap_dir is not None and self.swap_dir.contains(path)

@@ -269,7 +269,11 @@ def build_plan(
     should_reduce_at_boundary: Callable[[], bool],
     param_init_fn: Callable[[nn.Module], None] | None = None,
     precision: PrecisionPolicy | None = None,
+    on_groups: Callable[[list[FlatParamGroup]], None] | None = None,
 ) -> ShardingPlan:
+    """The groups, reducer and (stage 3) runtime of ``model``; ``on_groups`` is handed each
+    batch of groups as soon as they are built and bound (stage 3: unit by unit, so that
+    the offload tier can write a unit out before the next is built), on every rank together."""
     zc = config.zero_optimization
     precision = precision or PrecisionPolicy()
     if zc.stage == 3:
@@ -282,6 +286,7 @@ def build_plan(
             should_reduce_every_backward,
             param_init_fn,
             precision,
+            on_groups,
         )
     replaced: dict[int, nn.Parameter] = {}
     if has_meta(model):
@@ -294,6 +299,9 @@ def build_plan(
     policy = POLICIES[zc.stage]
     groups = _bucketed_groups(trainable, comm, policy, group_numel(config, comm), device, precision)
     _broadcast_loose([*frozen, *model.buffers()], comm, precision)
+    if on_groups is not None:
+        with together(comm):
+            on_groups(groups)
     when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
     queue = ReductionQueue(max_in_flight(config, comm))
     plan = ShardingPlan(groups, GradReducer(groups, scaling, when, queue), replaced=replaced)
@@ -312,6 +320,7 @@ def _build_stage3(
     should_reduce: Callable[[], bool],
     param_init_fn: Callable[[nn.Module], None] | None,
     precision: PrecisionPolicy,
+    on_groups: Callable[[list[FlatParamGroup]], None] | None,
 ) -> ShardingPlan:
     zc = config.zero_optimization
     secondary = hpz_comm(comm, int(zc.zero_hpz_partition_size))
@@ -336,6 +345,9 @@ def _build_stage3(
             g.quantized_gather = bool(zc.zero_quantized_weights)  # ZeRO++ qwZ
             g.secondary_comm = secondary  # ZeRO++ hpZ
             g.quantized_reduce = bool(zc.zero_quantized_gradients)  # ZeRO++ qgZ
+        if on_groups is not None:  # e.g. written out before the next unit is built
+            with together(comm):
+                on_groups(groups)
         units.append(Unit(module, groups, index))
         all_groups.extend(groups)
     persistent = [replaced.get(id(p), p) for p in plan.persistent]
@@ -345,6 +357,9 @@ def _build_stage3(
     )
     frozen_small = [p for p in persistent if not p.requires_grad]
     _broadcast_loose([*frozen_small, *model.buffers()], comm, precision)
+    if on_groups is not None:
+        with together(comm):
+            on_groups(small)
     queue = ReductionQueue(max_in_flight(config, comm))  # shared: one bound for both
     runtime = Stage3Runtime(
         units,

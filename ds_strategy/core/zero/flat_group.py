@@ -146,6 +146,7 @@ class FlatParamGroup:
                 self.grad_full = torch.zeros_like(self._full)
                 self.grad_shard = self.grad_full[lo:hi]
         self.grad_seen = torch.zeros(len(params), dtype=torch.float64)
+        self.transient_grads = False  # see free_grads
         self._ready = 0
         self._launched = False
         self._accumulation_form = False  # see to_accumulation_form
@@ -317,6 +318,7 @@ class FlatParamGroup:
         self._launched = True
         held = 0  # bytes the reduction frees when it completes
         if self.policy.shard_grads:
+            self.ensure_grad_shard()
             full = self._take_bucket()
             held = _nbytes(full)
         else:
@@ -454,6 +456,7 @@ class FlatParamGroup:
         over the whole (padded) group; ``None`` makes it NaN (an overflow on some rank: the
         step is skipped)."""
         assert self.grad_shard is not None
+        self.ensure_grad_shard()
         if self._local is not None:
             self.meter.free(_nbytes(self._local))
             self._local = None
@@ -502,7 +505,10 @@ class FlatParamGroup:
         self._shard_empty = True
         self.grad_seen.zero_()
         if self.grad_shard is not None and self.policy.shard_grads:
-            self.grad_shard.zero_()
+            if self.transient_grads:
+                self._drop_grads()
+            else:
+                self.grad_shard.zero_()
         if self.grad_full is not None:
             self.grad_full.zero_()
             self._bind_grads()  # the user may have set .grad to None meanwhile
@@ -524,6 +530,7 @@ class FlatParamGroup:
         """This rank's reduced gradients in the optimizer's dtype (an fp32 copy under mixed
         precision, made once per step and dropped by ``zero_grad``)."""
         assert self.grad_shard is not None
+        self.ensure_grad_shard()
         target = self.step_params
         if self.grad_shard.dtype == target.dtype and self.grad_shard.device == target.device:
             return self.grad_shard
@@ -575,6 +582,37 @@ class FlatParamGroup:
             self.meter.free(_nbytes(self._secondary))
             self._secondary = None
 
+    # -- gradient shards that exist only during a step -----------------------------------------
+
+    def free_grads(self) -> None:
+        """[Note: gradient shards only during a step]
+        Stages 2/3 keep a gradient shard per group (4 bytes per element of this rank's shard,
+        in fp32): with parameter offload it is the one per-rank state that would still grow
+        with the model while the parameters stream to disk. Here the shard's storage is
+        freed, allocated (zeroed) when the first reduction of a step lands in it and freed
+        again by ``zero_grad``: it costs nothing while the model is built or between steps,
+        and is counted by the meter as a transient buffer while it exists."""
+        assert self.policy.shard_grads and self.grad_shard is not None
+        self._drop_grads()  # (never counted as transient: built before the meter's first count)
+        self.transient_grads = True
+
+    def ensure_grad_shard(self) -> torch.Tensor:
+        """The gradient shard, allocated and zeroed first if :meth:`free_grads` dropped it."""
+        assert self.grad_shard is not None
+        storage = self.grad_shard.untyped_storage()
+        if storage.nbytes() == 0 and self.grad_shard.numel() > 0:
+            storage.resize_(_nbytes(self.grad_shard))
+            self.grad_shard.zero_()
+            self.meter.alloc(_nbytes(self.grad_shard))
+        return self.grad_shard
+
+    def _drop_grads(self) -> None:
+        assert self.grad_shard is not None
+        storage = self.grad_shard.untyped_storage()
+        if storage.nbytes() > 0 and self.transient_grads:
+            self.meter.free(storage.nbytes())
+        storage.resize_(0)
+
     def resident_bytes(self) -> dict[str, int]:
         param = self._full_nbytes if not self.policy.shard_params else 0
         if self.policy.shard_params:
@@ -584,7 +622,7 @@ class FlatParamGroup:
         grad = 0
         if self.grad_full is not None:
             grad = self.grad_full.untyped_storage().nbytes()
-        elif self.grad_shard is not None:
+        elif self.grad_shard is not None and not self.transient_grads:  # else: the meter's
             grad = self.grad_shard.untyped_storage().nbytes()
         return {"params": param, "grads": grad}
 
