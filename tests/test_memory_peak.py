@@ -247,9 +247,13 @@ def extras_worker(rank: int, world: int, nvme_path: str) -> dict:
         }
     }
     ac = {"activation_checkpointing": {"enabled": True}}
+    nvme_path = nvme["zero_optimization"]["offload_optimizer"]["nvme_path"]
+    params = {"device": "nvme", "nvme_path": nvme_path, "buffer_size": NVME_BUFFER}
+    everything = _merge(nvme, {"zero_optimization": {"offload_param": params}})
     return {
         "sizes": sizes,
         "nvme": measure(2, "fp32", 1, data, sizes, nvme),
+        "nvme3": measure(3, "fp32", 2, data, sizes, everything),
         "ac2": measure(2, "fp32", 2, data, sizes, ac),
         "ac3": measure(3, "bf16", 1, data, sizes, ac),
         "activations": {p: _block_activations(p) for p in ("fp32", "bf16")},
@@ -281,6 +285,21 @@ def test_nvme_optimizer_offload_keeps_the_bound(extras: list[dict]) -> None:
         allowed = bound(2, "fp32", r["sizes"], 2)
         allowed["in_step"] += NVME_COUNT * NVME_BUFFER * 8  # two fp32 moments per element
         _check(r, "nvme", f, allowed)
+
+
+def test_the_peak_counts_what_comes_back_from_nvme(extras: list[dict]) -> None:
+    """Stage 3 with parameters and optimizer state in files: the shards read back for a
+    gather, the step's buckets of masters and moments and the gradient shards that exist
+    only during a step are all in the engine's peak, which agrees with the worst live
+    reading; and at rest the rank holds almost nothing."""
+    for r in extras:
+        got = r["nvme3"]
+        live = max(got["readings"].values())
+        assert abs(got["peak"] - live) <= 0.05 * live, (got["peak"], live, got["readings"])
+        psi = r["sizes"]["psi"]
+        assert got["readings"]["after_step"] <= 4 * r["sizes"]["persistent"] + SLACK
+        # the step really brought state back: more than the gradient shard alone
+        assert got["readings"]["in_step"] > 4 * psi / 2, got["readings"]
 
 
 def test_activation_checkpointing_keeps_the_bound(extras: list[dict]) -> None:

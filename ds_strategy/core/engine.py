@@ -191,6 +191,8 @@ class ZeroEngine(nn.Module):
         self.plan.replaced.update(_replaced or {})
         self._link_zero_plus_plus()
         meter = self.plan.meter  # scratch of the composed collectives: in the peak
+        if self._offload is not None:  # what comes back from NVMe: in the peak too
+            self._offload.set_meter(meter)
         self.comm.on_scratch = lambda n: meter.alloc(n) if n > 0 else meter.free(-n)
         with together(self.comm):
             self.trainable = any(p.requires_grad for p in model.parameters())

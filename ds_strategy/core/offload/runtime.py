@@ -112,6 +112,7 @@ class Offload:
         self._writing: list[SwappedTensor] = []  # the latest groups' writes (streaming build)
         self.state: StateSwaps | None = None
         self.stepper: BucketedStep | None = None
+        self.meter: Any = None  # see set_meter
         self.adopt(groups)
 
     @staticmethod
@@ -193,6 +194,7 @@ class Offload:
         self._writing = []
         for g, name, t in self._swapped_group_tensors(groups):
             swap = SwappedTensor(t, self.swap_dir.file(name), self.swap_dir.pool)
+            swap.meter = self.meter
             self.group_swaps.setdefault(id(g), []).append(swap)
             if name.startswith("param_"):
                 g.param_store = _SwappedParams(g, swap, self._order)
@@ -248,6 +250,8 @@ class Offload:
             return
         cfg = self._key()[0]
         self.state = StateSwaps(sharded_opt, self.swap_dir) if self.nvme_optimizer else None
+        if self.state is not None:
+            self.state.meter = self.meter
         self.stepper = BucketedStep(
             sharded_opt,
             self.state,
@@ -287,6 +291,18 @@ class Offload:
             if self.state is not None:
                 self.state.release_all(dirty)
             self.wait()
+
+    def set_meter(self, meter: Any) -> None:
+        """Count swapped bytes in ``meter`` (``alloc``/``free``) whenever they are back in
+        memory: a shard read for its gather, a bucket of the step, a checkpoint's state."""
+        self.meter = meter
+        for swaps in self.group_swaps.values():
+            for s in swaps:
+                s.meter = meter
+        if self.state is not None:
+            self.state.meter = meter
+            for s in self.state.all():
+                s.meter = meter
 
     @contextlib.contextmanager
     def viewable(self) -> Iterator[None]:

@@ -38,6 +38,7 @@ class StateSwaps:
         self.pieces = sharded_opt.pieces
         self.swap_dir = swap_dir
         self.swaps: dict[int, dict[str, SwappedTensor]] = {}
+        self.meter: Any = None  # the engine's meter (Offload.set_meter)
 
     def _per_element(self, i: int) -> dict[str, torch.Tensor]:
         t = self.pieces[i].tensor
@@ -70,6 +71,9 @@ class StateSwaps:
                     s = mine[k] = SwappedTensor(
                         v, self.swap_dir.file(f"state_{i}_{name}"), self.swap_dir.pool
                     )
+                    s.meter = self.meter
+                    if self.meter is not None:  # made by the optimizer just now: count it
+                        self.meter.touch(s.nbytes)
                 s.release(dirty)
                 out.append(s)
         return out

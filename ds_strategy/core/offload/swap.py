@@ -21,6 +21,7 @@ import tempfile
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,6 +69,10 @@ class SwappedTensor:
         self.holds = 1  # the creator is using it
         self.dirty = True  # the file (if any) is older than the tensor
         self._future: Future | None = None
+        # where the bytes are counted while they are back in memory (the engine's meter:
+        # its peak then includes what a step or a gather read in); see ``_metered``
+        self.meter: Any = None
+        self._counted = False
 
     # -- worker side --------------------------------------------------------------------------
 
@@ -94,6 +99,7 @@ class SwappedTensor:
         if self.state is SwapState.WRITING:
             self.state = SwapState.ON_DISK
             self.dirty = False
+            self._metered(False)
         elif self.state is SwapState.READING:
             self.state = SwapState.RESIDENT
 
@@ -105,6 +111,7 @@ class SwappedTensor:
         if self.state is not SwapState.ON_DISK:
             return
         self.tensor.untyped_storage().resize_(self.nbytes)
+        self._metered(True)
         if read:
             self.state = SwapState.READING
             self._future = self._pool.submit(self._read)
@@ -135,6 +142,18 @@ class SwappedTensor:
         else:  # the file already holds these bytes
             self.tensor.untyped_storage().resize_(0)
             self.state = SwapState.ON_DISK
+            self._metered(False)
+
+    def _metered(self, held: bool) -> None:
+        """Count the bytes in (``held``) or out of the meter, once each way; a tensor that
+        came in resident was never counted here (it was model state when it was made)."""
+        if self.meter is None or held == self._counted:
+            return
+        if held:
+            self.meter.alloc(self.nbytes)
+        else:
+            self.meter.free(self.nbytes)
+        self._counted = held
 
     @property
     def resident(self) -> bool:
