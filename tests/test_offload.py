@@ -209,6 +209,34 @@ def test_too_small_nvme_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert os.listdir(tmp_path) == []
 
 
+def test_a_streaming_build_checks_the_room_for_everything_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With parameters and Adam's state on NVMe, a disk with room for the parameter shards but
+    not for the moments fails before the first unit is built: no file was written."""
+    numel = sum(p.numel() for p in ToyLM().parameters())
+    trainable = sum(p.numel() for p in ToyLM().parameters() if p.requires_grad)
+    real = swap_mod.shutil.disk_usage
+    free = 4 * numel + 8 * trainable - 1  # one byte short of shards and both moments
+    monkeypatch.setattr(swap_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=free))
+    built: list[str] = []
+
+    def init(module: torch.nn.Module) -> None:
+        built.append(type(module).__name__)
+
+    with torch.device("meta"):
+        model = ToyLM()
+    with pytest.raises(OSError, match=rf"has {free:,} bytes free but this run needs"):
+        ds_strategy.initialize(
+            model,
+            lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+            _config(3, "nvme", "nvme", str(tmp_path)),
+            param_init_fn=init,
+        )
+    assert built == []  # refused before any unit was materialised
+    assert os.listdir(tmp_path) == []
+
+
 def test_unwritable_nvme_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)

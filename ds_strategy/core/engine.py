@@ -170,8 +170,13 @@ class ZeroEngine(nn.Module):
         with together(self.comm):  # the offload tier takes the groups as they are built
             self._offload = Offload.build(self.config, [], self.comm.rank)
             if self._offload is not None and self._offload.streams_build:
-                shard_bytes = _shard_bytes(model, self.shard_comm.world_size, self.precision)
-                self._offload.open_for_build(shard_bytes, META_FILE)
+                shards = self.shard_comm.world_size
+                self._offload.open_for_build(
+                    _shard_bytes(model, shards, self.precision),
+                    -(-sum(p.numel() for p in model.parameters() if p.requires_grad) // shards),
+                    optimizer,
+                    META_FILE,
+                )
         self.plan: ShardingPlan = build_plan(
             model,
             self.shard_comm,
@@ -938,7 +943,7 @@ def _tensor_parallel_size(
 def _shard_bytes(model: nn.Module, shards: int, precision: PrecisionPolicy) -> int:
     """This rank's bytes of ZeRO-3 parameter shards and fp32 masters: what a streaming build
     writes to the swap directory (the parameters' shapes are known on the meta device)."""
-    params = list({id(p): p for p in model.parameters()}.values())
+    params = list(model.parameters())  # a tied weight once
     elem = torch.empty((), dtype=precision.param_dtype).element_size()
     total = -(-sum(p.numel() for p in params) // shards) * elem
     if precision.master_weights and precision.param_dtype != torch.float32:

@@ -168,10 +168,21 @@ class Offload:
         (``FlatParamGroup.free_grads``)."""
         return self.nvme_params
 
-    def open_for_build(self, shard_bytes: int, checkpoint_marker: str) -> None:
+    def open_for_build(
+        self, shard_bytes: int, trainable_numel: int, optimizer: Any, checkpoint_marker: str
+    ) -> None:
         """Open the swap directory before the model is built, checking there is room for its
-        ``shard_bytes`` of parameter shards and masters (the optimizer state's room is
-        checked again by :meth:`attach`)."""
+        ``shard_bytes`` of parameter shards and masters and, with the optimizer offloaded,
+        for the state of this rank's ``trainable_numel`` elements: the optimizer's own count
+        when it is built (Adam's two moments when it is a callable; :meth:`attach` checks the
+        exact figure again), so a disk too small fails before gigabytes are written."""
+        if self.nvme_optimizer:
+            per = (
+                _state_bytes_per_element(optimizer)
+                if isinstance(optimizer, torch.optim.Optimizer)
+                else 2
+            )
+            shard_bytes += per * 4 * trainable_numel
         self._open(shard_bytes, checkpoint_marker)
 
     def _swapped_group_tensors(
