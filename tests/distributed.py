@@ -8,66 +8,16 @@ back to the test with its rank and traceback.
 
 from __future__ import annotations
 
-import datetime
-import io
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import signal
 import subprocess
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tests.pool import WorkerError, active, free_port
+from tests.pool import RankPool, WorkerError, active, free_port
 
 __all__ = ["WorkerError", "free_port", "run_command", "run_ranks", "run_ranks_each"]
-
-
-def _entry(
-    fn: Callable[..., Any],
-    rank: int,
-    world: int,
-    port: int,
-    pg_timeout: float,
-    args: tuple,
-    queue: Any,
-) -> None:
-    import faulthandler
-    import signal
-
-    import torch
-    import torch.distributed as dist
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on timeout, see run_ranks
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout)
-        )
-        result = fn(rank, world, *args)
-        # Plain bytes: a tensor put on a queue travels as a shared-memory handle that dies
-        # with this process, which may exit before the parent has read it.
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException as e:  # noqa: BLE001 - report anything to the parent
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, name: str) -> str:
@@ -119,51 +69,13 @@ def run_ranks(
 def _spawn(
     fn: Callable[..., Any], world: int, args: tuple, timeout: float, pg_timeout: float
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, pg_timeout, args, queue), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
+    """New ranks for this call alone: a pool of its own, closed afterwards (its processes
+    start now, with the caller's environment as it is)."""
+    pool = RankPool(world)
     try:
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-        while len(results) + len(errors) < world:
-            left = (deadline - datetime.datetime.now()).total_seconds()
-            if left <= 0:
-                for p in procs:  # print every stuck rank's Python stacks before killing it
-                    if p.is_alive() and p.pid is not None:
-                        os.kill(p.pid, signal.SIGUSR1)
-                time.sleep(1)
-                codes = {r: p.exitcode for r, p in enumerate(procs)}
-                raise TimeoutError(
-                    f"ranks did not finish within {timeout}s (done: {sorted(results)}, exit codes: {codes})"
-                )
-            try:
-                rank, status, payload = queue.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:  # check whether a rank died without reporting
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and queue.empty():
-                    raise WorkerError(f"rank(s) {dead} died without a report") from None
-                continue
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"rank {rank}: {payload}")
-                break
-        if errors:
-            raise WorkerError(errors[0])
-        return [results[r] for r in range(world)]
+        return pool.run(fn, args, timeout, pg_timeout)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        pool.close()
 
 
 def _each(rank: int, world: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:

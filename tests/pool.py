@@ -17,9 +17,10 @@ invalidated, so a warning shows as it would in a new process), and any function 
 put back; Accelerate's singletons and torch's DTensor caches (which hold an earlier test's
 device mesh) are cleared. What cannot be put back makes the pool start again for the next
 test: a rank that raised while another did not finish, a rank that died (``os._exit``, a
-signal), a timeout, or a thread the test left running. A test that needs what only a new process has (an environment
-variable read at start-up, such as glibc's ``MALLOC_*``, or a peak RSS from a clean heap) says
-so: ``run_ranks(..., fresh=True)``, and is marked ``launcher``. At the end of a run pytest
+signal), a timeout, or a thread the test left running. A test that needs what only a new
+process has (an environment variable read at start-up, such as glibc's ``MALLOC_*``, or a peak
+RSS from a clean heap) says so: ``run_ranks(..., fresh=True)`` runs it on a pool of its own,
+started for that call, and the test is marked ``launcher``. At the end of a run pytest
 prints how often each pool's ranks were started and after which tests.
 
 [Note: failures]
@@ -93,15 +94,12 @@ def _module_functions() -> dict[tuple[str, str], Any]:
     return out
 
 
-def _restore_functions(before: dict[tuple[str, str], Any]) -> list[str]:
-    """Put back every function a test replaced; return their names."""
-    restored = []
+def _restore_functions(before: dict[tuple[str, str], Any]) -> None:
+    """Put back every function a test replaced."""
     for (name, attr), value in before.items():
         module = sys.modules.get(name)
         if module is not None and module.__dict__.get(attr, value) is not value:
             setattr(module, attr, value)
-            restored.append(f"{name}.{attr}")
-    return restored
 
 
 class _Baseline:
