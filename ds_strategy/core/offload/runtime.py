@@ -96,6 +96,64 @@ class _SwappedParams:
             self.swap.release(dirty=False)
 
 
+class _SwappedGrads:
+    """``GradStore`` of a group whose gradient shard lives in a file between reductions.
+
+    [Note: gradient shards in files]
+    With the optimizer state on NVMe (stages 2/3, host memory), a rank's gradient shard, 4
+    bytes per element of its shard in fp32, would be the last per-rank state still growing
+    with the model. Each group's shard is therefore in memory only while a reduction lands in
+    it or the optimizer steps over it:
+
+    - the first reduction of a step writes into a zeroed shard, the later ones (gradient
+      accumulation) read the sum so far back (started when the reduction is launched) and add
+      to it; either way the shard is written behind as soon as the reduction has landed, and
+      its squared norm (the same fp32 pass as without offload) is kept;
+    - the global norm sums those kept norms, so clipping and the overflow check read nothing;
+    - unscaling and clipping factors wait on the group (``FlatParamGroup.scale_grads_by``)
+      and are applied when the bucketed step reads the shard in, the same multiplications as
+      without offload, so the weights are the same bit for bit;
+    - the step frees each group's gradients after its last bucket (``release_step_grads``).
+
+    Writes are behind: one group's write may run while the next group's reduction lands;
+    putting a group away waits for the write before it, so at most two shards are in memory.
+    A shard read back for anything else (a checkpoint of gradients, MiCS, a compressed
+    exchange) stays in memory until the step: correct, only not bounded."""
+
+    def __init__(self, swap: SwappedTensor, writes: list[SwappedTensor]) -> None:
+        self.swap = swap
+        self.writes = writes  # shared by the groups of one engine: the write in flight
+        self.held = False
+        self.has_data = False  # the file holds this step's sum so far
+        self.sq = torch.zeros((), dtype=torch.float64)
+
+    def fill(self) -> torch.Tensor:
+        if not self.held:
+            self.swap.acquire(read=self.has_data)
+            if not self.has_data:
+                self.swap.tensor.zero_()
+            self.held = True
+        return self.swap.tensor
+
+    def prefetch(self) -> None:
+        if not self.held and self.has_data:
+            self.swap.prefetch()
+
+    def put_away(self, sq: torch.Tensor) -> None:
+        assert self.held
+        self.sq = sq
+        self.held, self.has_data = False, True
+        for w in self.writes:
+            w.wait()
+        self.writes[:] = [self.swap]
+        self.swap.release(dirty=True)
+
+    def discard(self) -> None:
+        self.swap.drop()
+        self.held = self.has_data = False
+        self.sq = torch.zeros((), dtype=torch.float64)
+
+
 class Offload:
     """The offload tiers of one engine. ``place`` runs before the optimizer is built over the
     shards, ``attach`` after; ``None`` from :meth:`build` when nothing is offloaded."""
@@ -108,6 +166,8 @@ class Offload:
         self.rank = rank
         self.swap_dir: SwapDir | None = None
         self.group_swaps: dict[int, list[SwappedTensor]] = {}
+        self.grad_swaps: list[SwappedTensor] = []  # see [Note: gradient shards in files]
+        self._grad_writes: list[SwappedTensor] = []
         self._order = _GatherOrder()
         self._writing: list[SwappedTensor] = []  # the latest groups' writes (streaming build)
         self.state: StateSwaps | None = None
@@ -173,7 +233,7 @@ class Offload:
     ) -> None:
         """Open the swap directory before the model is built, checking there is room for its
         ``shard_bytes`` of parameter shards and masters and, with the optimizer offloaded,
-        for the state of this rank's ``trainable_numel`` elements: the optimizer's own count
+        for the state and gradients of this rank's ``trainable_numel`` elements: the optimizer's own count
         when it is built (Adam's two moments when it is a callable; :meth:`attach` checks the
         exact figure again), so a disk too small fails before gigabytes are written."""
         if self.nvme_optimizer:
@@ -182,7 +242,7 @@ class Offload:
                 if isinstance(optimizer, torch.optim.Optimizer)
                 else 2
             )
-            shard_bytes += per * 4 * trainable_numel
+            shard_bytes += (per + 1) * 4 * trainable_numel  # the state, and gradients (<= fp32)
         self._open(shard_bytes, checkpoint_marker)
 
     def _swapped_group_tensors(
@@ -211,10 +271,33 @@ class Offload:
                 g.param_store = _SwappedParams(g, swap, self._order)
             swap.release(dirty=True)
             self._writing.append(swap)
-        if self.nvme_params:
-            for g in groups:
-                if g.trainable and g.policy.shard_grads and not g.transient_grads:
-                    g.free_grads()
+        for g in groups:
+            if not (g.trainable and g.policy.shard_grads):
+                continue
+            if self._swaps_grads(g):
+                g.free_grads()
+                swap = SwappedTensor(
+                    g.grad_shard,
+                    self.swap_dir.file(f"grad_{self._index[id(g)]}"),
+                    self.swap_dir.pool,
+                )
+                swap.drop()  # nothing to write: it starts empty
+                swap.meter = self.meter
+                self.grad_swaps.append(swap)
+                g.grad_store = _SwappedGrads(swap, self._grad_writes)
+            elif self.nvme_params and not g.transient_grads:
+                g.free_grads()
+
+    def _swaps_grads(self, g: FlatParamGroup) -> bool:
+        """Gradient shards go to files with the optimizer state on NVMe, for groups whose
+        shard is in host memory (a GPU's stays on the device)."""
+        return (
+            self.nvme_optimizer
+            and g.trainable
+            and g.policy.shard_grads
+            and g.device.type == "cpu"
+            and g.grad_store is None
+        )
 
     def _key(self) -> tuple[Any, str]:
         if self.nvme_optimizer:
@@ -232,8 +315,14 @@ class Offload:
         self.swap_dir = SwapDir(cfg.nvme_path, self.rank, needed, checkpoint_marker, key=key)
 
     def _needed_bytes(self, optimizer: torch.optim.Optimizer | None, groups: list[Any]) -> int:
-        """Swap space for ``groups``' shards and masters, and the optimizer's state."""
+        """Swap space for ``groups``' shards, masters and gradients, and the optimizer's
+        state."""
         total = sum(t.numel() * t.element_size() for _, _, t in self._swapped_group_tensors(groups))
+        total += sum(
+            g.grad_shard.numel() * g.grad_shard.element_size()
+            for g in groups
+            if self._swaps_grads(g)
+        )
         if self.nvme_optimizer and optimizer is not None:
             per = _state_bytes_per_element(optimizer)
             total += sum(per * g.step_params.numel() * 4 for g in self.groups if g.trainable)
@@ -274,7 +363,7 @@ class Offload:
         self.wait()
 
     def wait(self) -> None:
-        for swaps in self.group_swaps.values():
+        for swaps in [*self.group_swaps.values(), self.grad_swaps]:
             for s in swaps:
                 s.wait()
         if self.state is not None:
@@ -307,7 +396,7 @@ class Offload:
         """Count swapped bytes in ``meter`` (``alloc``/``free``) whenever they are back in
         memory: a shard read for its gather, a bucket of the step, a checkpoint's state."""
         self.meter = meter
-        for swaps in self.group_swaps.values():
+        for swaps in [*self.group_swaps.values(), self.grad_swaps]:
             for s in swaps:
                 s.meter = meter
         if self.state is not None:

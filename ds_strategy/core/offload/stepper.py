@@ -127,6 +127,8 @@ class BucketedStep:
         for g in self._groups(bucket):
             for s in self.group_swaps.get(id(g), []):
                 s.prefetch()
+            if g.grad_store is not None:
+                g.grad_store.prefetch()
         if self.state is not None:
             self.state.prefetch(bucket)
 
@@ -174,6 +176,7 @@ class BucketedStep:
             written = self.state.release(bucket, dirty=True) if self.state is not None else []
             for g in groups:
                 if last_use[id(g)] == b:
+                    g.release_step_grads()  # (gradient shards in files: see runtime.py)
                     g.sync_from_master()
                     for s in self.group_swaps.get(id(g), []):
                         s.release(dirty=True)

@@ -144,6 +144,18 @@ class SwappedTensor:
             self.state = SwapState.ON_DISK
             self._metered(False)
 
+    def drop(self) -> None:
+        """Forget the bytes: wait for any read or write, free the storage without writing it,
+        and take every user's hold; the file is stale from now on, so the next user brings
+        the tensor in with ``acquire(read=False)`` and overwrites it."""
+        self.wait()
+        if self.state is SwapState.RESIDENT:
+            self.tensor.untyped_storage().resize_(0)
+            self.state = SwapState.ON_DISK
+            self._metered(False)
+        self.holds = 0
+        self.dirty = True
+
     def _metered(self, held: bool) -> None:
         """Count the bytes in (``held``) or out of the meter, once each way; a tensor that
         came in resident was never counted here (it was model state when it was made)."""

@@ -55,6 +55,22 @@ class ParamStore(Protocol):
     def after_gather(self) -> None: ...
 
 
+class GradStore(Protocol):
+    """Where a group's gradient shard lives between reductions (``core/offload``, NVMe
+    optimizer offload): see [Note: gradient shards in files]."""
+
+    held: bool  # the shard is in memory, in use
+    sq: torch.Tensor  # float64 squared norm of the shard as last put away (0 while empty)
+
+    def fill(self) -> torch.Tensor: ...
+
+    def prefetch(self) -> None: ...
+
+    def put_away(self, sq: torch.Tensor) -> None: ...
+
+    def discard(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class GroupPolicy:
     shard_optimizer: bool  # stage >= 1: the optimizer sees only this rank's slice
@@ -135,6 +151,9 @@ class FlatParamGroup:
         self._staging: torch.Tensor | None = None
         # stage 3 with parameter offload: where the shard lives between gathers (core/offload)
         self.param_store: ParamStore | None = None
+        # NVMe optimizer offload (stages 2/3): where the gradient shard lives between uses
+        self.grad_store: GradStore | None = None
+        self._pending_scale: list[float] = []  # see scale_grads_by
         self._step_grad: torch.Tensor | None = None
         # gradients
         self.grad_full: torch.Tensor | None = None
@@ -318,7 +337,8 @@ class FlatParamGroup:
         self._launched = True
         held = 0  # bytes the reduction frees when it completes
         if self.policy.shard_grads:
-            self.ensure_grad_shard()
+            if self.grad_store is None:
+                self.ensure_grad_shard()
             full = self._take_bucket()
             held = _nbytes(full)
         else:
@@ -343,8 +363,10 @@ class FlatParamGroup:
         if self.policy.shard_grads and self._shard_empty and send.dtype == self.grad_shard.dtype:
             # the first reduction since zero_grad writes straight into the gradient shard
             self._shard_empty = False
-            out, fold = self.grad_shard, Fold.IN_PLACE
+            out, fold = self.ensure_grad_shard(), Fold.IN_PLACE
         else:
+            if self.grad_store is not None:  # the earlier micro-steps' sum, read meanwhile
+                self.grad_store.prefetch()
             out = torch.empty(self.shard.numel(), dtype=rdt, device=self.device)
             self.meter.alloc(_nbytes(out))
             held += _nbytes(out)
@@ -357,11 +379,18 @@ class FlatParamGroup:
         held += work.scratch_nbytes
         return Reduction(self, work, send, out, self.grad_shard, fold, scaling.post, held)
 
+    def before_fold(self) -> None:
+        """A reduction of this group is about to land in the gradient shard."""
+        if self.grad_store is not None:
+            self.ensure_grad_shard()
+
     def reduction_done(self, reduction: Reduction) -> None:
         """A reduction of this group completed (``Reduction.complete``)."""
         self.meter.free(reduction.held)
         if reduction.fold is Fold.REPLACE:  # the slice holds the averaged result now
             self._accumulation_form = False
+        if self.grad_store is not None and self.grad_store.held:
+            self.grad_store.put_away(self._sq_norm(self.ensure_grad_shard()))
 
     def _bucket_view(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s slot in the full-size gradient bucket (allocated on first
@@ -498,9 +527,8 @@ class FlatParamGroup:
             self._accumulation_form = False
 
     def zero_grad(self) -> None:
-        if self._step_grad is not None:
-            self.meter.free(_nbytes(self._step_grad))
-            self._step_grad = None
+        self._drop_step_grad()
+        self._pending_scale.clear()
         self._accumulation_form = False
         self._shard_empty = True
         self.grad_seen.zero_()
@@ -528,16 +556,58 @@ class FlatParamGroup:
 
     def step_grad(self) -> torch.Tensor:
         """This rank's reduced gradients in the optimizer's dtype (an fp32 copy under mixed
-        precision, made once per step and dropped by ``zero_grad``)."""
-        assert self.grad_shard is not None
-        self.ensure_grad_shard()
+        precision, made once per step and dropped by ``zero_grad``), scaled by any factor
+        :meth:`scale_grads_by` deferred."""
+        grad = self.ensure_grad_shard()
         target = self.step_params
-        if self.grad_shard.dtype == target.dtype and self.grad_shard.device == target.device:
-            return self.grad_shard
-        if self._step_grad is None:  # (offload on a GPU: the copy lands in host memory)
-            self._step_grad = self.grad_shard.to(device=target.device, dtype=target.dtype)
-            self.meter.alloc(_nbytes(self._step_grad))
-        return self._step_grad
+        if grad.dtype == target.dtype and grad.device == target.device:
+            out = grad
+        else:
+            if self._step_grad is None:  # (offload on a GPU: the copy lands in host memory)
+                self._step_grad = grad.to(device=target.device, dtype=target.dtype)
+                self.meter.alloc(_nbytes(self._step_grad))
+            out = self._step_grad
+        for factor in self._pending_scale:
+            out.mul_(factor)
+        self._pending_scale.clear()
+        return out
+
+    def scale_grads_by(self, factor: float) -> None:
+        """Multiply the step's gradients by ``factor`` (unscaling, clipping). A gradient shard
+        out in its file is not read for it: the factor is applied when the optimizer step
+        brings the shard in (:meth:`step_grad`), the same multiplications in the same order."""
+        if self.grad_store is not None and self._step_grad is None and not self.grad_store.held:
+            self._pending_scale.append(factor)
+        else:
+            self.step_grad().mul_(factor)
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """The squared L2 norm of :meth:`step_grad` (float64, summed over fp32 partial norms);
+        a gradient shard out in its file gives the norm taken as it was put away."""
+        if self.grad_store is not None and self._step_grad is None and not self.grad_store.held:
+            assert not self._pending_scale, "the norm is taken before scaling"
+            return self.grad_store.sq
+        return _sq_norm_of(self.step_grad())
+
+    def _sq_norm(self, grad: torch.Tensor) -> torch.Tensor:
+        """What :meth:`grad_sq_norm` returns for ``grad``, this group's gradient shard, without
+        keeping a copy: the values :meth:`step_grad` would hold, normed the same way."""
+        target = self.step_params
+        if grad.dtype != target.dtype or grad.device != target.device:
+            grad = grad.to(device=target.device, dtype=target.dtype)
+        return _sq_norm_of(grad)
+
+    def release_step_grads(self) -> None:
+        """The optimizer step is done with this group's gradients (NVMe optimizer offload):
+        free them now rather than at ``zero_grad``, so a step holds one group's at a time."""
+        if self.grad_store is not None:
+            self._drop_step_grad()
+            self.grad_store.discard()
+
+    def _drop_step_grad(self) -> None:
+        if self._step_grad is not None:
+            self.meter.free(_nbytes(self._step_grad))
+            self._step_grad = None
 
     def sync_from_master(self) -> None:
         """After the optimizer step (or a load): the compute-dtype shard from the master."""
@@ -597,8 +667,11 @@ class FlatParamGroup:
         self.transient_grads = True
 
     def ensure_grad_shard(self) -> torch.Tensor:
-        """The gradient shard, allocated and zeroed first if :meth:`free_grads` dropped it."""
+        """The gradient shard, allocated and zeroed first if :meth:`free_grads` dropped it (or
+        read back from its file, with a :attr:`grad_store`)."""
         assert self.grad_shard is not None
+        if self.grad_store is not None:
+            return self.grad_store.fill()
         storage = self.grad_shard.untyped_storage()
         if storage.nbytes() == 0 and self.grad_shard.numel() > 0:
             storage.resize_(_nbytes(self.grad_shard))
@@ -608,6 +681,9 @@ class FlatParamGroup:
 
     def _drop_grads(self) -> None:
         assert self.grad_shard is not None
+        if self.grad_store is not None:
+            self.grad_store.discard()
+            return
         storage = self.grad_shard.untyped_storage()
         if storage.nbytes() > 0 and self.transient_grads:
             self.meter.free(storage.nbytes())
@@ -625,6 +701,10 @@ class FlatParamGroup:
         elif self.grad_shard is not None and not self.transient_grads:  # else: the meter's
             grad = self.grad_shard.untyped_storage().nbytes()
         return {"params": param, "grads": grad}
+
+
+def _sq_norm_of(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
 
 
 def _nbytes(t: torch.Tensor) -> int:

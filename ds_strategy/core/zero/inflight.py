@@ -60,6 +60,7 @@ class Reduction:
 
     def complete(self) -> None:
         self.work.wait()
+        self.group.before_fold()
         if self.fold is Fold.ADD:
             self.dest.add_(self.out, alpha=self.post)  # type: ignore[arg-type]
         else:

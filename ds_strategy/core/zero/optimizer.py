@@ -209,8 +209,9 @@ class ShardedOptimizer:
         sq = torch.zeros(1, dtype=torch.float64)
         if self.tp_norm is None:
             for g in self.groups:
-                # one fused pass per group; squares summed in float64 across groups
-                sq += torch.linalg.vector_norm(g.step_grad(), dtype=torch.float32).double().square()
+                # one fused pass per group (taken as it was put away, for a gradient shard in
+                # its file); squares summed in float64 across groups
+                sq += g.grad_sq_norm()
         else:
             # Under tensor parallelism a split parameter's parts live on the tensor-parallel
             # ranks (their squares are summed over them) while a replicated one is the same on
@@ -251,7 +252,7 @@ class ShardedOptimizer:
             factor *= min(coef, 1.0)
         if factor != 1.0:
             for g in self.groups:
-                g.step_grad().mul_(factor)
+                g.scale_grads_by(factor)
 
     def step(self) -> None:
         if self.stepper is not None:
