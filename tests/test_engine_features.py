@@ -224,12 +224,14 @@ def test_optimizer_built_from_config_section(loop_results: dict) -> None:
 
 def knobs_worker(rank: int, world: int) -> dict:
     out = {}
+    block = sum(p.numel() for p in ToyLM(d=32).blocks[0].parameters() if p.numel() >= 100)
     for name, zc in {
         "default": {},
         "tight": {"stage3_max_live_parameters": 1, "stage3_prefetch_bucket_size": 1},
+        "one_ahead": {"stage3_prefetch_bucket_size": block},
     }.items():
         torch.manual_seed(0)
-        model = ToyLM(n_blocks=4, d=32)
+        model = ToyLM(n_blocks=8, d=32)
         engine = ds_strategy.initialize(
             model,
             _sgd,
@@ -243,6 +245,8 @@ def knobs_worker(rank: int, world: int) -> dict:
             "peak": engine.memory_report()["peak_gathered_params"],
             "sizes": {n: p.numel() for n, p in model.named_parameters()},
             "bound": 4 * (units[-1].numel + 2 * max(u.numel for u in units[:-1])),
+            "ahead_bound": 4 * (units[-1].numel + 3 * max(u.numel for u in units[:-1])),
+            "all": 4 * sum(u.numel for u in units),
         }
     return out
 
@@ -255,6 +259,10 @@ def test_persistence_threshold_and_live_parameter_bound() -> None:
     # with no room to prefetch, only the root and the blocks in use are gathered at once
     assert r["tight"]["peak"] <= r["tight"]["bound"]
     assert r["tight"]["peak"] < r["default"]["peak"]
+    # a prefetch bucket of one block keeps about one block gathered ahead of the one running
+    # (plus the root and, in backward, the block just done), not a bucket more at each unit
+    one = r["one_ahead"]
+    assert one["peak"] <= one["ahead_bound"] < one["all"] / 2, one
 
 
 # -- process groups ----------------------------------------------------------------------------------

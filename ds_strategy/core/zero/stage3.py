@@ -334,12 +334,20 @@ class Stage3Runtime:
             self.live_numel -= unit.numel
 
     def _prefetch(self, indices: range) -> None:
+        """Gather the units coming next (``indices`` of the recorded order) until
+        ``stage3_prefetch_bucket_size`` elements are ahead of the one running: units a
+        previous call already prefetched count against it, so the units gathered ahead stay
+        about one bucket whatever the depth of the model (else each call would add a bucket
+        and the gathered parameters grow up to ``stage3_max_live_parameters``)."""
         budget = self.prefetch_numel
         for i in indices:
             unit = self._order[i]
-            if unit is self.root or unit.gathered:
+            if unit is self.root:
                 continue
-            if budget <= 0 or self.live_numel + unit.numel > self.max_live_numel:
+            if budget <= 0:
                 return
-            self._gather(unit, wait=False)
+            if not unit.gathered:
+                if self.live_numel + unit.numel > self.max_live_numel:
+                    return
+                self._gather(unit, wait=False)
             budget -= unit.numel
