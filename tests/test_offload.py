@@ -482,3 +482,131 @@ def test_gradient_shards_in_files_train_bit_for_bit_like_no_offload(tmp_path: Pa
             grads = [f for f in got["files"] if f.startswith("grad_")]
             assert len(grads) == int(trainable), got["files"]
     assert os.listdir(tmp_path) == []
+
+
+# -- checkpoints that stream through the swap files ---------------------------------------------
+
+
+def streamed_checkpoint_worker(rank: int, world: int, tmp: str) -> dict:
+    """Stage 3, parameters, fp32 masters and Adam's moments all in files (bf16): the host bytes
+    of live tensors each time a piece is read from or written to a swap file during a save
+    and a load, against the state on disk; and the resumed run against the uninterrupted."""
+    from ds_strategy.core.memory import live_tensor_bytes
+    from ds_strategy.core.offload.streaming import SwapFiles
+
+    data = batches(4 * ACC, 1, GB)
+    swap, ckpt = os.path.join(tmp, "swap"), os.path.join(tmp, "ckpt")
+    if rank == 0:
+        os.makedirs(swap, exist_ok=True)
+    torch.distributed.barrier()
+
+    def engine(seed: int) -> ds_strategy.ZeroEngine:
+        torch.manual_seed(seed)
+        model = ToyLM(d=WIDTH, n_blocks=BLOCKS)
+        return ds_strategy.initialize(
+            model, make_optimizer("adamw", model), _grad_config(3, "bf16", True, swap)
+        )
+
+    ref = engine(0)
+    _train(ref, data, rank, world)
+    expected = ref.full_state_dict()
+    ref.destroy()
+
+    seen: dict[str, list[int]] = {"read": [], "write": []}
+    calls = {"read": 0, "write": 0}
+    read, write = SwapFiles.read, SwapFiles.write
+
+    def sample(kind: str) -> None:  # every 4th piece: a gc walk per piece would be slow
+        calls[kind] += 1
+        if calls[kind] % 4 == 1:
+            seen[kind].append(live_tensor_bytes("cpu") - base)
+
+    def counting_read(where: tuple) -> torch.Tensor:
+        out = read(where)
+        sample("read")
+        return out
+
+    def counting_write(where: tuple, values: torch.Tensor) -> None:
+        sample("write")
+        write(where, values)
+
+    first = engine(0)
+    _train(first, data[: 2 * ACC], rank, world)
+    on_disk = first.memory_report()["offloaded_nvme"]
+    base = live_tensor_bytes("cpu")
+    SwapFiles.read, SwapFiles.write = staticmethod(counting_read), staticmethod(counting_write)
+    try:
+        first.save_checkpoint(ckpt)
+        save_after = live_tensor_bytes("cpu") - base
+        first.destroy()
+        second = engine(123)
+        base = live_tensor_bytes("cpu")
+        second.load_checkpoint(ckpt)
+        load_after = live_tensor_bytes("cpu") - base
+    finally:
+        SwapFiles.read, SwapFiles.write = staticmethod(read), staticmethod(write)
+    _train(second, data[2 * ACC :], rank, world)
+    got = second.full_state_dict()
+    largest = max(pc.tensor.numel() * 4 for pc in second.optimizer_pieces)  # the largest fp32 piece
+    second.destroy()
+    return {
+        "expected": expected,
+        "got": got,
+        "seen": seen,
+        "calls": calls,
+        "on_disk": on_disk,
+        "largest": largest,
+        "save_after": save_after,
+        "load_after": load_after,
+    }
+
+
+def test_checkpoints_stream_through_the_swap_files(tmp_path: Path) -> None:
+    """A save reads each piece from its swap file as the writer reaches it, a load writes
+    each piece into its file: a rank never holds more than a few pieces of the state (here
+    megabytes on disk) at once, and the resumed run ends exactly where the uninterrupted
+    one does (new engine, optimizer state made in files by the load)."""
+    for r in run_ranks(streamed_checkpoint_worker, 2, str(tmp_path)):
+        for name, t in r["expected"].items():
+            assert torch.equal(r["got"][name], t), name
+        reads, writes = r["seen"]["read"], r["seen"]["write"]
+        assert r["calls"]["read"] > 50 and r["calls"]["write"] > 50, r["calls"]
+        bound = 3 * r["largest"] + 64 * 1024
+        assert r["on_disk"] > 10 * bound, (r["on_disk"], bound)  # the bound means something
+        assert max(reads) <= bound, (max(reads), r["largest"])
+        assert max(writes) <= bound, (max(writes), r["largest"])
+        assert r["save_after"] <= 64 * 1024 and r["load_after"] <= 64 * 1024, r
+
+
+def read_ahead_worker(rank: int, world: int, tmp: str) -> list[int]:
+    """Parameter shards in memory without a user (read ahead, not yet gathered), after every
+    forward, backward and step of three steps."""
+    torch.manual_seed(0)
+    model = ToyLM(d=WIDTH, n_blocks=BLOCKS)
+    config = _config(3, "nvme", "nvme", tmp)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 1  # one unit ahead
+    engine = ds_strategy.initialize(model, make_optimizer("adamw", model), config)
+    params = [
+        s for ss in engine._offload.group_swaps.values() for s in ss if "param_" in s.path.name
+    ]
+    ahead = []
+    per = GB // world
+    for batch in batches(3, 1, GB):
+        loss = lm_loss(engine, batch[rank * per : (rank + 1) * per])
+        for phase in ("forward", "backward", "step"):
+            if phase == "backward":
+                engine.backward(loss)
+            elif phase == "step":
+                engine.step()
+            ahead.append(sum(s.holds == 0 and s.state.name != "ON_DISK" for s in params))
+    engine.destroy()
+    return ahead
+
+
+def test_at_most_one_parameter_shard_is_read_ahead(tmp_path: Path) -> None:
+    """Reading shards ahead follows the gather order in both directions (forward, then
+    backward in reverse): one read that its gather never used would otherwise stay in
+    memory, and over a step every shard of the model would."""
+    for ahead in run_ranks(read_ahead_worker, 2, str(tmp_path)):
+        assert max(ahead) <= 1, ahead
+        assert sum(ahead) > 0, ahead  # it does read ahead

@@ -31,6 +31,7 @@ from .hierarchical import HierarchicalComm
 from .mesh import ParallelMesh
 from .mics import MiCSComm
 from .offload import Offload, check_offload_config
+from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
@@ -116,6 +117,8 @@ class ZeroEngine(nn.Module):
         # a pipeline stage holds part of a model (_stage_of): a checkpoint it loads may hold
         # more, and a weight tied across stages may be saved under the whole model's name
         self.checkpoint_partial = _stage_of is not None
+        # the swap files a checkpoint reads and writes in place, during one (core/offload)
+        self.checkpoint_io: SwapFiles | None = None
         self.checkpoint_stage: int | None = None  # which stage_<k> of a pipeline checkpoint
         self.checkpoint_aliases: dict[str, str] = (
             _tied_aliases(model, _stage_of) if _stage_of is not None else {}
@@ -721,9 +724,13 @@ class ZeroEngine(nn.Module):
                 f"save_checkpoint({str(path)!r}): that is inside the offload swap "
                 "directory, which is deleted at exit; save elsewhere"
             )
-        with self._offload_resident(dirty=False):
+        use_async = self.config.checkpoint.async_save if async_save is None else async_save
+        # an asynchronous save copies the state first, so it must be in memory; a synchronous
+        # one reads what is in swap files a piece at a time (core/offload/streaming.py)
+        context = self._offload_resident(dirty=False) if use_async else self._streamed(load=False)
+        with context:
             return self._checkpoints.save(
-                path, tag, client_state, save_latest, include_optimizer, async_save
+                path, tag, client_state, save_latest, include_optimizer, use_async
             )
 
     def load_checkpoint(
@@ -747,7 +754,7 @@ class ZeroEngine(nn.Module):
         metadata and saved objects are read by allow-listing unpicklers, so a
         ``client_state`` (or scheduler state) holding objects other than tensors and plain
         data is refused, naming the type, unless ``trust_checkpoint=True``."""
-        with self._offload_resident(dirty=True):
+        with self._streamed(load=True):
             client_state = self._checkpoints.load(
                 path, tag, load_optimizer, require_checksums, trust_checkpoint
             )
@@ -761,6 +768,20 @@ class ZeroEngine(nn.Module):
         ``latest`` updated; re-raise its error if it failed. Call it (or :meth:`destroy`)
         before destroying the process group: the writer's collectives need it."""
         self._checkpoints.wait()
+
+    @contextlib.contextmanager
+    def _streamed(self, load: bool) -> Iterator[None]:
+        """A checkpoint save or load that reads and writes swapped state in place, a piece at
+        a time (``checkpoint_io`` is set for the checkpoint code meanwhile)."""
+        if self._offload is None:
+            yield
+            return
+        with self._offload.streamed(load) as files:
+            self.checkpoint_io = files
+            try:
+                yield
+            finally:
+                self.checkpoint_io = None
 
     def _offload_resident(self, dirty: bool) -> contextlib.AbstractContextManager[None]:
         """State swapped to NVMe is brought in for a save, a load or a consolidation."""

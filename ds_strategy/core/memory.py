@@ -92,9 +92,12 @@ def live_tensor_bytes(device_type: str | None = None, exclude: set[int] | None =
                 t = getattr(t, "_local_tensor", t)
                 if t.device.type == "meta" or (device_type and t.device.type != device_type):
                     continue
-                st = t.untyped_storage()
-                if st.nbytes() > 0:
-                    storages[st.data_ptr()] = st.nbytes()
+                try:
+                    st = t.untyped_storage()
+                    if st.nbytes() > 0:
+                        storages[st.data_ptr()] = st.nbytes()
+                except RuntimeError:  # a wrapper holding no storage of its own (FlatPiece)
+                    continue
     for ptr in exclude or ():
         storages.pop(ptr, None)
     return sum(storages.values())

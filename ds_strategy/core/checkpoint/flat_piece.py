@@ -64,6 +64,21 @@ class FlatPiece(torch.Tensor):
         spans = ", ".join(f"[{at}, {at + n})" for _, at, n in self._runs)
         return f"FlatPiece({spans} of {self.shape[0]})"
 
+    @property
+    def piece_nbytes(self) -> int:
+        """Bytes of the elements this piece carries (``local`` may be larger)."""
+        return sum(n for _, _, n in self._runs) * self._local.element_size()
+
+    def snapshot(self) -> FlatPiece:
+        """A copy of just this piece's elements, which training cannot change."""
+        parts, runs, pos = [], [], 0
+        for offset, at, length in self._runs:
+            parts.append(self._local.detach()[offset : offset + length])
+            runs.append((pos, at, length))
+            pos += length
+        local = torch.cat(parts) if parts else self._local.detach()[:0].clone()
+        return FlatPiece(local, self._start, self.shape[0], runs=runs)
+
     @staticmethod
     def _chunk(at: int, length: int) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=torch.Size([at]), sizes=torch.Size([length]))
@@ -88,8 +103,13 @@ class FlatPiece(torch.Tensor):
         return [self._chunk(at, length) for _, at, length in self._runs]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        offset, length = self.run_at(index)
+        return self._local[offset : offset + length]
+
+    def run_at(self, index: MetadataIndex) -> tuple[int, int]:
+        """(offset in the local tensor, length) of the piece DCP names by ``index``."""
         at = index.offset[0] if index.offset is not None else self._start
         for offset, start, length in self._runs:
             if start == at:
-                return self._local[offset : offset + length]
+                return offset, length
         raise KeyError(f"no piece of {index.fqn} starts at {at}")

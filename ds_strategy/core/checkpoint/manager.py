@@ -127,7 +127,7 @@ class CheckpointManager:
             needed = sharded.total_bytes(comm, state)
             use_async = self.config.async_save if async_save is None else async_save
             if not use_async:
-                sharded.write(state, tmp, comm, final, needed)  # phase 3
+                sharded.write(state, tmp, comm, final, needed, self.engine.checkpoint_io)  # 3
                 sharded.commit(comm, tmp, final, meta, needed, after_rename)
                 if comm.rank == 0:
                     finish(ok=True)
@@ -341,7 +341,7 @@ def _copy(state: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in state.items():
         if isinstance(v, FlatPiece):
-            out[k] = FlatPiece(v._local.detach().clone(), v._start, v.shape[0])
+            out[k] = v.snapshot()
         elif torch.is_tensor(v):
             out[k] = v.detach().clone()
         else:

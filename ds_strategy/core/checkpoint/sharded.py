@@ -50,8 +50,10 @@ from ..compression.topk_reduce import TopKReduction
 from ..compression.zeroone_reduce import ZeroOneReduction
 from ..faults import together
 from ..memory import human_bytes
+from ..offload.streaming import SwapFiles
 from . import swap
 from .flat_piece import FlatPiece
+from .streamed import StreamingLoadPlanner, StreamingSavePlanner
 from .trust import SafeReader
 from .trust import pack as _pack
 from .trust import unpack as _unpack
@@ -94,16 +96,25 @@ def _names(engine: ZeroEngine) -> dict[int, str]:
 
 
 def _piece(
-    engine: ZeroEngine, p: torch.Tensor, local: torch.Tensor, start: int, numel: int
+    engine: ZeroEngine,
+    p: torch.Tensor,
+    local: torch.Tensor,
+    start: int,
+    numel: int,
+    at: int = 0,
+    length: int | None = None,
 ) -> FlatPiece:
-    """Elements ``[start, start + local.numel())`` of ``p`` flattened (``numel`` elements),
-    placed in the checkpoint's flattened full tensor (a tensor-parallel part is several runs
-    of it)."""
+    """Elements ``[start, start + length)`` of ``p`` flattened (``numel`` elements), held in
+    ``local[at : at + length]`` (default: all of ``local``), placed in the checkpoint's
+    flattened full tensor (a tensor-parallel part is several runs of it). No view is cut
+    from ``local``, which may be out in a swap file (NVMe offload)."""
+    length = local.numel() - at if length is None else length
     tp = engine.tensor_parallel
     info = tp.params.get(id(p)) if tp is not None else None
     if info is None:
-        return FlatPiece(local, start, numel)
-    return FlatPiece(local, start, info.numel, runs=info.full_runs(start, local.numel()))
+        return FlatPiece(local, start, numel, runs=[(at, start, length)])
+    runs = [(at + offset, s, n) for offset, s, n in info.full_runs(start, length)]
+    return FlatPiece(local, start, info.numel, runs=runs)
 
 
 def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
@@ -121,9 +132,10 @@ def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
             continue
         flat = g.master if g.master is not None else g.shard  # fp32 masters when training mixed
         for pc in g.layout.pieces(g.rank):
-            local = flat[pc.shard_start : pc.shard_start + pc.length]
             p, numel = g.params[pc.index], g.layout.slots[pc.index].numel
-            out[f"model/{names[id(p)]}"] = _piece(engine, p, local, pc.param_start, numel)
+            out[f"model/{names[id(p)]}"] = _piece(
+                engine, p, flat, pc.param_start, numel, at=pc.shard_start, length=pc.length
+            )
     for p in engine.module.parameters():
         if id(p) not in grouped:  # not sharded (frozen, or persistent and frozen): replicated
             out[f"model/{names[id(p)]}"] = _piece(engine, p, p.detach().view(-1), 0, p.numel())
@@ -288,26 +300,42 @@ def total_bytes(comm: Comm, state: dict[str, Any]) -> int:
     mine = 0
     for v in state.values():
         if isinstance(v, FlatPiece):
-            v = v._local
-        if torch.is_tensor(v):
+            mine += v.piece_nbytes
+        elif torch.is_tensor(v):
             mine += v.numel() * v.element_size()
     total = torch.tensor([mine], dtype=torch.int64)
     comm.all_reduce(total, kind="control")
     return int(total.item())
 
 
-def write(state: dict[str, Any], tmp: Path, comm: Comm, final: Path, needed: int) -> None:
+def write(
+    state: dict[str, Any],
+    tmp: Path,
+    comm: Comm,
+    final: Path,
+    needed: int,
+    swap_files: SwapFiles | None = None,
+) -> None:
     """Every rank writes its pieces into ``tmp`` (DCP names them ``__<rank>_<n>.distcp``).
     DCP gathers every rank's outcome, so a failure raises on all of them, here translated to
-    one line saying what happened and where (:class:`CheckpointWriteError`)."""
+    one line saying what happened and where (:class:`CheckpointWriteError`). With
+    ``swap_files`` the pieces out in swap files are read from them one at a time."""
     failures = (Exception, CheckpointException)  # DCP's is a BaseException
+    planner = StreamingSavePlanner(swap_files) if swap_files is not None else None
+    # the serial writer: it asks for a piece only once the one before is written
+    writer = FileSystemWriter(tmp, per_thread_copy_ahead=0 if planner else 10_000_000)
     with _as_write_error(tmp, final, needed, comm.rank, failures), single_process_ok(comm.active):
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(tmp),
-            process_group=comm.group,
-            no_dist=not comm.active,
-        )
+        try:
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=planner,
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
+        finally:
+            if planner is not None:
+                planner.free()
 
 
 class CheckpointWriteError(OSError):
@@ -481,8 +509,16 @@ def load_engine(
     for i, d in enumerate(dirs):  # every rank reads every directory, in the same order
         part = {k: v for k, v in state.items() if source[k] == i}
         reader = SafeReader(d)
+        files = engine.checkpoint_io  # state in swap files is written there in place
+        planner = StreamingLoadPlanner(files) if files is not None else None
         with single_process_ok(comm.active):
-            dcp.load(part, storage_reader=reader, process_group=comm.group, no_dist=not comm.active)
+            dcp.load(
+                part,
+                storage_reader=reader,
+                planner=planner,
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
         state.update(part)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):
@@ -534,12 +570,18 @@ def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, 
     opt = engine.optimizer
     by_name = _saved_optim_keys(saved)
     out: dict[str, Any] = {}
-    for pc, name, p, numel in _pieces(engine):
+    files = engine.checkpoint_io
+    for i, (pc, name, p, numel) in enumerate(_pieces(engine)):
         for key, k, md in _saved_for(by_name, name, engine.checkpoint_aliases):
             if key.startswith("optim/"):
                 st = opt.state[pc.tensor]
-                if k not in st:
-                    st[k] = torch.zeros_like(pc.tensor, dtype=md.properties.dtype)
+                if k not in st:  # with NVMe offload: made out in a swap file, not in memory
+                    dtype = md.properties.dtype
+                    st[k] = (
+                        files.new_state(i, k, pc.tensor, dtype)
+                        if files is not None
+                        else torch.zeros_like(pc.tensor, dtype=dtype)
+                    )
                 out[key] = _piece(engine, p, st[k].view(-1), pc.start, numel)
             else:
                 out[key] = torch.empty(md.size, dtype=md.properties.dtype)

@@ -12,6 +12,7 @@ Built from ``zero_optimization.offload_optimizer`` / ``offload_param``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import torch
 from ...config import UnsupportedConfigWarning, ZeroConfig
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
+from .streaming import SwapFiles
 from .swap import SwapDir, SwappedTensor, SwapState, check_nvme_path
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
@@ -59,21 +61,34 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 class _GatherOrder:
     """[Note: reading parameter shards ahead]
     Stage 3 gathers the units in the same order every step (forward, then backward in
-    reverse). Each gather records which group it followed; the next time a group is gathered,
-    the read of the group that followed it last time starts on the I/O threads, so that
-    shard is (mostly) in memory by the time its own gather asks for it."""
+    reverse). Each gather records which group followed the last two gathered; the next time
+    the same two are gathered in a row, the read of the group that followed them starts on
+    the I/O threads, so that shard is (mostly) in memory by the time its own gather asks for
+    it. Two, not one: a group is followed by the next unit's in forward and by the previous
+    unit's in backward, and the pair tells the directions apart. At most one shard is read
+    ahead: one that its gather never asked for is freed when the next is read."""
 
     def __init__(self) -> None:
+        self.prev: _SwappedParams | None = None
         self.last: _SwappedParams | None = None
-        self.next_of: dict[int, _SwappedParams] = {}
+        self.next_of: dict[tuple[int, int], _SwappedParams] = {}
+        self.ahead: _SwappedParams | None = None  # read ahead, its gather not yet here
 
     def saw(self, store: _SwappedParams) -> None:
-        if self.last is not None and self.last is not store:
-            self.next_of[id(self.last)] = store
-        self.last = store
-        following = self.next_of.get(id(store))
-        if following is not None and following is not store:
-            following.swap.prefetch()
+        if self.ahead is store:
+            self.ahead = None
+        if store is self.last:
+            return
+        if self.last is not None:
+            self.next_of[(id(self.prev), id(self.last))] = store
+        self.prev, self.last = self.last, store
+        following = self.next_of.get((id(self.prev), id(store)))
+        if following is None or following is store or following is self.ahead:
+            return
+        if self.ahead is not None:
+            self.ahead.swap.unread()
+        following.swap.prefetch()
+        self.ahead = following
 
 
 class _SwappedParams:
@@ -173,6 +188,8 @@ class Offload:
         self.state: StateSwaps | None = None
         self.stepper: BucketedStep | None = None
         self.meter: Any = None  # see set_meter
+        self._files: SwapFiles | None = None  # inside streamed()
+        self._stale: set[int] = set()  # groups whose master a streamed load rewrote
         self.adopt(groups)
 
     @staticmethod
@@ -269,6 +286,8 @@ class Offload:
             self.group_swaps.setdefault(id(g), []).append(swap)
             if name.startswith("param_"):
                 g.param_store = _SwappedParams(g, swap, self._order)
+            else:
+                g.sync_swapped_master = functools.partial(self._sync_master, g)
             swap.release(dirty=True)
             self._writing.append(swap)
         for g in groups:
@@ -391,6 +410,55 @@ class Offload:
             if self.state is not None:
                 self.state.release_all(dirty)
             self.wait()
+
+    @contextlib.contextmanager
+    def streamed(self, load: bool) -> Iterator[SwapFiles | None]:
+        """A checkpoint save or load that reads and writes the swap files a piece at a time
+        (see core/checkpoint/streamed.py, [Note: checkpoints that stream through the swap
+        files]); yields what the checkpoint needs of the files, or None when nothing is swapped."""
+        if self.swap_dir is None:
+            yield None
+            return
+        self.wait()  # every file holds its tensor's bytes
+        if load:  # masters in files are rewritten: their shards follow at sync_from_master
+            self._stale = {id(g) for g in self.groups if g.sync_swapped_master is not None}
+        swaps = [s for ss in self.group_swaps.values() for s in ss]
+        swaps += self.state.all() if self.state is not None else []
+        files = SwapFiles(swaps, self._new_state)
+        self._files = files
+        try:
+            yield files
+        finally:
+            self._files = None
+            self._stale = set()
+            self.wait()
+
+    def _new_state(
+        self, index: int, key: str, like: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        if self.state is None:  # the optimizer state is in memory
+            return torch.zeros_like(like, dtype=dtype)
+        swap = self.state.new_in_file(index, key, like, dtype)
+        assert self._files is not None
+        self._files.add(swap)
+        return swap.tensor
+
+    def _sync_master(self, group: FlatParamGroup) -> None:
+        """``FlatParamGroup.sync_from_master`` of a group whose master is in its file (after a
+        streamed load rewrote it): master and shard in, copied, shard written back."""
+        if id(group) not in self._stale:
+            return  # the shard was copied from this master before it went out
+        self._stale.discard(id(group))
+        swaps = self.group_swaps.get(id(group), [])
+        for s in swaps:
+            s.prefetch()
+        for s in swaps:
+            s.acquire()
+        try:
+            group.sync_from_master()
+        finally:
+            for s in swaps:
+                s.release(dirty=s.tensor is not group.master)
 
     def set_meter(self, meter: Any) -> None:
         """Count swapped bytes in ``meter`` (``alloc``/``free``) whenever they are back in

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,16 +68,29 @@ class StateSwaps:
             for k, v in self._per_element(i).items():
                 s = mine.get(k)
                 if s is None or s.tensor is not v:
-                    name = re.sub(r"[^A-Za-z0-9_]", "_", str(k))
-                    s = mine[k] = SwappedTensor(
-                        v, self.swap_dir.file(f"state_{i}_{name}"), self.swap_dir.pool
-                    )
+                    s = mine[k] = SwappedTensor(v, self._file(i, k), self.swap_dir.pool)
                     s.meter = self.meter
                     if self.meter is not None:  # made by the optimizer just now: count it
                         self.meter.touch(s.nbytes)
                 s.release(dirty)
                 out.append(s)
         return out
+
+    def _file(self, i: int, key: Any) -> Path:
+        return self.swap_dir.file(f"state_{i}_{re.sub(r'[^A-Za-z0-9_]', '_', str(key))}")
+
+    def new_in_file(
+        self, i: int, key: str, like: torch.Tensor, dtype: torch.dtype
+    ) -> SwappedTensor:
+        """State ``key`` of piece ``i`` that is not there yet (a load into a new engine): zeros
+        in a new sparse file, nothing in memory; the load writes it in place."""
+        t = torch.empty_like(like, dtype=dtype, device="cpu")  # (untouched: no memory used)
+        path = self._file(i, key)
+        with open(path, "wb") as f:
+            f.truncate(t.numel() * t.element_size())
+        s = self.swaps.setdefault(i, {})[key] = SwappedTensor.in_file(t, path, self.swap_dir.pool)
+        s.meter = self.meter
+        return s
 
     def acquire_all(self) -> None:
         idxs = list(self.swaps)

@@ -74,6 +74,14 @@ class SwappedTensor:
         self.meter: Any = None
         self._counted = False
 
+    @classmethod
+    def in_file(cls, tensor: torch.Tensor, path: Path, pool: ThreadPoolExecutor) -> SwappedTensor:
+        """A tensor whose bytes ``path`` already holds: its storage is freed, nothing read."""
+        swap = cls(tensor, path, pool)
+        tensor.untyped_storage().resize_(0)
+        swap.state, swap.holds, swap.dirty = SwapState.ON_DISK, 0, False
+        return swap
+
     # -- worker side --------------------------------------------------------------------------
 
     def _write_and_free(self) -> None:
@@ -140,6 +148,17 @@ class SwappedTensor:
             self.state = SwapState.WRITING
             self._future = self._pool.submit(self._write_and_free)
         else:  # the file already holds these bytes
+            self.tensor.untyped_storage().resize_(0)
+            self.state = SwapState.ON_DISK
+            self._metered(False)
+
+    def unread(self) -> None:
+        """A read ahead that nobody acquired: free the storage again (the file holds these
+        bytes); a tensor in use or changed since it was read is left alone."""
+        if self.holds > 0 or self.state not in (SwapState.READING, SwapState.RESIDENT):
+            return
+        self.wait()
+        if self.state is SwapState.RESIDENT and not self.dirty and self.path.exists():
             self.tensor.untyped_storage().resize_(0)
             self.state = SwapState.ON_DISK
             self._metered(False)

@@ -153,6 +153,8 @@ class FlatParamGroup:
         self.param_store: ParamStore | None = None
         # NVMe optimizer offload (stages 2/3): where the gradient shard lives between uses
         self.grad_store: GradStore | None = None
+        # ... and with the fp32 master in a file, how to bring it in for sync_from_master
+        self.sync_swapped_master: Callable[[], None] | None = None
         self._pending_scale: list[float] = []  # see scale_grads_by
         self._step_grad: torch.Tensor | None = None
         # gradients
@@ -611,9 +613,12 @@ class FlatParamGroup:
 
     def sync_from_master(self) -> None:
         """After the optimizer step (or a load): the compute-dtype shard from the master."""
-        # a master swapped out to a file (NVMe offload) was copied before it left
-        if self.master is not None and self.master.untyped_storage().nbytes() > 0:
+        if self.master is None:
+            return
+        if self.master.untyped_storage().nbytes() > 0 or self.master.numel() == 0:
             self.shard.copy_(self.master)
+        elif self.sync_swapped_master is not None:  # a master in its file (NVMe offload)
+            self.sync_swapped_master()
 
     def consolidated(self, only_rank: int | None = None) -> torch.Tensor | None:
         """The whole flat buffer in fp32 from every rank's master (or shard); collective when
