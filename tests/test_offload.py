@@ -4,6 +4,7 @@ a checkpoint round trip, and bad ``nvme_path`` values fail before training."""
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import subprocess
@@ -655,3 +656,35 @@ def test_swapped_storages_go_back_to_the_system_when_freed() -> None:
 
     assert retained("dynamic") > 256 << 20
     assert retained("fixed") < 32 << 20
+
+
+def test_long_operations_report_progress_on_rank_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Building a model unit by unit into NVMe, a checkpoint save and a load of swapped state
+    log their progress (here with no delay between lines); another rank logs nothing."""
+    from ds_strategy.core.progress import Progress
+
+    monkeypatch.setenv("DS_STRATEGY_PROGRESS_EVERY", "0")
+    caplog.set_level(logging.INFO, logger="ds_strategy")
+    with torch.device("meta"):
+        model = ToyLM()
+    config = _config(3, "nvme", "nvme", str(tmp_path))
+    config.pop("gradient_accumulation_steps")
+    engine = ds_strategy.initialize(
+        model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), config, param_init_fn=lambda m: None
+    )
+    _train(engine, batches(1, 1, GB), 0, 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.load_checkpoint(tmp_path / "ckpt")
+    engine.destroy()
+    text = caplog.text
+    units = len(engine.plan.stage3.units)
+    assert f"building the ZeRO-3 model: {units}/{units} units (100%)" in text, text
+    for what in ("building the ZeRO-3 model", "saving the checkpoint", "loading the checkpoint"):
+        assert f"{what}: done" in text, text
+    caplog.clear()
+    quiet = Progress("elsewhere", 3, rank=1, every=0.0)
+    quiet.advance()
+    quiet.done()
+    assert caplog.text == ""

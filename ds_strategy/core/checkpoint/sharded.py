@@ -321,7 +321,7 @@ def write(
     one line saying what happened and where (:class:`CheckpointWriteError`). With
     ``swap_files`` the pieces out in swap files are read from them one at a time."""
     failures = (Exception, CheckpointException)  # DCP's is a BaseException
-    planner = StreamingSavePlanner(swap_files) if swap_files is not None else None
+    planner = StreamingSavePlanner(swap_files, comm.rank) if swap_files is not None else None
     # the serial writer: it asks for a piece only once the one before is written
     writer = FileSystemWriter(tmp, per_thread_copy_ahead=0 if planner else 10_000_000)
     with _as_write_error(tmp, final, needed, comm.rank, failures), single_process_ok(comm.active):
@@ -335,7 +335,7 @@ def write(
             )
         finally:
             if planner is not None:
-                planner.free()
+                planner.done()
 
 
 class CheckpointWriteError(OSError):
@@ -510,7 +510,7 @@ def load_engine(
         part = {k: v for k, v in state.items() if source[k] == i}
         reader = SafeReader(d)
         files = engine.checkpoint_io  # state in swap files is written there in place
-        planner = StreamingLoadPlanner(files) if files is not None else None
+        planner = StreamingLoadPlanner(files, comm.rank) if files is not None else None
         with single_process_ok(comm.active):
             dcp.load(
                 part,
@@ -519,6 +519,8 @@ def load_engine(
                 process_group=comm.group,
                 no_dist=not comm.active,
             )
+        if planner is not None:
+            planner.done()
         state.update(part)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):

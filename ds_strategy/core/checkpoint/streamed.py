@@ -29,9 +29,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
 
 from ..offload.streaming import SwapFiles
+from ..progress import Progress
 from .flat_piece import FlatPiece
 
 __all__ = ["StreamingLoadPlanner", "StreamingSavePlanner"]
@@ -40,13 +47,22 @@ __all__ = ["StreamingLoadPlanner", "StreamingSavePlanner"]
 class StreamingSavePlanner(DefaultSavePlanner):
     """Pieces out in swap files are read from them as the writer asks (see the note)."""
 
-    def __init__(self, files: SwapFiles) -> None:
+    def __init__(self, files: SwapFiles, rank: int) -> None:
         super().__init__()
         self.files = files
+        self.rank = rank
         self._lent: torch.Tensor | None = None
+        self.progress: Progress | None = None
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        self.progress = Progress("saving the checkpoint", len(plan.items), self.rank, "pieces")
+        return plan
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         self.free()  # the serial writer saved the previous piece before asking for this one
+        if self.progress is not None:
+            self.progress.advance()
         if write_item.type is not WriteItemType.BYTE_IO:
             obj = self.state_dict.get(write_item.index.fqn)
             if isinstance(obj, FlatPiece):
@@ -62,14 +78,26 @@ class StreamingSavePlanner(DefaultSavePlanner):
             self._lent.untyped_storage().resize_(0)
             self._lent = None
 
+    def done(self) -> None:
+        self.free()
+        if self.progress is not None:
+            self.progress.done()
+
 
 class StreamingLoadPlanner(DefaultLoadPlanner):
     """Destinations out in swap files get a buffer, written to the file once filled."""
 
-    def __init__(self, files: SwapFiles) -> None:
+    def __init__(self, files: SwapFiles, rank: int) -> None:
         super().__init__()
         self.files = files
+        self.rank = rank
         self._pending: dict[int, Any] = {}
+        self.progress: Progress | None = None
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        plan = super().finish_plan(new_plan)
+        self.progress = Progress("loading the checkpoint", len(plan.items), self.rank, "pieces")
+        return plan
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         obj = self.state_dict.get(read_item.dest_index.fqn)
@@ -88,4 +116,10 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         if where is not None:
             self.files.write(where, tensor)
             tensor.untyped_storage().resize_(0)
+        if self.progress is not None:
+            self.progress.advance()
         super().commit_tensor(read_item, tensor)
+
+    def done(self) -> None:
+        if self.progress is not None:
+            self.progress.done()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...config import UnsupportedConfigWarning, ZeroConfig
+from ..progress import Progress
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
 from .streaming import SwapFiles
@@ -274,13 +275,15 @@ class Offload:
                 out.append((g, f"param_{i}", g.shard))
         return out
 
-    def _swap_out(self, groups: list[FlatParamGroup]) -> None:
+    def _swap_out(self, groups: list[FlatParamGroup], progress: Progress | None = None) -> None:
         """Write the groups' swapped tensors behind, once the previous writes are done."""
         assert self.swap_dir is not None
         for s in self._writing:
             s.wait()
         self._writing = []
         for g, name, t in self._swapped_group_tensors(groups):
+            if progress is not None:
+                progress.advance()
             swap = SwappedTensor(t, self.swap_dir.file(name), self.swap_dir.pool)
             swap.meter = self.meter
             self.group_swaps.setdefault(id(g), []).append(swap)
@@ -363,7 +366,10 @@ class Offload:
             check_nvme_path(
                 cfg.nvme_path, self._needed_bytes(optimizer, rest), checkpoint_marker, key
             )
-        self._swap_out(rest)
+        out = len(self._swapped_group_tensors(rest))
+        progress = Progress("writing the model to nvme_path", out, self.rank, "tensors")
+        self._swap_out(rest, progress)
+        progress.done()
         if sharded_opt is None:
             self.wait()
             return

@@ -20,6 +20,7 @@ from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
+from ..progress import Progress
 from .flat_group import FlatParamGroup, GradScaling, GroupPolicy
 from .inflight import ReductionQueue
 from .layout import split_into_buckets
@@ -329,6 +330,7 @@ def _build_stage3(
     replaced: dict[int, nn.Parameter] = {}
     units: list[Unit] = []
     all_groups: list[FlatParamGroup] = []
+    progress = Progress("building the ZeRO-3 model", len(plan.units), comm.rank, "units")
     for index, module in enumerate(plan.units):
         # Materialise and shard one unit at a time: no rank ever holds the whole model. A
         # rank failing to (out of memory, a raising param_init_fn) fails every rank before
@@ -350,6 +352,8 @@ def _build_stage3(
                 on_groups(groups)
         units.append(Unit(module, groups, index))
         all_groups.extend(groups)
+        progress.advance()
+    progress.done()
     persistent = [replaced.get(id(p), p) for p in plan.persistent]
     trainable_small = [p for p in persistent if p.requires_grad]
     small = _bucketed_groups(
