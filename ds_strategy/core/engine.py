@@ -639,7 +639,7 @@ class ZeroEngine(nn.Module):
         Collective. ``rank0_only=True`` gathers them to rank 0 alone (the other ranks get
         ``{}`` and never hold a full-size copy), for exports that rank 0 writes."""
         tp = self.tensor_parallel
-        with self._offload_resident(dirty=False):
+        with self._offload_resident(dirty=False, optimizer_state=False):
             if tp is None:
                 return self.plan.full_state_dict(self.module, rank0_only, self.rank)
             # every rank gathers its tensor-parallel part over the data-parallel ranks, then
@@ -783,11 +783,13 @@ class ZeroEngine(nn.Module):
             finally:
                 self.checkpoint_io = None
 
-    def _offload_resident(self, dirty: bool) -> contextlib.AbstractContextManager[None]:
-        """State swapped to NVMe is brought in for a save, a load or a consolidation."""
+    def _offload_resident(
+        self, dirty: bool, optimizer_state: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
+        """State swapped to NVMe is brought in for an asynchronous save or a consolidation."""
         if self._offload is None:
             return contextlib.nullcontext()
-        return self._offload.resident(dirty)
+        return self._offload.resident(dirty, optimizer_state)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: ``params``, ``grads``,

@@ -395,17 +395,20 @@ class Offload:
             self.state.wait()
 
     @contextlib.contextmanager
-    def resident(self, dirty: bool) -> Iterator[None]:
-        """Everything swapped is resident inside the block (a checkpoint save or load, a
-        consolidation); ``dirty``: it may have changed and is written back after."""
+    def resident(self, dirty: bool, optimizer_state: bool = True) -> Iterator[None]:
+        """Everything swapped is resident inside the block (an asynchronous checkpoint save,
+        a consolidation); ``dirty``: it may have changed and is written back after.
+        ``optimizer_state=False`` leaves the optimizer's state in its files (a consolidation
+        of the weights needs only the parameter shards and masters)."""
         swaps = [s for ss in self.group_swaps.values() for s in ss]
+        state = self.state if optimizer_state else None
         if self.swap_dir is None:
             yield
             return
         for s in swaps:
             s.prefetch()
-        if self.state is not None:
-            self.state.acquire_all()
+        if state is not None:
+            state.acquire_all()
         for s in swaps:
             s.acquire()
         try:
@@ -413,8 +416,8 @@ class Offload:
         finally:
             for s in swaps:
                 s.release(dirty)
-            if self.state is not None:
-                self.state.release_all(dirty)
+            if state is not None:
+                state.release_all(dirty)
             self.wait()
 
     @contextlib.contextmanager

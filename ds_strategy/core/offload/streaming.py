@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from .swap import SwappedTensor, _buffer
+from .swap import SwappedTensor, _buffer, count_io
 
 __all__ = ["SwapFiles"]
 
@@ -68,6 +68,7 @@ class SwapFiles:
             os.close(fd)
         if got != want:
             raise OSError(f"{swap.path}: read {got} of {want} bytes at {offset} (truncated?)")
+        count_io(read=got)
         return out
 
     @staticmethod
@@ -83,3 +84,4 @@ class SwapFiles:
             os.close(fd)
         if done != numel * values.element_size():
             raise OSError(f"{swap.path}: wrote {done} of {numel * values.element_size()} bytes")
+        count_io(written=done)

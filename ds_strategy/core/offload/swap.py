@@ -19,6 +19,8 @@ import os
 import platform
 import shutil
 import tempfile
+import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +30,7 @@ import torch
 
 from ..memory import human_bytes
 
-__all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path"]
+__all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path", "io_bytes"]
 
 DIR_PREFIX = "ds_strategy_swap_"
 
@@ -45,6 +47,24 @@ def _buffer(t: torch.Tensor) -> memoryview:
     storage as not resizable, which swapping needs.)"""
     nbytes = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+_io: dict[str, float] = {"read": 0, "written": 0, "waited": 0.0}
+_io_lock = threading.Lock()
+
+
+def count_io(read: int = 0, written: int = 0, waited: float = 0.0) -> None:
+    with _io_lock:
+        _io["read"] += read
+        _io["written"] += written
+        _io["waited"] += waited
+
+
+def io_bytes() -> dict[str, float]:
+    """Bytes this process has ``read`` from and ``written`` to swap files so far (every
+    engine), and the seconds its training thread ``waited`` for them."""
+    with _io_lock:
+        return dict(_io)
 
 
 class SwappedTensor:
@@ -89,6 +109,7 @@ class SwappedTensor:
         with open(self.path, "wb") as f:
             f.write(_buffer(self.tensor))
         self.tensor.untyped_storage().resize_(0)
+        count_io(written=self.nbytes)
 
     def _read(self) -> None:
         buf = _buffer(self.tensor)
@@ -96,6 +117,7 @@ class SwappedTensor:
             got = f.readinto(buf)
         if got != self.nbytes:
             raise OSError(f"{self.path}: read {got} of {self.nbytes} bytes (file truncated?)")
+        count_io(read=got)
 
     # -- caller side ----------------------------------------------------------------------------
 
@@ -104,7 +126,12 @@ class SwappedTensor:
         if self._future is None:
             return
         future, self._future = self._future, None
-        future.result()
+        if future.done():
+            future.result()
+        else:
+            start = time.perf_counter()
+            future.result()
+            count_io(waited=time.perf_counter() - start)
         if self.state is SwapState.WRITING:
             self.state = SwapState.ON_DISK
             self.dirty = False
