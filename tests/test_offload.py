@@ -518,9 +518,9 @@ def streamed_checkpoint_worker(rank: int, world: int, tmp: str) -> dict:
     calls = {"read": 0, "write": 0}
     read, write = SwapFiles.read, SwapFiles.write
 
-    def sample(kind: str) -> None:  # every 4th piece: a gc walk per piece would be slow
+    def sample(kind: str) -> None:  # every 8th piece: a gc walk per piece would be slow
         calls[kind] += 1
-        if calls[kind] % 4 == 1:
+        if calls[kind] % 8 == 1:
             seen[kind].append(live_tensor_bytes("cpu") - base)
 
     def counting_read(where: tuple) -> torch.Tensor:
