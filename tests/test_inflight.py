@@ -25,6 +25,9 @@ class FakeGroup:
         out = torch.full((2,), 3.0)
         return Reduction(self, Work(None), torch.ones(4), out, self.grad, Fold.ADD, 0.5, 16)  # type: ignore[arg-type]
 
+    def before_fold(self) -> None:
+        """(a gradient shard in a file would be read back here)"""
+
     def reduction_done(self, reduction: Reduction) -> None:
         self.log.append(f"done {self.name}")
 

@@ -563,6 +563,7 @@ def streamed_checkpoint_worker(rank: int, world: int, tmp: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_checkpoints_stream_through_the_swap_files(tmp_path: Path) -> None:
     """A save reads each piece from its swap file as the writer reaches it, a load writes
     each piece into its file: a rank never holds more than a few pieces of the state (here
