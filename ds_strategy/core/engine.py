@@ -798,9 +798,9 @@ class ZeroEngine(nn.Module):
         it, ``offloaded_nvme`` counts them); ``peak``, the most model-state bytes held at
         any moment since the engine was built or :meth:`reset_peak_memory` was called,
         transient buffers included (ZeRO-3's gathered parameters, full-size gradient
-        buckets, reductions in flight, the step's fp32 gradient copies; with NVMe parameter
-        offload the gradient shards, which exist only during a step, are counted there and
-        not in ``grads``); and ``peak_gathered_params``, the bytes of ZeRO-3 parameters
+        buckets, reductions in flight, the step's fp32 gradient copies; with NVMe offload
+        the gradient shards, in memory only during a step, are counted there and not in
+        ``grads``); and ``peak_gathered_params``, the bytes of ZeRO-3 parameters
         gathered at once."""
         report = self._resident_report()
         if self._offload is not None:  # bytes moved out to files: not in total
