@@ -176,9 +176,13 @@ class SwappedTensor:
             self.state = SwapState.WRITING
             self._future = self._pool.submit(self._write_and_free)
         else:  # the file already holds these bytes
-            self.tensor.untyped_storage().resize_(0)
-            self.state = SwapState.ON_DISK
-            self._metered(False)
+            self._free_storage()
+
+    def _free_storage(self) -> None:
+        """Give the storage up; the bytes are (or, for ``drop``, are taken as) in the file."""
+        self.tensor.untyped_storage().resize_(0)
+        self.state = SwapState.ON_DISK
+        self._metered(False)
 
     def unread(self) -> None:
         """A read ahead that nobody acquired: free the storage again (the file holds these
@@ -187,9 +191,7 @@ class SwappedTensor:
             return
         self.wait()
         if self.state is SwapState.RESIDENT and not self.dirty and self.path.exists():
-            self.tensor.untyped_storage().resize_(0)
-            self.state = SwapState.ON_DISK
-            self._metered(False)
+            self._free_storage()
 
     def drop(self) -> None:
         """Forget the bytes: wait for any read or write, free the storage without writing it,
@@ -197,9 +199,7 @@ class SwappedTensor:
         the tensor in with ``acquire(read=False)`` and overwrites it."""
         self.wait()
         if self.state is SwapState.RESIDENT:
-            self.tensor.untyped_storage().resize_(0)
-            self.state = SwapState.ON_DISK
-            self._metered(False)
+            self._free_storage()
         self.holds = 0
         self.dirty = True
 

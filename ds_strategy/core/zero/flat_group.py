@@ -561,14 +561,13 @@ class FlatParamGroup:
         precision, made once per step and dropped by ``zero_grad``), scaled by any factor
         :meth:`scale_grads_by` deferred."""
         grad = self.ensure_grad_shard()
-        target = self.step_params
-        if grad.dtype == target.dtype and grad.device == target.device:
-            out = grad
-        else:
-            if self._step_grad is None:  # (offload on a GPU: the copy lands in host memory)
-                self._step_grad = grad.to(device=target.device, dtype=target.dtype)
-                self.meter.alloc(_nbytes(self._step_grad))
+        if self._step_grad is not None:
             out = self._step_grad
+        else:
+            out = self._in_step_form(grad)
+            if out is not grad:  # kept (offload on a GPU: the copy lands in host memory)
+                self._step_grad = out
+                self.meter.alloc(_nbytes(out))
         for factor in self._pending_scale:
             out.mul_(factor)
         self._pending_scale.clear()
@@ -578,7 +577,7 @@ class FlatParamGroup:
         """Multiply the step's gradients by ``factor`` (unscaling, clipping). A gradient shard
         out in its file is not read for it: the factor is applied when the optimizer step
         brings the shard in (:meth:`step_grad`), the same multiplications in the same order."""
-        if self.grad_store is not None and self._step_grad is None and not self.grad_store.held:
+        if self._grads_in_file:
             self._pending_scale.append(factor)
         else:
             self.step_grad().mul_(factor)
@@ -586,18 +585,29 @@ class FlatParamGroup:
     def grad_sq_norm(self) -> torch.Tensor:
         """The squared L2 norm of :meth:`step_grad` (float64, summed over fp32 partial norms);
         a gradient shard out in its file gives the norm taken as it was put away."""
-        if self.grad_store is not None and self._step_grad is None and not self.grad_store.held:
-            assert not self._pending_scale, "the norm is taken before scaling"
-            return self.grad_store.sq
+        if self._grads_in_file:
+            assert self.grad_store is not None and not self._pending_scale
+            return self.grad_store.sq  # (the norm is taken before scaling)
         return _sq_norm_of(self.step_grad())
+
+    @property
+    def _grads_in_file(self) -> bool:
+        """The step's gradients are out in their file (neither the shard nor its copy in
+        the optimizer's dtype is in memory)."""
+        return self.grad_store is not None and self._step_grad is None and not self.grad_store.held
+
+    def _in_step_form(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` (this group's gradient shard) in the optimizer's dtype and device: itself,
+        or a new copy."""
+        target = self.step_params
+        if grad.dtype == target.dtype and grad.device == target.device:
+            return grad
+        return grad.to(device=target.device, dtype=target.dtype)
 
     def _sq_norm(self, grad: torch.Tensor) -> torch.Tensor:
         """What :meth:`grad_sq_norm` returns for ``grad``, this group's gradient shard, without
         keeping a copy: the values :meth:`step_grad` would hold, normed the same way."""
-        target = self.step_params
-        if grad.dtype != target.dtype or grad.device != target.device:
-            grad = grad.to(device=target.device, dtype=target.dtype)
-        return _sq_norm_of(grad)
+        return _sq_norm_of(self._in_step_form(grad))
 
     def release_step_grads(self) -> None:
         """The optimizer step is done with this group's gradients (NVMe optimizer offload):
