@@ -55,6 +55,10 @@ __all__ = [
     "pipeline_facts",
     "recommend",
     "format_table",
+    "format_peaks",
+    "Knobs",
+    "Peak",
+    "step_peak",
 ]
 
 PRECISIONS: dict[str, tuple[int, int, int]] = {  # bytes per parameter: (P, G, K) with Adam
@@ -89,6 +93,7 @@ class ModelFacts:
     persistent: int = 0  # stage-3 parameters within the persistence threshold (kept whole)
     largest_unit: int = 0  # elements of the largest stage-3 block unit (0 = unknown)
     root_unit: int = 0  # elements of the root unit (gathered for the whole forward)
+    largest_param: int = 0  # elements of the largest trainable parameter (0 = unknown)
 
     @property
     def n_trainable(self) -> int:
@@ -272,6 +277,250 @@ def config_of(e: Estimate) -> dict[str, Any]:
     return out
 
 
+# -- the peak of a step, tier by tier ----------------------------------------------------------
+
+TIERS = ("device", "host", "nvme")
+PHASES = ("forward", "backward", "step")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The config values that size the buffers of a step (DeepSpeed's defaults).
+
+    ``reduce_scratch``: the reduce-scatter needs a receive buffer as large as its input (gloo,
+    which CPU ranks use; see ``group_numel`` in ``core/zero/builders.py``). ``cpu_only``: the
+    ranks compute on CPUs, so "device" memory is host memory and gradient shards of an
+    NVMe-offloaded optimizer live in files between steps."""
+
+    reduce_bucket_numel: float = 500_000_000  # zero_optimization.reduce_bucket_size
+    prefetch_numel: float = DEFAULT_PREFETCH
+    max_live_numel: float = DEFAULT_MAX_LIVE
+    buffer_numel: float = 100_000_000  # offload_optimizer.buffer_size
+    buffer_count: int = 4  # offload_optimizer.buffer_count
+    reduce_scratch: bool = False
+    cpu_only: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any, cpu_only: bool = False) -> Knobs:
+        """The knobs of a loaded config (``ds_strategy.config.load_config``)."""
+        zc = config.zero_optimization
+        oo = zc.offload_optimizer
+        return cls(
+            reduce_bucket_numel=float(zc.reduce_bucket_size),
+            prefetch_numel=float(zc.stage3_prefetch_bucket_size),
+            max_live_numel=float(zc.stage3_max_live_parameters),
+            buffer_numel=float(oo.buffer_size) if oo is not None else 100_000_000,
+            buffer_count=int(oo.buffer_count) if oo is not None else 4,
+            reduce_scratch=cpu_only,
+            cpu_only=cpu_only,
+        )
+
+
+@dataclass(frozen=True)
+class Term:
+    """``nbytes`` in ``tier`` for the whole step (``phase`` None) or during one phase."""
+
+    name: str
+    tier: str
+    nbytes: float
+    phase: str | None = None
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Every buffer of one configuration's training step on one rank, tier by tier; see the
+    note on the peak of a step."""
+
+    stage: int
+    offload: str
+    precision: str
+    terms: tuple[Term, ...]
+    cpu_only: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage}" + ("" if self.offload == "none" else f"+{self.offload}")
+
+    def _in(self, tiers: tuple[str, ...]) -> tuple[float, str | None]:
+        always = sum(t.nbytes for t in self.terms if t.phase is None and t.tier in tiers)
+        per_phase = {
+            ph: sum(t.nbytes for t in self.terms if t.phase == ph and t.tier in tiers)
+            for ph in PHASES
+        }
+        phase = max(PHASES, key=lambda ph: per_phase[ph])
+        return always + per_phase[phase], phase if per_phase[phase] > 0 else None
+
+    def peak(self, tier: str) -> float:
+        """The most bytes ``tier`` holds at once (the largest phase on top of the rest)."""
+        return self._in((tier,))[0]
+
+    @property
+    def host_peak(self) -> float:
+        """The rank's peak in host memory: the host tier, and with ``cpu_only`` the device
+        tier too (both are the same memory), at the phase where their sum is largest."""
+        return self._in(("device", "host") if self.cpu_only else ("host",))[0]
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase of the host peak (None: no phase adds to it)."""
+        return self._in(("device", "host") if self.cpu_only else ("host",))[1]
+
+    def at_peak(self) -> list[Term]:
+        """The terms held at the host peak, largest first."""
+        tiers = ("device", "host") if self.cpu_only else ("host",)
+        phase = self.peak_phase
+        held = [t for t in self.terms if t.tier in tiers and t.phase in (None, phase)]
+        return sorted((t for t in held if t.nbytes > 0), key=lambda t: -t.nbytes)
+
+
+def step_peak(
+    facts: ModelFacts,
+    world_size: int,
+    stage: int,
+    offload: str = "none",
+    precision: str = "bf16",
+    activation_bytes: float = 0.0,
+    knobs: Knobs | None = None,
+) -> Peak:
+    """The buffers one rank holds during a training step, tier by tier and phase by phase.
+
+    [Note: the peak of a step]
+    On top of the model state at rest (:func:`estimate`'s terms) a step holds, per phase:
+
+    - forward and backward: stage 3's gathered parameters (``gathered``); with parameters
+      on NVMe, the shards of the units whose gathers are in flight (``stage3_prefetch_bucket_size``
+      worth of units, at least one), read from their files (a shard is freed once gathered).
+    - backward: the gradient buckets of the reduction (``reduce_buffers``). At stages 2-3 a
+      group's full-size gradients (``reduce_bucket_size`` elements, half that where the
+      collective needs a receive buffer; at most a stage-3 block unit, or at stages 1-2 the
+      whole model, and at least the largest parameter) are held while one group fills and
+      one is reduced, plus that receive buffer; at stage 1 the gradients are persistent and the reduction adds
+      the receive buffer and its ``1/N`` output. With NVMe optimizer offload on CPU ranks
+      the gradient shard being reduced into is read in and written behind (``grad_shard``).
+    - step: under mixed precision the fp32 copies of the gradient shard
+      (``fp32_grads``). With the optimizer on NVMe the step reads its state bucket by
+      bucket (``swap_buffers``): the bucket stepping and the one read ahead
+      (``min(buffer_count, 2) x buffer_size`` elements, at most the rank's shard), each
+      element with its Adam moments, fp32 master, gradient (and under mixed precision the
+      low-precision shard and the fp32 gradient copy). Writes go behind; they hold more
+      only while the disk lags the step (at most ``buffer_count`` buckets).
+
+    Activations (``activation_bytes``) are held from the forward to the backward.
+    """
+    k_ = knobs or Knobs()
+    base = estimate(
+        facts,
+        world_size,
+        stage,
+        offload,
+        precision,
+        activation_bytes,
+        prefetch_numel=k_.prefetch_numel,
+        max_live_numel=k_.max_live_numel,
+    )
+    p, g, _ = PRECISIONS[precision]
+    mixed = precision != "fp32"
+    n = world_size
+    train = facts.n_trainable
+    sharded = facts.params - (facts.persistent if stage == 3 else 0)
+    nvme_opt = offload == "nvme"
+    terms: list[Term] = []
+    d = base.device
+    host_opt = offload in ("cpu", "cpu+params")
+    # at rest: estimate()'s terms, in their tiers
+    params_host = p * sharded / n if offload == "cpu+params" else 0.0
+    terms.append(Term("params", "device", d["params"]))
+    if params_host:
+        terms.append(Term("params", "host", params_host))
+    grads_in_files = nvme_opt and k_.cpu_only and stage >= 2
+    if grads_in_files:
+        terms.append(Term("grads", "nvme", d["grads"]))
+    else:
+        terms.append(Term("grads", "device", d["grads"]))
+    opt_bytes = (
+        base.cpu - params_host if host_opt else base.nvme - (p * sharded / n if nvme_opt else 0.0)
+    )
+    opt_tier = "host" if host_opt else "nvme" if nvme_opt else "device"
+    terms.append(Term("optimizer", opt_tier, d["optimizer"] if opt_tier == "device" else opt_bytes))
+    if nvme_opt:
+        terms.append(Term("params", "nvme", p * sharded / n))
+    # forward and backward: gathered stage-3 units, and their shards read in from files
+    for phase in ("forward", "backward"):
+        if d["gathered"]:
+            terms.append(Term("gathered", "device", d["gathered"], phase))
+        if nvme_opt and stage == 3:
+            # a unit's shard is freed once gathered: the shards held are those of the units
+            # being prefetched (gathers in flight)
+            unit = max(facts.largest_unit, 1)
+            ahead = max(1, math.ceil(min(k_.prefetch_numel, k_.max_live_numel) / unit))
+            held = p * min(ahead * unit, sharded) / n
+            terms.append(Term("param_shards_in_flight", "host", held, phase))
+    if activation_bytes:
+        terms.append(Term("activations", "device", float(activation_bytes), "backward"))
+    # backward: the reduction's buckets. A group is at most a bucket, at least one parameter;
+    # at stage 3 the groups that matter are a block's (the root unit reduces last, once the
+    # blocks' gathered parameters are gone).
+    bucket = k_.reduce_bucket_numel / 2 if k_.reduce_scratch else k_.reduce_bucket_numel
+    if stage == 3:
+        group = max(1.0, min(bucket, facts.largest_unit or train))
+        groups = 2
+    else:
+        group = max(1.0, min(bucket, train), facts.largest_param)
+        groups = 1 if train <= group else 2
+    scratch = group if k_.reduce_scratch else 0.0
+    if stage >= 2 and train:
+        reduce = g * (groups * group + scratch)
+    elif stage == 1 and train:
+        reduce = g * (scratch + group / n)
+    else:
+        reduce = 0.0
+    if reduce:
+        terms.append(Term("reduce_buffers", "device", reduce, "backward"))
+    if grads_in_files:
+        terms.append(Term("grad_shard", "host", g * 2 * group / n, "backward"))
+    # step
+    shard = train / n if stage >= 1 else train
+    if nvme_opt:
+        per_element = 8 + 4 + g + ((p + 4) if mixed else 0)  # moments, master, grad (+ copies)
+        held = min(min(max(k_.buffer_count, 1), 2) * max(k_.buffer_numel, 1), shard)
+        terms.append(Term("swap_buffers", "host", per_element * held, "step"))
+    elif mixed and train:
+        terms.append(Term("fp32_grads", "host" if host_opt else "device", 4 * shard, "step"))
+    return Peak(stage, offload, precision, tuple(terms), k_.cpu_only)
+
+
+def format_peaks(peaks: list[Peak]) -> str:
+    """One row per configuration: the peak of each tier, the host peak and what makes it."""
+    gb = _gb
+    header = ["config", "device peak", "host peak", "nvme", "at the host peak"]
+    rows = []
+    for pk in peaks:
+        held = pk.at_peak()
+        where = ", ".join(
+            f"{t.name}{'' if t.tier == 'device' else f' ({t.tier})'} {gb(t.nbytes)}"
+            for t in held[:4]
+        )
+        if len(held) > 4:
+            where += ", ..."
+        phase = f"[{pk.peak_phase}] " if pk.peak_phase else ""
+        rows.append(
+            [
+                pk.name,
+                "-" if pk.cpu_only else gb(pk.peak("device")),
+                gb(pk.host_peak),
+                gb(pk.peak("nvme")),
+                phase + where,
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
+        for r in [header, *rows]
+    ]
+    lines.insert(1, "-" * max(len(line) for line in lines))
+    return "\n".join(lines)
+
+
 # -- counting a model without allocating it ---------------------------------------------------
 
 
@@ -298,6 +547,7 @@ def model_facts(
         persistent=sum(p.numel() for p in plan.persistent),
         largest_unit=max(units[:-1], default=0),
         root_unit=units[-1],
+        largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
     )
 
 
@@ -496,8 +746,15 @@ def add_cli_parser(sub: Any) -> None:
     )
     e.add_argument(
         "--config",
-        help="a ds_strategy / DeepSpeed config whose pipeline section gives the three above "
-        "(flags given explicitly win)",
+        help="a ds_strategy / DeepSpeed config or preset name: its pipeline section gives the "
+        "three above (flags given explicitly win), its bucket and offload buffer sizes size "
+        "the peak of a step",
+    )
+    e.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="the ranks compute on CPUs (gloo): device memory is host memory, so the host peak "
+        "is the whole per-rank peak",
     )
     e.add_argument(
         "--persistence-threshold",
@@ -533,6 +790,16 @@ def _pipeline_args(args: Any) -> tuple[int, str, int]:
     if stages < 1 or chunks < 1:
         raise ValueError(f"--pipeline-stages {stages} / --stages-per-rank {chunks}: must be >= 1")
     return stages, method, chunks
+
+
+def _knobs(args: Any) -> Knobs:
+    """The buffer sizes of ``--config`` (DeepSpeed's defaults without one)."""
+    cpu_only = bool(getattr(args, "cpu_only", False))
+    if not args.config:
+        return Knobs(reduce_scratch=cpu_only, cpu_only=cpu_only)
+    from .config import load_config
+
+    return Knobs.from_config(load_config(args.config), cpu_only)
 
 
 def _whole(parts: list[StageFacts]) -> ModelFacts:
@@ -590,6 +857,7 @@ def run_cli(args: Any) -> int:
                 f"--hpz-partition-size {args.hpz_partition_size} must divide --world-size "
                 f"{args.world_size}"
             )
+        knobs = _knobs(args)
         mics = args.mics_shard_size
         if mics > 0 and (args.world_size % mics or args.hpz_partition_size > 1):
             raise ValueError(
@@ -644,6 +912,18 @@ def run_cli(args: Any) -> int:
     else:
         estimates = table(facts)
     print(format_table(estimates, gpu, cpu, per_node))
+    if not parts and args.mics_shard_size <= 0 and args.hpz_partition_size == 1:
+        peaks = [
+            step_peak(facts, args.world_size, s, o, args.precision, act, knobs)
+            for s, o in CANDIDATES
+        ]
+        where = "host memory (CPU ranks)" if knobs.cpu_only else "each tier"
+        print(
+            f"\npeak of a training step at {args.precision}, {where}, GB per rank: model state "
+            "and the step's buffers (gathered units, gradient buckets, swap buffers), "
+            "[the phase] and the largest terms held then"
+        )
+        print(format_peaks(peaks))
     if gpu is None:
         print("give --gpu-mem (and --cpu-mem) for a recommendation")
         return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,42 @@ def test_nvme_space_message_uses_a_readable_unit(tmp_path: Path) -> None:
         check_nvme_path(tmp_path / "missing", 5000, "ds_strategy.json", "offload_optimizer")
     with pytest.raises(FileNotFoundError, match=r"\(3\.0 GiB\)"):
         check_nvme_path(tmp_path / "missing", 3 * 2**30, "ds_strategy.json", "offload_optimizer")
+
+
+def test_ranks_sharing_a_drive_are_checked_for_room_together(tmp_path: Path) -> None:
+    """Two ranks of one machine swapping to one drive: each fits alone, both do not; the
+    check counts both (each checking only its own need passed, then the drive filled up
+    mid-build)."""
+    from types import SimpleNamespace
+
+    from ds_strategy.config import load_config
+    from ds_strategy.core.offload.runtime import Offload
+
+    free = shutil.disk_usage(tmp_path).free
+    mine = free * 2 // 3  # fits alone
+    check_nvme_path(tmp_path, mine, "ds_strategy.json", "offload_optimizer")
+    cfg = load_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+            }
+        }
+    )
+    peers = SimpleNamespace(world_size=2, all_gather_object=lambda obj: [obj, obj])
+    offload = Offload.build(cfg, [], 0, peers)
+    assert offload is not None
+    sharing = offload._sharing(str(tmp_path), mine)
+    assert sharing == (2 * mine, 2)
+    with pytest.raises(OSError, match=r"for the 2 ranks of this machine that swap to this drive"):
+        check_nvme_path(tmp_path, mine, "ds_strategy.json", "offload_optimizer", sharing)
+    # a rank on another machine (or drive) is not counted
+    elsewhere = SimpleNamespace(
+        world_size=2, all_gather_object=lambda obj: [obj, (("other-host", obj[0][1]), obj[1])]
+    )
+    offload.comm = elsewhere
+    assert offload._sharing(str(tmp_path), mine) == (mine, 1)
+    check_nvme_path(tmp_path, mine, "ds_strategy.json", "offload_optimizer", (mine, 1))
 
 
 # -- ranks that disagree fail together, naming the difference -------------------------------------

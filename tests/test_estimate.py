@@ -184,10 +184,11 @@ def test_cli_table_and_recommendation(capsys: pytest.CaptureFixture[str]) -> Non
     rc = cli(["estimate", "--params", "7e9", "--world-size", "8", "--gpu-mem", "30GB"])
     out = capsys.readouterr().out
     assert rc == 0
-    table = [line for line in out.splitlines() if line.startswith("zero")]
-    assert [line.split()[0] for line in table] == [
-        f"zero{s}" + ("" if o == "none" else f"+{o}") for s, o in CANDIDATES
-    ]
+    resting, peaks = out.split("peak of a training step")
+    names = [f"zero{s}" + ("" if o == "none" else f"+{o}") for s, o in CANDIDATES]
+    for table in (resting, peaks):
+        rows = [line for line in table.splitlines() if line.startswith("zero")]
+        assert [line.split()[0] for line in rows] == names
     m = re.search(r"recommended: (\S+) bf16 -- ([0-9.]+) GB per device", out)
     assert m, out
     best = recommend(estimate_all(ModelFacts(params=7 * 10**9), 8), 30e9, precision="bf16")
@@ -296,3 +297,133 @@ def test_pipeline_estimate_per_stage(tmp_path: Path, capsys: pytest.CaptureFixtu
     )
     rc = cli(["estimate", "--params", "7B", "--world-size", "2", "--pipeline-stages", "2"])
     assert rc == 2 and "--pipeline-stages needs --model" in capsys.readouterr().err
+
+
+# -- the peak of a step ---------------------------------------------------------------------
+
+PEAK_MODEL = dict(vocab=4096, d=256, layers=4, heads=4, seq=16)
+PEAK_CASES = [(s, o, "fp32") for s, o in CANDIDATES] + [
+    (2, "none", "bf16"),
+    (3, "cpu", "bf16"),
+    (3, "nvme", "bf16"),
+]
+# every buffer engaged at this size: several groups and units, prefetching, step buckets
+PEAK_KNOBS = dict(reduce_bucket_numel=400_000, prefetch_numel=200_000, buffer_numel=300_000)
+
+
+def _peak_config(stage: int, offload: str, precision: str, nvme: str) -> dict:
+    zo: dict = {
+        "stage": stage,
+        "stage3_param_persistence_threshold": 0,
+        "reduce_bucket_size": PEAK_KNOBS["reduce_bucket_numel"],
+        "stage3_prefetch_bucket_size": PEAK_KNOBS["prefetch_numel"],
+    }
+    device = "nvme" if offload == "nvme" else "cpu"
+    tier = {"device": device, "nvme_path": nvme, "buffer_size": PEAK_KNOBS["buffer_numel"]}
+    if offload != "none":
+        zo["offload_optimizer"] = dict(tier, buffer_count=2)
+    if offload in ("cpu+params", "nvme"):
+        zo["offload_param"] = dict(tier)
+    cfg: dict = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zo}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    return cfg
+
+
+def peak_worker(rank: int, world: int, nvme: str) -> dict:
+    from ds_strategy.demos.gpt import gpt_loss
+
+    out = {}
+    for stage, offload, precision in PEAK_CASES:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**PEAK_MODEL))
+        config = _peak_config(stage, offload, precision, nvme)
+        engine = ds_strategy.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), config)
+        g = torch.Generator().manual_seed(rank)
+        phases: dict[str, int] = {}
+        for _ in range(2):  # the second step has optimizer state and a traced prefetch order
+            tokens = torch.randint(0, PEAK_MODEL["vocab"], (2, PEAK_MODEL["seq"] + 1), generator=g)
+            engine.reset_peak_memory()
+            loss = gpt_loss(engine, tokens)
+            phases["forward"] = engine.memory_report()["peak"]
+            engine.reset_peak_memory()
+            engine.backward(loss)
+            phases["backward"] = engine.memory_report()["peak"]
+            engine.reset_peak_memory()
+            engine.step()
+            phases["step"] = engine.memory_report()["peak"]
+        out[(stage, offload, precision)] = phases
+        engine.destroy()
+    return out
+
+
+def test_step_peak_matches_the_engines_meter_phase_by_phase(tmp_path: Path) -> None:
+    """Every stage and offload tier (fp32, and bf16 for three): the step's peak in each phase
+    (model state plus the gathered units, gradient buckets, fp32 copies and swap buffers the
+    estimate names) is within 15% of the peak the engine's meter saw in that phase, on CPU
+    ranks where all of it is host memory."""
+    from ds_strategy.estimate import Knobs, step_peak
+
+    world = 2
+    facts = model_facts(lambda: GPT(GPTConfig(**PEAK_MODEL)), persistence_threshold=0)
+    knobs = Knobs(**PEAK_KNOBS, buffer_count=2, reduce_scratch=True, cpu_only=True)
+    results = run_ranks(peak_worker, world, str(tmp_path), timeout=300)
+    for (stage, offload, precision), phases in results[0].items():
+        pk = step_peak(facts, world, stage, offload, precision, knobs=knobs)
+        rest = sum(t.nbytes for t in pk.terms if t.phase is None and t.tier != "nvme")
+        for phase, measured in phases.items():
+            held = rest + sum(t.nbytes for t in pk.terms if t.phase == phase and t.tier != "nvme")
+            where = f"zero{stage} {offload} {precision} {phase}: {pk.terms}"
+            assert held == pytest.approx(measured, rel=0.15), where
+        assert pk.host_peak == pytest.approx(max(phases.values()), rel=0.15)
+
+
+def test_cli_peak_table_on_cpu_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--cpu-only`` and a config's buffer sizes: the peak table gives each configuration's
+    host peak, the phase and the terms held then, with their tier."""
+    from ds_strategy.estimate import Knobs, step_peak
+
+    config = tmp_path / "ds.json"
+    zo = {
+        "stage": 3,
+        "reduce_bucket_size": 2e7,
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": str(tmp_path),
+            "buffer_size": 2e7,
+            "buffer_count": 3,
+        },
+    }
+    config.write_text(json.dumps({"zero_optimization": zo}))
+    args = [
+        "estimate",
+        "--params",
+        "1B",
+        "--world-size",
+        "2",
+        "--cpu-only",
+        "--config",
+        str(config),
+        "--precision",
+        "fp32",
+    ]
+    assert cli(args) == 0
+    out = capsys.readouterr().out.split("peak of a training step")[1]
+    assert "host memory (CPU ranks)" in out
+    row = next(line for line in out.splitlines() if line.startswith("zero3+nvme "))
+    knobs = Knobs(
+        reduce_bucket_numel=2e7,
+        buffer_numel=2e7,
+        buffer_count=3,
+        reduce_scratch=True,
+        cpu_only=True,
+    )
+    pk = step_peak(ModelFacts(params=10**9), 2, 3, "nvme", "fp32", knobs=knobs)
+    assert pk.peak_phase == "step"
+    # the bucket stepping and the one read ahead: 2 x 2e7 elements x 16 bytes
+    assert pk.host_peak == pytest.approx(2 * 2e7 * 16)
+    assert row.split()[2] == f"{pk.host_peak / 1e9:.2f}"
+    assert "[step] swap_buffers (host)" in row
+    # the CPU tier holds Adam's state; on CPU ranks the whole model state is host memory
+    row = next(line for line in out.splitlines() if line.startswith("zero3+cpu "))
+    assert "optimizer (host)" in row and "params " in row

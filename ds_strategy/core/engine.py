@@ -171,7 +171,7 @@ class ZeroEngine(nn.Module):
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
         self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
         with together(self.comm):  # the offload tier takes the groups as they are built
-            self._offload = Offload.build(self.config, [], self.comm.rank)
+            self._offload = Offload.build(self.config, [], self.comm.rank, self.comm)
             if self._offload is not None and self._offload.streams_build:
                 shards = self.shard_comm.world_size
                 self._offload.open_for_build(

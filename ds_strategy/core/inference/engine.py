@@ -101,7 +101,7 @@ class InferenceEngine(nn.Module):
             self._place(source)
         with together(self.comm):
             self._offload = Offload.build(
-                self.config, [g for u in self.units for g in u.groups], self.comm.rank
+                self.config, [g for u in self.units for g in u.groups], self.comm.rank, self.comm
             )
             if self._offload is not None:
                 self._offload.attach(None, META_FILE)

@@ -25,7 +25,7 @@ from ..progress import Progress
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
 from .streaming import SwapFiles
-from .swap import SwapDir, SwappedTensor, SwapState, check_nvme_path
+from .swap import SwapDir, SwappedTensor, SwapState, check_nvme_path, drive_of
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
     from ..zero.flat_group import FlatParamGroup
@@ -189,12 +189,18 @@ class Offload:
         self.state: StateSwaps | None = None
         self.stepper: BucketedStep | None = None
         self.meter: Any = None  # see set_meter
+        self.comm: Any = None  # see build and _sharing
         self._files: SwapFiles | None = None  # inside streamed()
         self._stale: set[int] = set()  # groups whose master a streamed load rewrote
         self.adopt(groups)
 
     @staticmethod
-    def build(config: ZeroConfig, groups: list[FlatParamGroup], rank: int) -> Offload | None:
+    def build(
+        config: ZeroConfig, groups: list[FlatParamGroup], rank: int, comm: Any = None
+    ) -> Offload | None:
+        """The offload tier of ``config`` (None when nothing is offloaded). ``comm``: the
+        engine's ranks, asked for their swap space when the directory's room is checked
+        (ranks of one machine may share its drive); collective then."""
         check_offload_config(config)
         zc = config.zero_optimization
         if zc.offload_optimizer.device == "none" and zc.offload_param.device == "none":
@@ -207,7 +213,9 @@ class Offload:
                 UnsupportedConfigWarning,
                 stacklevel=4,
             )
-        return Offload(config, groups, rank)
+        offload = Offload(config, groups, rank)
+        offload.comm = comm
+        return offload
 
     @property
     def nvme_optimizer(self) -> bool:
@@ -334,7 +342,21 @@ class Offload:
                 f"({sorted(paths)}); use one directory for both"
             )
         cfg, key = self._key()
-        self.swap_dir = SwapDir(cfg.nvme_path, self.rank, needed, checkpoint_marker, key=key)
+        sharing = self._sharing(cfg.nvme_path, needed)
+        self.swap_dir = SwapDir(
+            cfg.nvme_path, self.rank, needed, checkpoint_marker, key=key, sharing=sharing
+        )
+
+    def _sharing(self, path: str, needed: int) -> tuple[int, int] | None:
+        """(bytes, ranks) of every rank of ``comm`` that swaps to the same drive as this one:
+        each checking only its own need would pass while together they overfill the drive.
+        Collective over ``comm``."""
+        if self.comm is None or self.comm.world_size == 1:
+            return None
+        mine = drive_of(path)
+        everyone = self.comm.all_gather_object((mine, int(needed)))
+        same = [n for drive, n in everyone if drive is not None and drive == mine]
+        return sum(same), len(same)
 
     def _needed_bytes(self, optimizer: torch.optim.Optimizer | None, groups: list[Any]) -> int:
         """Swap space for ``groups``' shards, masters and gradients, and the optimizer's
@@ -363,9 +385,9 @@ class Offload:
             self._open(self._needed_bytes(optimizer, rest), checkpoint_marker)
         else:
             cfg, key = self._key()
-            check_nvme_path(
-                cfg.nvme_path, self._needed_bytes(optimizer, rest), checkpoint_marker, key
-            )
+            needed = self._needed_bytes(optimizer, rest)
+            sharing = self._sharing(cfg.nvme_path, needed)
+            check_nvme_path(cfg.nvme_path, needed, checkpoint_marker, key, sharing)
         out = len(self._swapped_group_tensors(rest))
         progress = Progress("writing the model to nvme_path", out, self.rank, "tensors")
         self._swap_out(rest, progress)

@@ -18,6 +18,7 @@ import enum
 import os
 import platform
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -30,7 +31,7 @@ import torch
 
 from ..memory import human_bytes
 
-__all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path", "io_bytes"]
+__all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path", "drive_of", "io_bytes"]
 
 DIR_PREFIX = "ds_strategy_swap_"
 
@@ -220,10 +221,16 @@ class SwappedTensor:
 
 
 def check_nvme_path(
-    path: str | os.PathLike, needed_bytes: int, checkpoint_marker: str, key: str
+    path: str | os.PathLike,
+    needed_bytes: int,
+    checkpoint_marker: str,
+    key: str,
+    sharing: tuple[int, int] | None = None,
 ) -> Path:
     """Errors before training starts: the directory must exist, be writable, have room for
-    ``needed_bytes``, and not be (or lie inside) a checkpoint directory."""
+    ``needed_bytes``, and not be (or lie inside) a checkpoint directory. ``sharing``: (bytes,
+    ranks) that every rank of this machine whose swap files go to the same drive needs
+    together (see :func:`drive_of`); the room is checked for all of them."""
     p = Path(path).expanduser().resolve()
     need = f"{needed_bytes:,} bytes ({human_bytes(needed_bytes)}) of swap space"
     if not p.is_dir():
@@ -244,12 +251,29 @@ def check_nvme_path(
                 "another directory"
             )
     free = shutil.disk_usage(p).free
-    if free < needed_bytes:
+    total, ranks = sharing if sharing is not None and sharing[1] > 1 else (needed_bytes, 1)
+    if free < total:
+        together = (
+            f" and {total:,} bytes ({human_bytes(total)}) for the {ranks} ranks of this machine "
+            "that swap to this drive"
+            if ranks > 1
+            else ""
+        )
         raise OSError(
-            f"{key}: nvme_path {str(p)!r} has {free:,} bytes free but this run needs {need} "
-            "on this rank; free space there or choose a larger drive"
+            f"{key}: nvme_path {str(p)!r} has {free:,} bytes ({human_bytes(free)}) free but "
+            f"this run needs {need} on this rank{together}; free space there, choose a larger "
+            "drive, or give each rank's nvme_path its own drive"
         )
     return p
+
+
+def drive_of(path: str | os.PathLike) -> tuple[str, int] | None:
+    """(this machine's name, the device number of ``path``'s file system): ranks whose swap
+    files share a drive have the same; None where ``path`` is not there (its check says so)."""
+    try:
+        return socket.gethostname(), os.stat(Path(path).expanduser()).st_dev
+    except OSError:
+        return None
 
 
 # [Note: swapped storages and the C allocator]
@@ -299,8 +323,9 @@ class SwapDir:
         checkpoint_marker: str,
         key: str = "zero_optimization.offload_optimizer",
         io_threads: int = 2,
+        sharing: tuple[int, int] | None = None,
     ) -> None:
-        base = check_nvme_path(nvme_path, needed_bytes, checkpoint_marker, key)
+        base = check_nvme_path(nvme_path, needed_bytes, checkpoint_marker, key, sharing)
         fix_mmap_threshold()
         self.path = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}rank{rank}_", dir=base))
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ds_swap")
