@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scale.py --nvme-path /local_nvme                 # 0.25B and 1B
     python benchmarks/bench_scale.py --nvme-path /local_nvme --sizes 3B --steps 2
+    python benchmarks/bench_scale.py --nvme-path /local_nvme --largest            # part (1)
 
 Each size is a demo GPT built on the meta device (``param_init_fn``: GPT-2's initialisation),
 trained with ZeRO-3 on 2 gloo ranks (one CPU thread each), fp32 AdamW, parameters and
@@ -15,6 +16,18 @@ package imported), the median step time, the swap bytes read and written in a st
 losses and the bytes the rank holds in swap files. The fp32 Adam training state of the model
 (16 bytes a parameter: weights, gradients, two moments) is printed beside it.
 
+With ``--largest``, the largest demo GPT of width ``--width`` that trains 2 steps on this
+machine with each strategy: torch's DistributedDataParallel (fp32 AdamW, built in memory),
+ZeRO-3, ZeRO-3 with the optimizer offloaded to the CPU and ZeRO-3 with parameters and
+optimizer state on NVMe (all three built on the meta device). The search is over depth:
+``ds-strategy estimate``'s host peak gives the first depth to try (the deepest whose peak,
+plus the process's working memory, fits a rank's share of the memory; for NVMe, the deepest
+whose swap files fit the drive), then one layer at a time up while a trial trains and down
+while it fails. Each rank runs under an address-space limit for data (``RLIMIT_DATA``, its
+share of the machine's memory less a margin), so a trial that does not fit fails with an
+allocation error instead of taking the machine down; the engine's own room check stops an
+NVMe trial whose swap files would not fit the drive.
+
 Then the step time against its bound: the disk's read and write bandwidth, measured first
 with direct I/O (1 GiB through 16 MiB buffers), gives the time both ranks' swap bytes of a
 step need at the disk's speed; the compute time is the step less the time the rank waited
@@ -25,7 +38,11 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import multiprocessing
 import os
+import queue as queue_mod
+import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,11 +54,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ds_strategy  # noqa: E402
-from benchmarks._ranks import run  # noqa: E402
+from benchmarks._ranks import _entry, _free_port, run  # noqa: E402
 from benchmarks.bench_offload import PeakRSS, _status_kb  # noqa: E402
 from ds_strategy.core.memory import human_bytes  # noqa: E402
 from ds_strategy.core.offload.swap import io_bytes  # noqa: E402
 from ds_strategy.demos.gpt import GPT, GPTConfig, gpt_loss, init_weights  # noqa: E402
+from ds_strategy.estimate import Knobs, model_facts, step_peak  # noqa: E402
 
 # name -> (width, layers): the sizes of the demo GPT (vocabulary 8192, 64 tokens)
 SIZES = {"0.25B": (1024, 20), "1B": (2048, 20), "3B": (2560, 38)}
@@ -145,6 +163,183 @@ def disk_bandwidth(path: str, size: int = 1 << 30, chunk: int = 16 << 20) -> tup
     return size / write_s, size / read_s
 
 
+# -- part (1): the largest model each strategy trains ----------------------------------------
+
+STRATEGIES = {  # name -> (stage, offload) for the estimate; "ddp" is torch's own
+    "DDP": (0, "none"),
+    "ZeRO-3": (3, "none"),
+    "ZeRO-3 + CPU offload": (3, "cpu"),
+    "ZeRO-3 + NVMe offload": (3, "nvme"),
+}
+WORKING_MEMORY = 0.5 * 2**30  # a rank's own memory beside the model (torch, gloo, autograd)
+
+
+def _gpt(width: int, layers: int) -> GPT:
+    return GPT(GPTConfig(vocab=VOCAB, d=width, layers=layers, heads=16, seq=SEQ))
+
+
+def _trial(
+    rank: int, world: int, strategy: str, width: int, layers: int, nvme: str, limit: int
+) -> dict:
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    torch.manual_seed(0)
+    before = _status_kb("VmRSS") * 1024
+    peak = PeakRSS()
+    optimizer = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
+    if strategy == "DDP":
+        model = _gpt(width, layers)
+        model.apply(init_weights)
+        engine = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = optimizer(engine.parameters())
+    else:
+        zo: dict = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        if strategy.endswith("CPU offload"):
+            zo["offload_optimizer"] = {"device": "cpu"}
+        if strategy.endswith("NVMe offload"):
+            zo["offload_param"] = {"device": "nvme", "nvme_path": nvme}
+            zo["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+        with torch.device("meta"):
+            model = _gpt(width, layers)
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zo}
+        engine = ds_strategy.initialize(model, optimizer, config, param_init_fn=init_weights)
+        opt = None
+    g = torch.Generator().manual_seed(rank)
+    times, losses = [], []
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
+        t0 = time.perf_counter()
+        loss = gpt_loss(engine, tokens)
+        if opt is None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    nvme_bytes = engine.memory_report().get("offloaded_nvme", 0) if opt is None else 0
+    out = {
+        "peak": peak.stop() - before,
+        "step_s": times[-1],
+        "losses": losses,
+        "nvme": nvme_bytes,
+    }
+    if opt is None:
+        engine.destroy()
+    return out
+
+
+def _run_trial(*args: object, world: int = 2, timeout: float = 3 * 3600) -> dict | str:
+    """``{rank: result}`` of one trial, or why it failed; the first rank to fail ends the
+    others (a rank out of memory would leave its peer waiting in a collective)."""
+    ctx = multiprocessing.get_context("spawn")
+    results: multiprocessing.Queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, _trial, args, results))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    deadline = time.monotonic() + timeout
+    failure = None
+    while len(got) < world and failure is None:
+        try:
+            rank, value = results.get(timeout=2)
+        except queue_mod.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                failure = f"a rank exited with code {dead[0].exitcode}"
+            elif time.monotonic() > deadline:
+                failure = "timed out"
+            continue
+        if isinstance(value, BaseException):
+            failure = str(value).splitlines()[0][:160]
+        else:
+            got[rank] = value
+    for p in procs:
+        if failure is not None and p.is_alive():
+            p.kill()
+        p.join()
+    return failure if failure is not None else got
+
+
+def _first_guess(strategy: str, width: int, limit: int, nvme: str) -> int:
+    """The deepest model whose estimated peak (or, on NVMe, swap files) fits."""
+    stage, offload = STRATEGIES[strategy]
+    knobs = Knobs(reduce_scratch=True, cpu_only=True)
+
+    def fits(layers: int) -> bool:
+        facts = model_facts(lambda: _gpt(width, layers), persistence_threshold=0)
+        pk = step_peak(facts, 2, stage, offload, "fp32", knobs=knobs)
+        if offload == "nvme":
+            return 2 * pk.peak("nvme") * 1.1 <= shutil.disk_usage(nvme).free
+        build = 8 * facts.params if strategy == "DDP" else 0  # weights and their init
+        return max(pk.host_peak, build) + WORKING_MEMORY <= limit
+
+    layers = 1
+    while fits(layers * 2):
+        layers *= 2
+    step = layers // 2
+    while step:
+        if fits(layers + step):
+            layers += step
+        step //= 2
+    return layers
+
+
+def largest(args: argparse.Namespace, nvme_path: str) -> None:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = int((total - 2 * 2**30) / 2)  # a rank's share, less a margin for the system
+    print(
+        f"largest demo GPT of width {args.width} (vocabulary {VOCAB}) that trains 2 steps, "
+        f"2 ranks, fp32 AdamW; each rank limited to {human_bytes(limit)} of data "
+        f"(RLIMIT_DATA); NVMe at {nvme_path} ({human_bytes(shutil.disk_usage(nvme_path).free)} free)"
+    )
+    rows = []
+    for strategy in args.strategies:
+        layers = _first_guess(strategy, args.width, limit, nvme_path)
+        best: tuple[int, dict] | None = None
+        tried: dict[int, dict | str] = {}
+        while layers >= 1 and layers not in tried:
+            result = _run_trial(strategy, args.width, layers, nvme_path, limit)
+            tried[layers] = result
+            ok = not isinstance(result, str)
+            print(
+                f"  {strategy}: {layers} layers " + ("trains" if ok else f"fails ({result})"),
+                flush=True,
+            )
+            if ok:
+                best = (layers, result) if best is None or layers > best[0] else best
+                layers += 1
+            elif best is None:
+                layers -= 1
+            else:
+                break
+        rows.append((strategy, best))
+    print(
+        f"{'strategy':>22} {'layers':>6} {'params':>14} {'peak RSS r0/r1':>20} {'step':>8} "
+        f"{'on NVMe':>10}  losses"
+    )
+    for strategy, best in rows:
+        if best is None:
+            print(f"{strategy:>22}  nothing trains")
+            continue
+        layers, r = best
+        peaks = "/".join(human_bytes(r[k]["peak"]) for k in sorted(r))
+        step = max(x["step_s"] for x in r.values())
+        nvme = sum(x["nvme"] for x in r.values())
+        losses = " ".join(f"{x:.3f}" for x in r[0]["losses"])
+        params = model_facts(lambda: _gpt(args.width, layers)).params  # noqa: B023
+        print(
+            f"{strategy:>22} {layers:>6} {params:>14,} {peaks:>20} {step:>7.1f}s "
+            f"{human_bytes(nvme):>10}  {losses}"
+        )
+    print("peak RSS: above the rank's RSS before the model was built; on NVMe: both ranks")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["0.25B", "1B"], choices=list(SIZES))
@@ -157,8 +352,22 @@ def main() -> None:
         help="offload buffer_size in elements (DeepSpeed's default; the optimizer step holds "
         "up to buffer_count=4 buckets of it: weights and both moments, 12 bytes an element)",
     )
+    ap.add_argument(
+        "--largest", action="store_true", help="part (1): the largest model per strategy"
+    )
+    ap.add_argument("--width", type=int, default=2048, help="with --largest: the model's width")
+    ap.add_argument(
+        "--strategies",
+        nargs="+",
+        default=list(STRATEGIES),
+        choices=list(STRATEGIES),
+        help="with --largest: the strategies to search",
+    )
     args = ap.parse_args()
     nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="bench_scale_")
+    if args.largest:
+        largest(args, nvme_path)
+        return
     print(
         "demo GPT, ZeRO-3, 2 ranks, offload_param + offload_optimizer on NVMe "
         f"({nvme_path}), buffer_size {args.buffer_size:,}"

@@ -112,6 +112,7 @@ def init_inference(
     checkpoint: Any = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     require_checksums: bool = True,
+    trust_remote_code: bool = False,
 ) -> InferenceEngine:
     """A model ready for inference: ``engine(inputs)``, ``engine.generate(input_ids, ...)``,
     ``engine.memory_report()``, ``engine.save_quantized(path)``, ``engine.destroy()``.
@@ -133,6 +134,9 @@ def init_inference(
         checkpoint: the weights: a ds_strategy checkpoint (any world size, stage or
             tensor-parallel layout it was trained in), a ``.safetensors`` file or a directory
             of them.
+        trust_remote_code: let a model directory's ``ds_model.json`` name a factory outside
+            ``ds_strategy`` (code the directory's author chose, imported and run here); off,
+            such a directory is refused with the factory's name.
 
     >>> import torch, ds_strategy
     >>> engine = ds_strategy.init_inference(torch.nn.Sequential(torch.nn.Linear(64, 8)),
@@ -152,6 +156,7 @@ def init_inference(
         process_group=process_group,
         require_checksums=require_checksums,
         loaders=(hf_model_directory,),
+        trust_remote_code=trust_remote_code,
     )
 
 

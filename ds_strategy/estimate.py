@@ -84,6 +84,11 @@ DEFAULT_PREFETCH = 50_000_000  # stage3_prefetch_bucket_size
 DEFAULT_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters
 
 
+def config_name(stage: int, offload: str) -> str:
+    """``(3, "cpu")`` -> ``"zero3+cpu"``; ``(2, "none")`` -> ``"zero2"``."""
+    return f"zero{stage}" + ("" if offload == "none" else f"+{offload}")
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What the estimate needs to know about a model (counts are elements, not bytes)."""
@@ -124,7 +129,7 @@ class Estimate:
 
     @property
     def name(self) -> str:
-        return f"zero{self.stage}" + ("" if self.offload == "none" else f"+{self.offload}")
+        return config_name(self.stage, self.offload)
 
 
 def estimate(
@@ -339,7 +344,7 @@ class Peak:
 
     @property
     def name(self) -> str:
-        return f"zero{self.stage}" + ("" if self.offload == "none" else f"+{self.offload}")
+        return config_name(self.stage, self.offload)
 
     def _in(self, tiers: tuple[str, ...]) -> tuple[float, str | None]:
         always = sum(t.nbytes for t in self.terms if t.phase is None and t.tier in tiers)
@@ -355,21 +360,24 @@ class Peak:
         return self._in((tier,))[0]
 
     @property
+    def _host_tiers(self) -> tuple[str, ...]:
+        """The tiers in host memory: with ``cpu_only`` the device's too (the same memory)."""
+        return ("device", "host") if self.cpu_only else ("host",)
+
+    @property
     def host_peak(self) -> float:
-        """The rank's peak in host memory: the host tier, and with ``cpu_only`` the device
-        tier too (both are the same memory), at the phase where their sum is largest."""
-        return self._in(("device", "host") if self.cpu_only else ("host",))[0]
+        """The rank's peak in host memory, at the phase where its tiers hold the most."""
+        return self._in(self._host_tiers)[0]
 
     @property
     def peak_phase(self) -> str | None:
         """The phase of the host peak (None: no phase adds to it)."""
-        return self._in(("device", "host") if self.cpu_only else ("host",))[1]
+        return self._in(self._host_tiers)[1]
 
     def at_peak(self) -> list[Term]:
         """The terms held at the host peak, largest first."""
-        tiers = ("device", "host") if self.cpu_only else ("host",)
         phase = self.peak_phase
-        held = [t for t in self.terms if t.tier in tiers and t.phase in (None, phase)]
+        held = [t for t in self.terms if t.tier in self._host_tiers and t.phase in (None, phase)]
         return sorted((t for t in held if t.nbytes > 0), key=lambda t: -t.nbytes)
 
 
@@ -659,7 +667,7 @@ def format_table(
     header = ["config"] + [f"{p} device | cpu | nvme" for p in precisions]
     rows = []
     for s, o in CANDIDATES:
-        cells = [f"zero{s}" + ("" if o == "none" else f"+{o}")]
+        cells = [config_name(s, o)]
         for p in precisions:
             e = by_key.get((s, o, p))
             if e is None:

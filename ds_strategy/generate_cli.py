@@ -52,6 +52,12 @@ def add_cli_parser(sub: Any) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the model directory's ds_model.json name a factory outside ds_strategy "
+        "(its code is imported and run)",
+    )
+    g.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object: prompt, prompt_ids, generated_ids (the new tokens) and "
@@ -105,7 +111,11 @@ def _generate(args: Any) -> int:
     model: Any = args.model if args.model else args.model_or_checkpoint
     checkpoint = args.model_or_checkpoint if args.model else None
     engine = ds_strategy.init_inference(
-        model, _config(args), dtype=args.dtype, checkpoint=checkpoint
+        model,
+        _config(args),
+        dtype=args.dtype,
+        checkpoint=checkpoint,
+        trust_remote_code=args.trust_remote_code,
     )
     options = dict(
         do_sample=args.sample,

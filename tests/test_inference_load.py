@@ -229,6 +229,41 @@ def test_a_sharded_hugging_face_index_is_read_across_its_files(tmp_path: Path) -
     assert torch.allclose(a, b, atol=0)
 
 
+def test_an_index_names_only_files_inside_its_directory_and_is_followed(tmp_path: Path) -> None:
+    """``weight_map`` entries leading outside the model directory (``../``, absolute, a
+    symbolic link) are refused before any file is opened; a tensor in two shards is read
+    from the one the index names; a malformed index names its file."""
+    first, second = tmp_path / "model" / "a.safetensors", tmp_path / "model" / "b.safetensors"
+    first.parent.mkdir()
+    save_file({"w": torch.zeros(2), "v": torch.ones(1)}, str(first))
+    save_file({"w": torch.ones(2)}, str(second))  # sorts later: used to win
+    other = tmp_path / "other.safetensors"
+    save_file({"w": torch.full((2,), 7.0)}, str(other))
+    index = first.parent / "model.safetensors.index.json"
+
+    def source(weight_map: Any) -> Any:
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        return open_source(first.parent, ds_strategy.Comm())
+
+    got = source({"w": "a.safetensors", "v": "a.safetensors"})
+    assert torch.equal(got.read("w", slice(None)), torch.zeros(2))
+    assert sorted(got.names()) == ["v", "w"]
+    (first.parent / "link.safetensors").symlink_to(other)
+    for bad in ("../other.safetensors", str(other), "/etc/hostname", "link.safetensors"):
+        with pytest.raises(ValueError, match=r"weight_map\['w'\]: .* points outside"):
+            source({"w": bad})
+    with pytest.raises(ValueError, match="names b.safetensors for 'v', which that file does not"):
+        source({"w": "a.safetensors", "v": "b.safetensors"})
+    with pytest.raises(FileNotFoundError, match="names c.safetensors, which is missing"):
+        source({"w": "c.safetensors"})
+    for malformed in ([1], {"w": 3}, {}):
+        with pytest.raises(ValueError, match="model.safetensors.index.json"):
+            source(malformed)
+    index.write_text("{oops")
+    with pytest.raises(ValueError, match=r"index.json: not valid JSON"):
+        open_source(first.parent, ds_strategy.Comm())
+
+
 # -- no rank ever allocates the whole model ----------------------------------------------------
 
 BIG = dict(vocab=256, d=512, layers=8, heads=8, seq=64)  # 25.4M parameters, 101 MB in fp32
@@ -301,3 +336,89 @@ def test_building_a_sharded_model_never_allocates_all_of_it(
         assert r["held"] < 0.55 * size
         assert r["peak_increase"] < 0.75 * size, (r, size)
     assert plain["peak_increase"] > 0.95 * size, (plain, size)
+
+
+# -- a model directory names only its own files and ds_strategy's factories -------------------
+
+
+def _card_dir(tmp_path: Path, gpt_dir: Path, name: str, **card: Any) -> Path:
+    """A copy of ``gpt_dir`` with its card's entries replaced by ``card``."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "model.safetensors").write_bytes((gpt_dir / "model.safetensors").read_bytes())
+    base = json.loads((gpt_dir / "ds_model.json").read_text())
+    (d / "ds_model.json").write_text(json.dumps({**base, **card}))
+    return d
+
+
+def test_a_model_directory_runs_no_outside_code_without_consent(
+    gpt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A card's factory outside ds_strategy is refused (nothing imported or run) unless the
+    caller passes trust_remote_code=True; ds_strategy's own factories load as before."""
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "marker"
+    hostile = _card_dir(
+        tmp_path,
+        gpt_dir,
+        "hostile",
+        factory="subprocess:check_call",
+        kwargs={"args": ["sh", "-c", f"echo ran > {marker}"]},
+    )
+    with pytest.raises(
+        ds_strategy.UntrustedContentError, match=r"'subprocess:check_call'.*trust_remote_code=True"
+    ):
+        ds_strategy.init_inference(hostile)
+    assert not marker.exists()
+    for look_alike in ("ds_strategy_evil.models:build", "os:system"):
+        d = _card_dir(tmp_path, gpt_dir, look_alike.partition(":")[0], factory=look_alike)
+        with pytest.raises(ds_strategy.UntrustedContentError, match="--trust-remote-code"):
+            ds_strategy.init_inference(d)
+    # with consent the factory runs (and returning no model is then an error of its own)
+    with pytest.raises((TypeError, ValueError)):
+        ds_strategy.init_inference(hostile, trust_remote_code=True)
+    assert marker.read_text().strip() == "ran"
+    assert ds_strategy.init_inference(gpt_dir).module is not None  # ds_strategy.demos.gpt:GPT
+
+
+def test_a_model_directory_names_only_files_inside_it(gpt_dir: Path, tmp_path: Path) -> None:
+    """``weights`` in a card: ``../``, absolute paths and symbolic links leading outside the
+    directory are refused, naming the entry; a malformed card names its file."""
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes((gpt_dir / "model.safetensors").read_bytes())
+    for i, weights in enumerate(["../elsewhere.safetensors", str(outside), "/etc/hostname"]):
+        d = _card_dir(tmp_path, gpt_dir, f"escape{i}", weights=weights)
+        with pytest.raises(ValueError, match=r"ds_model.json weights: .* points outside"):
+            ds_strategy.init_inference(d)
+    d = _card_dir(tmp_path, gpt_dir, "link", weights="linked.safetensors")
+    (d / "linked.safetensors").symlink_to(outside)
+    with pytest.raises(ValueError, match="points outside the model directory"):
+        ds_strategy.init_inference(d)
+    d = _card_dir(tmp_path, gpt_dir, "inner", weights="sub/../model.safetensors")
+    (d / "sub").mkdir()
+    assert ds_strategy.init_inference(d).module is not None  # inside after resolving
+    d = _card_dir(tmp_path, gpt_dir, "broken")
+    (d / "ds_model.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"ds_model.json: not valid JSON"):
+        ds_strategy.init_inference(d)
+    d = _card_dir(tmp_path, gpt_dir, "kwargs", kwargs=[1, 2])
+    with pytest.raises(ValueError, match=r"ds_model.json kwargs: expected an object"):
+        ds_strategy.init_inference(d)
+
+
+def test_generate_asks_for_trust_remote_code(gpt_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    marker = tmp_path / "marker"
+    hostile = _card_dir(
+        tmp_path,
+        gpt_dir,
+        "hostile",
+        factory="subprocess:check_call",
+        kwargs={"args": ["sh", "-c", f"echo ran > {marker}"]},
+    )
+    cmd = [sys.executable, "-m", "ds_strategy.cli", "generate", str(hostile), "--prompt-ids", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--trust-remote-code" in out.stderr, out.stderr
+    assert not marker.exists()

@@ -56,7 +56,8 @@ _ALLOWED = _METADATA_CLASSES | {
 
 
 class UntrustedContentError(ValueError):
-    """A checkpoint holds content that loading will not unpickle without trust."""
+    """A checkpoint or model directory holds content that loading will not unpickle or run
+    without trust (a pickled object; a model card's factory from outside ds_strategy)."""
 
 
 UntrustedContentError.__module__ = "ds_strategy"

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from ..checkpoint.trust import UntrustedContentError
 from ..model_factory import build_with, import_factory, params_on_meta
 
 __all__ = [
@@ -79,16 +80,19 @@ def write_model_card(
 DirectoryLoader = Callable[[Path], "LoadedModel | None"]
 
 
-def load_model(spec: Any, loaders: Sequence[DirectoryLoader] = ()) -> LoadedModel:
+def load_model(
+    spec: Any, loaders: Sequence[DirectoryLoader] = (), trust_remote_code: bool = False
+) -> LoadedModel:
     """See the module docstring; errors name what was given and what is accepted.
     ``loaders``: more kinds of model directory (``ds_strategy.hf`` adds Hugging Face's), each
-    returning ``None`` for a directory it does not know."""
+    returning ``None`` for a directory it does not know. ``trust_remote_code``: a model
+    directory's card may name a factory outside ``ds_strategy`` (see :func:`card_factory`)."""
     if isinstance(spec, nn.Module):
         return LoadedModel(spec, None)
     if isinstance(spec, (str, Path)):
         path = Path(spec)
         if path.is_dir() and (path / CARD).is_file():
-            return _from_card(path)
+            return _from_card(path, trust_remote_code)
         for loader in loaders if path.is_dir() else ():
             loaded = loader(path)
             if loaded is not None:
@@ -111,12 +115,58 @@ def _build(factory: Callable[..., Any], kwargs: dict[str, Any]) -> nn.Module:
     return build_with(factory, kwargs, params_on_meta)
 
 
-def _from_card(path: Path) -> LoadedModel:
-    card = json.loads((path / CARD).read_text())
+def inside(directory: Path, name: Any, what: str) -> Path:
+    """``directory / name`` when it stays inside ``directory`` once resolved (symbolic links
+    followed): a model directory names files of its own, never ``../other`` or ``/etc``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what}: expected a file name inside {str(directory)!r}, got {name!r}")
+    root = directory.resolve()
+    target = (directory / name).resolve()
+    if target != root and root not in target.parents:
+        raise ValueError(
+            f"{what}: {name!r} points outside the model directory {str(root)!r}; a model "
+            "directory may only name files inside it"
+        )
+    return target
+
+
+def card_factory(card_path: Path, factory: Any, trust_remote_code: bool) -> Callable[..., Any]:
+    """The card's factory. ds_strategy's own (``ds_strategy.*``) are always allowed; any other
+    module is code that whoever wrote the directory chose, imported and run only with the
+    user's consent (``trust_remote_code=True``, as transformers asks for a model's own code)."""
+    what = f"{card_path} factory"
+    if not isinstance(factory, str):
+        raise ValueError(f"{what}: expected 'package.module:factory', got {factory!r}")
+    module = factory.partition(":")[0]
+    if not (module == "ds_strategy" or module.startswith("ds_strategy.")) and not trust_remote_code:
+        raise UntrustedContentError(
+            f"{what} {factory!r} is code from outside ds_strategy, which loading this directory "
+            "would import and run; if you trust the directory's source, pass "
+            "trust_remote_code=True to init_inference (--trust-remote-code on the command line)"
+        )
+    return import_factory(factory, what)
+
+
+def _from_card(path: Path, trust_remote_code: bool = False) -> LoadedModel:
+    card_path = path / CARD
+    try:
+        card = json.loads(card_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{card_path}: not valid JSON ({err})") from None
+    if not isinstance(card, dict):
+        raise ValueError(f"{card_path}: expected a JSON object, got {type(card).__name__}")
     for key in ("factory", "kwargs"):
         if key not in card:
-            raise ValueError(f"{path / CARD}: no {key!r} entry")
-    model = _build(import_factory(card["factory"], f"{path / CARD} factory"), card["kwargs"])
+            raise ValueError(f"{card_path}: no {key!r} entry")
+    if not isinstance(card["kwargs"], dict):
+        raise ValueError(f"{card_path} kwargs: expected an object, got {card['kwargs']!r}")
+    weights = inside(path, card.get("weights", "model.safetensors"), f"{card_path} weights")
+    model = _build(card_factory(card_path, card["factory"], trust_remote_code), card["kwargs"])
     tok = card.get("tokenizer") or {}
-    tokenizer = CharTokenizer(tok["chars"]) if tok.get("type") == "chars" else None
-    return LoadedModel(model, path / card.get("weights", "model.safetensors"), tokenizer)
+    if not isinstance(tok, dict):
+        raise ValueError(f"{card_path} tokenizer: expected an object, got {tok!r}")
+    chars = tok.get("chars")
+    if tok.get("type") == "chars" and not isinstance(chars, str):
+        raise ValueError(f"{card_path} tokenizer.chars: expected a string, got {chars!r}")
+    tokenizer = CharTokenizer(chars) if tok.get("type") == "chars" else None
+    return LoadedModel(model, weights, tokenizer)

@@ -72,6 +72,7 @@ class InferenceEngine(nn.Module):
         process_group: torch.distributed.ProcessGroup | None = None,
         require_checksums: bool = True,
         loaders: Sequence[DirectoryLoader] = (),
+        trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
         init_process_group_from_env()
@@ -79,7 +80,7 @@ class InferenceEngine(nn.Module):
         with together(self.comm):
             self.config = _config(config, tensor_parallel, quantization)
             self.dtype = _dtype(dtype, self.config)
-            loaded = load_model(model, loaders)
+            loaded = load_model(model, loaders, trust_remote_code)
             self.tokenizer = loaded.tokenizer
             where = _weights_path(loaded, checkpoint)
             kind = source_kind(where)[0] if where is not None else "module"

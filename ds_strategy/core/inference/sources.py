@@ -18,6 +18,7 @@ import abc
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from ..checkpoint.sharded import single_process_ok
 from ..checkpoint.trust import SafeReader
 from ..checkpoint.validate import META_FILE, validate
 from ..collectives import Comm
+from .building import inside
 
 __all__ = [
     "CheckpointSource",
@@ -80,25 +82,67 @@ class WeightSource(abc.ABC):
         self.metadata = {}
 
 
+@dataclass(frozen=True)
+class HFIndex:
+    """A sharded model's ``model.safetensors.index.json``: each tensor's file, resolved and
+    confined to the model directory."""
+
+    path: Path
+    weight_map: dict[str, Path]
+
+    @classmethod
+    def read(cls, path: Path) -> HFIndex:
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(
+                f"{path}: expected an object with a non-empty 'weight_map' of tensor name -> "
+                "file name"
+            )
+        files = {}
+        for name, file in weight_map.items():
+            files[name] = inside(path.parent, file, f"{path} weight_map[{name!r}]")
+        for file in set(files.values()):
+            if not file.is_file():
+                raise FileNotFoundError(f"{path}: weight_map names {file.name}, which is missing")
+        return cls(path, files)
+
+
 class SafetensorsSource(WeightSource):
     """One or more ``.safetensors`` files, memory-mapped and read by slices."""
 
-    def __init__(self, files: Iterable[Path], where: Path) -> None:
+    def __init__(self, files: Iterable[Path], where: Path, index: HFIndex | None = None) -> None:
+        """``index``: a sharded model's index; each tensor it names is read from the file it
+        names (and only those tensors exist)."""
         from safetensors import safe_open
 
         self.where = where
         self._files: dict[str, Any] = {}
         self._handles = []
         self.metadata = {}
+        by_path: dict[Path, Any] = {}
         for path in files:
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise ValueError(f"{path}: not a readable .safetensors file ({e})") from e
             self._handles.append(handle)
+            by_path[path] = handle
             self.metadata.update(handle.metadata() or {})
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                self._files[key] = handle
+            if index is None:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    self._files[key] = handle
+        for name, path in (index.weight_map if index is not None else {}).items():
+            handle = by_path[path]
+            if name not in handle.keys():  # noqa: SIM118
+                raise ValueError(
+                    f"{index.path}: weight_map names {path.name} for {name!r}, which that file "
+                    "does not hold"
+                )
+            self._files[name] = handle
         if not self._files:
             raise ValueError(f"{where}: holds no tensors")
 
@@ -334,11 +378,10 @@ def open_source(path: str | Path, comm: Comm, require_checksums: bool = True) ->
         return UnionSource(list(stages), p)
     if p.is_file():
         return SafetensorsSource([p], p)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({p / f for f in weight_map.values()})
-        return SafetensorsSource(files, p)
+    index_file = p / "model.safetensors.index.json"
+    if index_file.is_file():
+        index = HFIndex.read(index_file)
+        return SafetensorsSource(sorted(set(index.weight_map.values())), p, index)
     files = sorted(p.glob("*.safetensors"))
     if files:
         return SafetensorsSource(files, p)
