@@ -531,3 +531,113 @@ def test_a_really_full_disk(tmp_path: Path) -> None:
     assert "needed " in lines["FIRST LINE"]
     assert lines["LEFT"] == "['.ds_strategy.lock', 'first', 'latest']"
     assert lines["LATEST"] == "first" and lines["LOADS"] == "True"
+
+
+# -- a pipeline save torn by kill -9: one whole step or a refusal, never a mixture ---------------
+
+
+def torn_pipeline_rank(rank: int, port: int, root: str, victim: int, step: int, queue: Any) -> None:
+    """One rank of a 2-stage pipeline (one rank a stage): saves global_step1, trains, saves
+    global_step2 with ``keep_last: 1``; rank ``victim`` is killed before its ``step``-th
+    filesystem change of that second save (never, for ``step`` 0)."""
+    import datetime
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20)
+    )
+    from tests.test_pipeline import _data
+
+    model = mlp(4)
+    config = {**_pipe_config(2, "1f1b", 1), "checkpoint": {"keep_last": 1}}
+    engine = ds_strategy.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), config, loss_fn=mse
+    )
+    data = _data(1)
+    engine.train_batch(*data[0])
+    engine.save_checkpoint(root, tag="global_step1")
+    first = engine.full_state_dict()
+    engine.train_batch(*data[1])
+    second = engine.full_state_dict()
+    if rank == victim and step:
+        _kill_at(step, [])
+    engine.save_checkpoint(root, tag="global_step2")
+    queue.put(
+        (rank, {n: {k: v.tolist() for k, v in w.items()} for n, w in (("A", first), ("B", second))})
+    )
+    engine.destroy()
+
+
+def _torn_save(root: Path, victim: int, step: int) -> dict | None:
+    """Run the two ranks; once the victim is dead, kill -9 the other rank too (a job whose
+    rank died is killed whole). The ranks' weights at both saves when nothing was killed."""
+    from benchmarks._ranks import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=torn_pipeline_rank, args=(r, port, str(root), victim, step, queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    procs[victim].join(timeout=240)
+    if procs[victim].exitcode == -signal.SIGKILL:
+        time.sleep(2.0)  # the other stage goes on with its own commit, or waits for its peer
+        procs[1 - victim].kill()
+    procs[1 - victim].join(timeout=240)
+    if any(p.exitcode != 0 for p in procs):
+        return None
+    return dict(queue.get(timeout=30) for _ in procs)[0]
+
+
+def _consolidated(root: Path, out: Path) -> tuple[dict | str, list[str]]:
+    from safetensors.torch import load_file
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ds_strategy.consolidate(root, out)
+        except ds_strategy.CheckpointError as e:
+            return f"refused: {e}", [str(w.message) for w in caught]
+    return load_file(str(out)), [str(w.message) for w in caught]
+
+
+@pytest.mark.launcher
+def test_a_pipeline_save_killed_mid_way_loads_one_whole_step_or_refuses(tmp_path: Path) -> None:
+    """``kill -9`` of one stage's rank at several moments of a 2-stage save: every load (here
+    ``consolidate``, which reads the stages as ``load_checkpoint`` and ``init_inference`` do)
+    gives the weights of one whole step, step 1 or step 2, never layers of both; a torn save
+    (one stage committed, the other not) loads step 1 with a warning naming the torn stages,
+    and ``keep_last: 1`` did not prune it from the stage that went ahead."""
+    clean = _torn_save(tmp_path / "clean", 0, 0)
+    assert clean is not None
+    steps = {name: {k: torch.tensor(v) for k, v in w.items()} for name, w in clean.items()}
+    outcomes = []
+    for victim, step in ((1, 1), (1, 4), (1, 9), (0, 6)):
+        root = tmp_path / f"kill_rank{victim}_at{step}"
+        assert _torn_save(root, victim, step) is None  # killed
+        got, said = _consolidated(root, tmp_path / f"{root.name}.safetensors")
+        latest = [(root / f"stage_{k}" / "latest").read_text().strip() for k in (0, 1)]
+        where = f"rank {victim} killed before filesystem change {step}; latest {latest}"
+        if isinstance(got, str):
+            outcomes.append("refused")
+            assert "stages disagree" in got, where
+            continue
+        which = [n for n, w in steps.items() if all(torch.equal(got[k], w[k]) for k in w)]
+        assert len(which) == 1, f"{where}: a mixture of steps"
+        torn = [m for m in said if "pipeline checkpoint is torn" in m]
+        if latest[0] != latest[1]:
+            assert which == ["A"] and torn, (where, said)
+            assert "loading global_step1" in torn[0]
+        outcomes.append(which[0] + (" (torn)" if torn else ""))
+    assert "A (torn)" in outcomes, outcomes  # a kill left the stages at different steps

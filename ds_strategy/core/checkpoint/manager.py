@@ -51,7 +51,7 @@ from ..faults import together
 from . import sharded, swap
 from .flat_piece import FlatPiece
 from .lock import LOCK_FILE, acquire, release
-from .validate import META_FILE, CheckpointError
+from .validate import META_FILE, CheckpointError, read_meta
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -291,11 +291,78 @@ def stage_dirs(root: Path) -> list[Path]:
 def resolve_sources(path: Path, tag: str | None) -> list[Path]:
     """The checkpoint directories a load reads: one (see :func:`resolve_load_dir`), or, for a
     pipeline checkpoint's root, each stage's (``stage_<k>/tag``, or the one its ``latest``
-    names), which together hold the whole model whatever layout loads them."""
+    names), which together hold the whole model whatever layout loads them; see the note on
+    a pipeline checkpoint's commit point."""
     stages = stage_dirs(path)
     if not stages:
         return [resolve_load_dir(path, tag)]
-    return [resolve_load_dir(d, tag) for d in stages]
+    return _agreeing_stages(path, stages, tag)
+
+
+# [Note: a pipeline checkpoint's commit point]
+# Each stage commits its own checkpoint (``stage_<k>/<tag>`` and its ``latest``), so a crash
+# during a pipeline save can leave one stage at the new step and another at the old one. A
+# pipeline checkpoint is therefore complete only when every stage holds it, committed, at the
+# same ``global_steps``: a load checks that the stages it is about to read agree, and when
+# they do not (a torn save), it reads the newest tag complete in every stage, warning with
+# the torn tag and the stages at each step, or refuses with both when there is none. Pruning
+# (``checkpoint.keep_last``) in a stage never deletes that newest common tag, so the previous
+# complete checkpoint survives until every stage has committed the next one.
+
+
+def _steps(directory: Path) -> int | None:
+    try:
+        return int(read_meta(directory).get("global_steps"))
+    except (OSError, ValueError, TypeError, CheckpointError):
+        return None
+
+
+def complete_in_every_stage(root: Path) -> list[tuple[int, str]]:
+    """``(global_steps, tag)`` of each tag complete in every stage of the pipeline root
+    ``root`` at the same step, oldest first."""
+    stages = stage_dirs(root)
+    if not stages:
+        return []
+    found = []
+    for d in sorted(stages[0].iterdir()) if stages[0].is_dir() else []:
+        if not d.is_dir() or d.name.endswith((".tmp", ".old")) or not swap.complete(d):
+            continue
+        steps = {_steps(s / d.name) if swap.complete(s / d.name) else None for s in stages}
+        if len(steps) == 1 and None not in steps:
+            found.append((steps.pop(), d.name))
+    return sorted(found)
+
+
+def _agreeing_stages(root: Path, stages: list[Path], tag: str | None) -> list[Path]:
+    dirs = [resolve_load_dir(d, tag) for d in stages]
+    steps = [_steps(d) for d in dirs]
+    if len(set(steps)) == 1 and steps[0] is not None:
+        return dirs
+    where = ", ".join(
+        f"stage {k} at {d.name} (step {s})"
+        for k, (d, s) in enumerate(zip(dirs, steps, strict=True))
+    )
+    common = complete_in_every_stage(root)
+    if tag is None and common:
+        step, name = common[-1]
+        warnings.warn(
+            f"{root}: the pipeline checkpoint is torn ({where}): a save was interrupted before "
+            f"every stage committed it; loading {name} (step {step}), the newest checkpoint "
+            "complete in every stage",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return [resolve_load_dir(d, name) for d in stages]
+    raise CheckpointError(
+        f"{root}: the pipeline checkpoint's stages disagree ({where}): a save was "
+        "interrupted before every stage committed it, and "
+        + (
+            f"tag {tag!r} is not at one step in every stage"
+            if tag is not None
+            else "no checkpoint is complete in every stage (save with tags, e.g. "
+            "checkpoint.save_interval, to keep the previous one)"
+        )
+    )
 
 
 def _check_tag(tag: str, saving: bool = True) -> None:
@@ -325,6 +392,10 @@ def _prune(root: Path, keep_last: int | None, keep: str) -> None:
         return
     latest = root / LATEST
     protected = {keep, latest.read_text().strip() if latest.is_file() else keep}
+    if root.name.startswith("stage_") and root.name[6:].isdigit():  # a pipeline's stage
+        common = complete_in_every_stage(root.parent)
+        if common:  # the newest checkpoint every stage holds (see the note above)
+            protected.add(common[-1][1])
     steps = []
     for d in root.iterdir():
         m = _STEP_TAG.fullmatch(d.name)

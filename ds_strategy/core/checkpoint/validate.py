@@ -106,7 +106,7 @@ def _check(
     shapes: dict[str, list[int]] | None,
     require_checksums: bool,
 ) -> Metadata:
-    meta = _read_meta(path)
+    meta = read_meta(path)
     sums: dict[str, dict[str, int]] = meta.get("files") or {}
     if not sums and require_checksums:
         raise CheckpointError(
@@ -157,7 +157,7 @@ def _check(
     return md
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise FileNotFoundError(
             f"{path}: no checkpoint directory here (pass the directory given to "
@@ -206,7 +206,7 @@ def check_shapes_within(
     name or its alias, with its shape; parameters of other parts may be there too."""
     saved: dict[str, list[int]] = {}
     for p in paths:
-        for name, shape in (_read_meta(p).get("shapes") or {}).items():
+        for name, shape in (read_meta(p).get("shapes") or {}).items():
             saved.setdefault(name, shape)
     if not saved:
         return
