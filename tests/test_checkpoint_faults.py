@@ -441,6 +441,39 @@ def test_a_second_job_saving_into_a_root_fails_at_once_naming_the_holder(tmp_pat
     assert outcome == "saved" and (root / "latest").read_text() == "theirs"
 
 
+def test_a_held_root_covers_a_bare_save_into_one_of_its_tags(tmp_path: Path) -> None:
+    """Job B's ``save_checkpoint("R/A2")`` while job A holds ``R``: refused, naming A, and A's
+    checkpoint ``A2`` untouched. (Job A's lock is taken on a file descriptor of its own here,
+    which flock treats as another process.)"""
+    import fcntl
+    import json as json_mod
+
+    root = tmp_path / "R"
+    model = nn.Linear(4, 4)
+    a = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    a.save_checkpoint(root, tag="A2")
+    a.destroy()  # the root is free again; job A takes it back below on its own descriptor
+    before = {p.name: p.stat().st_mtime_ns for p in (root / "A2").iterdir()}
+    lock = root / ".ds_strategy.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder = {"host": "hostA", "pid": 4242, "since": "2026-12-03T00:00:00+00:00", "command": "A"}
+    os.pwrite(fd, json_mod.dumps(holder).encode(), 0)
+    try:
+        b_model = nn.Linear(4, 4)
+        b = ds_strategy.initialize(b_model, torch.optim.SGD(b_model.parameters(), lr=0.1), {})
+        for target, kw in ((root / "A2", {}), (root / "A2" / "nested", {"tag": "t"})):
+            with pytest.raises(
+                CheckpointBusyError, match=r"inside .*R, where another job .*pid 4242"
+            ):
+                b.save_checkpoint(target, **kw)
+        assert {p.name: p.stat().st_mtime_ns for p in (root / "A2").iterdir()} == before
+    finally:
+        os.close(fd)
+    b.save_checkpoint(root / "A2")  # once A has let go, B may replace it
+    b.destroy()
+
+
 @pytest.mark.launcher
 def test_a_holder_killed_with_sigkill_releases_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"

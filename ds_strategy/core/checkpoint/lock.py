@@ -8,7 +8,9 @@ checkpoints and collide mid-save on the same files. So rank 0 of a job holds an 
 dies, even by ``kill -9``, so a lock is never stale. The file names its holder (host, pid,
 start time, command line) for the error any other writer gets at once. A checkpoint saved to
 a bare directory (no root) is locked the same way, by ``<dir>.lock`` beside it, for that save
-only. Engines in one process share a lock: one process is one job. Releasing (also at the
+only. A held root covers everything under it: a save into any directory below it (a bare
+save into one of its tags, another root nested in it) fails while another job holds it.
+Engines in one process share a lock: one process is one job. Releasing (also at the
 exit of the process) removes the file while still holding the lock; a writer that opened the
 file before it was removed finds, after locking, that the path now names another file (or
 none) and tries again, so two writers never both believe they hold it.
@@ -62,6 +64,7 @@ def acquire(lock_path: Path, directory: Path, owner: object) -> None:
     :class:`CheckpointBusyError` naming the job that holds it."""
     if fcntl is None:
         return
+    _check_ancestors(directory)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     key = os.path.realpath(lock_path)
     with _mutex:
@@ -124,6 +127,32 @@ def _lock(path: Path, directory: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     return fd
+
+
+def _check_ancestors(directory: Path) -> None:
+    """Raise :class:`CheckpointBusyError` when a directory above ``directory`` is a root
+    another job holds: its lock covers everything under it, a bare save into one of its
+    tags (``save_checkpoint("root/tag")``) included."""
+    assert fcntl is not None
+    for parent in Path(os.path.realpath(directory)).parents:
+        lock = parent / LOCK_FILE
+        if not lock.is_file() or os.path.realpath(lock) in _held:
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue  # released (and removed) meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a job holds it
+        except BlockingIOError:
+            holder = _describe(os.pread(fd, 4096, 0))
+            raise CheckpointBusyError(
+                f"{directory}: inside {parent}, where another job is saving checkpoints "
+                f"({holder}; lock file {lock}); its lock covers everything under it. Save "
+                "elsewhere, or stop that job"
+            ) from None
+        finally:
+            os.close(fd)  # (and with it the shared lock just taken)
 
 
 def _describe(raw: bytes) -> str:
