@@ -162,8 +162,53 @@ def test_fp16_scaler_keys_checked_only_when_dynamic_scaling_runs() -> None:
     cfg = load_config({"fp16": {"enabled": "auto", "loss_scale_window": 0}})
     with pytest.raises(ConfigError, match=r"^fp16.loss_scale_window: got 0"):
         cfg.resolve(1, {"fp16.enabled": True})
-    cfg = load_config({"fp16": {"enabled": True, "initial_scale_power": -2, "hysteresis": 0}})
-    assert (cfg.fp16.initial_scale_power, cfg.fp16.hysteresis) == (-2, 0)
+    cfg = load_config({"fp16": {"enabled": True, "initial_scale_power": -2, "hysteresis": 1}})
+    assert (cfg.fp16.initial_scale_power, cfg.fp16.hysteresis) == (-2, 1)
+    err = _error({"fp16": {"enabled": True, "hysteresis": -1}})
+    assert err.key == "fp16.hysteresis" and "must be >= 1 when fp16 is enabled" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "message"),
+    [
+        ({"fp16": {"enabled": True, "initial_scale_power": 1e308}}, "fp16.initial_scale_power", "out of range"),
+        ({"fp16": {"enabled": True, "initial_scale_power": 2000}}, "fp16.initial_scale_power", "<= 64"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": float("inf")}}},
+         "scheduler.params.warmup_num_steps", "whole number of steps"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": {}}}}, "optimizer.params.betas", "pair"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}}, "optimizer.params.betas", "[0, 1)"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": ""}}},
+         "scheduler.params.warmup_min_lr", "expected a number"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 2**70}}}, "optimizer.params.lr", "<= 1e+06"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}}, "optimizer.params.lr", ">= 0"),
+        ({"optimizer": {"type": "AdamW", "params": {"weight_decay": float("inf")}}},
+         "optimizer.params.weight_decay", "finite"),
+        ({"train_micro_batch_size_per_gpu": 1e308}, "train_micro_batch_size_per_gpu", "out of range"),
+        ({"zero_optimization": {"offload_optimizer": {"buffer_size": 1e308}}},
+         "zero_optimization.offload_optimizer.buffer_size", "out of range"),
+        ({"zero_optimization": {"offload_optimizer": {"buffer_size": 2**45}}},
+         "zero_optimization.offload_optimizer.buffer_size", "<= 1099511627776"),
+    ],
+)  # fmt: skip
+def test_every_number_in_range_names_its_key(config: dict, key: str, message: str) -> None:
+    """Values that used to hang the engine's construction, crash inside torch naming no key,
+    or be accepted: each a ConfigError at load naming the key (before any process group)."""
+    err = _error(config)
+    assert err.key == key and message in str(err), str(err)
+
+
+def test_numbers_in_range_still_load() -> None:
+    cfg = load_config(
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": "1e-4", "betas": [0.9, 0.95],
+                                                      "eps": 1e-8, "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100.0,
+                                                               "total_num_steps": "auto",
+                                                               "warmup_max_lr": 3e-4}},
+            "fp16": {"enabled": True, "initial_scale_power": 32},
+        }
+    )  # fmt: skip
+    assert cfg.optimizer.params["lr"] == "1e-4" and cfg.fp16.initial_scale_power == 32
 
 
 def test_deprecated_boolean_zero_optimization() -> None:

@@ -43,12 +43,17 @@ def _number(value: Any, key: str, kind: type) -> int | float:
     _fail(key, f"expected {_KIND_NAMES[kind]}, got {value!r}")
 
 
+MAX_INT = 2**53  # beyond it a count or a size is no number a machine could hold
+
+
 def _to_int(value: Any, key: str) -> int:
     number = _number(value, key, int)
     if isinstance(number, float):
         if not (math.isfinite(number) and number.is_integer()):
             _fail(key, f"expected an integer, got {value!r}")
-        return int(number)
+        number = int(number)
+    if abs(number) > MAX_INT:
+        _fail(key, f"got {value!r}, out of range (at most 2**53 in magnitude)")
     return number
 
 

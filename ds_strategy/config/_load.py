@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import re
 import typing
@@ -37,7 +38,16 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ._leaves import _COERCE, _KIND_NAMES, _check_bounds, _fail, _is_auto, _join, _to_bool
+from ._leaves import (
+    _COERCE,
+    _KIND_NAMES,
+    _NUMBER,
+    _check_bounds,
+    _fail,
+    _is_auto,
+    _join,
+    _to_bool,
+)
 from ._schema import (
     AUTO,
     SCHEDULER_REQUIRED_PARAMS,
@@ -48,6 +58,7 @@ from ._schema import (
     FP16Config,
     LeafSpec,
     OffloadConfig,
+    OptimizerConfig,
     QuantizationConfig,
     SchedulerConfig,
     TensorParallelConfig,
@@ -288,9 +299,78 @@ def _check_fp16(cfg: FP16Config, prefix: str) -> None:
     floor = cfg.min_loss_scale
     if not _is_auto(floor) and floor <= 0:
         _fail(f"{prefix}.min_loss_scale", f"got {floor!r}, must be > 0 {why}")
+    hysteresis = cfg.hysteresis
+    if not _is_auto(hysteresis) and hysteresis < 1:
+        _fail(f"{prefix}.hysteresis", f"got {hysteresis!r}, must be >= 1 {why}")
+
+
+# [Note: numbers in range]
+# DeepSpeed passes optimizer and scheduler parameters to torch as given, so a typo such as
+# an infinite warm-up or an empty ``betas`` fails deep inside torch (or hangs) naming no key.
+# These are checked at load instead, with DeepSpeed's meaning: rates, decays and epsilons
+# finite and non-negative (a learning rate above 1e6 diverges on the first step), ``betas``
+# a pair in [0, 1), step counts whole numbers; each failure a ConfigError naming the key.
+MAX_LR = 1e6
+_RATES = ("lr", "weight_decay", "eps", "momentum", "dampening", "max_grad_norm", "alpha")
+_SCHEDULE_RATES = (
+    "warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "decay_lr_rate",
+    "cycle_min_mom", "cycle_max_mom", "decay_mom_rate", "min_lr", "cos_min_ratio",
+    "warmup_min_ratio",
+)  # fmt: skip
+_SCHEDULE_STEPS = (
+    "warmup_num_steps", "total_num_steps", "cycle_first_step_size", "cycle_second_step_size",
+    "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size",
+)  # fmt: skip
+
+
+def _rate(value: Any, key: str, limit: float | None = None) -> None:
+    if _is_auto(value):
+        return
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(key, f"expected a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        _fail(key, f"got {value!r}, must be a finite number >= 0")
+    if limit is not None and value > limit:
+        _fail(key, f"got {value!r}, must be <= {limit:g}")
+
+
+def _steps(value: Any, key: str) -> None:
+    if _is_auto(value):
+        return
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        value = float(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value != int(value) or value < 0 or value > 2**53:
+        _fail(key, f"got {value!r}, must be a whole number of steps >= 0")
+
+
+def _check_optimizer(cfg: OptimizerConfig, prefix: str) -> None:
+    for name, value in cfg.params.items():
+        key = f"{prefix}.params.{name}"
+        if name in _RATES:
+            _rate(value, key, MAX_LR if name == "lr" else None)
+        elif name == "betas" and not _is_auto(value):
+            pair = value if isinstance(value, (list, tuple)) else None
+            if (
+                pair is None
+                or len(pair) != 2
+                or not all(
+                    isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                    for b in pair
+                )
+            ):
+                _fail(key, f"got {value!r}, must be a pair of numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
 def _check_scheduler(cfg: SchedulerConfig, prefix: str) -> None:
+    for name, value in cfg.params.items():
+        key = f"{prefix}.params.{name}"
+        if name in _SCHEDULE_RATES:
+            _rate(value, key, MAX_LR)
+        elif name in _SCHEDULE_STEPS:
+            _steps(value, key)
     for name in SCHEDULER_REQUIRED_PARAMS.get(cfg.type, ()):
         if name not in cfg.params:
             _fail(
@@ -359,6 +439,7 @@ _CHECKS: dict[type, Callable[[Any, str], None]] = {
     ZeroOptimizationConfig: _check_zero,
     FP16Config: _check_fp16,
     SchedulerConfig: _check_scheduler,
+    OptimizerConfig: _check_optimizer,
     TensorParallelConfig: _check_tensor_parallel,
     QuantizationConfig: _check_quantization,
     ZeroConfig: _check_top,

@@ -155,8 +155,8 @@ class OffloadConfig:
     device: Any = leaf(str, "none", choices=("none", "cpu", "nvme"))
     nvme_path: Any = leaf(str, None)
     pin_memory: Any = leaf(bool, False)
-    buffer_count: Any = leaf(int, 5, ge=0)
-    buffer_size: Any = leaf(int, 100_000_000, ge=0)
+    buffer_count: Any = leaf(int, 5, ge=0, le=1024)
+    buffer_size: Any = leaf(int, 100_000_000, ge=0, le=2**40)
     max_in_cpu: Any = leaf(int, 1_000_000_000, ge=0)
     fast_init: Any = leaf(bool, False)
     ratio: Any = leaf(float, 1.0, ge=0.0, le=1.0)
@@ -227,21 +227,21 @@ class ZeroOptimizationConfig:
 class FP16Config:
     """``fp16``: fp16 mixed precision with a (by default dynamic) loss scale.
 
-    ``loss_scale`` 0 means dynamic scaling starting at ``2 ** initial_scale_power`` (any
-    integer; a negative power starts below 1). As in DeepSpeed, ``loss_scale_window`` must be
-    >= 1 and ``min_loss_scale`` > 0 only when fp16 is enabled with dynamic scaling (unused
-    otherwise), and ``hysteresis`` is any integer (<= 0, like DeepSpeed's scaler, never
-    lowers the scale: every overflow then skips its step).
+    ``loss_scale`` 0 means dynamic scaling starting at ``2 ** initial_scale_power`` (an
+    integer in [-64, 64]: a negative power starts below 1, and beyond 64 the scale leaves what
+    the scaler can represent). As in DeepSpeed, ``loss_scale_window`` must be >= 1,
+    ``min_loss_scale`` > 0 and ``hysteresis`` (the overflows tolerated before the scale
+    drops) >= 1 only when fp16 is enabled with dynamic scaling (unused otherwise).
 
     >>> FP16Config(enabled=True).loss_scale_window
     1000
     """
 
     enabled: Any = leaf(bool, False)
-    loss_scale: Any = leaf(float, 0.0, ge=0.0)
-    initial_scale_power: Any = leaf(int, 16)
+    loss_scale: Any = leaf(float, 0.0, ge=0.0, le=2.0**64)
+    initial_scale_power: Any = leaf(int, 16, ge=-64, le=64)
     loss_scale_window: Any = leaf(int, 1000)  # >= 1 when used: see _load._check_fp16
-    hysteresis: Any = leaf(int, 2)
+    hysteresis: Any = leaf(int, 2)  # >= 1 when used: see _load._check_fp16
     consecutive_hysteresis: Any = leaf(bool, False)
     min_loss_scale: Any = leaf(float, 1.0)  # > 0 when used: see _load._check_fp16
     auto_cast: Any = leaf(bool, False)
@@ -482,9 +482,9 @@ class ZeroConfig:
     8
     """
 
-    train_batch_size: Any = leaf(int, None, ge=1)
-    train_micro_batch_size_per_gpu: Any = leaf(int, None, ge=1)
-    gradient_accumulation_steps: Any = leaf(int, None, ge=1)
+    train_batch_size: Any = leaf(int, None, ge=1, le=2**40)
+    train_micro_batch_size_per_gpu: Any = leaf(int, None, ge=1, le=2**31)
+    gradient_accumulation_steps: Any = leaf(int, None, ge=1, le=2**31)
     gradient_clipping: Any = leaf(float, 0.0, normalize=_negative_means_off)
     steps_per_print: Any = leaf(int, 10, ge=1)
     # without fp16 loss scaling a non-finite gradient norm skips the step; this many in a row
