@@ -21,9 +21,11 @@ machine with each strategy: torch's DistributedDataParallel (fp32 AdamW, built i
 ZeRO-3, ZeRO-3 with the optimizer offloaded to the CPU and ZeRO-3 with parameters and
 optimizer state on NVMe (all three built on the meta device). The search is over depth:
 ``ds-strategy estimate``'s host peak gives the first depth to try (the deepest whose peak,
-plus the process's working memory, fits a rank's share of the memory; for NVMe, the deepest
-whose swap files fit the drive), then one layer at a time up while a trial trains and down
-while it fails. Each rank runs under an address-space limit for data (``RLIMIT_DATA``, its
+plus the process's working memory, fits a rank's share of the memory), then one layer at a
+time up while a trial trains and down while it fails. With NVMe offload a rank's memory does
+not grow with depth (the table shows it), so the drive sets the limit: the search goes to
+the deepest model whose swap files (both ranks') fit in 90% of its free space, and down from
+there if that fails. Each rank runs under an address-space limit for data (``RLIMIT_DATA``, its
 share of the machine's memory less a margin), so a trial that does not fit fails with an
 allocation error instead of taking the machine down; the engine's own room check stops an
 NVMe trial whose swap files would not fit the drive.
@@ -313,6 +315,9 @@ def largest(args: argparse.Namespace, nvme_path: str) -> None:
             )
             if ok:
                 best = (layers, result) if best is None or layers > best[0] else best
+                if STRATEGIES[strategy][1] == "nvme":  # memory is no limit here: the drive is
+                    print(f"  {strategy}: deeper needs more than 90% of the drive's free space")
+                    break
                 layers += 1
             elif best is None:
                 layers -= 1

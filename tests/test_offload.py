@@ -77,7 +77,13 @@ def _swap_facts(engine: ds_strategy.ZeroEngine) -> dict:
             assert files[f"param_{i}.bin"] == g.shard.numel() * g.shard.element_size()
             assert g.shard.untyped_storage().nbytes() == 0
             params += 1
+    off.wait()  # reads and writes settled: a swapped tensor's storage is empty or whole
     report = engine.memory_report()
+    swapped = [s for ss in off.group_swaps.values() for s in ss] + list(off.grad_swaps)
+    swapped += off.state.all() if off.state is not None else []
+    in_memory = sum(s.nbytes for s in swapped if s.tensor.untyped_storage().nbytes() > 0)
+    assert report["swap_buffers"] == in_memory
+    assert report["offloaded_nvme"] + in_memory == sum(s.nbytes for s in swapped)
     return {
         "dir": str(off.swap_dir.path),
         "state_files": state_files,

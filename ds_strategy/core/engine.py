@@ -795,7 +795,8 @@ class ZeroEngine(nn.Module):
         """Bytes of model state this rank holds now: ``params``, ``grads``,
         ``optimizer_state`` and ``compression_state`` (top-k residuals, 1-bit momenta and
         errors; ``total`` is their sum; bytes swapped to NVMe files are not in
-        it, ``offloaded_nvme`` counts them); ``peak``, the most model-state bytes held at
+        it, ``offloaded_nvme`` counts them, and ``swap_buffers`` the host bytes of swapped tensors
+        back in memory now: a step's buckets, shards read for a gather); ``peak``, the most model-state bytes held at
         any moment since the engine was built or :meth:`reset_peak_memory` was called,
         transient buffers included (ZeRO-3's gathered parameters, full-size gradient
         buckets, reductions in flight, the step's fp32 gradient copies; with NVMe offload

@@ -170,6 +170,9 @@ class _SwappedGrads:
         self.sq = torch.zeros((), dtype=torch.float64)
 
 
+_OUT = (SwapState.ON_DISK, SwapState.WRITING)  # in their files, or on their way there
+
+
 class Offload:
     """The offload tiers of one engine. ``place`` runs before the optimizer is built over the
     shards, ``attach`` after; ``None`` from :meth:`build` when nothing is offloaded."""
@@ -522,13 +525,19 @@ class Offload:
         return self.swap_dir is not None and self.swap_dir.contains(path)
 
     def report(self) -> dict[str, int]:
-        """Bytes of this rank's state held in files (an empty report without NVMe)."""
+        """Bytes of this rank's state held in files (``offloaded_nvme``) and of swapped
+        tensors back in host memory now (``swap_buffers``: a step's buckets, shards read for
+        their gathers or read ahead, gradient shards being reduced into); an empty report
+        without NVMe."""
         if self.swap_dir is None:
             return {}
-        swaps = [s for ss in self.group_swaps.values() for s in ss]
+        swaps = [s for ss in self.group_swaps.values() for s in ss] + list(self.grad_swaps)
         if self.state is not None:
             swaps += self.state.all()
-        return {"offloaded_nvme": sum(s.nbytes for s in swaps if not s.resident)}
+        return {
+            "offloaded_nvme": sum(s.nbytes for s in swaps if s.state in _OUT),
+            "swap_buffers": sum(s.nbytes for s in swaps if s.state not in _OUT),
+        }
 
     def close(self) -> None:
         if self.swap_dir is not None:

@@ -260,7 +260,7 @@ def check_nvme_path(
             else ""
         )
         raise OSError(
-            f"{key}: nvme_path {str(p)!r} has {free:,} bytes ({human_bytes(free)}) free but "
+            f"{key}: nvme_path {str(p)!r} has {free:,} bytes free but "
             f"this run needs {need} on this rank{together}; free space there, choose a larger "
             "drive, or give each rank's nvme_path its own drive"
         )
