@@ -351,12 +351,8 @@ def _card_dir(tmp_path: Path, gpt_dir: Path, name: str, **card: Any) -> Path:
     return d
 
 
-def test_a_model_directory_runs_no_outside_code_without_consent(
-    gpt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A card's factory outside ds_strategy is refused (nothing imported or run) unless the
-    caller passes trust_remote_code=True; ds_strategy's own factories load as before."""
-    monkeypatch.chdir(tmp_path)
+def _hostile_dir(tmp_path: Path, gpt_dir: Path) -> tuple[Path, Path]:
+    """A model directory whose card's factory runs a shell command that writes a marker."""
     marker = tmp_path / "marker"
     hostile = _card_dir(
         tmp_path,
@@ -365,6 +361,16 @@ def test_a_model_directory_runs_no_outside_code_without_consent(
         factory="subprocess:check_call",
         kwargs={"args": ["sh", "-c", f"echo ran > {marker}"]},
     )
+    return hostile, marker
+
+
+def test_a_model_directory_runs_no_outside_code_without_consent(
+    gpt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A card's factory outside ds_strategy is refused (nothing imported or run) unless the
+    caller passes trust_remote_code=True; ds_strategy's own factories load as before."""
+    monkeypatch.chdir(tmp_path)
+    hostile, marker = _hostile_dir(tmp_path, gpt_dir)
     with pytest.raises(
         ds_strategy.UntrustedContentError, match=r"'subprocess:check_call'.*trust_remote_code=True"
     ):
@@ -410,14 +416,7 @@ def test_generate_asks_for_trust_remote_code(gpt_dir: Path, tmp_path: Path) -> N
     import subprocess
     import sys
 
-    marker = tmp_path / "marker"
-    hostile = _card_dir(
-        tmp_path,
-        gpt_dir,
-        "hostile",
-        factory="subprocess:check_call",
-        kwargs={"args": ["sh", "-c", f"echo ran > {marker}"]},
-    )
+    hostile, marker = _hostile_dir(tmp_path, gpt_dir)
     cmd = [sys.executable, "-m", "ds_strategy.cli", "generate", str(hostile), "--prompt-ids", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--trust-remote-code" in out.stderr, out.stderr
