@@ -23,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a directory written by engine.save_checkpoint, a checkpoint root (its latest), "
         "or a pipeline checkpoint's root (its stage_<k> together)",
     )
-    c.add_argument("output", help="the file to write: .safetensors (streamed) or .pt")
+    c.add_argument(
+        "output",
+        help="the file to write: .safetensors (streamed, one tensor at a time), or .pt / .pth / "
+        ".bin (torch.save: the whole model in memory at once)",
+    )
     c.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),

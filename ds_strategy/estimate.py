@@ -842,13 +842,19 @@ def run_cli(args: Any) -> int:
                     raise ValueError(f"--model-arg {item!r}: expected KEY=VALUE")
                 kwargs[key] = _literal(value)
             stages, method, chunks = _pipeline_args(args)
-            if stages > 1:
-                parts = pipeline_facts(
-                    args.model, stages, method, chunks, kwargs, int(args.persistence_threshold)
-                )
-                facts = _whole(parts)
-            else:
-                facts = model_facts(args.model, kwargs, int(args.persistence_threshold))
+            try:
+                if stages > 1:
+                    parts = pipeline_facts(
+                        args.model, stages, method, chunks, kwargs, int(args.persistence_threshold)
+                    )
+                    facts = _whole(parts)
+                else:
+                    facts = model_facts(args.model, kwargs, int(args.persistence_threshold))
+            except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
+                raise ValueError(
+                    f"--model {args.model} with {kwargs}: building it on the meta device failed "
+                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); check --model-arg"
+                ) from None
         else:
             if args.model_arg:
                 raise ValueError("--model-arg needs --model")
@@ -866,6 +872,17 @@ def run_cli(args: Any) -> int:
                 f"{args.world_size}"
             )
         knobs = _knobs(args)
+        if args.ranks_per_node is not None and args.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
+        if args.mics_shard_size == 0 or args.mics_shard_size < -1:
+            raise ValueError(
+                f"--mics-shard-size must be -1 (off) or a divisor of --world-size, got "
+                f"{args.mics_shard_size}"
+            )
+        if args.persistence_threshold < 0:
+            raise ValueError(
+                f"--persistence-threshold must be >= 0, got {args.persistence_threshold}"
+            )
         mics = args.mics_shard_size
         if mics > 0 and (args.world_size % mics or args.hpz_partition_size > 1):
             raise ValueError(

@@ -92,6 +92,10 @@ def run_cli(args: Any) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         print("ds-strategy generate: give --prompt or --prompt-ids", file=sys.stderr)
         return 2
+    problem = _check_options(args)
+    if problem:
+        print(f"ds-strategy generate: {problem}", file=sys.stderr)
+        return 2
     started = init_process_group_from_env()  # under torchrun; this command then ends it
     try:
         return _generate(args)
@@ -101,6 +105,38 @@ def run_cli(args: Any) -> int:
     finally:
         if started:  # a clean shutdown, not the process group's destructor at exit
             torch.distributed.destroy_process_group()
+
+
+def _check_options(args: Any) -> str | None:
+    """What is wrong with the options, naming the option (None: nothing)."""
+    if args.prompt is not None and not args.prompt:
+        return "--prompt is empty; give the text to continue"
+    if args.prompt_ids is not None:
+        try:
+            _prompt_ids(args.prompt_ids)
+        except ValueError as e:
+            return str(e)
+    if args.max_new_tokens < 0:
+        return f"--max-new-tokens must be >= 0, got {args.max_new_tokens}"
+    if args.top_k is not None and args.top_k < 1:
+        return f"--top-k must be >= 1, got {args.top_k}"
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        return f"--top-p must be in (0, 1], got {args.top_p}"
+    if not args.temperature > 0:
+        return f"--temperature must be > 0, got {args.temperature}"
+    return None
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--prompt-ids {text!r}: expected comma-separated token ids, e.g. 1,5,42"
+        ) from None
+    if not ids or min(ids) < 0:
+        raise ValueError(f"--prompt-ids {text!r}: token ids are integers >= 0")
+    return ids
 
 
 def _generate(args: Any) -> int:
@@ -127,7 +163,7 @@ def _generate(args: Any) -> int:
     if args.prompt is not None:
         ids = engine.encode(args.prompt)
     else:
-        ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",")]])
+        ids = torch.tensor([_prompt_ids(args.prompt_ids)], dtype=torch.int64)
     out = engine.generate(ids, args.max_new_tokens, **options)[0].tolist()
     if args.json:
         prompt_ids = ids[0].tolist()

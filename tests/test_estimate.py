@@ -427,3 +427,20 @@ def test_cli_peak_table_on_cpu_ranks(tmp_path: Path, capsys: pytest.CaptureFixtu
     # the CPU tier holds Adam's state; on CPU ranks the whole model state is host memory
     row = next(line for line in out.splitlines() if line.startswith("zero3+cpu "))
     assert "optimizer (host)" in row and "params " in row
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "1B", "--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
+        (["--params", "1B", "--mics-shard-size", "0"], "--mics-shard-size must be -1 (off)"),
+        (["--params", "1B", "--persistence-threshold", "-1"], "--persistence-threshold must be"),
+        (["--model", "ds_strategy.demos.gpt:GPT", "--model-arg", "layers=-1"], "GPTConfig.layers"),
+        (["--model", "ds_strategy.demos.gpt:GPT", "--model-arg", "d=1e9"], "GPTConfig.d"),
+    ],
+)
+def test_cli_options_out_of_range_are_usage_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(["estimate", "--world-size", "2", *args]) == 2
+    assert message in capsys.readouterr().err

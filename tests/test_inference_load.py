@@ -421,3 +421,39 @@ def test_generate_asks_for_trust_remote_code(gpt_dir: Path, tmp_path: Path) -> N
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--trust-remote-code" in out.stderr, out.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt-ids", "1,x"], "expected comma-separated token ids"),
+        (["--prompt-ids", "1,-3"], "token ids are integers >= 0"),
+        (["--prompt-ids", "1,9999"], "outside the model's vocabulary [0, 96)"),
+        (["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+        (["--prompt-ids", "1", "--sample", "--top-k", "0"], "--top-k must be >= 1"),
+        (["--prompt-ids", "1", "--sample", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--prompt-ids", "1", "--sample", "--top-p", "2"], "--top-p must be in (0, 1]"),
+        (["--prompt-ids", "1", "--sample", "--temperature", "0"], "--temperature must be > 0"),
+    ],
+)
+def test_generate_options_out_of_range_are_usage_errors(
+    gpt_dir: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each bad option: exit 2 and a message naming it (they were tracebacks, or accepted)."""
+    from ds_strategy.cli import main as cli
+
+    assert cli(["generate", str(gpt_dir), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_checks_its_arguments_from_python(gpt_dir: Path) -> None:
+    engine = ds_strategy.init_inference(gpt_dir)
+    for kwargs, message in (
+        ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "a token at least"),
+        ({"input_ids": torch.tensor([[0.5]])}, "integer token ids"),
+        ({"input_ids": torch.tensor([[1]]), "top_p": 0.0, "do_sample": True}, "top_p"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.generate(**kwargs)
+    engine.destroy()

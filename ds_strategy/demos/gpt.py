@@ -21,6 +21,14 @@ class GPTConfig:
     seq: int = 128
     tie_embeddings: bool = True  # the head reuses the token embedding's weight
 
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d", "layers", "heads", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.d % self.heads:
+            raise ValueError(f"GPTConfig.d ({self.d}) must be a multiple of heads ({self.heads})")
+
 
 class KVCache:
     """Keys and values of the tokens a generation has seen, one ``(k, v)`` per block, so each

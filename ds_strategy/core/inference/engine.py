@@ -288,6 +288,8 @@ class InferenceEngine(nn.Module):
         extra keyword arguments go to it); other models with the engine's loop (a KV cache
         where the model offers one). Collective; see ``generate.py`` for how ranks keep step.
         """
+        _check_generate(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
+                        self._vocab_size())  # fmt: skip
         seed = agreed_seed(self._step_group(), seed)
         input_ids = input_ids.to(self.device)
         hf = hasattr(self.module, "generation_config") and callable(
@@ -322,6 +324,16 @@ class InferenceEngine(nn.Module):
             eos_token_id=eos_token_id,
             all_done=self._all_done if self.sharded else None,
         )
+
+    def _vocab_size(self) -> int | None:
+        """The rows of the model's input embedding (None where it has none to ask)."""
+        get = getattr(self.module, "get_input_embeddings", None)
+        emb = get() if callable(get) else None
+        if emb is None:
+            emb = next(
+                (m for m in self.module.modules() if isinstance(m, torch.nn.Embedding)), None
+            )
+        return int(emb.num_embeddings) if emb is not None else None
 
     def generate_text(self, prompt: str, max_new_tokens: int = 32, **kwargs: Any) -> str:
         """``prompt`` and its continuation, through the model's tokenizer (a Hugging Face model
@@ -504,3 +516,41 @@ def _load_buffers(model: nn.Module, source: WeightSource, device: torch.device) 
                 )
             else:
                 m._buffers[name] = b.to(device)
+
+
+def _check_generate(
+    ids: torch.Tensor,
+    max_new_tokens: Any,
+    do_sample: bool,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    vocab: int | None,
+) -> None:
+    """Errors naming the argument, before any rank starts the loop."""
+    if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[1] == 0:
+        got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
+        raise ValueError(
+            f"generate(): input_ids must be (batch, tokens) with a token at least, got {got}"
+        )
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"generate(): input_ids must be integer token ids, got {ids.dtype}")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"generate(): input_ids hold token ids outside the model's vocabulary [0, {vocab}) "
+            f"(min {int(ids.min())}, max {int(ids.max())})"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
+        raise ValueError(
+            f"generate(): max_new_tokens must be an integer >= 0, got {max_new_tokens!r}"
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"generate(): top_k must be an integer >= 1 (or None), got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"generate(): top_p must be in (0, 1] (or None), got {top_p!r}")
+    if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"generate(): temperature must be > 0 when sampling, got {temperature!r}")
