@@ -5,6 +5,7 @@ ranks, that building a sharded model never allocates the whole of it (peak RSS).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -457,3 +458,48 @@ def test_generate_checks_its_arguments_from_python(gpt_dir: Path) -> None:
         with pytest.raises(ValueError, match=message):
             engine.generate(**kwargs)
     engine.destroy()
+
+
+def test_quantized_metadata_is_checked_against_its_schema_and_tensors(
+    gpt_dir: Path, tmp_path: Path
+) -> None:
+    """An asymmetric int4 export whose metadata is edited (``symmetric: true``, the string
+    ``"false"``, bad JSON, group size 0, a missing key) is refused naming the file and the
+    key, where it loaded with its zero-points ignored; a float weight stored as int32 is
+    refused at load, not at the first forward."""
+    from safetensors.torch import load_file
+
+    engine = ds_strategy.init_inference(gpt_dir, quantization={"bits": 4, "symmetric": False})
+    path = engine.save_quantized(tmp_path / "int4.safetensors")
+    engine.destroy()
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(path))
+    key = "ds_strategy.quantization"
+    scheme = json.loads(meta[key])
+    assert scheme["symmetric"] is False and any(k.endswith(".zeros") for k in tensors)
+    assert ds_strategy.init_inference(lambda: GPT(CFG), checkpoint=path).module is not None
+
+    def edited(name: str, text: str) -> Path:
+        out = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(out), metadata={**meta, key: text})
+        return out
+
+    cases = {
+        "symmetric": (json.dumps({**scheme, "symmetric": True}), "symmetric is true but"),
+        "string": (json.dumps({**scheme, "symmetric": "false"}), "symmetric must be true or false"),
+        "json": ("{bits: 4", "is not valid JSON"),
+        "group": (json.dumps({**scheme, "group_size": 0}), "group_size must be an integer >= 1"),
+        "missing": (json.dumps({k: v for k, v in scheme.items() if k != "bits"}), "no 'bits'"),
+        "bits": (json.dumps({**scheme, "bits": 3}), "bits must be 8 or 4"),
+    }
+    for name, (text, message) in cases.items():
+        with pytest.raises(
+            ValueError, match=rf"{name}\.safetensors: metadata .*{re.escape(message)}"
+        ):
+            ds_strategy.init_inference(lambda: GPT(CFG), checkpoint=edited(name, text))
+    plain = load_file(str(gpt_dir / "model.safetensors"))
+    plain["ln_f.weight"] = plain["ln_f.weight"].to(torch.int32)
+    save_file(plain, str(tmp_path / "ints.safetensors"))
+    with pytest.raises(ValueError, match=r"ln_f.weight: stored as torch.int32 .* floating-point"):
+        ds_strategy.init_inference(lambda: GPT(CFG), checkpoint=tmp_path / "ints.safetensors")

@@ -174,9 +174,7 @@ class InferenceEngine(nn.Module):
         qc = self.config.quantization
         saved = quant_metadata(source)
         if saved is not None:  # a quantized export: its scheme and layers
-            scheme = QuantScheme(
-                int(saved["bits"]), int(saved["group_size"]), bool(saved["symmetric"])
-            )
+            scheme = QuantScheme(saved["bits"], saved["group_size"], saved["symmetric"])
             if qc.bits is not None and (qc.bits, qc.symmetric) != (scheme.bits, scheme.symmetric):
                 raise ValueError(
                     f"quantization.bits={qc.bits}, symmetric={qc.symmetric}: the weights were "

@@ -29,8 +29,49 @@ _KINDS = ("qweight", "scales", "zeros")
 
 
 def quant_metadata(source: WeightSource) -> dict[str, Any] | None:
+    """The scheme and layers of weights saved quantized (``engine.save_quantized``), checked:
+    ``bits`` 8 or 4, ``group_size`` a positive integer, ``symmetric`` a JSON boolean,
+    ``modules`` a list of names, and each module's stored tensors agreeing with the scheme
+    (zero-points exactly when asymmetric); None for full-precision weights. Errors name the
+    file and the key."""
     text = source.metadata.get(QUANT_META)
-    return json.loads(text) if text else None
+    if not text:
+        return None
+    where = f"{getattr(source, 'where', 'the weights')}: metadata {QUANT_META!r}"
+    try:
+        meta = json.loads(text)
+    except (json.JSONDecodeError, TypeError) as err:
+        raise ValueError(f"{where} is not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: expected an object, got {type(meta).__name__}")
+    rules = {
+        "bits": lambda v: type(v) is int and v in (4, 8),
+        "group_size": lambda v: type(v) is int and v >= 1,
+        "symmetric": lambda v: type(v) is bool,
+        "modules": lambda v: isinstance(v, list) and all(isinstance(m, str) for m in v),
+    }
+    wanted = {
+        "bits": "8 or 4",
+        "group_size": "an integer >= 1",
+        "symmetric": "true or false (a JSON boolean)",
+        "modules": "a list of module names",
+    }
+    for key, ok in rules.items():
+        if key not in meta:
+            raise ValueError(f"{where}: no {key!r} entry")
+        if not ok(meta[key]):
+            raise ValueError(f"{where}: {key} must be {wanted[key]}, got {meta[key]!r}")
+    for module in meta["modules"]:
+        if f"{module}.qweight" not in source:  # a tied layer, stored once under another name
+            continue
+        has_zeros = f"{module}.zeros" in source
+        if meta["symmetric"] == has_zeros:
+            raise ValueError(
+                f"{where}: symmetric is {str(meta['symmetric']).lower()} but {module!r} "
+                + ("stores zero-points" if has_zeros else "stores no zero-points")
+                + "; the metadata does not match the tensors (edited?)"
+            )
+    return meta
 
 
 def _candidates(name: str, prefix: str | None) -> list[str]:
@@ -131,6 +172,13 @@ def origins_for(
             split = splits.get(name)
         found = resolver.find(all_names[id(p)])
         resolver.check(found, split, tuple(p.shape), f"{name!r} expects")
+        if found in source and p.dtype.is_floating_point:
+            on_disk = source.dtype(found)
+            if not on_disk.is_floating_point:
+                resolver.mismatched.append(
+                    f"{found}: stored as {on_disk} in the weights, {name!r} is a floating-point "
+                    "weight"
+                )
         out[id(p)] = Origin(found, split)
     where = getattr(source, "where", None) or getattr(source, "path", None) or "the weights"
     resolver.raise_if_any(str(where))
