@@ -284,7 +284,6 @@ def config_of(e: Estimate) -> dict[str, Any]:
 
 # -- the peak of a step, tier by tier ----------------------------------------------------------
 
-TIERS = ("device", "host", "nvme")
 PHASES = ("forward", "backward", "step")
 
 
@@ -432,37 +431,34 @@ def step_peak(
     train = facts.n_trainable
     sharded = facts.params - (facts.persistent if stage == 3 else 0)
     nvme_opt = offload == "nvme"
+    host_opt = offload in ("cpu", "cpu+params")
     terms: list[Term] = []
     d = base.device
-    host_opt = offload in ("cpu", "cpu+params")
-    # at rest: estimate()'s terms, in their tiers
-    params_host = p * sharded / n if offload == "cpu+params" else 0.0
+    # at rest: estimate()'s terms, in their tiers; what offload moved is off the device
+    off_tier = "host" if host_opt else "nvme" if nvme_opt else "device"
+    moved_params = p * sharded / n if offload in ("cpu+params", "nvme") else 0.0
     terms.append(Term("params", "device", d["params"]))
-    if params_host:
-        terms.append(Term("params", "host", params_host))
+    if moved_params:
+        terms.append(Term("params", off_tier, moved_params))
     grads_in_files = nvme_opt and k_.cpu_only and stage >= 2
-    if grads_in_files:
-        terms.append(Term("grads", "nvme", d["grads"]))
-    else:
-        terms.append(Term("grads", "device", d["grads"]))
-    opt_bytes = (
-        base.cpu - params_host if host_opt else base.nvme - (p * sharded / n if nvme_opt else 0.0)
+    terms.append(Term("grads", "nvme" if grads_in_files else "device", d["grads"]))
+    moved_optimizer = base.cpu + base.nvme - moved_params
+    terms.append(
+        Term("optimizer", off_tier, moved_optimizer if offload != "none" else d["optimizer"])
     )
-    opt_tier = "host" if host_opt else "nvme" if nvme_opt else "device"
-    terms.append(Term("optimizer", opt_tier, d["optimizer"] if opt_tier == "device" else opt_bytes))
-    if nvme_opt:
-        terms.append(Term("params", "nvme", p * sharded / n))
     # forward and backward: gathered stage-3 units, and their shards read in from files
+    in_flight = 0.0
+    if nvme_opt and stage == 3:
+        # a unit's shard is freed once gathered: the shards held are those of the units
+        # being prefetched (gathers in flight)
+        unit = max(facts.largest_unit, 1)
+        ahead = max(1, math.ceil(min(k_.prefetch_numel, k_.max_live_numel) / unit))
+        in_flight = p * min(ahead * unit, sharded) / n
     for phase in ("forward", "backward"):
         if d["gathered"]:
             terms.append(Term("gathered", "device", d["gathered"], phase))
-        if nvme_opt and stage == 3:
-            # a unit's shard is freed once gathered: the shards held are those of the units
-            # being prefetched (gathers in flight)
-            unit = max(facts.largest_unit, 1)
-            ahead = max(1, math.ceil(min(k_.prefetch_numel, k_.max_live_numel) / unit))
-            held = p * min(ahead * unit, sharded) / n
-            terms.append(Term("param_shards_in_flight", "host", held, phase))
+        if in_flight:
+            terms.append(Term("param_shards_in_flight", "host", in_flight, phase))
     if activation_bytes:
         terms.append(Term("activations", "device", float(activation_bytes), "backward"))
     # backward: the reduction's buckets. A group is at most a bucket, at least one parameter;
@@ -802,7 +798,7 @@ def _pipeline_args(args: Any) -> tuple[int, str, int]:
 
 def _knobs(args: Any) -> Knobs:
     """The buffer sizes of ``--config`` (DeepSpeed's defaults without one)."""
-    cpu_only = bool(getattr(args, "cpu_only", False))
+    cpu_only = bool(args.cpu_only)
     if not args.config:
         return Knobs(reduce_scratch=cpu_only, cpu_only=cpu_only)
     from .config import load_config
@@ -834,6 +830,10 @@ def run_cli(args: Any) -> int:
     1 when nothing does, 2 on bad input."""
     parts: list[StageFacts] = []
     try:
+        if args.persistence_threshold < 0:
+            raise ValueError(
+                f"--persistence-threshold must be >= 0, got {args.persistence_threshold}"
+            )
         if args.model:
             kwargs = {}
             for item in args.model_arg:
@@ -878,10 +878,6 @@ def run_cli(args: Any) -> int:
             raise ValueError(
                 f"--mics-shard-size must be -1 (off) or a divisor of --world-size, got "
                 f"{args.mics_shard_size}"
-            )
-        if args.persistence_threshold < 0:
-            raise ValueError(
-                f"--persistence-threshold must be >= 0, got {args.persistence_threshold}"
             )
         mics = args.mics_shard_size
         if mics > 0 and (args.world_size % mics or args.hpz_partition_size > 1):
