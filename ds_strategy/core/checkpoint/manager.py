@@ -280,12 +280,16 @@ def stage_dirs(root: Path) -> list[Path]:
     if (root / META_FILE).exists() or not root.is_dir():
         return []
     stages = sorted(
-        (d for d in root.glob("stage_*") if d.is_dir() and d.name[6:].isdigit()),
-        key=lambda d: int(d.name[6:]),
+        (d for d in root.glob("stage_*") if _is_stage(d)), key=lambda d: int(d.name[6:])
     )
     if [int(d.name[6:]) for d in stages] != list(range(len(stages))):
         return []
     return stages
+
+
+def _is_stage(d: Path) -> bool:
+    """Whether ``d`` is a pipeline checkpoint's ``stage_<k>`` directory."""
+    return d.name.startswith("stage_") and d.name[6:].isdigit() and d.is_dir()
 
 
 def resolve_sources(path: Path, tag: str | None) -> list[Path]:
@@ -324,10 +328,10 @@ def complete_in_every_stage(root: Path) -> list[tuple[int, str]]:
     if not stages:
         return []
     found = []
-    for d in sorted(stages[0].iterdir()) if stages[0].is_dir() else []:
-        if not d.is_dir() or d.name.endswith((".tmp", ".old")) or not swap.complete(d):
+    for d in sorted(stages[0].iterdir()):
+        if not d.is_dir() or d.name.endswith((".tmp", ".old")):
             continue
-        steps = {_steps(s / d.name) if swap.complete(s / d.name) else None for s in stages}
+        steps = {_steps(s / d.name) for s in stages}  # None: not a complete checkpoint there
         if len(steps) == 1 and None not in steps:
             found.append((steps.pop(), d.name))
     return sorted(found)
@@ -392,7 +396,7 @@ def _prune(root: Path, keep_last: int | None, keep: str) -> None:
         return
     latest = root / LATEST
     protected = {keep, latest.read_text().strip() if latest.is_file() else keep}
-    if root.name.startswith("stage_") and root.name[6:].isdigit():  # a pipeline's stage
+    if _is_stage(root):  # a pipeline's stage
         common = complete_in_every_stage(root.parent)
         if common:  # the newest checkpoint every stage holds (see the note above)
             protected.add(common[-1][1])

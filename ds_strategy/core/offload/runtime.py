@@ -177,7 +177,9 @@ class Offload:
     """The offload tiers of one engine. ``place`` runs before the optimizer is built over the
     shards, ``attach`` after; ``None`` from :meth:`build` when nothing is offloaded."""
 
-    def __init__(self, config: ZeroConfig, groups: list[FlatParamGroup], rank: int) -> None:
+    def __init__(
+        self, config: ZeroConfig, groups: list[FlatParamGroup], rank: int, comm: Any = None
+    ) -> None:
         zc = config.zero_optimization
         self.opt_cfg, self.param_cfg = zc.offload_optimizer, zc.offload_param
         self.groups: list[FlatParamGroup] = []
@@ -192,7 +194,7 @@ class Offload:
         self.state: StateSwaps | None = None
         self.stepper: BucketedStep | None = None
         self.meter: Any = None  # see set_meter
-        self.comm: Any = None  # see build and _sharing
+        self.comm: Any = comm  # see build and _sharing
         self._files: SwapFiles | None = None  # inside streamed()
         self._stale: set[int] = set()  # groups whose master a streamed load rewrote
         self.adopt(groups)
@@ -216,9 +218,7 @@ class Offload:
                 UnsupportedConfigWarning,
                 stacklevel=4,
             )
-        offload = Offload(config, groups, rank)
-        offload.comm = comm
-        return offload
+        return Offload(config, groups, rank, comm)
 
     @property
     def nvme_optimizer(self) -> bool:
