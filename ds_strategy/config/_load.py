@@ -42,10 +42,12 @@ from ._leaves import (
     _COERCE,
     _KIND_NAMES,
     _NUMBER,
+    MAX_INT,
     _check_bounds,
     _fail,
     _is_auto,
     _join,
+    _number,
     _to_bool,
 )
 from ._schema import (
@@ -326,10 +328,7 @@ _SCHEDULE_STEPS = (
 def _rate(value: Any, key: str, limit: float | None = None) -> None:
     if _is_auto(value):
         return
-    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(key, f"expected a number, got {value!r}")
+    value = _number(value, key, float)  # (YAML 1.1 reads 1e-4, no dot, as a string)
     if not math.isfinite(value) or value < 0:
         _fail(key, f"got {value!r}, must be a finite number >= 0")
     if limit is not None and value > limit:
@@ -342,7 +341,7 @@ def _steps(value: Any, key: str) -> None:
     if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
         value = float(value)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value != int(value) or value < 0 or value > 2**53:
+    if not ok or not math.isfinite(value) or value != int(value) or not 0 <= value <= MAX_INT:
         _fail(key, f"got {value!r}, must be a whole number of steps >= 0")
 
 

@@ -160,19 +160,19 @@ class InferenceEngine(nn.Module):
             self.tensor_parallel = TensorParallelInference(model, plan, self.tp_comm)
             splits = self.tensor_parallel.splits
         aliases = _aliases(model)  # before quantized layers replace the weights
-        quant = self._quantize(source)
+        saved = quant_metadata(source)  # a quantized export's scheme and layers, checked
+        quant = self._quantize(saved)
         if self.tensor_parallel is not None:
             self.tensor_parallel.install_reductions(model)
-        self.origins = origins_for(
-            model, source, splits, aliases, quant, bool(quant_metadata(source))
-        )
+        self.origins = origins_for(model, source, splits, aliases, quant, saved is not None)
         for p in model.parameters():
             p.requires_grad_(False)
         return quant
 
-    def _quantize(self, source: WeightSource) -> QuantPlan | None:
+    def _quantize(self, saved: dict[str, Any] | None) -> QuantPlan | None:
+        """The quantized layers: those of a quantized export (``saved``, its metadata), or
+        the config's."""
         qc = self.config.quantization
-        saved = quant_metadata(source)
         if saved is not None:  # a quantized export: its scheme and layers
             scheme = QuantScheme(saved["bits"], saved["group_size"], saved["symmetric"])
             if qc.bits is not None and (qc.bits, qc.symmetric) != (scheme.bits, scheme.symmetric):

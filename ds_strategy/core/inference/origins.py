@@ -12,6 +12,7 @@ weights before anything is read, and every missing or mismatched name is reporte
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,18 @@ from .tp import Split
 __all__ = ["origins_for", "quant_metadata"]
 
 _KINDS = ("qweight", "scales", "zeros")
+
+
+# key -> (accepts the value, what it must be); JSON's types as they are, no coercion
+_QUANT_SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "bits": (lambda v: type(v) is int and v in (4, 8), "8 or 4"),
+    "group_size": (lambda v: type(v) is int and v >= 1, "an integer >= 1"),
+    "symmetric": (lambda v: type(v) is bool, "true or false (a JSON boolean)"),
+    "modules": (
+        lambda v: isinstance(v, list) and all(isinstance(m, str) for m in v),
+        "a list of module names",
+    ),
+}
 
 
 def quant_metadata(source: WeightSource) -> dict[str, Any] | None:
@@ -44,23 +57,11 @@ def quant_metadata(source: WeightSource) -> dict[str, Any] | None:
         raise ValueError(f"{where} is not valid JSON ({err})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: expected an object, got {type(meta).__name__}")
-    rules = {
-        "bits": lambda v: type(v) is int and v in (4, 8),
-        "group_size": lambda v: type(v) is int and v >= 1,
-        "symmetric": lambda v: type(v) is bool,
-        "modules": lambda v: isinstance(v, list) and all(isinstance(m, str) for m in v),
-    }
-    wanted = {
-        "bits": "8 or 4",
-        "group_size": "an integer >= 1",
-        "symmetric": "true or false (a JSON boolean)",
-        "modules": "a list of module names",
-    }
-    for key, ok in rules.items():
+    for key, (ok, wanted) in _QUANT_SCHEMA.items():
         if key not in meta:
             raise ValueError(f"{where}: no {key!r} entry")
         if not ok(meta[key]):
-            raise ValueError(f"{where}: {key} must be {wanted[key]}, got {meta[key]!r}")
+            raise ValueError(f"{where}: {key} must be {wanted}, got {meta[key]!r}")
     for module in meta["modules"]:
         if f"{module}.qweight" not in source:  # a tied layer, stored once under another name
             continue
