@@ -116,15 +116,17 @@ def _check_options(args: Any) -> str | None:
             _prompt_ids(args.prompt_ids)
         except ValueError as e:
             return str(e)
-    if args.max_new_tokens < 0:
-        return f"--max-new-tokens must be >= 0, got {args.max_new_tokens}"
-    if args.top_k is not None and args.top_k < 1:
-        return f"--top-k must be >= 1, got {args.top_k}"
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        return f"--top-p must be in (0, 1], got {args.top_p}"
-    if not args.temperature > 0:
-        return f"--temperature must be > 0, got {args.temperature}"
-    return None
+    from ds_strategy.core.inference.generate import options_problem
+
+    # (--temperature is checked with or without --sample: a bad one is a mistake either way)
+    return options_problem(
+        args.max_new_tokens,
+        args.top_k,
+        args.top_p,
+        args.temperature,
+        sampling=True,
+        name=lambda option: "--" + option.replace("_", "-"),
+    )
 
 
 def _prompt_ids(text: str) -> list[int]:

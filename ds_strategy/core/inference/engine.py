@@ -43,7 +43,7 @@ from ..zero.inflight import ReductionQueue
 from ..zero.stage3 import Stage3Runtime, Unit
 from ..zero.units import UnitPlan, plan_units
 from .building import CharTokenizer, DirectoryLoader, LoadedModel, load_model
-from .generate import agreed_seed, sample_loop
+from .generate import agreed_seed, options_problem, sample_loop
 from .origins import origins_for, quant_metadata
 from .placement import WeightReader, place_sharded, place_whole
 from .save import write_quantized
@@ -538,17 +538,6 @@ def _check_generate(
             f"generate(): input_ids hold token ids outside the model's vocabulary [0, {vocab}) "
             f"(min {int(ids.min())}, max {int(ids.max())})"
         )
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 0
-    ):
-        raise ValueError(
-            f"generate(): max_new_tokens must be an integer >= 0, got {max_new_tokens!r}"
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"generate(): top_k must be an integer >= 1 (or None), got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"generate(): top_p must be in (0, 1] (or None), got {top_p!r}")
-    if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"generate(): temperature must be > 0 when sampling, got {temperature!r}")
+    problem = options_problem(max_new_tokens, top_k, top_p, temperature, do_sample)
+    if problem is not None:
+        raise ValueError(f"generate(): {problem}")

@@ -27,7 +27,33 @@ from torch.nn import functional as F
 
 from ..collectives import Comm
 
-__all__ = ["agreed_seed", "sample_loop", "pick"]
+__all__ = ["agreed_seed", "options_problem", "sample_loop", "pick"]
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def options_problem(
+    max_new_tokens: Any,
+    top_k: Any,
+    top_p: Any,
+    temperature: Any,
+    sampling: bool,
+    name: Callable[[str], str] = str,
+) -> str | None:
+    """What is wrong with generation options, naming the option as ``name`` spells it (the
+    command line's ``--top-k`` for ``top_k``); None: nothing. ``temperature`` is checked only
+    when ``sampling``."""
+    if not _whole(max_new_tokens) or max_new_tokens < 0:
+        return f"{name('max_new_tokens')} must be >= 0 (an integer), got {max_new_tokens!r}"
+    if top_k is not None and (not _whole(top_k) or top_k < 1):
+        return f"{name('top_k')} must be >= 1 (an integer), got {top_k!r}"
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        return f"{name('top_p')} must be in (0, 1], got {top_p!r}"
+    if sampling and not (isinstance(temperature, (int, float)) and temperature > 0):
+        return f"{name('temperature')} must be > 0 when sampling, got {temperature!r}"
+    return None
 
 
 def agreed_seed(comm: Comm | None, seed: int | None) -> int:
