@@ -26,6 +26,7 @@ from torch import nn
 import ds_strategy
 from ds_strategy.core.checkpoint import sharded
 from ds_strategy.core.checkpoint.lock import CheckpointBusyError
+from ds_strategy.core.checkpoint.manager import complete_in_every_stage
 from tests.distributed import run_ranks
 from tests.models import ToyLM, batches
 from tests.test_checkpoint_manage import GB, _opt, train
@@ -654,6 +655,7 @@ def test_a_pipeline_save_killed_mid_way_loads_one_whole_step_or_refuses(tmp_path
     and ``keep_last: 1`` did not prune it from the stage that went ahead."""
     clean = _torn_save(tmp_path / "clean", 0, 0)
     assert clean is not None
+    assert (tmp_path / "clean" / "latest").read_text() == "global_step2"  # the root's commit
     steps = {name: {k: torch.tensor(v) for k, v in w.items()} for name, w in clean.items()}
     outcomes = []
     for victim, step in ((1, 1), (1, 4), (1, 9), (0, 6)):
@@ -662,6 +664,11 @@ def test_a_pipeline_save_killed_mid_way_loads_one_whole_step_or_refuses(tmp_path
         got, said = _consolidated(root, tmp_path / f"{root.name}.safetensors")
         latest = [(root / f"stage_{k}" / "latest").read_text().strip() for k in (0, 1)]
         where = f"rank {victim} killed before filesystem change {step}; latest {latest}"
+        # the root's latest only ever names a checkpoint complete in every stage
+        committed = (root / "latest").read_text()
+        assert committed in [tag for _, tag in complete_in_every_stage(root)], where
+        if latest[0] != latest[1]:
+            assert committed == "global_step1", where
         if isinstance(got, str):
             outcomes.append("refused")
             assert "stages disagree" in got, where

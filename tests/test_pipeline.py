@@ -417,6 +417,8 @@ def features(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path
 def test_periodic_saves_go_per_stage_and_resume(features: tuple, kind: str) -> None:
     results, path = features
     root = path / kind.partition("_")[0]
+    # committed at the root once both stages had theirs (asynchronous: at the wait)
+    assert (root / "latest").read_text().strip() == "global_step2"
     for k in (0, 1):
         stage = root / f"stage_{k}"
         assert (stage / "latest").read_text().strip() == "global_step2"

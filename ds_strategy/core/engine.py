@@ -763,6 +763,11 @@ class ZeroEngine(nn.Module):
         self._count_resident()
         return client_state
 
+    @property
+    def checkpoint_manager(self) -> CheckpointManager:
+        """The engine's saves and loads (how many saves began, whether one is being written)."""
+        return self._checkpoints
+
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save has been written, renamed into place and
         ``latest`` updated; re-raise its error if it failed. Call it (or :meth:`destroy`)

@@ -75,6 +75,10 @@ class CheckpointManager:
             )
         self._pending: _BackgroundSave | None = None
         self._side: Comm | None = None
+        # saves made (an asynchronous one: begun) and the last one's directory: a pipeline
+        # counts them to see a periodic save
+        self.saves = 0
+        self.last_saved: Path | None = None
         # global_steps when after_step last ran: a save follows an optimizer step only, never
         # a micro-step inside an accumulation, nor the first step after a load
         self._seen_steps = engine.global_steps
@@ -112,7 +116,7 @@ class CheckpointManager:
         def after_rename() -> None:
             if root is not None:
                 if save_latest:
-                    _write_latest(root, final.name)
+                    write_latest(root, final.name)
                 _prune(root, self.config.keep_last, keep=final.name)
 
         def finish(ok: bool) -> None:  # rank 0, once the save has succeeded or failed
@@ -131,6 +135,7 @@ class CheckpointManager:
                 sharded.commit(comm, tmp, final, meta, needed, after_rename)
                 if comm.rank == 0:
                     finish(ok=True)
+                self.saves, self.last_saved = self.saves + 1, final
                 return final
             side = self._side_comm()
             with together(comm, CheckpointError):
@@ -152,6 +157,7 @@ class CheckpointManager:
                     finish(ok)
 
         self._pending = _BackgroundSave(run, final)
+        self.saves, self.last_saved = self.saves + 1, final
         return final
 
     def after_step(self) -> None:
@@ -164,6 +170,10 @@ class CheckpointManager:
         if every is None or steps % every != 0:
             return
         self.engine.save_checkpoint(self.config.save_dir, tag=f"global_step{steps}")
+
+    def writing(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return self._pending is not None and self._pending.thread.is_alive()
 
     def wait(self) -> None:
         """Block until a pending asynchronous save has been written and committed; raise its
@@ -306,12 +316,16 @@ def resolve_sources(path: Path, tag: str | None) -> list[Path]:
 # [Note: a pipeline checkpoint's commit point]
 # Each stage commits its own checkpoint (``stage_<k>/<tag>`` and its ``latest``), so a crash
 # during a pipeline save can leave one stage at the new step and another at the old one. A
-# pipeline checkpoint is therefore complete only when every stage holds it, committed, at the
-# same ``global_steps``: a load checks that the stages it is about to read agree, and when
-# they do not (a torn save), it reads the newest tag complete in every stage, warning with
-# the torn tag and the stages at each step, or refuses with both when there is none. Pruning
-# (``checkpoint.keep_last``) in a stage never deletes that newest common tag, so the previous
-# complete checkpoint survives until every stage has committed the next one.
+# pipeline save is therefore two-phase: every stage writes and commits its part, the ranks
+# agree that all did, and only then does rank 0 name the tag in the root's own ``latest``
+# (``PipelineEngine``: at once for a synchronous save, at the first step or wait after an
+# asynchronous one has been written). The root's ``latest`` thus always names a checkpoint
+# complete in every stage. A load checks that the stages it is about to read agree (the same
+# ``global_steps``); when they do not (a torn save), it reads the newest tag complete in
+# every stage, warning with the torn tag and the stages at each step, or refuses with both
+# when there is none. Pruning (``checkpoint.keep_last``) in a stage never deletes that
+# newest common tag nor the one the root names, so the previous complete checkpoint survives
+# until every stage has committed the next one.
 
 
 def _steps(directory: Path) -> int | None:
@@ -379,7 +393,8 @@ def _check_tag(tag: str, saving: bool = True) -> None:
         )
 
 
-def _write_latest(root: Path, tag: str) -> None:
+def write_latest(root: Path, tag: str) -> None:
+    """Name ``tag`` in ``root/latest``, atomically (a crash leaves the old name or the new)."""
     tmp = root / (LATEST + ".tmp")
     swap.write_synced(tmp, tag)
     os.replace(tmp, root / LATEST)
@@ -400,6 +415,9 @@ def _prune(root: Path, keep_last: int | None, keep: str) -> None:
         common = complete_in_every_stage(root.parent)
         if common:  # the newest checkpoint every stage holds (see the note above)
             protected.add(common[-1][1])
+        committed = root.parent / LATEST
+        if committed.is_file():  # the one the pipeline's root names
+            protected.add(committed.read_text().strip())
     steps = []
     for d in root.iterdir():
         m = _STEP_TAG.fullmatch(d.name)

@@ -41,6 +41,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ...config import ZeroConfig, load_config
+from ..checkpoint.manager import write_latest
+from ..checkpoint.validate import CheckpointError
 from ..checkpoint.weights_file import write_weights
 from ..collectives import Comm, init_process_group_from_env
 from ..engine import ZeroEngine, _pick_device
@@ -213,6 +215,10 @@ class PipelineEngine:
             pc.schedule, self._stages, self.micro_batches, self._scaled_loss, self.mesh.pp_size
         )
         self._has_first = 0 in mine
+        # a tagged save every stage has begun whose root does not name it yet (root, tag); see
+        # [Note: a pipeline checkpoint's commit point] in checkpoint/manager.py
+        self._uncommitted: tuple[Path, str] | None = None
+        self._saves_seen = self.engine.checkpoint_manager.saves
         self._has_last = n_chunks - 1 in mine
 
     def _check_ties_replicated(self) -> None:
@@ -366,6 +372,39 @@ class PipelineEngine:
         with together(self._pp):
             e.step(grad_norm=norm)
         e.plan.wait_params()  # the schedule runs the chunks, not the engine's forward
+        self._note_save()  # a periodic one (checkpoint.save_interval)
+        self._commit(wait=False)
+
+    def _note_save(self) -> None:
+        """Remember the tagged save the stage engine has just begun, to commit at the root."""
+        manager = self.engine.checkpoint_manager
+        if manager.saves == self._saves_seen:
+            return
+        self._saves_seen = manager.saves
+        final = manager.last_saved
+        if final is not None and final.parent.name == f"stage_{self.stage_id}":
+            self._uncommitted = (final.parent.parent, final.name)
+
+    def _commit(self, wait: bool) -> None:
+        """Name the last tagged save in the root's ``latest`` once every stage has committed
+        its part (see the note in checkpoint/manager.py). ``wait=False``: only if no stage is
+        still writing its part in the background (one small all-reduce), else at a later
+        step; ``wait=True``: after waiting for it. A failed part fails every rank."""
+        if self._uncommitted is None:
+            return
+        world = Comm()
+        if not wait:
+            writing = torch.tensor([float(self.engine.checkpoint_manager.writing())])
+            world.all_reduce(writing, kind="control")
+            if writing.item():
+                return
+        root, tag = self._uncommitted
+        self._uncommitted = None
+        with together(world, CheckpointError):  # every stage's part committed, or the error
+            self.engine.wait_for_checkpoint()
+        with together(world, CheckpointError):
+            if dist.get_rank() == 0:
+                write_latest(root, tag)
 
     def get_global_grad_norm(self) -> float | None:
         """L2 norm of the whole model's gradients at the last step, before clipping."""
@@ -435,10 +474,13 @@ class PipelineEngine:
                 "full checkpoint, or the consolidated weights with save_weights(path)"
             )
         root = Path(path)
+        self._commit(wait=True)  # an earlier asynchronous save first
         with together(self._pp):  # agreed within the stage by the engine, across stages here
             self.engine.save_checkpoint(
                 root / f"stage_{self.stage_id}", tag=tag, client_state=client_state
             )
+        self._note_save()
+        self._commit(wait=not self.config.checkpoint.async_save)
         return root
 
     def load_checkpoint(
@@ -454,6 +496,7 @@ class PipelineEngine:
         :meth:`save_checkpoint` wrote (its root, with the ``stage_<k>`` checkpoints), from a
         pipeline of any number of stages, data-parallel size or ZeRO stage, or a plain
         engine's checkpoint; each stage reads its own layers' weights and optimizer state."""
+        self._commit(wait=True)  # a save still being written first
         with together(self._pp):  # agreed within the stage by the engine, across stages here
             return self.engine.load_checkpoint(
                 path,
@@ -464,11 +507,16 @@ class PipelineEngine:
 
     def wait_for_checkpoint(self) -> None:
         """Block until this stage's asynchronous save (``checkpoint.async_save``) is written;
-        re-raise its error (see ``ZeroEngine.wait_for_checkpoint``)."""
+        re-raise its error (see ``ZeroEngine.wait_for_checkpoint``); then the root's
+        ``latest`` names it. Collective."""
         self.engine.wait_for_checkpoint()
+        self._commit(wait=True)
 
     def destroy(self) -> None:
-        self.engine.destroy()
+        try:
+            self._commit(wait=True)
+        finally:
+            self.engine.destroy()
 
 
 def _build_own(
