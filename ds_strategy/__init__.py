@@ -29,6 +29,7 @@ from .core.faults import RankFailedError, together
 
 if TYPE_CHECKING:
     from .core.inference import InferenceEngine
+    from .core.inference.building import ModelFileError
     from .core.pipeline import PipelineEngine
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "InferenceEngine",
+    "ModelFileError",
     "PipelineEngine",
     "RankFailedError",
     "UntrustedContentError",
@@ -182,6 +184,10 @@ def __getattr__(name: str) -> Any:
         from .core.inference import InferenceEngine
 
         return InferenceEngine
+    if name == "ModelFileError":
+        from .core.inference.building import ModelFileError
+
+        return ModelFileError
     raise AttributeError(f"module 'ds_strategy' has no attribute {name!r}")
 
 

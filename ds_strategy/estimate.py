@@ -631,7 +631,10 @@ def parse_bytes(text: str | float) -> float:
         raise ValueError(
             f"cannot read {text!r} as a memory size; write e.g. 80GB, 24GiB, 512MB or 8e10"
         )
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(value):
+        raise ValueError(f"a memory size must be finite, got {text!r}")
+    return value
 
 
 def parse_count(text: str | float) -> int:
@@ -825,14 +828,23 @@ def _ranges(indices: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
+def _option(name: str, parse: Callable[[str], Any], text: str) -> Any:
+    """``parse(text)``, its error naming the option ``name``."""
+    try:
+        return parse(text)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
+
 def run_cli(args: Any) -> int:
     """Print the table and the recommendation; 0 when something fits (or nothing to fit),
     1 when nothing does, 2 on bad input."""
     parts: list[StageFacts] = []
     try:
-        if args.persistence_threshold < 0:
+        if not 0 <= args.persistence_threshold < 2**63:  # (NaN fails too)
             raise ValueError(
-                f"--persistence-threshold must be >= 0, got {args.persistence_threshold}"
+                f"--persistence-threshold must be a number of elements >= 0, got "
+                f"{args.persistence_threshold}"
             )
         if args.model:
             kwargs = {}
@@ -860,10 +872,10 @@ def run_cli(args: Any) -> int:
                 raise ValueError("--model-arg needs --model")
             if _pipeline_args(args)[0] > 1:
                 raise ValueError("--pipeline-stages needs --model (its layers are partitioned)")
-            facts = ModelFacts(params=parse_count(args.params))
-        gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
-        cpu = parse_bytes(args.cpu_mem) if args.cpu_mem else None
-        act = parse_bytes(args.activations)
+            facts = ModelFacts(params=_option("--params", parse_count, args.params))
+        gpu = _option("--gpu-mem", parse_bytes, args.gpu_mem) if args.gpu_mem else None
+        cpu = _option("--cpu-mem", parse_bytes, args.cpu_mem) if args.cpu_mem else None
+        act = _option("--activations", parse_bytes, args.activations)
         if args.world_size < 1:
             raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
         if args.hpz_partition_size < 1 or args.world_size % args.hpz_partition_size:

@@ -111,6 +111,8 @@ def _check_options(args: Any) -> str | None:
     """What is wrong with the options, naming the option (None: nothing)."""
     if args.prompt is not None and not args.prompt:
         return "--prompt is empty; give the text to continue"
+    if args.tp is not None and args.tp < 1:
+        return f"--tp must be >= 1 (ranks per tensor-parallel group), got {args.tp}"
     if args.prompt_ids is not None:
         try:
             _prompt_ids(args.prompt_ids)

@@ -255,7 +255,7 @@ def test_an_index_names_only_files_inside_its_directory_and_is_followed(tmp_path
             source({"w": bad})
     with pytest.raises(ValueError, match="names b.safetensors for 'v', which that file does not"):
         source({"w": "a.safetensors", "v": "b.safetensors"})
-    with pytest.raises(FileNotFoundError, match="names c.safetensors, which is missing"):
+    with pytest.raises(ds_strategy.ModelFileError, match="names c.safetensors, which is missing"):
         source({"w": "c.safetensors"})
     for malformed in ([1], {"w": 3}, {}):
         with pytest.raises(ValueError, match="model.safetensors.index.json"):

@@ -554,7 +554,13 @@ def _read_file(path: Path) -> Any:
     suffix = path.suffix.lower()
     if suffix == ".json":
         try:
-            return json.loads(path.read_text(), object_pairs_hook=_no_duplicates)
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {err.start}); a JSON config is UTF-8", path=str(path)
+            ) from None
+        try:
+            return json.loads(text, object_pairs_hook=_no_duplicates)
         except json.JSONDecodeError as err:
             msg = f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
             raise ConfigError(f"{path}: {msg}", path=str(path)) from None

@@ -87,7 +87,16 @@ def consolidate(
     loading restores the other name.
     """
     out = Path(output_path)
-    sources = resolve_sources(Path(checkpoint_dir), None)
+    if out.suffix not in (".safetensors", ".pt", ".pth", ".bin") or out.is_dir():
+        raise ValueError(
+            f"output {str(output_path)!r}: choose a .safetensors, .pt, .pth or .bin file name"
+        )
+    if not str(checkpoint_dir) or not Path(checkpoint_dir).is_dir():
+        raise FileNotFoundError(
+            f"checkpoint {str(checkpoint_dir)!r}: no such directory (give one written by "
+            "save_checkpoint, its root, or a pipeline checkpoint's root)"
+        )
+    sources = resolve_sources(Path(checkpoint_dir).absolute(), None)
     for src in sources:
         if not (src / META_FILE).is_file():
             raise FileNotFoundError(
@@ -97,10 +106,8 @@ def consolidate(
         check_files(src, require_checksums)
     if out.suffix == ".safetensors":
         _write_safetensors(sources, out, dtype)
-    elif out.suffix in (".pt", ".pth", ".bin"):
-        torch.save(dict(_stream_all(sources, dtype)), out)
     else:
-        raise ValueError(f"{out}: choose a .safetensors or .pt output file")
+        torch.save(dict(_stream_all(sources, dtype)), out)
     return out
 
 

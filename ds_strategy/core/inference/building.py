@@ -26,12 +26,19 @@ __all__ = [
     "CharTokenizer",
     "DirectoryLoader",
     "LoadedModel",
+    "ModelFileError",
     "load_model",
     "params_on_meta",
     "write_model_card",
 ]
 
 CARD = "ds_model.json"
+
+
+class ModelFileError(ValueError):
+    """A file of a model directory or of weights (``ds_model.json``, an index, a
+    ``.safetensors`` file and its metadata) is malformed, unsafe or does not match the rest;
+    the message names the file and, where there is one, the key."""
 
 
 class CharTokenizer:
@@ -118,12 +125,17 @@ def _build(factory: Callable[..., Any], kwargs: dict[str, Any]) -> nn.Module:
 def inside(directory: Path, name: Any, what: str) -> Path:
     """``directory / name`` when it stays inside ``directory`` once resolved (symbolic links
     followed): a model directory names files of its own, never ``../other`` or ``/etc``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{what}: expected a file name inside {str(directory)!r}, got {name!r}")
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ModelFileError(
+            f"{what}: expected a file name inside {str(directory)!r}, got {name!r}"
+        )
     root = directory.resolve()
-    target = (directory / name).resolve()
+    try:
+        target = (directory / name).resolve()
+    except OSError as err:  # a name too long, a loop of symbolic links
+        raise ModelFileError(f"{what}: cannot resolve {name!r} ({err.strerror or err})") from None
     if target != root and root not in target.parents:
-        raise ValueError(
+        raise ModelFileError(
             f"{what}: {name!r} points outside the model directory {str(root)!r}; a model "
             "directory may only name files inside it"
         )
@@ -136,7 +148,7 @@ def card_factory(card_path: Path, factory: Any, trust_remote_code: bool) -> Call
     user's consent (``trust_remote_code=True``, as transformers asks for a model's own code)."""
     what = f"{card_path} factory"
     if not isinstance(factory, str):
-        raise ValueError(f"{what}: expected 'package.module:factory', got {factory!r}")
+        raise ModelFileError(f"{what}: expected 'package.module:factory', got {factory!r}")
     module = factory.partition(":")[0]
     if not (module == "ds_strategy" or module.startswith("ds_strategy.")) and not trust_remote_code:
         raise UntrustedContentError(
@@ -144,7 +156,10 @@ def card_factory(card_path: Path, factory: Any, trust_remote_code: bool) -> Call
             "would import and run; if you trust the directory's source, pass "
             "trust_remote_code=True to init_inference (--trust-remote-code on the command line)"
         )
-    return import_factory(factory, what)
+    try:
+        return import_factory(factory, what)
+    except ValueError as err:  # import_factory's message names the card's factory already
+        raise ModelFileError(str(err)) from None
 
 
 def _from_card(path: Path, trust_remote_code: bool = False) -> LoadedModel:
@@ -152,21 +167,28 @@ def _from_card(path: Path, trust_remote_code: bool = False) -> LoadedModel:
     try:
         card = json.loads(card_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{card_path}: not valid JSON ({err})") from None
+        raise ModelFileError(f"{card_path}: not valid JSON ({err})") from None
     if not isinstance(card, dict):
-        raise ValueError(f"{card_path}: expected a JSON object, got {type(card).__name__}")
+        raise ModelFileError(f"{card_path}: expected a JSON object, got {type(card).__name__}")
     for key in ("factory", "kwargs"):
         if key not in card:
-            raise ValueError(f"{card_path}: no {key!r} entry")
+            raise ModelFileError(f"{card_path}: no {key!r} entry")
     if not isinstance(card["kwargs"], dict):
-        raise ValueError(f"{card_path} kwargs: expected an object, got {card['kwargs']!r}")
+        raise ModelFileError(f"{card_path} kwargs: expected an object, got {card['kwargs']!r}")
     weights = inside(path, card.get("weights", "model.safetensors"), f"{card_path} weights")
-    model = _build(card_factory(card_path, card["factory"], trust_remote_code), card["kwargs"])
+    factory = card_factory(card_path, card["factory"], trust_remote_code)
+    try:
+        model = _build(factory, card["kwargs"])
+    except (TypeError, ValueError, OverflowError, RuntimeError, MemoryError) as err:
+        raise ModelFileError(
+            f"{card_path} kwargs: {card['factory']} could not build the model from them "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+        ) from err
     tok = card.get("tokenizer") or {}
     if not isinstance(tok, dict):
-        raise ValueError(f"{card_path} tokenizer: expected an object, got {tok!r}")
+        raise ModelFileError(f"{card_path} tokenizer: expected an object, got {tok!r}")
     chars = tok.get("chars")
     if tok.get("type") == "chars" and not isinstance(chars, str):
-        raise ValueError(f"{card_path} tokenizer.chars: expected a string, got {chars!r}")
+        raise ModelFileError(f"{card_path} tokenizer.chars: expected a string, got {chars!r}")
     tokenizer = CharTokenizer(chars) if tok.get("type") == "chars" else None
     return LoadedModel(model, weights, tokenizer)

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..quant.export import QUANT_META
 from ..quant.modules import QuantPlan
+from .building import ModelFileError
 from .placement import Origin
 from .sources import WeightSource
 from .tp import Split
@@ -48,26 +49,35 @@ def quant_metadata(source: WeightSource) -> dict[str, Any] | None:
     (zero-points exactly when asymmetric); None for full-precision weights. Errors name the
     file and the key."""
     text = source.metadata.get(QUANT_META)
-    if not text:
+    if text is None:
         return None
     where = f"{getattr(source, 'where', 'the weights')}: metadata {QUANT_META!r}"
     try:
         meta = json.loads(text)
     except (json.JSONDecodeError, TypeError) as err:
-        raise ValueError(f"{where} is not valid JSON ({err})") from None
+        raise ModelFileError(f"{where} is not valid JSON ({err})") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{where}: expected an object, got {type(meta).__name__}")
+        raise ModelFileError(f"{where}: expected an object, got {type(meta).__name__}")
     for key, (ok, wanted) in _QUANT_SCHEMA.items():
         if key not in meta:
-            raise ValueError(f"{where}: no {key!r} entry")
+            raise ModelFileError(f"{where}: no {key!r} entry")
         if not ok(meta[key]):
-            raise ValueError(f"{where}: {key} must be {wanted}, got {meta[key]!r}")
+            raise ModelFileError(f"{where}: {key} must be {wanted}, got {meta[key]!r}")
+    unlisted = sorted(
+        {n[: -len(".qweight")] for n in source.names() if n.endswith(".qweight")}
+        - set(meta["modules"])
+    )
+    if unlisted:
+        raise ModelFileError(
+            f"{where}: modules does not list {unlisted[0]!r}, whose quantized weight "
+            f"({unlisted[0]}.qweight) the file stores; the metadata does not match the tensors"
+        )
     for module in meta["modules"]:
         if f"{module}.qweight" not in source:  # a tied layer, stored once under another name
             continue
         has_zeros = f"{module}.zeros" in source
         if meta["symmetric"] == has_zeros:
-            raise ValueError(
+            raise ModelFileError(
                 f"{where}: symmetric is {str(meta['symmetric']).lower()} but {module!r} "
                 + ("stores zero-points" if has_zeros else "stores no zero-points")
                 + "; the metadata does not match the tensors (edited?)"

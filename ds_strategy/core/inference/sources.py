@@ -32,7 +32,7 @@ from ..checkpoint.sharded import single_process_ok
 from ..checkpoint.trust import SafeReader
 from ..checkpoint.validate import META_FILE, validate
 from ..collectives import Comm
-from .building import inside
+from .building import ModelFileError, inside
 
 __all__ = [
     "CheckpointSource",
@@ -95,10 +95,10 @@ class HFIndex:
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
+            raise ModelFileError(f"{path}: not valid JSON ({err})") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(
+            raise ModelFileError(
                 f"{path}: expected an object with a non-empty 'weight_map' of tensor name -> "
                 "file name"
             )
@@ -106,8 +106,14 @@ class HFIndex:
         for name, file in weight_map.items():
             files[name] = inside(path.parent, file, f"{path} weight_map[{name!r}]")
         for file in set(files.values()):
-            if not file.is_file():
-                raise FileNotFoundError(f"{path}: weight_map names {file.name}, which is missing")
+            try:
+                missing = not file.is_file()
+            except OSError as err:  # a name too long for the file system
+                raise ModelFileError(
+                    f"{path}: weight_map names {file.name!r}: {err.strerror}"
+                ) from None
+            if missing:
+                raise ModelFileError(f"{path}: weight_map names {file.name}, which is missing")
         return cls(path, files)
 
 
@@ -128,7 +134,7 @@ class SafetensorsSource(WeightSource):
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-                raise ValueError(f"{path}: not a readable .safetensors file ({e})") from e
+                raise ModelFileError(f"{path}: not a readable .safetensors file ({e})") from e
             self._handles.append(handle)
             by_path[path] = handle
             self.metadata.update(handle.metadata() or {})
@@ -138,13 +144,20 @@ class SafetensorsSource(WeightSource):
         for name, path in (index.weight_map if index is not None else {}).items():
             handle = by_path[path]
             if name not in handle.keys():  # noqa: SIM118
-                raise ValueError(
+                raise ModelFileError(
                     f"{index.path}: weight_map names {path.name} for {name!r}, which that file "
                     "does not hold"
                 )
             self._files[name] = handle
         if not self._files:
-            raise ValueError(f"{where}: holds no tensors")
+            raise ModelFileError(f"{where}: holds no tensors")
+        for name, handle in self._files.items():
+            kind = handle.get_slice(name).get_dtype()
+            if kind not in _ST_DTYPES:
+                raise ModelFileError(
+                    f"{where}: tensor {name!r} is stored as {kind}, which torch cannot hold "
+                    f"(readable: {', '.join(_ST_DTYPES)})"
+                )
 
     def names(self) -> list[str]:
         return list(self._files)
@@ -181,6 +194,11 @@ _ST_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -358,10 +376,10 @@ def source_kind(path: str | Path) -> tuple[str, Path]:
                 "safetensors first)"
             )
         return "safetensors", p
+    if stage_dirs(p):  # (a pipeline's root has a ``latest`` of its own too)
+        return "pipeline", p
     if (p / META_FILE).is_file() or (p / "latest").is_file():
         return "checkpoint", resolve_load_dir(p, None)
-    if stage_dirs(p):
-        return "pipeline", p
     return "safetensors", p
 
 
