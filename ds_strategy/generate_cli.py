@@ -128,6 +128,7 @@ def _check_options(args: Any) -> str | None:
         args.temperature,
         sampling=True,
         name=lambda option: "--" + option.replace("_", "-"),
+        seed=args.seed,
     )
 
 
@@ -138,8 +139,8 @@ def _prompt_ids(text: str) -> list[int]:
         raise ValueError(
             f"--prompt-ids {text!r}: expected comma-separated token ids, e.g. 1,5,42"
         ) from None
-    if not ids or min(ids) < 0:
-        raise ValueError(f"--prompt-ids {text!r}: token ids are integers >= 0")
+    if not ids or min(ids) < 0 or max(ids) >= 2**63:
+        raise ValueError(f"--prompt-ids {text!r}: token ids are integers in [0, 2**63)")
     return ids
 
 
@@ -165,9 +166,24 @@ def _generate(args: Any) -> int:
         seed=args.seed,
     )
     if args.prompt is not None:
-        ids = engine.encode(args.prompt)
+        try:
+            ids = engine.encode(args.prompt)
+        except ValueError as err:
+            engine.destroy()
+            raise ValueError(f"--prompt: {err}") from None
     else:
         ids = torch.tensor([_prompt_ids(args.prompt_ids)], dtype=torch.int64)
+    prompt_option = "--prompt" if args.prompt is not None else "--prompt-ids"
+    problem = engine.generation_problem(
+        ids,
+        args.max_new_tokens,
+        **options,
+        name=lambda arg: prompt_option if arg == "input_ids" else "--" + arg.replace("_", "-"),
+    )
+    if problem is not None:
+        engine.destroy()
+        print(f"ds-strategy generate: {problem}", file=sys.stderr)
+        return 2
     out = engine.generate(ids, args.max_new_tokens, **options)[0].tolist()
     if args.json:
         prompt_ids = ids[0].tolist()

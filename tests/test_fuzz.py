@@ -626,3 +626,50 @@ def test_every_command_line_runs_or_is_a_usage_error_naming_the_option(
 
     strategy = st.one_of(_estimate_argv(), _generate_argv(), _consolidate_argv())
     _fuzz(strategy, examples, check)
+
+
+@st.composite
+def _generate_on_a_model(draw: st.DrawFn) -> list[str]:
+    """``ds-strategy generate`` on a real (tiny) model: the checks that need the model
+    (vocabulary, positions) and the sampling itself."""
+    if draw(st.booleans()):
+        argv = ["--prompt", draw(st.one_of(st.sampled_from(["ab", "", "ZeRO", "\u2603"]), _WORDS))]
+    else:
+        ids = st.one_of(st.integers(-2, 100), st.sampled_from([2**63, 10**30]))
+        argv = ["--prompt-ids", ",".join(str(i) for i in draw(st.lists(ids, max_size=4)))]
+    argv += ["--max-new-tokens", str(draw(st.one_of(st.integers(-1, 70), st.just(10**6))))]
+    numbers = st.one_of(
+        st.sampled_from(["0", "1", "-1", "1e-300", "5e-324", "1e308", "inf", "nan", "0.5"]),
+        st.integers(-3, 200).map(str),
+    )
+    for option in draw(
+        st.lists(st.sampled_from(["--temperature", "--top-k", "--top-p", "--seed"]), unique=True)
+    ):
+        argv += [option, draw(numbers)]
+    if draw(st.booleans()):
+        argv.append("--sample")
+    return argv
+
+
+@pytest.mark.parametrize("examples", _examples(25, 400))
+def test_every_generation_runs_or_is_a_usage_error_naming_the_option(
+    examples: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from tests.inference_common import write_gpt
+
+    model = write_gpt(tmp_path_factory.mktemp("fuzz_generate") / "model")
+
+    def check(options: list[str]) -> None:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(["generate", str(model), *options])
+            except SystemExit as exit_:
+                code = exit_.code
+        assert code in (0, 2), (options, code, err.getvalue())
+        if code == 2:
+            assert re.search(r"--[a-z]|usage:", err.getvalue()), (options, err.getvalue())
+        else:
+            assert out.getvalue().strip(), options
+
+    _fuzz(_generate_on_a_model(), examples, check)

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 import ds_strategy
+from ds_strategy.core.inference.building import CharTokenizer
 from ds_strategy.core.inference.sources import open_source
 from ds_strategy.core.model_factory import params_on_meta
 from ds_strategy.core.quant import QuantizedEmbedding, QuantizedLinear
@@ -429,7 +430,15 @@ def test_generate_asks_for_trust_remote_code(gpt_dir: Path, tmp_path: Path) -> N
     [
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt-ids", "1,x"], "expected comma-separated token ids"),
-        (["--prompt-ids", "1,-3"], "token ids are integers >= 0"),
+        (["--prompt-ids", "1,-3"], "token ids are integers in [0, 2**63)"),
+        (["--prompt-ids", "99999999999999999999"], "token ids are integers in [0, 2**63)"),
+        (["--prompt-ids", "1", "--seed", "-1"], "--seed must be an integer in [0, 2**63)"),
+        (["--prompt-ids", "1", "--tp", "0"], "--tp must be >= 1"),
+        (
+            ["--prompt-ids", "1", "--max-new-tokens", "100000"],
+            "--max-new-tokens=100000 after a prompt of 1 tokens needs 100001 positions; the "
+            "model has 64 (config.seq)",
+        ),
         (["--prompt-ids", "1,9999"], "outside the model's vocabulary [0, 96)"),
         (["--prompt-ids", "1", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
         (["--prompt-ids", "1", "--sample", "--top-k", "0"], "--top-k must be >= 1"),
@@ -454,10 +463,18 @@ def test_generate_checks_its_arguments_from_python(gpt_dir: Path) -> None:
         ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "a token at least"),
         ({"input_ids": torch.tensor([[0.5]])}, "integer token ids"),
         ({"input_ids": torch.tensor([[1]]), "top_p": 0.0, "do_sample": True}, "top_p"),
+        ({"input_ids": torch.tensor([[1]]), "seed": 2**63}, "seed must be an integer"),
+        ({"input_ids": torch.tensor([[1]]), "max_new_tokens": 64}, "needs 65 positions"),
     ):
         with pytest.raises(ValueError, match=message):
             engine.generate(**kwargs)
+    ids = torch.tensor([[1, 2, 3]])
+    greedy = engine.generate(ids, 6)
+    # a temperature that underflows float32 (0 / 0 in the softmax) samples the argmax
+    for temperature in (1e-300, 5e-324):
+        assert torch.equal(engine.generate(ids, 6, do_sample=True, temperature=temperature), greedy)
     engine.destroy()
+    assert CharTokenizer("ab").decode([0, 1, 7]) == "ab\ufffd"  # an id past the alphabet
 
 
 def test_quantized_metadata_is_checked_against_its_schema_and_tensors(

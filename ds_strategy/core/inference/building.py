@@ -55,7 +55,10 @@ class CharTokenizer:
         return [self._index[c] for c in text]
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+        """The text of ``ids``; an id past the alphabet (a model whose vocabulary is larger
+        than its tokenizer's) decodes as U+FFFD, the replacement character."""
+        n = len(self.chars)
+        return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in ids)
 
 
 @dataclass

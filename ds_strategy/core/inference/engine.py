@@ -20,7 +20,7 @@ weights only the part it keeps (``placement.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -286,8 +286,12 @@ class InferenceEngine(nn.Module):
         extra keyword arguments go to it); other models with the engine's loop (a KV cache
         where the model offers one). Collective; see ``generate.py`` for how ranks keep step.
         """
-        _check_generate(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
-                        self._vocab_size())  # fmt: skip
+        problem = self.generation_problem(
+            input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed,
+        )  # fmt: skip
+        if problem is not None:
+            raise ValueError(f"generate(): {problem}")
         seed = agreed_seed(self._step_group(), seed)
         input_ids = input_ids.to(self.device)
         hf = hasattr(self.module, "generation_config") and callable(
@@ -322,6 +326,58 @@ class InferenceEngine(nn.Module):
             eos_token_id=eos_token_id,
             all_done=self._all_done if self.sharded else None,
         )
+
+    def generation_problem(
+        self,
+        input_ids: Any,
+        max_new_tokens: Any,
+        *,
+        do_sample: bool = False,
+        temperature: Any = 1.0,
+        top_k: Any = None,
+        top_p: Any = None,
+        seed: Any = None,
+        name: Callable[[str], str] = str,
+    ) -> str | None:
+        """What is wrong with these :meth:`generate` arguments for this model, naming each
+        argument as ``name`` spells it (``ds-strategy generate`` its options); None: nothing.
+        Checked on every rank before any starts the loop."""
+        ids = input_ids
+        if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[1] == 0:
+            got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
+            return f"{name('input_ids')} must be (batch, tokens) with a token at least, got {got}"
+        if ids.dtype not in (torch.int64, torch.int32):
+            return f"{name('input_ids')} must be integer token ids, got {ids.dtype}"
+        vocab = self._vocab_size()
+        if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            return (
+                f"{name('input_ids')} hold token ids outside the model's vocabulary [0, {vocab}) "
+                f"(min {int(ids.min())}, max {int(ids.max())})"
+            )
+        problem = options_problem(
+            max_new_tokens, top_k, top_p, temperature, do_sample, name=name, seed=seed
+        )
+        if problem is not None:
+            return problem
+        limit = self._max_positions()
+        if limit is not None and ids.shape[1] + max_new_tokens > limit[0]:
+            return (
+                f"{name('max_new_tokens')}={max_new_tokens} after a prompt of {ids.shape[1]} "
+                f"tokens needs {ids.shape[1] + max_new_tokens} positions; the model has "
+                f"{limit[0]} ({limit[1]})"
+            )
+        return None
+
+    def _max_positions(self) -> tuple[int, str] | None:
+        """(positions, the config key) of a model whose positions are a fixed table: the demo
+        GPT's ``seq``, GPT-2's ``n_positions``. (Rotary positions, e.g. Llama's, are not
+        bounded that way, so ``max_position_embeddings`` is not a limit here.)"""
+        config = getattr(self.module, "config", None)
+        for key in ("seq", "n_positions"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value, f"config.{key}"
+        return None
 
     def _vocab_size(self) -> int | None:
         """The rows of the model's input embedding (None where it has none to ask)."""
@@ -514,30 +570,3 @@ def _load_buffers(model: nn.Module, source: WeightSource, device: torch.device) 
                 )
             else:
                 m._buffers[name] = b.to(device)
-
-
-def _check_generate(
-    ids: torch.Tensor,
-    max_new_tokens: Any,
-    do_sample: bool,
-    temperature: Any,
-    top_k: Any,
-    top_p: Any,
-    vocab: int | None,
-) -> None:
-    """Errors naming the argument, before any rank starts the loop."""
-    if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[1] == 0:
-        got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
-        raise ValueError(
-            f"generate(): input_ids must be (batch, tokens) with a token at least, got {got}"
-        )
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"generate(): input_ids must be integer token ids, got {ids.dtype}")
-    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(
-            f"generate(): input_ids hold token ids outside the model's vocabulary [0, {vocab}) "
-            f"(min {int(ids.min())}, max {int(ids.max())})"
-        )
-    problem = options_problem(max_new_tokens, top_k, top_p, temperature, do_sample)
-    if problem is not None:
-        raise ValueError(f"generate(): {problem}")

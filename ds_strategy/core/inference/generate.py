@@ -41,6 +41,7 @@ def options_problem(
     temperature: Any,
     sampling: bool,
     name: Callable[[str], str] = str,
+    seed: Any = None,
 ) -> str | None:
     """What is wrong with generation options, naming the option as ``name`` spells it (the
     command line's ``--top-k`` for ``top_k``); None: nothing. ``temperature`` is checked only
@@ -53,6 +54,8 @@ def options_problem(
         return f"{name('top_p')} must be in (0, 1], got {top_p!r}"
     if sampling and not (isinstance(temperature, (int, float)) and temperature > 0):
         return f"{name('temperature')} must be > 0 when sampling, got {temperature!r}"
+    if seed is not None and not (_whole(seed) and 0 <= seed < 2**63):
+        return f"{name('seed')} must be an integer in [0, 2**63), got {seed!r}"
     return None
 
 
@@ -80,7 +83,10 @@ def pick(
         return logits.argmax(-1)
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: must be > 0 when sampling")
-    scores = logits.float() / temperature
+    # in float64 from the largest score down: a tiny temperature (1e-300 is 0 in float32)
+    # gives -inf and 0, never 0 / 0 or inf - inf
+    scores = logits.double()
+    scores = (scores - scores.max(-1, keepdim=True).values) / temperature
     if top_k is not None and top_k > 0:
         kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
