@@ -862,6 +862,10 @@ def run_cli(args: Any) -> int:
                     facts = _whole(parts)
                 else:
                     facts = model_facts(args.model, kwargs, int(args.persistence_threshold))
+            except ValueError as err:  # the model's own check of its arguments, or ours
+                if str(err).startswith("--"):
+                    raise
+                raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
             except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
                 raise ValueError(
                     f"--model {args.model} with {kwargs}: building it on the meta device failed "

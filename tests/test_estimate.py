@@ -436,6 +436,12 @@ def test_cli_peak_table_on_cpu_ranks(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--params", "1B", "--mics-shard-size", "0"], "--mics-shard-size must be -1 (off)"),
         (["--params", "1B", "--persistence-threshold", "-1"], "--persistence-threshold must be"),
         (["--model", "ds_strategy.demos.gpt:GPT", "--model-arg", "layers=-1"], "GPTConfig.layers"),
+        (
+            ["--model", "ds_strategy.demos.gpt:GPT", "--model-arg", "layers=0"],
+            "--model ds_strategy.demos.gpt:GPT with {'layers': 0}: GPTConfig.layers must be",
+        ),
+        (["--params", "1B", "--gpu-mem", "1e400"], "--gpu-mem: a memory size must be finite"),
+        (["--params", "x"], "--params: cannot read 'x' as a parameter count"),
         (["--model", "ds_strategy.demos.gpt:GPT", "--model-arg", "d=1e9"], "GPTConfig.d"),
     ],
 )
