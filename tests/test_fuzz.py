@@ -183,7 +183,7 @@ def _names_a_key(err: ConfigError, data: dict[str, Any]) -> bool:
     return err.key is not None or any(k and k in text for k in _keys_in(data))
 
 
-@pytest.mark.parametrize("examples", _examples(150, 3000))
+@pytest.mark.parametrize("examples", _examples(150, 1500))
 def test_every_config_loads_or_raises_a_config_error_naming_the_key(examples: int) -> None:
     def check(data: dict[str, Any]) -> None:
         try:
@@ -208,7 +208,7 @@ _FILE_TEXT = st.one_of(
 )
 
 
-@pytest.mark.parametrize("examples", _examples(60, 1000))
+@pytest.mark.parametrize("examples", _examples(60, 500))
 def test_every_config_file_loads_or_raises_a_config_error_naming_the_file(
     examples: int, tmp_path: Path
 ) -> None:
@@ -306,7 +306,7 @@ def _read_everything(source: SafetensorsSource) -> None:
         source.read_flat(name, 0, n)
 
 
-@pytest.mark.parametrize("examples", _examples(150, 3000))
+@pytest.mark.parametrize("examples", _examples(150, 1500))
 def test_every_safetensors_file_reads_or_raises_a_model_file_error_naming_it(
     examples: int, tmp_path: Path
 ) -> None:
@@ -356,7 +356,7 @@ def _quant_meta(draw: st.DrawFn) -> str:
     return json.dumps(meta, allow_nan=True)
 
 
-@pytest.mark.parametrize("examples", _examples(100, 2000))
+@pytest.mark.parametrize("examples", _examples(100, 1000))
 def test_every_quantization_metadata_is_read_or_refused_naming_the_file_and_key(
     examples: int, tmp_path: Path
 ) -> None:
@@ -415,7 +415,7 @@ def _indexes(draw: st.DrawFn) -> bytes:
     return json.dumps(body, allow_nan=True).encode()
 
 
-@pytest.mark.parametrize("examples", _examples(150, 3000))
+@pytest.mark.parametrize("examples", _examples(150, 1500))
 def test_every_index_loads_or_raises_a_model_file_error_naming_it(
     examples: int, tmp_path: Path
 ) -> None:
@@ -498,7 +498,7 @@ def _cards(draw: st.DrawFn) -> bytes:
     return json.dumps(card, allow_nan=True).encode()
 
 
-@pytest.mark.parametrize("examples", _examples(100, 2000))
+@pytest.mark.parametrize("examples", _examples(100, 1000))
 def test_every_model_card_loads_or_raises_naming_the_card(examples: int, tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
@@ -600,7 +600,7 @@ def _consolidate_argv(draw: st.DrawFn) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("examples", _examples(120, 2000))
+@pytest.mark.parametrize("examples", _examples(120, 1000))
 def test_every_command_line_runs_or_is_a_usage_error_naming_the_option(
     examples: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -651,7 +651,7 @@ def _generate_on_a_model(draw: st.DrawFn) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("examples", _examples(25, 400))
+@pytest.mark.parametrize("examples", _examples(25, 200))
 def test_every_generation_runs_or_is_a_usage_error_naming_the_option(
     examples: int, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
