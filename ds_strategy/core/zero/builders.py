@@ -108,9 +108,8 @@ class ShardingPlan:
             }
             if mine:
                 groups = list(mine.values())
-                self._hooks.append(
-                    unit.register_forward_pre_hook(lambda *_, gs=groups: self.wait_params(gs))
-                )
+                wait = torch.compiler.disable(lambda *_, gs=groups: self.wait_params(gs))
+                self._hooks.append(unit.register_forward_pre_hook(wait))  # eager: see stage3
 
     def remove_hooks(self) -> None:
         self.wait_params()

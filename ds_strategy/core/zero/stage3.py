@@ -155,13 +155,29 @@ class Stage3Runtime:
     def _install_hooks(self) -> None:
         for unit in self.units:
             m = unit.module
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward(unit)))
-            self._handles.append(m.register_forward_hook(self._post_forward(unit)))
+            # eager even where the module is compiled: see [Note: compiled units]
+            pre = torch.compiler.disable(self._pre_forward(unit))
+            post = torch.compiler.disable(self._post_forward(unit))
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post))
             for g in unit.trainable_groups:
                 for i, p in enumerate(g.params):
                     self._handles.append(
                         p.register_post_accumulate_grad_hook(self._grad_hook(unit, g, i))
                     )
+
+    # [Note: compiled units]
+    # ``module.compile()`` compiles the module's ``__call__``, hooks included, and
+    # ``torch.compile(model)`` traces into every submodule's. Traced by Dynamo, the gather in
+    # the pre-forward hook rebinds each parameter (``p.data = view``) as an operation that
+    # bumps the parameter's version counter; AOTAutograd saved that parameter for backward at
+    # the old version, so the first backward of a unit whose weights are sharded failed
+    # ("modified by an inplace operation"). The forward hooks are therefore excluded from
+    # tracing (``torch.compiler.disable``): they run eagerly between the compiled graphs, as
+    # they do without compilation, where rebinding ``.data`` leaves the version alone and the
+    # storage the graph saved is refilled in place before backward reads it (see the note on
+    # resizing in ``flat_group.py``). Each unit's body compiles as a whole; the graph breaks
+    # are at its boundaries only.
 
     def remove_hooks(self) -> None:
         for h in self._handles:
