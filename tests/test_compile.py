@@ -1,6 +1,7 @@
 """torch.compile under ZeRO: the demo GPT at width 256 (every block weight sharded: the
-persistence threshold is 0) with each block compiled, or the whole model compiled, trains to
-the eager run's weights at stages 1-3, and compiles no new graph after the first steps.
+persistence threshold is 0) with each block compiled, the whole model compiled, or DeepSpeed's
+``compile`` config section, trains to the eager run's weights at stages 1-3, and compiles no
+new graph after the first steps.
 
 The backend is ``aot_eager``: AOTAutograd's traced forward and backward, the part that saved
 a gathered weight for backward and failed once ZeRO-3 released it (see [Note: compiled
@@ -20,23 +21,23 @@ from ds_strategy.demos.gpt import GPT, GPTConfig
 from tests.distributed import run_ranks_each
 
 STEPS, MICRO, VOCAB, SEQ = 8, 2, 64, 16
-CASES = [("blocks", 1), ("blocks", 2), ("blocks", 3), ("whole", 3)]
+CASES = [("blocks", 1), ("blocks", 2), ("blocks", 3), ("whole", 3), ("config", 3)]
 
 
 def compile_worker(rank: int, world: int, how: str, stage: int) -> dict[str, Any]:
-    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(0)
     model: Any = GPT(GPTConfig(vocab=VOCAB, d=256, heads=4, layers=3, seq=SEQ))
     blocks = model.blocks
-    counter = CompileCounterWithBackend("aot_eager")
     if how == "blocks":
         for block in blocks:
-            block.compile(backend=counter)
+            block.compile(backend="aot_eager")
     elif how == "whole":
-        model = torch.compile(model, backend=counter)
-    config = {
+        model = torch.compile(model, backend="aot_eager")
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
         "zero_optimization": {
             "stage": stage,
@@ -44,6 +45,8 @@ def compile_worker(rank: int, world: int, how: str, stage: int) -> dict[str, Any
             "reduce_bucket_size": 20_000,
         },
     }
+    if how == "config":  # DeepSpeed's section: the engine compiles each block
+        config["compile"] = {"enabled": True, "backend": "aot_eager"}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     engine = ds_strategy.initialize(model, optimizer, config)
     g = torch.Generator().manual_seed(1)
@@ -54,7 +57,7 @@ def compile_worker(rank: int, world: int, how: str, stage: int) -> dict[str, Any
         logits = engine(mine[:, :-1])
         engine.backward(F.cross_entropy(logits.reshape(-1, VOCAB), mine[:, 1:].reshape(-1)))
         engine.step()
-        frames.append(counter.frame_count)
+        frames.append(counters["stats"]["unique_graphs"])  # graphs compiled so far
         # between steps ZeRO-3 holds no block weight whole: each was gathered and released
         sharded &= all(p.numel() == 0 for p in blocks.parameters())
     weights = {k.removeprefix("_orig_mod."): v for k, v in engine.full_state_dict().items()}
@@ -83,3 +86,16 @@ def test_compiled_blocks_and_models_train_as_eager_at_every_stage() -> None:
     first = GPT(GPTConfig(vocab=VOCAB, d=256, heads=4, layers=3, seq=SEQ)).state_dict()
     moved = max((eager[3]["weights"][k] - v).abs().max().item() for k, v in first.items())
     assert moved > 1e-3, moved
+
+
+def test_a_bad_compile_section_names_its_key() -> None:
+    from ds_strategy.config import ConfigError
+    from ds_strategy.core.engine import compile_backend
+
+    assert compile_backend("aot_eager") == "aot_eager"
+    assert compile_backend("tests.models.lm_loss") is not None  # "package.module.function"
+    for bad in ("no_such_backend", "no.such.module", "", 3):
+        with pytest.raises(ConfigError, match="compile.backend"):
+            compile_backend(bad)
+    with pytest.raises(ConfigError, match="compile.enabled"):
+        ds_strategy.load_config({"compile": {"enabled": "maybe"}})

@@ -133,6 +133,7 @@ def test_unsupported_table_does_not_shadow_schema_keys() -> None:
             "checkpoint": schema_mod.CheckpointConfig,
             "pipeline": schema_mod.PipelineConfig,
             "tensor_parallel": schema_mod.TensorParallelConfig,
+            "compile": schema_mod.CompileConfig,
         }
     )
     assert set(UNSUPPORTED_KEYS) <= set(sections)

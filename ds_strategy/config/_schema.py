@@ -420,6 +420,24 @@ class GradientCompressionConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    """``compile`` (DeepSpeed's section): ``torch.compile`` the model one unit at a time at
+    ``initialize`` (each block ZeRO-3 gathers as one, or the whole model when it has no
+    blocks), as ``engine.compile()`` does when called. ``backend``: torch.compile's backend
+    (a name from ``torch._dynamo.list_backends()`` or ``"package.module.function"``);
+    ``kwargs``: torch.compile's other keyword arguments (``mode``, ``dynamic``,
+    ``fullgraph``, ``options``).
+
+    >>> CompileConfig().backend
+    'inductor'
+    """
+
+    enabled: Any = leaf(bool, False)
+    backend: Any = leaf(str, "inductor")
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class TopologyConfig:
     """``topology`` (ds_strategy's section): how many ranks share a machine.
 
@@ -506,6 +524,7 @@ class ZeroConfig:
     gradient_compression: GradientCompressionConfig = section(GradientCompressionConfig)
     quantization: QuantizationConfig = section(QuantizationConfig)
     topology: TopologyConfig = section(TopologyConfig)
+    compile: CompileConfig = section(CompileConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = section(CheckpointConfig)
@@ -587,7 +606,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         ),
         **_ignored(
             "not implemented yet",
-            "data_types autotuning elasticity compile",
+            "data_types autotuning elasticity",
         ),
         **_ignored(
             "a DeepSpeed runtime setting with no equivalent here",
@@ -667,6 +686,13 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         "parallelism (autotp_size, plan)",
         "dtype tp_overlap_comm tensor_parallel injection_policy_tuple keep_module_on_host "
         "tp_grain_size partition_config",
+    ),
+    "compile": _ignored(
+        "DeepCompile's options; units are compiled with torch.compile (enabled, backend, kwargs)",
+        "deepcompile free_activation free_activation_threshold offload_activation "
+        "offload_opt_states double_buffer symmetric_memory dump_graphs debug_log "
+        "offload_parameters sync_before_reduce sync_after_reduce sync_before_allgather "
+        "sync_after_allgather keep_int_input_tensors keep_all_input_tensors disable",
     ),
     "pipeline": {
         **_ignored(

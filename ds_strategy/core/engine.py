@@ -6,6 +6,7 @@ config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import os
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ZeroConfig, load_config
+from ..config import ConfigError, ZeroConfig, load_config
 from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
@@ -47,6 +48,7 @@ from .tp import TensorParallel, resolve_plan
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, OptimizerPiece, ShardedOptimizer, rebuild_optimizer
+from .zero.units import plan_units
 
 __all__ = ["ZeroEngine"]
 
@@ -253,6 +255,8 @@ class ZeroEngine(nn.Module):
         self.compression = self._build_compression(in_pipeline=_stage_of is not None)
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
+        if self.config.compile.enabled:
+            self.compile()
 
     def _build_compression(
         self, in_pipeline: bool
@@ -763,6 +767,34 @@ class ZeroEngine(nn.Module):
         self._count_resident()
         return client_state
 
+    def compile(  # type: ignore[override]
+        self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """``torch.compile`` the model one unit at a time, as DeepSpeed's ``engine.compile``:
+        each block that ZeRO-3 gathers as one (the same blocks at every stage), or the whole
+        model when it has none. The gather and release around a unit run eagerly between
+        its compiled graphs (see [Note: compiled units] in ``zero/stage3.py``).
+        ``backend`` and ``compile_kwargs`` (``mode``, ``dynamic``, ``fullgraph``,
+        ``options``): torch.compile's; by default the config's ``compile`` section's. A
+        unit compiled already, or a model compiled as a whole, is left as it is. The config's
+        ``compile.enabled`` calls this at ``initialize``."""
+        section = self.config.compile
+        fn = compile_backend(section.backend if backend is None else backend)
+        kwargs = dict(section.kwargs if compile_kwargs is None else compile_kwargs)
+        unknown = sorted(set(kwargs) - _COMPILE_KWARGS)
+        if unknown:
+            raise ConfigError(
+                f"compile.kwargs.{unknown[0]}: not an argument of torch.compile (it takes "
+                f"{', '.join(sorted(_COMPILE_KWARGS))})",
+                key=f"compile.kwargs.{unknown[0]}",
+            )
+        if isinstance(self.module, torch._dynamo.eval_frame.OptimizedModule):
+            return  # torch.compile(model) before initialize: compiled as a whole already
+        units = [u for u in plan_units(self.module).units if u is not self.module]
+        for unit in units or [self.module]:
+            if getattr(unit, "_compiled_call_impl", None) is None:
+                unit.compile(backend=fn, **kwargs)
+
     @property
     def checkpoint_manager(self) -> CheckpointManager:
         """The engine's saves and loads (how many saves began, whether one is being written)."""
@@ -897,6 +929,35 @@ class ZeroEngine(nn.Module):
             self.plan.remove_hooks()
             if self._offload is not None:
                 self._offload.close()
+
+
+_COMPILE_KWARGS = frozenset({"fullgraph", "dynamic", "mode", "options", "disable"})
+
+
+def compile_backend(backend: Any) -> Any:
+    """torch.compile's ``backend``: a callable, a registered name, or
+    ``"package.module.function"`` imported (as DeepSpeed reads ``compile.backend``)."""
+    if callable(backend):
+        return backend
+    if not isinstance(backend, str) or not backend:
+        raise ConfigError(
+            f"compile.backend: expected a backend name or a callable, got {backend!r}",
+            key="compile.backend",
+        )
+    if backend in torch._dynamo.list_backends(exclude_tags=()):
+        return backend
+    module_name, _, name = backend.rpartition(".")
+    if module_name:
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            pass
+    raise ConfigError(
+        f"compile.backend: {backend!r} is neither one of torch.compile's backends "
+        f"({', '.join(torch._dynamo.list_backends())}) nor an importable "
+        "'package.module.function'",
+        key="compile.backend",
+    )
 
 
 def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str]:
