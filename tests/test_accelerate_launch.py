@@ -55,6 +55,28 @@ def test_stage_matches_plain_accelerator(parity: dict[str, Any], stage: int) -> 
     assert zero["global_steps"] == BOUNDARIES
 
 
+def test_the_config_files_dynamo_section_compiles_the_model_and_trains_as_eager(
+    parity: dict[str, Any], tmp_path: Path
+) -> None:
+    """An accelerate config file whose dynamo section asks for torch.compile (a plain
+    Accelerator would compile the model): ZeroAccelerator gives it to the engine's compile
+    section, each block is compiled, and training ends at the eager stage-3 run's weights."""
+    from tests.accelerate_scripts.launch import CPU_CONFIG
+
+    config = tmp_path / "cpu_2proc_dynamo.yaml"
+    text = CPU_CONFIG.read_text()
+    assert "dynamo_config: {}" in text
+    config.write_text(
+        text.replace("dynamo_config: {}", "dynamo_config:\n  dynamo_backend: AOT_EAGER")
+    )
+    out = tmp_path / "compiled.pt"
+    launch("compiled.py", "--out", str(out), config=config)
+    compiled = load(out)
+    assert compiled["compile"].enabled and compiled["compile"].backend == "aot_eager"
+    assert compiled["compiled_modules"] == 3  # the three blocks of TinyNet
+    assert max_diff(compiled["state"], parity["zero3"]["state"]) <= 1e-6
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clip_grad_norm_returns_the_global_norm(parity: dict[str, Any], stage: int) -> None:
     zero, plain = parity[f"zero{stage}"], parity["plain"]

@@ -57,6 +57,7 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("zero2_sections", "plain_sections"),
         ("zero3_sections", "plain_sections"),
         ("zero3", "plain"),
+        ("zero3_compiled", "plain"),
     ],
 )
 @pytest.mark.launcher
@@ -71,6 +72,15 @@ def test_zero_trainer_ends_at_the_plain_trainers_weights(
     assert z["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-5)
     assert z["loss"] == pytest.approx(p["loss"], rel=1e-5)
     assert z["eval_loss"] == pytest.approx(p["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.launcher
+def test_torch_compile_arguments_compile_each_decoder_layer(parity: dict[str, Any]) -> None:
+    """TrainingArguments(torch_compile=True, torch_compile_backend=...) reach the engine's
+    compile section; each Llama decoder layer (a ZeRO-3 unit) is compiled."""
+    compiled = parity["zero3_compiled"]
+    assert compiled["compile"] == (True, "aot_eager")
+    assert compiled["compiled_modules"] == 2  # the model's two decoder layers
 
 
 @pytest.mark.launcher
@@ -222,7 +232,6 @@ def test_a_half_precision_the_arguments_do_not_ask_for_is_a_disagreement(tmp_pat
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"torch_compile": True}, "torch_compile"),
         (
             {
                 "save_only_model": True,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, DynamoBackend
+from accelerate.utils import DistributedType, DynamoBackend, TorchDynamoPlugin
 from torch import nn
 
 from ..config import ZeroConfig
@@ -43,6 +43,26 @@ _OTHER_ENGINE_ENV = {
 _SUPPORTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
+def _compile_from_dynamo(cfg: ZeroConfig, plugin: Any) -> ZeroConfig:
+    """Accelerate's ``torch.compile`` settings as the config's ``compile`` section."""
+    if plugin.backend == DynamoBackend.NO:
+        return cfg
+    backend = plugin.backend.value.lower()
+    if cfg.compile.enabled and cfg.compile.backend != backend:
+        raise ValueError(
+            f"compile.backend={cfg.compile.backend!r} in the ZeRO config vs Accelerate's "
+            f"dynamo_backend {backend!r}: keep one of them"
+        )
+    options = {k: v for k, v in plugin.to_kwargs().items() if k != "backend" and v is not None}
+    return cfg.replace(
+        **{
+            "compile.enabled": True,
+            "compile.backend": backend,
+            "compile.kwargs": {**options, **cfg.compile.kwargs},
+        }
+    )
+
+
 class ZeroAccelerator(Accelerator):
     """An ``accelerate.Accelerator`` whose ``prepare`` wraps the model and optimizer in a
     ZeRO-sharded :class:`~ds_strategy.ZeroEngine` (stage 0-3) instead of DDP. A loop written
@@ -51,7 +71,10 @@ class ZeroAccelerator(Accelerator):
     Args:
         zero_plugin: the ZeRO config; ``None``: ``ZeroPlugin()``, read from the environment.
         **kwargs: ``accelerate.Accelerator``'s. ``mixed_precision`` maps onto the config's
-            ``fp16``/``bf16``; other engines' plugins and ``dynamo_backend`` are refused.
+            ``fp16``/``bf16``; Accelerate's ``torch.compile`` settings (``dynamo_backend``,
+            ``dynamo_plugin``, the accelerate config file's dynamo section) onto its
+            ``compile`` section, so the engine compiles the model block by block; other
+            engines' plugins are refused.
 
     Swap the class in a plain Accelerate loop and launch it with a standard accelerate config::
 
@@ -70,6 +93,11 @@ class ZeroAccelerator(Accelerator):
         loaded = self.zero_plugin.load()
         if self._launched_on_cpu(kwargs):
             kwargs["cpu"] = True
+        # this accelerator's own torch.compile request: Accelerate keeps the process's first
+        # state's (its dynamo plugin is set once), which a later accelerator must not inherit
+        dynamo = kwargs.get("dynamo_plugin")
+        if dynamo is None and kwargs.get("dynamo_backend") is not None:
+            dynamo = TorchDynamoPlugin(backend=kwargs["dynamo_backend"])
         super().__init__(**kwargs)
         if self.distributed_type not in _SUPPORTED_TYPES:
             raise ValueError(
@@ -77,13 +105,9 @@ class ZeroAccelerator(Accelerator):
                 f"{self.distributed_type}. Use an accelerate config with distributed_type "
                 "MULTI_GPU (see configs/accelerate/)"
             )
-        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-            raise ValueError(
-                "dynamo_backend (torch.compile through Accelerate) is not supported by "
-                "ZeroAccelerator; set dynamo_backend to 'no'"
-            )
         # now, so that a precision conflict fails before any model is built
         cfg = apply_mixed_precision(loaded, str(self.state.mixed_precision))
+        cfg = _compile_from_dynamo(cfg, dynamo if dynamo is not None else self.state.dynamo_plugin)
         self.scaler = None  # the engine owns precision (casting, loss scaling), not torch.amp
         self.native_amp = False
         front = PipelineFront if int(cfg.pipeline.stages) > 1 else EngineFront

@@ -772,8 +772,8 @@ class ZeroEngine(nn.Module):
     ) -> None:
         """``torch.compile`` the model one unit at a time, as DeepSpeed's ``engine.compile``:
         each block that ZeRO-3 gathers as one (the same blocks at every stage), or the whole
-        model when it has none. The gather and release around a unit run eagerly between
-        its compiled graphs (see [Note: compiled units] in ``zero/stage3.py``).
+        model when it has none (a block inside another is compiled with it). The gather and
+        release around a unit run eagerly between its compiled graphs (see [Note: compiled units] in ``zero/stage3.py``).
         ``backend`` and ``compile_kwargs`` (``mode``, ``dynamic``, ``fullgraph``,
         ``options``): torch.compile's; by default the config's ``compile`` section's. A
         unit compiled already, or a model compiled as a whole, is left as it is. The config's
@@ -791,7 +791,8 @@ class ZeroEngine(nn.Module):
         if isinstance(self.module, torch._dynamo.eval_frame.OptimizedModule):
             return  # torch.compile(model) before initialize: compiled as a whole already
         units = [u for u in plan_units(self.module).units if u is not self.module]
-        for unit in units or [self.module]:
+        inner = {id(m) for u in units for m in u.modules() if m is not u}
+        for unit in [u for u in units if id(u) not in inner] or [self.module]:  # outermost
             if getattr(unit, "_compiled_call_impl", None) is None:
                 unit.compile(backend=fn, **kwargs)
 

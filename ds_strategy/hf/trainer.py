@@ -197,7 +197,6 @@ def _refuse_other_engines(args: Any) -> None:
         "ZeroTrainer(zero_config=...)",
         "fsdp": "selects FSDP; ZeRO stage 3 is the equivalent here",
         "parallelism_config": "(tensor/context parallelism) is not supported by ZeroTrainer",
-        "torch_compile": "is not supported by ZeroTrainer",
     }
     for name, why in refused.items():
         if getattr(args, name, None):

@@ -21,16 +21,17 @@ def launch(
     num_processes: int | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 240,
+    config: Path = CPU_CONFIG,
 ) -> None:
     """``accelerate launch --config_file cpu_2proc.yaml [--num_processes N]
-    --main_process_port <free> script args``."""
+    --main_process_port <free> script args`` (``config``: another accelerate config file)."""
     cmd = [
         sys.executable,
         "-m",
         "accelerate.commands.accelerate_cli",
         "launch",
         "--config_file",
-        str(CPU_CONFIG),
+        str(config),
         *(["--num_processes", str(num_processes)] if num_processes is not None else []),
         "--main_process_port",
         str(free_port()),

@@ -94,7 +94,9 @@ def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def run(cls: type, out: str, *, all_decay: bool, **kw: Any) -> tuple[Trainer, dict[str, Any]]:
+def run(
+    cls: type, out: str, *, all_decay: bool, args: dict[str, Any] | None = None, **kw: Any
+) -> tuple[Trainer, dict[str, Any]]:
     m = model()
     extra: dict[str, Any] = {}
     if cls is Trainer and all_decay:  # what a config optimizer section means: every parameter
@@ -103,7 +105,7 @@ def run(cls: type, out: str, *, all_decay: bool, **kw: Any) -> tuple[Trainer, di
     schedule = "constant_with_warmup" if all_decay else "linear"  # = WarmupLR (log) over 1 step
     trainer = cls(
         model=m,
-        args=arguments(out, lr_scheduler_type=schedule),
+        args=arguments(out, lr_scheduler_type=schedule, **(args or {})),
         train_dataset=Tokens(SAMPLES, 1),
         eval_dataset=Tokens(8, 2),
         **extra,
@@ -131,6 +133,18 @@ def parity(out: Path) -> dict[str, Any]:
     )
     results["zero3_config"] = _resolved(t3)
     bare = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
+    compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    tc, results["zero3_compiled"] = run(
+        ZeroTrainer, str(out / "z3c"), all_decay=False, zero_config=bare, args=compiled
+    )
+    engine = tc.accelerator.zero_engine
+    results["zero3_compiled"]["compile"] = (
+        engine.config.compile.enabled,
+        engine.config.compile.backend,
+    )
+    results["zero3_compiled"]["compiled_modules"] = sum(
+        getattr(m, "_compiled_call_impl", None) is not None for m in engine.module.modules()
+    )
     t, results["zero3"] = run(ZeroTrainer, str(out / "z3b"), all_decay=False, zero_config=bare)
     # the trained ZeRO-3 model: predictions through the Trainer, then saved and reloaded
     held_out = Tokens(8, 3)

@@ -1,0 +1,48 @@
+"""ZeRO-3 through ``ZeroAccelerator`` with Accelerate's ``torch.compile`` settings from the
+accelerate config file's dynamo section: the same loop as ``parity.py``'s stage 3 run. Rank 0
+saves the consolidated weights, the engine's ``compile`` section and how many of the model's
+modules were compiled.
+
+    accelerate launch --config_file <cpu_2proc.yaml + dynamo_config> \\
+        tests/accelerate_scripts/compiled.py --out results.pt
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from common import ACCUMULATION, arguments, build, save_on_main, train
+
+from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+
+
+def main() -> None:
+    args = arguments()
+    config = {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+    }
+    accelerator = ZeroAccelerator(
+        zero_plugin=ZeroPlugin(config=config), gradient_accumulation_steps=ACCUMULATION
+    )
+    model, optimizer, loader, scheduler = accelerator.prepare(*build())
+    log = train(accelerator, model, optimizer, loader, scheduler)
+    engine = accelerator.zero_engine
+    compiled = sum(
+        getattr(m, "_compiled_call_impl", None) is not None for m in engine.module.modules()
+    )
+    result = {
+        **log,
+        "state": accelerator.get_state_dict(model),
+        "compile": engine.config.compile,
+        "compiled_modules": compiled,
+    }
+    save_on_main(Accelerator(), result, args.out)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
