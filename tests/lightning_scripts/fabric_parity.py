@@ -47,11 +47,18 @@ def weights(fabric: L.Fabric, model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(strategy: Any, save: Path | None = None, load: Path | None = None) -> dict[str, Any]:
+def train(
+    strategy: Any, save: Path | None = None, load: Path | None = None, compiled: bool = False
+) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
     L.seed_everything(1)
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     model = Net()
+    counters.clear()
+    if compiled:  # fabric.setup(torch.compile(model)): Fabric compiles what the strategy built
+        model = torch.compile(model, backend="aot_eager")
     if load is not None:  # every weight must come from the checkpoint
         with torch.no_grad():
             for p in model.parameters():
@@ -85,6 +92,7 @@ def train(strategy: Any, save: Path | None = None, load: Path | None = None) -> 
         "local_numel": local_numel(model),
         "epoch": state["epoch"],
         "norms": norms,
+        "graphs": counters["stats"]["unique_graphs"],
     }
     if isinstance(fabric.strategy, ZeroStrategy):
         out["stage"] = fabric.strategy.engine.stage
@@ -96,6 +104,7 @@ results["zero1"] = train("zero1")
 ckpt = ROOT / "fabric_ckpt"
 results["zero3"] = train(ZeroStrategy(stage=3, config=ZERO3_SHARD_ALL), save=ckpt)
 results["resume3"] = train(ZeroStrategy(stage=3, config=ZERO3_SHARD_ALL), load=ckpt)
+results["zero3_compiled"] = train(ZeroStrategy(stage=3, config=ZERO3_SHARD_ALL), compiled=True)
 
 # fabric.init_module() under stage 3: built on the meta device, materialised by setup
 fabric = L.Fabric(
