@@ -44,6 +44,16 @@ def test_stage_matches_ddp(parity: dict[str, Any], stage: int) -> None:
     assert zero["lr"] == pytest.approx(ddp["lr"])  # the scheduler stepped once per step
 
 
+def test_a_compiled_module_trains_as_the_eager_one(parity: dict[str, Any]) -> None:
+    """trainer.fit(torch.compile(module)) under ZeRO-3 with every weight sharded: the same
+    weights and clipped norms as the eager zero3 run, through compiled graphs."""
+    compiled, eager = parity["zero3_compiled"], parity["zero3"]
+    assert compiled["graphs"] > 0
+    assert max_diff(compiled["weights"], eager["weights"]) <= 1e-6
+    assert compiled["norms"] == pytest.approx(eager["norms"], rel=1e-5)
+    assert compiled["global_step"] == eager["global_step"]
+
+
 def test_clipping_was_exercised(parity: dict[str, Any]) -> None:
     # the parity above only proves clipping if some steps clipped and others did not
     norms = parity["zero3"]["norms"]

@@ -32,6 +32,15 @@ ROOT = out_dir()
 results: dict[str, Any] = {}
 
 
+class Unlogged(Regressor):
+    """``Regressor`` whose ``training_step`` does not call ``self.log``: traced by Dynamo,
+    Lightning's ``log`` fails (``inspect.getfullargspec`` of a bound method) with any
+    strategy, ``ddp`` included, in this torch and Lightning."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+
 def zero(stage: int) -> ZeroStrategy:
     return ZeroStrategy(stage=stage, config=ZERO3_SHARD_ALL if stage == 3 else None)
 
@@ -41,7 +50,11 @@ def fit(
 ) -> tuple[L.Trainer, Regressor]:
     # the seed also seeds the DistributedSampler's shuffling: keep it for resumed runs
     L.seed_everything(1)
-    model = Regressor(param_groups=kwargs.pop("param_groups", 2))
+    compiled = kwargs.pop("compiled", False)
+    cls = Unlogged if compiled else Regressor
+    model: Any = cls(param_groups=kwargs.pop("param_groups", 2))
+    if compiled:  # trainer.fit(torch.compile(module))
+        model = torch.compile(model, backend="aot_eager")
     if perturb:  # a resumed run must get every weight from the checkpoint
         with torch.no_grad():
             for p in model.parameters():
@@ -87,6 +100,12 @@ report = summary._summary(t, m)
 z3["summary"] = (report.total_parameters, report.trainable_parameters, report.param_nums)
 z3["summary_names"] = report.layer_names
 plain = Regressor()
+from torch._dynamo.utils import counters  # noqa: E402
+
+counters.clear()
+tc, mc = fit(zero(3), "zero3_compiled", compiled=True)
+record("zero3_compiled", tc, mc._orig_mod)  # the LightningModule the Trainer ran
+results["zero3_compiled"]["graphs"] = counters["stats"]["unique_graphs"]
 z3["plain_counts"] = {
     n: sum(p.numel() for p in mod.parameters()) for n, mod in plain.named_modules()
 }
