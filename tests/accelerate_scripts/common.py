@@ -129,3 +129,20 @@ def save_on_main(accelerator: Accelerator, results: dict[str, Any], path: str) -
         torch.save(results, tmp)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
+
+
+def zero_accelerator(stage: int) -> Any:
+    """A ``ZeroAccelerator`` at ``stage`` (every weight sharded at stage 3) whose batch sizes,
+    accumulation and clipping are ``"auto"``: filled from the Accelerator and the loop."""
+    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+
+    config = {
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+    }
+    return ZeroAccelerator(
+        zero_plugin=ZeroPlugin(config=config), gradient_accumulation_steps=ACCUMULATION
+    )

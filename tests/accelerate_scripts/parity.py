@@ -12,22 +12,11 @@ import os
 
 import torch
 from accelerate import Accelerator
-from common import ACCUMULATION, arguments, build, save_on_main, train
-
-from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+from common import ACCUMULATION, arguments, build, save_on_main, train, zero_accelerator
 
 
 def zero_run(stage: int, out_dir: str) -> dict:
-    config = {
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-    }
-    accelerator = ZeroAccelerator(
-        zero_plugin=ZeroPlugin(config=config), gradient_accumulation_steps=ACCUMULATION
-    )
+    accelerator = zero_accelerator(stage)
     model, optimizer, loader, scheduler = accelerator.prepare(*build())
     log = train(accelerator, model, optimizer, loader, scheduler)
     engine = accelerator.zero_engine
