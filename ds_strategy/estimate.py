@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import nn
 
-from .core.model_factory import build_with, import_factory, meta_device
+from .core.model_factory import build_failure, build_with, import_factory, meta_device
 
 __all__ = [
     "Estimate",
@@ -869,7 +869,7 @@ def run_cli(args: Any) -> int:
             except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
                 raise ValueError(
                     f"--model {args.model} with {kwargs}: building it on the meta device failed "
-                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); check --model-arg"
+                    f"({build_failure(err)}); check --model-arg"
                 ) from None
         else:
             if args.model_arg:

@@ -127,9 +127,14 @@ def _check_options(args: Any) -> str | None:
         args.top_p,
         args.temperature,
         sampling=True,
-        name=lambda option: "--" + option.replace("_", "-"),
+        name=_option,
         seed=args.seed,
     )
+
+
+def _option(argument: str) -> str:
+    """The command-line option of a generation argument: ``top_k`` -> ``--top-k``."""
+    return "--" + argument.replace("_", "-")
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -145,8 +150,6 @@ def _prompt_ids(text: str) -> list[int]:
 
 
 def _generate(args: Any) -> int:
-    import torch
-
     import ds_strategy
 
     model: Any = args.model if args.model else args.model_or_checkpoint
@@ -158,6 +161,15 @@ def _generate(args: Any) -> int:
         checkpoint=checkpoint,
         trust_remote_code=args.trust_remote_code,
     )
+    try:
+        return _generate_with(engine, args)
+    finally:
+        engine.destroy()
+
+
+def _generate_with(engine: Any, args: Any) -> int:
+    import torch
+
     options = dict(
         do_sample=args.sample,
         temperature=args.temperature,
@@ -169,7 +181,6 @@ def _generate(args: Any) -> int:
         try:
             ids = engine.encode(args.prompt)
         except ValueError as err:
-            engine.destroy()
             raise ValueError(f"--prompt: {err}") from None
     else:
         ids = torch.tensor([_prompt_ids(args.prompt_ids)], dtype=torch.int64)
@@ -178,10 +189,9 @@ def _generate(args: Any) -> int:
         ids,
         args.max_new_tokens,
         **options,
-        name=lambda arg: prompt_option if arg == "input_ids" else "--" + arg.replace("_", "-"),
+        name=lambda arg: prompt_option if arg == "input_ids" else _option(arg),
     )
     if problem is not None:
-        engine.destroy()
         print(f"ds-strategy generate: {problem}", file=sys.stderr)
         return 2
     out = engine.generate(ids, args.max_new_tokens, **options)[0].tolist()
@@ -201,5 +211,4 @@ def _generate(args: Any) -> int:
         text = ",".join(str(t) for t in out)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(text, flush=True)
-    engine.destroy()
     return 0

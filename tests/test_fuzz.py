@@ -600,6 +600,18 @@ def _consolidate_argv(draw: st.DrawFn) -> list[str]:
     return argv
 
 
+def _run_cli(argv: list[str]) -> tuple[Any, str, str]:
+    """``ds-strategy ARGV`` in this process: (exit code, stdout, stderr); argparse's usage
+    errors exit with 2."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.mark.parametrize("examples", _examples(120, 1000))
 def test_every_command_line_runs_or_is_a_usage_error_naming_the_option(
     examples: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -609,15 +621,9 @@ def test_every_command_line_runs_or_is_a_usage_error_naming_the_option(
     (tmp_path / "garbage" / "x.distcp").write_bytes(b"\x80\x04 not a checkpoint")
 
     def check(argv: list[str]) -> None:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = cli.main(argv)
-            except SystemExit as exit_:  # argparse's usage errors
-                code = exit_.code
-        assert code in (0, 1, 2), (argv, code, err.getvalue())
+        code, _, message = _run_cli(argv)
+        assert code in (0, 1, 2), (argv, code, message)
         if code == 2:
-            message = err.getvalue()
             # an option, argparse's usage line, or the positional argument at fault
             assert re.search(r"--[a-z]|usage:|output '|checkpoint '|no/such/|garbage", message), (
                 argv,
@@ -660,16 +666,11 @@ def test_every_generation_runs_or_is_a_usage_error_naming_the_option(
     model = write_gpt(tmp_path_factory.mktemp("fuzz_generate") / "model")
 
     def check(options: list[str]) -> None:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = cli.main(["generate", str(model), *options])
-            except SystemExit as exit_:
-                code = exit_.code
-        assert code in (0, 2), (options, code, err.getvalue())
+        code, out, message = _run_cli(["generate", str(model), *options])
+        assert code in (0, 2), (options, code, message)
         if code == 2:
-            assert re.search(r"--[a-z]|usage:", err.getvalue()), (options, err.getvalue())
+            assert re.search(r"--[a-z]|usage:", message), (options, message)
         else:
-            assert out.getvalue().strip(), options
+            assert out.strip(), options
 
     _fuzz(_generate_on_a_model(), examples, check)

@@ -773,11 +773,11 @@ class ZeroEngine(nn.Module):
         """``torch.compile`` the model one unit at a time, as DeepSpeed's ``engine.compile``:
         each block that ZeRO-3 gathers as one (the same blocks at every stage), or the whole
         model when it has none (a block inside another is compiled with it). The gather and
-        release around a unit run eagerly between its compiled graphs (see [Note: compiled units] in ``zero/stage3.py``).
-        ``backend`` and ``compile_kwargs`` (``mode``, ``dynamic``, ``fullgraph``,
-        ``options``): torch.compile's; by default the config's ``compile`` section's. A
-        unit compiled already, or a model compiled as a whole, is left as it is. The config's
-        ``compile.enabled`` calls this at ``initialize``."""
+        release around a unit run eagerly between its compiled graphs (see [Note: compiled
+        units] in ``zero/stage3.py``). ``backend`` and ``compile_kwargs`` (``mode``,
+        ``dynamic``, ``fullgraph``, ``options``): torch.compile's; by default the config's
+        ``compile`` section's. A unit compiled already, or a model compiled as a whole, is
+        left as it is. The config's ``compile.enabled`` calls this at ``initialize``."""
         section = self.config.compile
         fn = compile_backend(section.backend if backend is None else backend)
         kwargs = dict(section.kwargs if compile_kwargs is None else compile_kwargs)

@@ -78,6 +78,13 @@ def build_with(
             return _checked_module(factory(ann(**kwargs)))
 
 
+def build_failure(err: BaseException) -> str:
+    """Why a factory could not build its model, for an error that names what was given:
+    the exception's type and the first line of its message (at most 200 characters)."""
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def _checked_module(obj: Any) -> nn.Module:
     if not isinstance(obj, nn.Module):
         raise ValueError(f"the model factory returned {type(obj).__name__}, not an nn.Module")

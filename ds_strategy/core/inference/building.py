@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from ..checkpoint.trust import UntrustedContentError
-from ..model_factory import build_with, import_factory, params_on_meta
+from ..model_factory import build_failure, build_with, import_factory, params_on_meta
 
 __all__ = [
     "CharTokenizer",
@@ -185,7 +185,7 @@ def _from_card(path: Path, trust_remote_code: bool = False) -> LoadedModel:
     except (TypeError, ValueError, OverflowError, RuntimeError, MemoryError) as err:
         raise ModelFileError(
             f"{card_path} kwargs: {card['factory']} could not build the model from them "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+            f"({build_failure(err)})"
         ) from err
     tok = card.get("tokenizer") or {}
     if not isinstance(tok, dict):
