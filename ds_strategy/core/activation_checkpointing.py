@@ -188,6 +188,8 @@ _METER: contextvars.ContextVar[SavedTensorMeter | None] = contextvars.ContextVar
 
 
 def _note_held(tree: Any) -> None:
+    if torch.compiler.is_compiling():
+        return  # Dynamo cannot read a ContextVar: a compiled region's inputs are not metered
     meter = _METER.get()
     if meter is not None:
         for t in tree_flatten(tree)[0]:

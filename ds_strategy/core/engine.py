@@ -6,7 +6,6 @@ config's ZeRO stage asks for and runs DeepSpeed's loop: ``engine(batch)``,
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import math
 import os
@@ -17,12 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError, ZeroConfig, load_config
+from ..config import ZeroConfig, load_config
 from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
 from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
+from .compiled import CompileWatch, check_compile_kwargs, compile_backend, compile_units
 from .compression.onebit_reduce import OneBitReduction
 from .compression.topk_reduce import TopKReduction
 from .compression.zeroone_reduce import ZeroOneReduction
@@ -48,7 +48,6 @@ from .tp import TensorParallel, resolve_plan
 from .zero.builders import ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, OptimizerPiece, ShardedOptimizer, rebuild_optimizer
-from .zero.units import plan_units
 
 __all__ = ["ZeroEngine"]
 
@@ -255,6 +254,7 @@ class ZeroEngine(nn.Module):
         self.compression = self._build_compression(in_pipeline=_stage_of is not None)
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
+        self._compile_watch = CompileWatch(self.module)
         if self.config.compile.enabled:
             self.compile()
 
@@ -450,6 +450,7 @@ class ZeroEngine(nn.Module):
             with phase(self.timers, "step"):
                 self._optimizer_step(grad_norm)
             self.global_steps += 1
+            self._compile_watch.after_step(self.global_steps)
             if self.timers is not None:
                 self.timers.end_step(self.global_steps)
         elif grad_norm is not None:
@@ -781,20 +782,17 @@ class ZeroEngine(nn.Module):
         section = self.config.compile
         fn = compile_backend(section.backend if backend is None else backend)
         kwargs = dict(section.kwargs if compile_kwargs is None else compile_kwargs)
-        unknown = sorted(set(kwargs) - _COMPILE_KWARGS)
-        if unknown:
-            raise ConfigError(
-                f"compile.kwargs.{unknown[0]}: not an argument of torch.compile (it takes "
-                f"{', '.join(sorted(_COMPILE_KWARGS))})",
-                key=f"compile.kwargs.{unknown[0]}",
-            )
-        if isinstance(self.module, torch._dynamo.eval_frame.OptimizedModule):
-            return  # torch.compile(model) before initialize: compiled as a whole already
-        units = [u for u in plan_units(self.module).units if u is not self.module]
-        inner = {id(m) for u in units for m in u.modules() if m is not u}
-        for unit in [u for u in units if id(u) not in inner] or [self.module]:  # outermost
-            if getattr(unit, "_compiled_call_impl", None) is None:
-                unit.compile(backend=fn, **kwargs)
+        check_compile_kwargs(kwargs)
+        compile_units(self.module, fn, kwargs)
+
+    def compile_report(self) -> dict[str, Any]:
+        """What torch.compile did since the engine was built: ``compiled_units`` (modules
+        that run compiled), ``graphs`` (graphs Dynamo compiled), ``graph_breaks`` and
+        ``break_reasons`` (the first line of each reason, with its count), and
+        ``last_new_graph_step`` (the optimizer step during which the latest graph was compiled,
+        ``None`` if none was; a model whose guards hold compiles nothing after its first train
+        and evaluation steps). Dynamo counts per process: see ``core/compiled.py``."""
+        return self._compile_watch.report()
 
     @property
     def checkpoint_manager(self) -> CheckpointManager:
@@ -930,35 +928,6 @@ class ZeroEngine(nn.Module):
             self.plan.remove_hooks()
             if self._offload is not None:
                 self._offload.close()
-
-
-_COMPILE_KWARGS = frozenset({"fullgraph", "dynamic", "mode", "options", "disable"})
-
-
-def compile_backend(backend: Any) -> Any:
-    """torch.compile's ``backend``: a callable, a registered name, or
-    ``"package.module.function"`` imported (as DeepSpeed reads ``compile.backend``)."""
-    if callable(backend):
-        return backend
-    if not isinstance(backend, str) or not backend:
-        raise ConfigError(
-            f"compile.backend: expected a backend name or a callable, got {backend!r}",
-            key="compile.backend",
-        )
-    if backend in torch._dynamo.list_backends(exclude_tags=()):
-        return backend
-    module_name, _, name = backend.rpartition(".")
-    if module_name:
-        try:
-            return getattr(importlib.import_module(module_name), name)
-        except (ImportError, AttributeError, ValueError):
-            pass
-    raise ConfigError(
-        f"compile.backend: {backend!r} is neither one of torch.compile's backends "
-        f"({', '.join(torch._dynamo.list_backends())}) nor an importable "
-        "'package.module.function'",
-        key="compile.backend",
-    )
 
 
 def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str]:

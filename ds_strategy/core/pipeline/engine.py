@@ -423,6 +423,15 @@ class PipelineEngine:
         """This rank's model-state bytes: its stage's (see ``ZeroEngine.memory_report``)."""
         return self.engine.memory_report()
 
+    def compile(self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None) -> None:
+        """``torch.compile`` this stage's layers one at a time (see ``ZeroEngine.compile``);
+        the schedule's sends and receives stay eager between them."""
+        self.engine.compile(backend, compile_kwargs)
+
+    def compile_report(self) -> dict[str, Any]:
+        """What torch.compile did on this rank (see ``ZeroEngine.compile_report``)."""
+        return self.engine.compile_report()
+
     def timing_report(self) -> dict[str, float]:
         """With ``wall_clock_breakdown``: the stage engine's per-step means (see
         ``ZeroEngine.timing_report``); ``schedule_ms`` is the forward and backward of all

@@ -214,6 +214,7 @@ class TensorParallel:
         forward, a column-wise layer the gradient of its input in backward."""
         factor = 2 * (self.size - 1) / self.size
 
+        @torch.compiler.disable  # a count Dynamo traced would guard on it and recompile
         def count(t: torch.Tensor) -> None:
             self.comm.record("all_reduce", factor * t.numel() * t.element_size())
 

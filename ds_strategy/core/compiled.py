@@ -1,0 +1,134 @@
+"""torch.compile under the engine: which units are compiled (:func:`compile_units`), the
+backend named in the config (:func:`compile_backend`), and what Dynamo compiled since the
+engine was built (:class:`CompileWatch`, read through ``engine.compile_report()``).
+
+The gather and release that ZeRO-3 runs around a unit stay eager between the unit's compiled
+graphs (see [Note: compiled units] in ``zero/stage3.py``), so the unit of compilation is the
+unit of gathering: each block ZeRO-3 gathers as one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from .zero.units import plan_units
+
+__all__ = ["CompileWatch", "compile_backend", "compile_units", "compiled_units"]
+
+COMPILE_KWARGS = frozenset({"fullgraph", "dynamic", "mode", "options", "disable"})
+
+
+def compile_backend(backend: Any) -> Any:
+    """torch.compile's ``backend``: a callable, a registered name, or
+    ``"package.module.function"`` imported (as DeepSpeed reads ``compile.backend``)."""
+    if callable(backend):
+        return backend
+    if not isinstance(backend, str) or not backend:
+        raise ConfigError(
+            f"compile.backend: expected a backend name or a callable, got {backend!r}",
+            key="compile.backend",
+        )
+    if backend in torch._dynamo.list_backends(exclude_tags=()):
+        return backend
+    module_name, _, name = backend.rpartition(".")
+    if module_name:
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            pass
+    raise ConfigError(
+        f"compile.backend: {backend!r} is neither one of torch.compile's backends "
+        f"({', '.join(torch._dynamo.list_backends())}) nor an importable "
+        "'package.module.function'",
+        key="compile.backend",
+    )
+
+
+def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
+    unknown = sorted(set(kwargs) - COMPILE_KWARGS)
+    if unknown:
+        raise ConfigError(
+            f"compile.kwargs.{unknown[0]}: not an argument of torch.compile (it takes "
+            f"{', '.join(sorted(COMPILE_KWARGS))})",
+            key=f"compile.kwargs.{unknown[0]}",
+        )
+
+
+def compile_units(module: nn.Module, backend: Any, kwargs: dict[str, Any]) -> None:
+    """Compile each outermost block that ZeRO-3 gathers as one (the same blocks at every
+    stage), or ``module`` whole when it has none. A unit compiled already, or a model compiled
+    as a whole, is left as it is."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return  # torch.compile(model) before initialize: compiled as a whole already
+    units = [u for u in plan_units(module).units if u is not module]
+    inner = {id(m) for u in units for m in u.modules() if m is not u}
+    for unit in [u for u in units if id(u) not in inner] or [module]:
+        if getattr(unit, "_compiled_call_impl", None) is None:
+            unit.compile(backend=backend, **kwargs)
+
+
+def compiled_units(module: nn.Module) -> int:
+    """Modules of ``module`` that run compiled: ``module.compile()``'d ones, and
+    ``torch.compile(module)`` as one."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return 1
+    return sum(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+
+
+def _dynamo_counts() -> tuple[int, dict[str, int]]:
+    """Graphs Dynamo has compiled in this process, and its graph breaks by reason."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+
+
+class CompileWatch:
+    """What Dynamo compiled while an engine trained: graphs, graph breaks with their reasons,
+    and the step after which the last new graph appeared (a model whose guards hold compiles
+    nothing after its first steps: a train step, an evaluation, an accumulation boundary).
+
+    Dynamo counts per process, so the figures are the process's since the engine was built:
+    with two engines in one process each sees the other's compilation too."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._graphs0, self._breaks0 = _dynamo_counts()
+        self._seen = self._graphs0
+        self.last_new_graph_step: int | None = None
+
+    def after_step(self, global_steps: int) -> None:
+        graphs = _dynamo_counts()[0]
+        if graphs != self._seen:
+            self._seen = graphs
+            self.last_new_graph_step = global_steps
+        elif global_steps == 1 and graphs == self._graphs0 and compiled_units(self._module):
+            report = self.report()
+            warnings.warn(
+                f"torch.compile: {report['compiled_units']} module(s) are compiled but the "
+                "first step compiled no graph: they ran eagerly. Dynamo's reasons: "
+                f"{report['break_reasons'] or 'none recorded'} (engine.compile_report())",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def report(self) -> dict[str, Any]:
+        graphs, breaks = _dynamo_counts()
+        reasons = {}
+        for reason, n in breaks.items():
+            n -= self._breaks0.get(reason, 0)
+            if n > 0:  # the reason's first line names it; the rest are hints
+                short = reason.strip().splitlines()[0] if reason.strip() else "unknown"
+                reasons[short] = reasons.get(short, 0) + n
+        return {
+            "compiled_units": compiled_units(self._module),
+            "graphs": graphs - self._graphs0,
+            "graph_breaks": sum(reasons.values()),
+            "break_reasons": reasons,
+            "last_new_graph_step": self.last_new_graph_step,
+        }
