@@ -256,3 +256,49 @@ def test_compiling_composes_with_offload_precision_checkpointing_tp_and_pipeline
             else:
                 assert report["graph_breaks"] == 0, (feature, report)
     assert results[2 * list(FEATURES).index("tensor_parallel")][0]["comm"]["tp_all_reduce"] > 0
+
+
+def torch_modules_worker(rank: int, world: int) -> dict[str, Any]:
+    """Units whose forward is torch's own: the engine compiles them; a user's
+    ``Module.compile()`` of one (which compiles nothing) is warned about."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    config = {**base_config(3), "compile": {"enabled": True, "backend": "aot_eager"}}
+    engine = ds_strategy.initialize(encoder, torch.optim.SGD(encoder.parameters(), lr=0.1), config)
+    keys = list(engine.module.state_dict())
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 8, 32)).square().mean())
+        engine.step()
+    report = engine.compile_report()
+    engine.destroy()
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    plain.compile(backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        other = ds_strategy.initialize(plain, torch.optim.SGD(plain.parameters(), lr=0.1), {})
+    other.destroy()
+    return {"report": report, "keys": keys, "warned": [str(w.message) for w in caught]}
+
+
+def test_torch_own_modules_compile_through_their_forward() -> None:
+    from tests.distributed import run_ranks
+
+    got = run_ranks(torch_modules_worker, 1)[0]
+    assert got["report"]["compiled_units"] == 2 and got["report"]["graphs"] > 0, got["report"]
+    assert got["report"]["graph_breaks"] == 0, got["report"]
+    assert got["keys"][0] == "layers.0.self_attn.in_proj_weight"  # names unchanged
+    assert any("the model (Sequential)" in w and "run eagerly" in w for w in got["warned"])
+
+
+def test_a_bad_compile_section_names_its_key() -> None:
+    from ds_strategy.config import ConfigError
+    from ds_strategy.core.compiled import compile_backend
+
+    assert compile_backend("aot_eager") == "aot_eager"
+    assert compile_backend("tests.models.lm_loss") is not None  # "package.module.function"
+    for bad in ("no_such_backend", "no.such.module", "", 3):
+        with pytest.raises(ConfigError, match="compile.backend"):
+            compile_backend(bad)
+    with pytest.raises(ConfigError, match="compile.enabled"):
+        ds_strategy.load_config({"compile": {"enabled": "maybe"}})

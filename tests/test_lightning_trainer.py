@@ -46,12 +46,19 @@ def test_stage_matches_ddp(parity: dict[str, Any], stage: int) -> None:
 
 def test_a_compiled_module_trains_as_the_eager_one(parity: dict[str, Any]) -> None:
     """trainer.fit(torch.compile(module)) under ZeRO-3 with every weight sharded: the same
-    weights and clipped norms as the eager zero3 run, through compiled graphs."""
+    weights and clipped norms as the eager zero3 run, through compiled graphs; and so does
+    the config's ``compile`` section given to ``ZeroStrategy``."""
     compiled, eager = parity["zero3_compiled"], parity["zero3"]
     assert compiled["graphs"] > 0
     assert max_diff(compiled["weights"], eager["weights"]) <= 1e-6
     assert compiled["norms"] == pytest.approx(eager["norms"], rel=1e-5)
     assert compiled["global_step"] == eager["global_step"]
+    # ZeroStrategy(config={"compile": {...}}): the engine compiles unit by unit
+    section = parity["zero3_config_compiled"]
+    assert section["report"]["compiled_units"] == 2, section["report"]  # body and head
+    assert section["report"]["graphs"] > 0 and section["report"]["graph_breaks"] == 0
+    assert max_diff(section["weights"], eager["weights"]) <= 1e-6
+    assert section["norms"] == pytest.approx(eager["norms"], rel=1e-5)
 
 
 def test_clipping_was_exercised(parity: dict[str, Any]) -> None:

@@ -19,7 +19,13 @@ from torch import nn
 from ..config import ConfigError
 from .zero.units import plan_units
 
-__all__ = ["CompileWatch", "compile_backend", "compile_units", "compiled_units"]
+__all__ = [
+    "CompileWatch",
+    "check_skipped_compiles",
+    "compile_backend",
+    "compile_units",
+    "compiled_units",
+]
 
 COMPILE_KWARGS = frozenset({"fullgraph", "dynamic", "mode", "options", "disable"})
 
@@ -63,22 +69,64 @@ def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
 def compile_units(module: nn.Module, backend: Any, kwargs: dict[str, Any]) -> None:
     """Compile each outermost block that ZeRO-3 gathers as one (the same blocks at every
     stage), or ``module`` whole when it has none. A unit compiled already, or a model compiled
-    as a whole, is left as it is."""
+    as a whole, is left as it is.
+
+    A unit is compiled with ``unit.compile()`` (torch.compile of its ``_call_impl``: Dynamo
+    starts at its ``forward``, the hooks around it stay eager), except where ``forward`` is
+    torch's own (``nn.Sequential``, ``nn.TransformerEncoderLayer``): Dynamo never starts in
+    torch's files, so ``compile()`` there compiles nothing, and the bound ``forward`` is
+    compiled instead (an attribute of the instance: parameter names do not change)."""
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         return  # torch.compile(model) before initialize: compiled as a whole already
     units = [u for u in plan_units(module).units if u is not module]
     inner = {id(m) for u in units for m in u.modules() if m is not u}
     for unit in [u for u in units if id(u) not in inner] or [module]:
-        if getattr(unit, "_compiled_call_impl", None) is None:
+        if _runs_compiled(unit):
+            continue
+        if _torch_forward(unit):
+            unit.forward = torch.compile(unit.forward, backend=backend, **kwargs)  # type: ignore[method-assign]
+        else:
             unit.compile(backend=backend, **kwargs)
 
 
+def _torch_forward(m: nn.Module) -> bool:
+    return type(m).forward.__module__.startswith("torch.")
+
+
+def _runs_compiled(m: nn.Module) -> bool:
+    forward = m.__dict__.get("forward")
+    if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
+        return True  # its bound forward compiled
+    return getattr(m, "_compiled_call_impl", None) is not None and not _torch_forward(m)
+
+
 def compiled_units(module: nn.Module) -> int:
-    """Modules of ``module`` that run compiled: ``module.compile()``'d ones, and
-    ``torch.compile(module)`` as one."""
+    """Modules of ``module`` that run compiled: ``module.compile()``'d ones (but not those
+    whose ``forward`` is torch's own, which Dynamo skips), ones whose bound ``forward`` was
+    compiled, and ``torch.compile(module)`` as one."""
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         return 1
-    return sum(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
+    return sum(_runs_compiled(m) for m in module.modules())
+
+
+def check_skipped_compiles(module: nn.Module) -> None:
+    """Warn about modules ``.compile()``'d that will run eagerly: torch's own modules, whose
+    frames Dynamo does not trace."""
+    skipped = [
+        f"{name or 'the model'} ({type(m).__name__})"
+        for name, m in module.named_modules()
+        if getattr(m, "_compiled_call_impl", None) is not None and _torch_forward(m)
+    ]
+    if skipped:
+        warnings.warn(
+            f"torch.compile: {', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''} "
+            "were compiled with Module.compile(), which compiles nothing for a module whose "
+            "forward is torch's own (Dynamo does not start in torch's files): they run "
+            "eagerly. Compile the model with torch.compile(model), or set the config's "
+            "compile.enabled (the engine compiles such units' forward)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _dynamo_counts() -> tuple[int, dict[str, int]]:
@@ -97,6 +145,7 @@ class CompileWatch:
     with two engines in one process each sees the other's compilation too."""
 
     def __init__(self, module: nn.Module) -> None:
+        check_skipped_compiles(module)
         self._module = module
         self._graphs0, self._breaks0 = _dynamo_counts()
         self._seen = self._graphs0
@@ -107,15 +156,18 @@ class CompileWatch:
         if graphs != self._seen:
             self._seen = graphs
             self.last_new_graph_step = global_steps
-        elif global_steps == 1 and graphs == self._graphs0 and compiled_units(self._module):
+        elif global_steps == 1 and graphs == self._graphs0:
+            # nothing compiled by the first step: reused graphs (compiled for an earlier
+            # engine in this process), or Dynamo gave up on the units for a break it records
             report = self.report()
-            warnings.warn(
-                f"torch.compile: {report['compiled_units']} module(s) are compiled but the "
-                "first step compiled no graph: they ran eagerly. Dynamo's reasons: "
-                f"{report['break_reasons'] or 'none recorded'} (engine.compile_report())",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            if report["compiled_units"] and report["graph_breaks"]:
+                warnings.warn(
+                    f"torch.compile: {report['compiled_units']} module(s) are compiled but "
+                    "the first step compiled no graph: they ran eagerly. Dynamo's reasons: "
+                    f"{report['break_reasons']} (engine.compile_report())",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def report(self) -> dict[str, Any]:
         graphs, breaks = _dynamo_counts()

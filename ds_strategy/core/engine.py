@@ -787,7 +787,8 @@ class ZeroEngine(nn.Module):
 
     def compile_report(self) -> dict[str, Any]:
         """What torch.compile did since the engine was built: ``compiled_units`` (modules
-        that run compiled), ``graphs`` (graphs Dynamo compiled), ``graph_breaks`` and
+        that run compiled), ``graphs`` (graphs Dynamo compiled; 0 when the units reuse the
+        graphs compiled for an earlier engine's copy of the model), ``graph_breaks`` and
         ``break_reasons`` (the first line of each reason, with its count), and
         ``last_new_graph_step`` (the optimizer step during which the latest graph was compiled,
         ``None`` if none was; a model whose guards hold compiles nothing after its first train
