@@ -27,7 +27,7 @@ from ds_strategy.demos.gpt import GPT, GPTConfig, as_sequential
 from tests.distributed import run_ranks_each
 
 STEPS, MICRO, VOCAB, SEQ = 8, 2, 64, 16
-CASES = [("blocks", 1), ("blocks", 2), ("blocks", 3), ("whole", 3), ("config", 3)]
+CASES = [("blocks", 1), ("blocks", 2), ("blocks", 3), ("whole", 3), ("config", 3), ("after", 3)]
 
 
 def gpt(d: int = 256, layers: int = 3, tied: bool = True) -> GPT:
@@ -94,6 +94,8 @@ def train(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         engine = ds_strategy.initialize(model, optimizer, config, **kwargs)
+        if how == "after":  # DeepSpeed's engine.compile() on the built engine
+            engine.compile(backend="aot_eager")
         accumulation = config.get("gradient_accumulation_steps", 1)
         tp = "tensor_parallel" in config  # the tensor-parallel ranks see one batch
         g = torch.Generator().manual_seed(1)
@@ -160,10 +162,11 @@ def test_compiled_blocks_and_models_train_as_eager_at_every_stage() -> None:
     calls += [(accumulating_run, (how,)) for how in ("eager", "config")]
     results = run_ranks_each(calls, 2)
     eager = {stage: results[stage - 1][0] for stage in (1, 2, 3)}
-    compiled = list(zip(CASES, results[3:8], strict=True))
-    compiled.append((("config+accumulation+eval", 3), results[9]))
+    n = len(CASES)
+    compiled = list(zip(CASES, results[3 : 3 + n], strict=True))
+    compiled.append((("config+accumulation+eval", 3), results[4 + n]))
     eager_of = {case: eager[case[1]] for case, _ in compiled}
-    eager_of[("config+accumulation+eval", 3)] = results[8][0]
+    eager_of[("config+accumulation+eval", 3)] = results[3 + n][0]
     for case, per_rank in compiled:
         for res in per_rank:
             assert gap(res, eager_of[case]) <= 1e-5, case
@@ -210,12 +213,17 @@ FEATURES: dict[str, dict[str, Any]] = {
         "stage": 1,
     },
     "pipeline": {"pipeline": {"stages": 2}, "stage": 1, "gradient_accumulation_steps": 2},
+    "inductor": {"backend": "inductor"},  # code generation, not only AOTAutograd's graphs
 }
 
 
 def feature_run(rank: int, world: int, feature: str, how: str, nvme: str) -> dict[str, Any]:
     extra = dict(FEATURES[feature])
     config = base_config(extra.pop("stage", 3))
+    if how == "config":
+        config["compile"] = {"enabled": True, "backend": extra.pop("backend", "aot_eager")}
+        how = "eager"  # the section compiles
+    extra.pop("backend", None)
     for key, value in extra.items():
         if key.startswith("offload"):
             if value["device"] == "nvme":
