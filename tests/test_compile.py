@@ -8,8 +8,8 @@ stages.
 
 The backend is ``aot_eager``: AOTAutograd's traced forward and backward, the part that saved
 a gathered weight for backward and failed once ZeRO-3 released it (see [Note: compiled
-units] in ``core/zero/stage3.py``), without inductor's code generation time (inductor is run
-by ``benchmarks/bench_compile.py``).
+units] in ``core/zero/stage3.py``), without inductor's code generation time; one case runs
+inductor (and ``benchmarks/bench_compile.py`` times it).
 """
 
 from __future__ import annotations
