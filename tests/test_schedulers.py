@@ -247,6 +247,7 @@ def test_engine_steps_the_config_scheduler_at_optimizer_steps() -> None:
     engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
     seen = _lr_per_micro_step(engine, 6)
     assert seen == pytest.approx([0.0, 0.0, 0.1, 0.1, 0.2, 0.2])  # steps once per 2 micro-steps
+    engine.destroy()  # the model may have another engine now
     with pytest.raises(ValueError, match="keep one of them"):
         ds_strategy.initialize(
             model,

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
+from .ownership import check_parameters_free, claim_parameters, release_parameters
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 from .quant.export import write_quantized_state
@@ -108,6 +110,8 @@ class ZeroEngine(nn.Module):
         zc = self.config.zero_optimization
         self.stage = zc.stage
         check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
+        with together(self.comm):
+            check_parameters_free(model)  # no other engine's parameters (core/ownership.py)
         self.qat: dict[str, str] = {}  # layer -> fake quantization (quantization.qat)
         if self.config.quantization.qat:
             with together(self.comm):
@@ -255,6 +259,9 @@ class ZeroEngine(nn.Module):
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
         self._compile_watch = CompileWatch(self.module)
+        self._own_grads = False  # gradients of a backward() of this engine since zero_grad
+        self._warned_foreign = False
+        self._claimed = claim_parameters(self.module, self)
         if self.config.compile.enabled:
             self.compile()
 
@@ -418,10 +425,31 @@ class ZeroEngine(nn.Module):
                 "backward() on an engine built for evaluation: the model has no trainable "
                 "parameters"
             )
+        if not self._own_grads and any(g.holds_grads() for g in self.plan.groups):
+            self._drop_foreign_grads()
         scaled = loss * self.loss_scale if self._scaler is not None else loss
         with phase(self.timers, "backward"):
             scaled.backward(retain_graph=retain_graph)
+        self._own_grads = True
         return loss
+
+    def _drop_foreign_grads(self) -> None:
+        """Gradients that reached this model since its last step from a backward this engine
+        did not start (another engine's loss through this model: a GAN's generator loss
+        through the discriminator) are not this step's: dropped, as a torch loop's
+        ``zero_grad()`` before its backward drops them. The first time, a warning says so."""
+        if not self._warned_foreign:
+            self._warned_foreign = True
+            warnings.warn(
+                "gradients reached this engine's model from a backward it did not start "
+                "(another engine's loss through this model) since its last step; they are "
+                "dropped before this backward, never added to its step. Call zero_grad() on "
+                "this engine after that backward to say so (and silence this warning), or "
+                "detach this model's output there",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.zero_grad()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -588,6 +616,7 @@ class ZeroEngine(nn.Module):
 
     def zero_grad(self) -> None:
         self._ready_norm = self._clipped_norm = None
+        self._own_grads = False
         for g in self.plan.groups:
             g.zero_grad()
         for pc in self._sharded_opt.pieces:
@@ -929,6 +958,7 @@ class ZeroEngine(nn.Module):
             self.plan.remove_hooks()
             if self._offload is not None:
                 self._offload.close()
+            release_parameters(self._claimed, self)
 
 
 def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str]:

@@ -528,6 +528,10 @@ class FlatParamGroup:
             self.grad_shard.mul_(scaling.post / scaling.pre)
             self._accumulation_form = False
 
+    def holds_grads(self) -> bool:
+        """Whether a gradient reached any parameter of the group since :meth:`zero_grad`."""
+        return bool(self.grad_seen.any())
+
     def zero_grad(self) -> None:
         self._drop_step_grad()
         self._pending_scale.clear()

@@ -1,0 +1,291 @@
+"""Several models in one job through the raw API, one ``initialize`` per model: a GAN whose
+generator and discriminator each have an engine (the generator's loss runs backward through
+the discriminator, which is not stepping then), and an RLHF-shaped loop (an actor and a
+critic trained, each with its own optimizer; a reference and a reward model frozen at ZeRO-3
+without optimizers). Each equals the same loop in one process on the global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ds_strategy
+from ds_strategy.demos.gpt import GPT, GPTConfig
+from tests.distributed import run_ranks_each
+
+WORLD, ROWS, STEPS = 2, 4, 4  # ROWS per rank per step
+NOISE, DATA = 8, 16
+
+
+def zero(stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,  # every weight sharded at stage 3
+            "reduce_bucket_size": 200,  # several buckets, reductions in flight
+        },
+    }
+
+
+# -- a GAN ------------------------------------------------------------------------------------
+
+
+def gan() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(NOISE, 32), nn.Tanh(), nn.Linear(32, DATA))
+    discriminator = nn.Sequential(nn.Linear(DATA, 32), nn.Tanh(), nn.Linear(32, 1))
+    return generator, discriminator
+
+
+def gan_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    real = torch.randn(WORLD * ROWS, DATA, generator=g) * 0.5 + 1.0
+    return real, torch.randn(WORLD * ROWS, NOISE, generator=g)
+
+
+def bce(logits: torch.Tensor, target: float) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+
+def gan_steps(generator: Any, discriminator: Any, step_d: Any, step_g: Any, rows: slice) -> None:
+    """Each step: the discriminator on real and (detached) fake rows, then the generator
+    through the discriminator, whose gradients from that backward are not its own step's."""
+    for step in range(STEPS):
+        real, noise = gan_data(step)
+        fake = generator(noise[rows])
+        step_d(bce(discriminator(real[rows]), 1.0) + bce(discriminator(fake.detach()), 0.0))
+        step_g(bce(discriminator(fake), 1.0))
+
+
+def gan_reference() -> dict[str, torch.Tensor]:
+    generator, discriminator = gan()
+    opt_g = torch.optim.Adam(generator.parameters(), lr=1e-2)
+    opt_d = torch.optim.Adam(discriminator.parameters(), lr=1e-2)
+
+    def step(opt: torch.optim.Optimizer) -> Any:
+        def run(loss: torch.Tensor) -> None:
+            opt.zero_grad()  # the discriminator's: drops what the generator's loss left
+            loss.backward()
+            opt.step()
+
+        return run
+
+    gan_steps(generator, discriminator, step(opt_d), step(opt_g), slice(None))
+    return {**prefixed("g.", generator.state_dict()), **prefixed("d.", discriminator.state_dict())}
+
+
+def prefixed(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {prefix + k: v.detach().clone() for k, v in state.items()}
+
+
+def gan_worker(rank: int, world: int, stage: int, zero_grad: bool) -> dict[str, Any]:
+    generator, discriminator = gan()
+    g = ds_strategy.initialize(
+        generator, torch.optim.Adam(generator.parameters(), lr=1e-2), zero(stage)
+    )
+    d = ds_strategy.initialize(
+        discriminator, torch.optim.Adam(discriminator.parameters(), lr=1e-2), zero(stage)
+    )
+
+    def step(engine: Any) -> Any:
+        def run(loss: torch.Tensor) -> None:
+            if zero_grad:
+                engine.zero_grad()  # as a torch loop zeroes before its backward
+            engine.backward(loss)
+            engine.step()
+
+        return run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gan_steps(g, d, step(d), step(g), slice(rank * ROWS, (rank + 1) * ROWS))
+    out = {
+        "weights": {**prefixed("g.", g.full_state_dict()), **prefixed("d.", d.full_state_dict())},
+        "warnings": [str(w.message) for w in caught if "did not start" in str(w.message)],
+    }
+    g.destroy()
+    d.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_a_gan_with_one_engine_per_model_equals_one_process() -> None:
+    reference = gan_reference()
+    cases = [(stage, zero_grad) for stage in (1, 2, 3) for zero_grad in (True, False)]
+    results = run_ranks_each([(gan_worker, case) for case in cases], WORLD)
+    for (stage, zero_grad), per_rank in zip(cases, results, strict=True):
+        for got in per_rank:
+            weights = got["weights"]
+            assert weights.keys() == reference.keys()
+            gap = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+            assert gap <= 2e-5, (stage, zero_grad, gap)
+            # without zero_grad() the discriminator's gradients from the generator's backward
+            # are dropped before its own backward, and the first time says so
+            assert len(got["warnings"]) == (0 if zero_grad else 1), (stage, got["warnings"])
+    initial = gan()[1].state_dict()
+    assert max((reference["d." + k] - v).abs().max().item() for k, v in initial.items()) > 1e-3
+
+
+# -- an RLHF-shaped loop ----------------------------------------------------------------------
+
+VOCAB, SEQ = 32, 8
+
+
+class Scorer(nn.Module):
+    """A GPT with a scalar head: the critic's value and the reward model's score per token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(GPTConfig(vocab=VOCAB, d=64, heads=4, layers=2, seq=SEQ))
+        self.value = nn.Linear(VOCAB, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.value(self.gpt(tokens)).squeeze(-1)
+
+
+def rlhf_models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    actor = GPT(GPTConfig(vocab=VOCAB, d=64, heads=4, layers=2, seq=SEQ))
+    reference = copy.deepcopy(actor)  # the policy before training, frozen
+    critic, reward = Scorer(), Scorer()
+    for frozen in (reference, reward):
+        frozen.requires_grad_(False)
+    return {"actor": actor, "critic": critic, "reference": reference, "reward": reward}
+
+
+def rlhf_steps(models: dict[str, Any], step: dict[str, Any], rows: slice) -> None:
+    """A PPO-shaped step: log-probabilities of the actor against the frozen reference (a KL
+    penalty), the frozen reward model's score, the critic's value as the baseline."""
+    for i in range(STEPS):
+        g = torch.Generator().manual_seed(200 + i)
+        tokens = torch.randint(0, VOCAB, (WORLD * ROWS, SEQ + 1), generator=g)[rows]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:, None]
+        with torch.no_grad():
+            ref_logp = models["reference"](inputs).log_softmax(-1).gather(-1, targets)
+            reward = models["reward"](inputs).mean(-1)
+        logp = models["actor"](inputs).log_softmax(-1).gather(-1, targets)
+        value = models["critic"](inputs).mean(-1)
+        advantage = (reward - value).detach()
+        step["actor"](-(advantage[:, None, None] * logp).mean() + 0.1 * (logp - ref_logp).mean())
+        step["critic"](((value - reward) ** 2).mean())
+
+
+def rlhf_optimizers(models: dict[str, nn.Module]) -> dict[str, torch.optim.Optimizer]:
+    return {
+        "actor": torch.optim.Adam(models["actor"].parameters(), lr=1e-3),
+        "critic": torch.optim.SGD(models["critic"].parameters(), lr=0.1, momentum=0.9),
+    }
+
+
+def rlhf_reference() -> dict[str, dict[str, torch.Tensor]]:
+    models = rlhf_models()
+    opts = rlhf_optimizers(models)
+
+    def stepper(opt: torch.optim.Optimizer) -> Any:
+        def run(loss: torch.Tensor) -> None:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        return run
+
+    rlhf_steps(models, {k: stepper(o) for k, o in opts.items()}, slice(None))
+    return {k: prefixed("", m.state_dict()) for k, m in models.items()}
+
+
+def rlhf_worker(rank: int, world: int) -> dict[str, Any]:
+    models = rlhf_models()
+    full_bytes = {k: sum(p.numel() * 4 for p in m.parameters()) for k, m in models.items()}
+    opts = rlhf_optimizers(models)
+    engines = {
+        "actor": ds_strategy.initialize(models["actor"], opts["actor"], zero(3)),
+        "critic": ds_strategy.initialize(models["critic"], opts["critic"], zero(2)),
+        # frozen, sharded for evaluation: no optimizer
+        "reference": ds_strategy.initialize(models["reference"], None, zero(3)),
+        "reward": ds_strategy.initialize(models["reward"], None, zero(3)),
+    }
+
+    def stepper(engine: Any) -> Any:
+        def run(loss: torch.Tensor) -> None:
+            engine.backward(loss)
+            engine.step()
+
+        return run
+
+    rlhf_steps(
+        engines,
+        {k: stepper(engines[k]) for k in ("actor", "critic")},
+        slice(rank * ROWS, (rank + 1) * ROWS),
+    )
+    out = {
+        "weights": {k: prefixed("", e.full_state_dict()) for k, e in engines.items()},
+        "memory": {k: e.memory_report() for k, e in engines.items()},
+        "full_bytes": full_bytes,
+    }
+    for e in engines.values():
+        e.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_an_rlhf_loop_with_frozen_zero3_models_equals_one_process() -> None:
+    reference = rlhf_reference()
+    (per_rank,) = run_ranks_each([(rlhf_worker, ())], WORLD)
+    for got in per_rank:
+        for name, expected in reference.items():
+            weights = got["weights"][name]
+            assert weights.keys() == expected.keys(), name
+            gap = max((weights[k] - expected[k]).abs().max().item() for k in expected)
+            assert gap <= 2e-5, (name, gap)
+        for name in ("reference", "reward"):  # frozen at ZeRO-3: about 1/N of the bytes each
+            memory = got["memory"][name]
+            assert memory["params"] == pytest.approx(got["full_bytes"][name] / WORLD, rel=0.01)
+            assert memory["grads"] == memory["optimizer_state"] == 0, memory
+        actor = got["memory"]["actor"]
+        assert actor["optimizer_state"] > 0 and actor["params"] < got["full_bytes"]["actor"]
+    # the loop trained: the actor moved away from the frozen reference
+    moved = reference["actor"]
+    assert max((moved[k] - reference["reference"][k]).abs().max().item() for k in moved) > 1e-3
+
+
+def sharing_worker(rank: int, world: int, stage: int) -> dict[str, Any]:
+    shared = nn.Linear(4, 4)
+    a = nn.Sequential(shared, nn.Linear(4, 2))
+    b = nn.Sequential(shared, nn.Linear(4, 1))
+    config = zero(stage)
+    first = ds_strategy.initialize(a, torch.optim.SGD(a.parameters(), lr=0.1), config)
+    out: dict[str, Any] = {}
+    try:
+        ds_strategy.initialize(b, torch.optim.SGD(b.parameters(), lr=0.1), config)
+    except ValueError as e:
+        out["shared"] = str(e)
+    # a constructor that raised claims nothing, even while its error (and through its
+    # traceback the half-built engine) is kept: the same model then builds
+    lone = nn.Linear(3, 3)
+    try:
+        ds_strategy.initialize(lone, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), config)
+    except ValueError as e:
+        kept = e
+        out["bad"] = str(e)
+    ds_strategy.initialize(lone, torch.optim.SGD(lone.parameters(), lr=0.1), config).destroy()
+    del kept
+    first.destroy()  # releases its parameters: b may now have an engine of its own
+    second = ds_strategy.initialize(b, torch.optim.SGD(b.parameters(), lr=0.1), config)
+    second.destroy()
+    return out
+
+
+def test_two_engines_over_one_parameter_are_refused_naming_it() -> None:
+    for got in run_ranks_each([(sharing_worker, (s,)) for s in (1, 3)], 1):
+        message = got[0]["shared"]
+        assert "parameter '0.weight' of Sequential already belongs to another engine" in message
+        assert "copy.deepcopy" in message and "destroy()" in message
+        assert "belong to the model" in got[0]["bad"]
