@@ -73,3 +73,19 @@ def test_fabric_init_module_on_meta(fabric_runs: dict[str, Any]) -> None:
         for k, v in weights.items()
         if "weight" in k
     )
+
+
+@pytest.fixture(scope="module")
+def gan_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_for_results("fabric_gan.py", tmp_path_factory.mktemp("fabric_gan"))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_gan_set_up_as_two_models_matches_ddp(gan_runs: dict[str, Any], stage: int) -> None:
+    """fabric.setup(generator, opt_g) and fabric.setup(discriminator, opt_d): one engine
+    each; the generator's loss through the discriminator adds nothing to its next step."""
+    ddp, zero = gan_runs["ddp"], gan_runs[f"zero{stage}"]
+    assert zero["engines"] == [stage, stage]
+    for model in ("g", "d"):
+        assert max_diff(zero[model], ddp[model]) <= 2e-5, model
+    assert "fabric.backward(loss, model=model)" in zero["no_model"]

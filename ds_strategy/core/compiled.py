@@ -68,8 +68,10 @@ def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
 
 def compile_units(module: nn.Module, backend: Any, kwargs: dict[str, Any]) -> None:
     """Compile each outermost block that ZeRO-3 gathers as one (the same blocks at every
-    stage), or ``module`` whole when it has none. A unit compiled already, or a model compiled
-    as a whole, is left as it is.
+    stage), or ``module`` whole when it has none; a unit whose ``forward`` is torch's own and
+    holds units of its own (an ``nn.Sequential`` block of layers that are units too) is
+    passed over for those, so that no unit's hooks fall inside a compiled one (each would be
+    a graph break). A unit compiled already, or a model compiled as a whole, is left as it is.
 
     A unit is compiled with ``unit.compile()`` (torch.compile of its ``_call_impl``: Dynamo
     starts at its ``forward``, the hooks around it stay eager), except where ``forward`` is
@@ -79,8 +81,25 @@ def compile_units(module: nn.Module, backend: Any, kwargs: dict[str, Any]) -> No
     if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
         return  # torch.compile(model) before initialize: compiled as a whole already
     units = [u for u in plan_units(module).units if u is not module]
-    inner = {id(m) for u in units for m in u.modules() if m is not u}
-    for unit in [u for u in units if id(u) not in inner] or [module]:
+    unit_ids = {id(u) for u in units}
+
+    def outermost(candidates: list[nn.Module]) -> list[nn.Module]:
+        inside = {id(m) for c in candidates for m in c.modules() if m is not c}
+        return [c for c in candidates if id(c) not in inside]
+
+    chosen: list[nn.Module] = []
+
+    def pick(unit: nn.Module) -> None:
+        inner = outermost([m for m in unit.modules() if m is not unit and id(m) in unit_ids])
+        if inner and _torch_forward(unit):
+            for u in inner:
+                pick(u)
+        else:
+            chosen.append(unit)
+
+    for unit in outermost(units) or [module]:
+        pick(unit)
+    for unit in chosen:
         if _runs_compiled(unit):
             continue
         if _torch_forward(unit):

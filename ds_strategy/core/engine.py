@@ -9,7 +9,6 @@ import contextlib
 import logging
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -436,18 +435,18 @@ class ZeroEngine(nn.Module):
     def _drop_foreign_grads(self) -> None:
         """Gradients that reached this model since its last step from a backward this engine
         did not start (another engine's loss through this model: a GAN's generator loss
-        through the discriminator) are not this step's: dropped, as a torch loop's
-        ``zero_grad()`` before its backward drops them. The first time, a warning says so."""
+        through the discriminator) are not this step's: dropped, as the ``zero_grad()`` a
+        torch loop calls before its backward drops them (a front end's ``optimizer.zero_grad()``
+        does not reach the engine). Logged once per engine (logger ``ds_strategy``)."""
         if not self._warned_foreign:
             self._warned_foreign = True
-            warnings.warn(
-                "gradients reached this engine's model from a backward it did not start "
-                "(another engine's loss through this model) since its last step; they are "
-                "dropped before this backward, never added to its step. Call zero_grad() on "
-                "this engine after that backward to say so (and silence this warning), or "
-                "detach this model's output there",
-                RuntimeWarning,
-                stacklevel=3,
+            log.info(
+                "gradients reached this engine's model (%s) from a backward it did not start "
+                "(another engine's loss through it) since its last step: dropped before this "
+                "backward, never added to its step; engine.zero_grad() after that backward "
+                "drops them there, and a step meant to include them needs one backward of the "
+                "summed losses through this engine",
+                type(self.module).__name__,
             )
         self.zero_grad()
 

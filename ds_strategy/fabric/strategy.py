@@ -1,5 +1,7 @@
 """``ZeroStrategy`` for Lightning Fabric: ``fabric.setup``/``backward``/``clip_gradients``/
-``save``/``load`` mapped onto one :class:`~ds_strategy.ZeroEngine`, with no sharding logic."""
+``save``/``load`` mapped onto :class:`~ds_strategy.ZeroEngine` s (one per ``fabric.setup``
+call: a GAN's generator and discriminator, a frozen teacher next to a student), with no
+sharding logic."""
 
 from __future__ import annotations
 
@@ -70,7 +72,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
 
     def _init_front(self) -> None:
         self._backward_sync_control = _EngineSyncControl()
-        self._clips = PendingClip()  # a clip_gradients call between accumulation boundaries
+        self._engines: list[ZeroEngine] = []  # one per fabric.setup call, in order
+        # per engine: a clip_gradients call between accumulation boundaries
+        self._clips: dict[int, PendingClip] = {}
 
     precision_class = ZeroFabricPrecision
     precision = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
@@ -101,24 +105,46 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         raise ValueError(self._err_msg_joint_setup_required())
 
     def _setup(self, module: nn.Module, optimizer: Any) -> ZeroEngine:
-        if self._engine is not None:
-            raise ValueError(
-                "the ZeRO strategy drives one model per Fabric: fabric.setup was already called"
-            )
         # Fabric loops accumulate as the config (or the user) says
-        self._engine = engine = self._build_engine(module, optimizer, None)
+        engine = self._build_engine(module, optimizer, None)
+        self._engines.append(engine)
+        self._clips[id(engine)] = PendingClip()
+        if self._engine is None:
+            self._engine = engine  # ``strategy.engine``: the first model set up
         return engine
+
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        """The engines of every ``fabric.setup`` call, in order."""
+        return list(self._engines)
+
+    def _engine_of(self, module: nn.Module | None, optimizer: Any = None) -> ZeroEngine:
+        """The engine ``module`` (a compiled one: the engine it wraps) or ``optimizer``
+        belongs to; the only one when one model is set up."""
+        if not self._engines:
+            raise RuntimeError(self.not_set_up)
+        if len(self._engines) == 1:
+            return self._engines[0]
+        module = getattr(module, "_orig_mod", module)  # fabric.setup(torch.compile(model))
+        for engine in self._engines:
+            if module is engine or (optimizer is not None and optimizer is engine.optimizer):
+                return engine
+        raise ValueError(
+            f"{len(self._engines)} models are set up under the ZeRO strategy: say which one "
+            "this is for, fabric.backward(loss, model=model) (the model fabric.setup returned)"
+        )
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self.precision.pre_backward(tensor, module)
-        self.engine.backward(tensor, *args, **kwargs)
+        self._engine_of(module).backward(tensor, *args, **kwargs)
         self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The engine's step (at accumulation boundaries, clipping as configured or asked)."""
         if kwargs.get("closure") is not None:
             raise ValueError("the ZeRO strategy cannot run optimizer.step(closure)")
-        self._clips.step(self.engine)
+        engine = self._engine_of(None, optimizer)
+        self._clips[id(engine)].step(engine)
 
     def clip_gradients_norm(  # type: ignore[override]
         self,
@@ -134,7 +160,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
             raise ValueError(
                 f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
             )
-        norm = self._clips.clip(self.engine, float(max_norm))
+        engine = self._engine_of(module, optimizer)
+        norm = self._clips[id(engine)].clip(engine, float(max_norm))
         return None if norm is None else torch.tensor(norm)
 
     def clip_gradients_value(
@@ -147,10 +174,17 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
 
     def _engine_in(self, state: dict[str, Any]) -> ZeroEngine:
         engines = [v for v in state.values() if isinstance(v, ZeroEngine)]
-        if len(engines) != 1:
+        if len(engines) > 1:
             raise ValueError(
-                f"the state must hold exactly one model set up by fabric.setup under the ZeRO "
-                f"strategy (found {len(engines)}): pass state={{'model': model, ...}}"
+                f"the state holds {len(engines)} models set up under the ZeRO strategy: "
+                "fabric.save/load of several sharded models in one state is not supported; "
+                "save each model with its optimizer to its own path "
+                "(fabric.save(path_g, {'model': g, 'optimizer': opt_g, ...}))"
+            )
+        if not engines:
+            raise ValueError(
+                "the state must hold the model set up by fabric.setup under the ZeRO "
+                "strategy: pass state={'model': model, ...}"
             )
         return engines[0]
 

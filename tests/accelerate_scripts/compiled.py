@@ -1,7 +1,6 @@
 """ZeRO-3 through ``ZeroAccelerator`` with Accelerate's ``torch.compile`` settings from the
 accelerate config file's dynamo section: the same loop as ``parity.py``'s stage 3 run. Rank 0
-saves the consolidated weights, the engine's ``compile`` section and how many of the model's
-modules were compiled.
+saves the consolidated weights, the engine's ``compile`` section and its compile report.
 
     accelerate launch --config_file <cpu_2proc.yaml + dynamo_config> \\
         tests/accelerate_scripts/compiled.py --out results.pt
@@ -20,14 +19,11 @@ def main() -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(*build())
     log = train(accelerator, model, optimizer, loader, scheduler)
     engine = accelerator.zero_engine
-    compiled = sum(
-        getattr(m, "_compiled_call_impl", None) is not None for m in engine.module.modules()
-    )
     result = {
         **log,
         "state": accelerator.get_state_dict(model),
         "compile": engine.config.compile,
-        "compiled_modules": compiled,
+        "report": engine.compile_report(),
     }
     save_on_main(Accelerator(), result, args.out)
     torch.distributed.barrier()

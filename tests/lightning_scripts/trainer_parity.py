@@ -107,8 +107,8 @@ tc, mc = fit(zero(3), "zero3_compiled", compiled=True)
 record("zero3_compiled", tc, mc._orig_mod)  # the LightningModule the Trainer ran
 results["zero3_compiled"]["graphs"] = counters["stats"]["unique_graphs"]
 counters.clear()
-# the config's compile section: the engine compiles each unit (the body and the head, through
-# their forward: Module.compile() compiles nothing of torch's own modules)
+# the config's compile section: the engine compiles each unit (the body's two Linear layers,
+# through their forward: Module.compile() compiles nothing of torch's own modules)
 section = {**ZERO3_SHARD_ALL, "compile": {"enabled": True, "backend": "aot_eager"}}
 tc, mc = fit(ZeroStrategy(stage=3, config=section), "zero3_config_compiled")
 record("zero3_config_compiled", tc, mc)
