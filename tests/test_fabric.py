@@ -1,6 +1,7 @@
 """``lightning.Fabric`` with the ZeRO strategy on 2 CPU processes (gloo), against ``ddp``:
 the same loop (``no_backward_sync`` accumulation, ``clip_gradients``, a user-stepped lr
-scheduler), ``fabric.save``/``fabric.load`` resume, and ``fabric.init_module()``."""
+scheduler), ``fabric.save``/``fabric.load`` resume, and ``fabric.init_module()``; and a GAN
+set up as two models."""
 
 from __future__ import annotations
 
