@@ -15,17 +15,19 @@ LLAMA_VOCAB = 128
 GPT_KWARGS = dict(vocab=96, d=128, layers=2, heads=4, seq=64)  # the main job's width
 
 
-def llama_config():  # type: ignore[no-untyped-def]
+def llama_config(**overrides: object):  # type: ignore[no-untyped-def]
+    """A 2-layer Llama config (4 heads, 2 key-value heads, untied); ``overrides`` replace
+    its sizes."""
     from transformers import LlamaConfig
 
+    sizes = dict(
+        vocab_size=LLAMA_VOCAB, hidden_size=64, intermediate_size=256, max_position_embeddings=128
+    )
     return LlamaConfig(
-        vocab_size=LLAMA_VOCAB,
-        hidden_size=64,
-        intermediate_size=256,
+        **{**sizes, **overrides},
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
         tie_word_embeddings=False,
         eos_token_id=None,
         bos_token_id=None,

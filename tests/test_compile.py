@@ -36,20 +36,13 @@ def gpt(d: int = 256, layers: int = 3, tied: bool = True) -> GPT:
 
 
 def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tests.inference_common import llama_config
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    sizes = dict(hidden_size=256, intermediate_size=512, max_position_embeddings=64)
+    return LlamaForCausalLM(llama_config(vocab_size=VOCAB, **sizes))
 
 
 def base_config(stage: int, accumulation: int = 1) -> dict[str, Any]:

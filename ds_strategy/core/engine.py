@@ -259,7 +259,7 @@ class ZeroEngine(nn.Module):
         self._count_resident()
         self._compile_watch = CompileWatch(self.module)
         self._own_grads = False  # gradients of a backward() of this engine since zero_grad
-        self._warned_foreign = False
+        self._logged_foreign = False
         self._claimed = claim_parameters(self.module, self)
         if self.config.compile.enabled:
             self.compile()
@@ -438,8 +438,8 @@ class ZeroEngine(nn.Module):
         through the discriminator) are not this step's: dropped, as the ``zero_grad()`` a
         torch loop calls before its backward drops them (a front end's ``optimizer.zero_grad()``
         does not reach the engine). Logged once per engine (logger ``ds_strategy``)."""
-        if not self._warned_foreign:
-            self._warned_foreign = True
+        if not self._logged_foreign:
+            self._logged_foreign = True
             log.info(
                 "gradients reached this engine's model (%s) from a backward it did not start "
                 "(another engine's loss through it) since its last step: dropped before this "
@@ -801,7 +801,7 @@ class ZeroEngine(nn.Module):
     ) -> None:
         """``torch.compile`` the model one unit at a time, as DeepSpeed's ``engine.compile``:
         each block that ZeRO-3 gathers as one (the same blocks at every stage), or the whole
-        model when it has none (a block inside another is compiled with it). The gather and
+        model when it has none (which blocks: ``compile_units`` in ``core/compiled.py``). The gather and
         release around a unit run eagerly between its compiled graphs (see [Note: compiled
         units] in ``zero/stage3.py``). ``backend`` and ``compile_kwargs`` (``mode``,
         ``dynamic``, ``fullgraph``, ``options``): torch.compile's; by default the config's

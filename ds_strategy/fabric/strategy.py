@@ -72,9 +72,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
 
     def _init_front(self) -> None:
         self._backward_sync_control = _EngineSyncControl()
-        self._engines: list[ZeroEngine] = []  # one per fabric.setup call, in order
-        # per engine: a clip_gradients call between accumulation boundaries
-        self._clips: dict[int, PendingClip] = {}
+        # one engine per fabric.setup call, in order, with its clip_gradients request waiting
+        # between accumulation boundaries
+        self._clips: dict[ZeroEngine, PendingClip] = {}
 
     precision_class = ZeroFabricPrecision
     precision = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
@@ -107,8 +107,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     def _setup(self, module: nn.Module, optimizer: Any) -> ZeroEngine:
         # Fabric loops accumulate as the config (or the user) says
         engine = self._build_engine(module, optimizer, None)
-        self._engines.append(engine)
-        self._clips[id(engine)] = PendingClip()
+        self._clips[engine] = PendingClip()
         if self._engine is None:
             self._engine = engine  # ``strategy.engine``: the first model set up
         return engine
@@ -116,21 +115,22 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     @property
     def engines(self) -> list[ZeroEngine]:
         """The engines of every ``fabric.setup`` call, in order."""
-        return list(self._engines)
+        return list(self._clips)
 
     def _engine_of(self, module: nn.Module | None, optimizer: Any = None) -> ZeroEngine:
         """The engine ``module`` (a compiled one: the engine it wraps) or ``optimizer``
         belongs to; the only one when one model is set up."""
-        if not self._engines:
+        engines = list(self._clips)
+        if not engines:
             raise RuntimeError(self.not_set_up)
-        if len(self._engines) == 1:
-            return self._engines[0]
+        if len(engines) == 1:
+            return engines[0]
         module = getattr(module, "_orig_mod", module)  # fabric.setup(torch.compile(model))
-        for engine in self._engines:
+        for engine in engines:
             if module is engine or (optimizer is not None and optimizer is engine.optimizer):
                 return engine
         raise ValueError(
-            f"{len(self._engines)} models are set up under the ZeRO strategy: say which one "
+            f"{len(engines)} models are set up under the ZeRO strategy: say which one "
             "this is for, fabric.backward(loss, model=model) (the model fabric.setup returned)"
         )
 
@@ -144,7 +144,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         if kwargs.get("closure") is not None:
             raise ValueError("the ZeRO strategy cannot run optimizer.step(closure)")
         engine = self._engine_of(None, optimizer)
-        self._clips[id(engine)].step(engine)
+        self._clips[engine].step(engine)
 
     def clip_gradients_norm(  # type: ignore[override]
         self,
@@ -161,7 +161,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
                 f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
             )
         engine = self._engine_of(module, optimizer)
-        norm = self._clips[id(engine)].clip(engine, float(max_norm))
+        norm = self._clips[engine].clip(engine, float(max_norm))
         return None if norm is None else torch.tensor(norm)
 
     def clip_gradients_value(
