@@ -297,3 +297,219 @@ def test_two_engines_over_one_parameter_are_refused_naming_it() -> None:
         assert "parameter '0.weight' of Sequential already belongs to another engine" in message
         assert "copy.deepcopy" in message and "destroy()" in message
         assert "belong to the model" in got[0]["bad"]
+
+
+# -- a container whose own forward never runs -------------------------------------------------
+
+
+def parts() -> nn.ModuleDict:
+    torch.manual_seed(1)
+    return nn.ModuleDict(
+        {
+            "enc": nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16)),
+            "dec": nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)),
+        }
+    )
+
+
+def parts_steps(model: Any, step: Any, rows: slice) -> list[float]:
+    """The loop calls the container's members, never the container."""
+    losses = []
+    for i in range(STEPS):
+        x = torch.randn(WORLD * ROWS, 8, generator=torch.Generator().manual_seed(300 + i))[rows]
+        with torch.no_grad():  # an evaluation pass between steps, as a loop's logging does
+            model["dec"](model["enc"](x))
+        loss = (model["dec"](model["enc"](x)) - x).square().mean()
+        step(loss)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def parts_worker(rank: int, world: int) -> dict[str, Any]:
+    model = parts()
+    engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), zero(3))
+
+    def step(loss: torch.Tensor) -> None:
+        engine.backward(loss)
+        engine.step()
+
+    parts_steps(engine.module, step, slice(rank * ROWS, (rank + 1) * ROWS))
+    runtime = engine.plan.stage3
+    out = {
+        "weights": prefixed("", engine.full_state_dict()),
+        "recorded": len(runtime._order),
+        "live": runtime.live_numel,
+        "units": len(runtime.units),
+    }
+    engine.destroy()
+    return out
+
+
+def test_zero3_over_a_container_whose_forward_never_runs_equals_one_process() -> None:
+    """Each unit called outside the root's forward is gathered for that call and released
+    after it: the weights equal one process's, nothing stays gathered, no order is recorded."""
+    model = parts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(loss: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    parts_steps(model, step, slice(None))
+    reference = prefixed("", model.state_dict())
+    (per_rank,) = run_ranks_each([(parts_worker, ())], WORLD)
+    for got in per_rank:
+        assert got["units"] > 2  # the members are units of their own, sharded
+        gap = max((got["weights"][k] - reference[k]).abs().max().item() for k in reference)
+        assert gap <= 1e-5, gap
+        assert got["live"] == 0 and got["recorded"] == 0, got
+
+
+# -- several engines in one checkpoint: resumed at another world size -------------------------
+
+
+def gan_engines(stage: int) -> dict[str, Any]:
+    generator, discriminator = gan()
+    return {
+        "g": ds_strategy.initialize(
+            generator, torch.optim.Adam(generator.parameters(), lr=1e-2), zero(stage)
+        ),
+        "d": ds_strategy.initialize(
+            discriminator, torch.optim.Adam(discriminator.parameters(), lr=1e-2), zero(stage)
+        ),
+    }
+
+
+def gan_step_range(engines: dict[str, Any], steps: range, rank: int, world: int) -> None:
+    rows = slice(rank * WORLD * ROWS // world, (rank + 1) * WORLD * ROWS // world)
+    g, d = engines["g"], engines["d"]
+    for step in steps:
+        real, noise = gan_data(step)
+        fake = g(noise[rows])
+        for engine, loss in (
+            (d, bce(d(real[rows]), 1.0) + bce(d(fake.detach()), 0.0)),
+            (g, None),
+        ):
+            if loss is None:
+                loss = bce(d(fake), 1.0)
+            engine.zero_grad()
+            engine.backward(loss)
+            engine.step()
+
+
+def save_engines_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    from ds_strategy.core.checkpoint.engines import save_engines
+
+    engines = gan_engines(3)
+    gan_step_range(engines, range(2), rank, world)
+    save_engines(engines, root, client_state={"step": 2})
+    gan_step_range(engines, range(2, STEPS), rank, world)  # the uninterrupted run
+    out = {k: prefixed("", e.full_state_dict()) for k, e in engines.items()}
+    for e in engines.values():
+        e.destroy()
+    return out
+
+
+def load_engines_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    from ds_strategy.core.checkpoint.engines import load_engines
+
+    engines = gan_engines(2)
+    out: dict[str, Any] = {}
+    try:  # the engines must be the ones saved
+        load_engines({"g": engines["g"]}, root)
+    except ds_strategy.CheckpointError as e:
+        out["mismatch"] = str(e)
+    out["client"] = load_engines(engines, root)
+    gan_step_range(engines, range(2, STEPS), rank, world)
+    out["weights"] = {k: prefixed("", e.full_state_dict()) for k, e in engines.items()}
+    for e in engines.values():
+        e.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_several_engines_save_as_one_checkpoint_and_resume_at_another_world_size(
+    tmp_path: Any,
+) -> None:
+    root = str(tmp_path / "gan")
+    uninterrupted = run_ranks_each([(save_engines_worker, (root,))], WORLD)[0][0]
+    manifest = (tmp_path / "gan" / "engines.json").read_text()
+    assert '"save1"' in manifest and sorted(p.name for p in (tmp_path / "gan").iterdir()) == [
+        "d",
+        "engines.json",
+        "g",
+    ]
+    resumed = run_ranks_each([(load_engines_worker, (root,))], 1)[0][0]  # 2 ranks -> 1, ZeRO-2
+    assert resumed["client"] == {"step": 2}
+    assert "holds the models ['g', 'd'], this job has ['g']" in resumed["mismatch"]
+    for name in ("g", "d"):
+        want, got = uninterrupted[name], resumed["weights"][name]
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= 2e-5, name
+
+
+# -- a save of several engines killed at every filesystem change --------------------------------
+
+
+def killed_engines_job(root: str, queue: Any) -> None:
+    """One process: state A saved, state B saved with a kill before each filesystem change in
+    turn (in a forked child); after each kill the parent loads: both models at A or both at B,
+    never one at each."""
+    import os
+    import shutil
+    import warnings
+    from pathlib import Path
+
+    from ds_strategy.core.checkpoint.engines import load_engines, save_engines
+    from tests.test_checkpoint_faults import _kill_at
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    root_p = Path(root)
+    writer, reader = gan_engines(2), gan_engines(2)
+    gan_step_range(writer, range(1), 0, 1)
+    save_engines(writer, root_p)
+    a = {k: prefixed("", e.full_state_dict()) for k, e in writer.items()}
+    gan_step_range(writer, range(1, 2), 0, 1)
+    b = {k: prefixed("", e.full_state_dict()) for k, e in writer.items()}
+    pristine = root_p.with_name("pristine")
+    shutil.copytree(root_p, pristine)
+    results = []
+    for step in range(1, 400):
+        shutil.rmtree(root_p)
+        shutil.copytree(pristine, root_p)
+        pid = os.fork()
+        if pid == 0:
+            _kill_at(step, [])
+            save_engines(writer, root_p)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        load_engines(reader, root_p)
+        got = {k: prefixed("", e.full_state_dict()) for k, e in reader.items()}
+        which = [
+            n
+            for n, want in (("A", a), ("B", b))
+            if all(torch.equal(got[m][k], want[m][k]) for m in want for k in want[m])
+        ]
+        results.append({"step": step, "killed": os.WIFSIGNALED(status), "loaded": which})
+        if not os.WIFSIGNALED(status):
+            break
+    queue.put(results)
+
+
+@pytest.mark.launcher
+def test_a_save_of_several_engines_killed_at_every_step_loads_one_whole_save(
+    tmp_path: Any,
+) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=killed_engines_job, args=(str(tmp_path / "root"), queue))
+    proc.start()
+    results = queue.get(timeout=400)
+    proc.join(timeout=30)
+    assert len(results) > 20 and not results[-1]["killed"], results[-1]  # all kill points
+    for r in results:
+        assert r["loaded"] in (["A"], ["B"]), r  # one whole save, never a model of each
+    assert results[0]["loaded"] == ["A"] and results[-1]["loaded"] == ["B"]

@@ -260,6 +260,11 @@ class ZeroEngine(nn.Module):
         self._compile_watch = CompileWatch(self.module)
         self._own_grads = False  # gradients of a backward() of this engine since zero_grad
         self._logged_foreign = False
+        # False: another engine's backward through this model leaves gradients that this
+        # engine's next backward drops (see _drop_foreign_grads). True: they stay until
+        # zero_grad() or the step, as in a torch loop, for a front end whose loop zeroes
+        # gradients itself (Lightning's optimizer.zero_grad() with several optimizers)
+        self.keep_foreign_grads = False
         self._claimed = claim_parameters(self.module, self)
         if self.config.compile.enabled:
             self.compile()
@@ -424,7 +429,11 @@ class ZeroEngine(nn.Module):
                 "backward() on an engine built for evaluation: the model has no trainable "
                 "parameters"
             )
-        if not self._own_grads and any(g.holds_grads() for g in self.plan.groups):
+        if (
+            not self._own_grads
+            and not self.keep_foreign_grads
+            and any(g.holds_grads() for g in self.plan.groups)
+        ):
             self._drop_foreign_grads()
         scaled = loss * self.loss_scale if self._scaler is not None else loss
         with phase(self.timers, "backward"):

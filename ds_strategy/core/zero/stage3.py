@@ -179,6 +179,14 @@ class Stage3Runtime:
     # resizing in ``flat_group.py``). Each unit's body compiles as a whole; the graph breaks
     # are at its boundaries only.
 
+    # [Note: a unit called outside the root]
+    # A front end may build an engine over a container whose own forward never runs: Lightning's
+    # several optimizers, each over the LightningModule's submodules its parameters live in,
+    # which ``training_step`` calls directly. Each unit called while no root forward is running
+    # is gathered for that call alone and released after it (backward gathers it again), with
+    # no order recorded and nothing prefetched, so a loop of such calls never grows the
+    # recorded order nor holds more than the units running.
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
@@ -194,6 +202,9 @@ class Stage3Runtime:
                 return
             if unit is self.root:
                 self._start_forward()
+            elif self.state is TrainingState.IDLE:  # see [Note: a unit called outside the root]
+                self._gather(unit, wait=True)
+                return
             index = self._call_index
             self._call_index += 1
             if self._recording:
@@ -210,13 +221,16 @@ class Stage3Runtime:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self.state is TrainingState.BACKWARD and unit is not self.root:
                 return None  # a recompute (see _pre_forward): backward releases the unit
-            index = self._call_index - 1
+            outside = self.state is TrainingState.IDLE and unit is not self.root
+            index = -1 if outside else self._call_index - 1  # -1: nothing to prefetch
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, self._pre_backward(unit, index), mode="any"
                 )
-            if unit is self.root:
+            if outside:
+                self._release(unit)
+            elif unit is self.root:
                 self._end_forward(backward_follows=bool(tensors))
             elif not (tensors and self._ran_last(unit, index)):
                 self._release(unit)
