@@ -45,10 +45,11 @@ class ShardedModelSummary(ModelSummary):
         return self._count(self._model, trainable_only=True)
 
 
-def install_sharded_summary(trainer: pl.Trainer, engine: ZeroEngine) -> None:
-    """Make the Trainer's summary callbacks report full parameter counts for ``engine``."""
+def install_sharded_summary(trainer: pl.Trainer, engines: list[ZeroEngine]) -> None:
+    """Make the Trainer's summary callbacks report full parameter counts for ``engines``."""
     sizes = {
         id(p): math.prod(shape)
+        for engine in engines
         for g in engine.plan.groups
         for p, shape in zip(g.params, g.shapes, strict=True)
     }

@@ -17,6 +17,7 @@ from torch.optim import LBFGS, Optimizer
 from ..core.engine import ZeroEngine
 from ..frontends.engines import PendingClip
 from ..frontends.lightning_base import FlagPrecision
+from ._several import SeveralEngines
 
 __all__ = ["ZeroPrecision"]
 
@@ -32,6 +33,7 @@ class ZeroPrecision(FlagPrecision, Precision):
     """
 
     engine: ZeroEngine | None = None  # set by ZeroStrategy when it builds the engine
+    several: SeveralEngines | None = None  # set instead with several optimizers
 
     def __init__(self, precision: str = "32-true") -> None:
         super().__init__(precision)
@@ -59,7 +61,10 @@ class ZeroPrecision(FlagPrecision, Precision):
         if model.automatic_optimization and trainer.accumulate_grad_batches > 1:
             # the engine divides by accumulate_grad_batches too: undo Lightning's division
             tensor = tensor * trainer.accumulate_grad_batches
-        self._engine().backward(tensor, *args, **kwargs)
+        if self.several is not None:
+            self.several.backward(tensor, *args, **kwargs)
+        else:
+            self._engine().backward(tensor, *args, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -74,6 +79,9 @@ class ZeroPrecision(FlagPrecision, Precision):
                 "the engine needs backward and step as separate calls"
             )
         closure_result = closure()
+        if self.several is not None:  # manual optimization: the optimizer's engine steps
+            self.several.step(optimizer)
+            return closure_result
         engine = self._engine()
         if engine.is_gradient_accumulation_boundary():  # once per real step, as under DDP
             if is_overridden("configure_gradient_clipping", model, LightningModule):
@@ -98,5 +106,7 @@ class ZeroPrecision(FlagPrecision, Precision):
                 "ZeroStrategy: ZeRO clips by the global gradient norm; use "
                 "gradient_clip_algorithm='norm'"
             )
-        if clip_val > 0:
+        if clip_val > 0 and self.several is not None:
+            self.several.clip(optimizer, clip_val)
+        elif clip_val > 0:
             self.clips.max_norm = float(clip_val)

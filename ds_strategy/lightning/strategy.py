@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..core.checkpoint.engines import holds_engines
 from ..core.engine import ZeroEngine
 from ..core.optimizers import evaluation_optimizer
 from ..core.pipeline import PipelineEngine
@@ -44,6 +46,7 @@ from ..frontends.engines import (
 from ..frontends.flags import apply_loop_flags, clipping
 from ..frontends.lightning_base import LightningZeroBase
 from ._pipeline import LightningPipeline, build_pipeline
+from ._several import SeveralEngines
 from ._summary import install_sharded_summary
 from .precision import ZeroPrecision
 
@@ -97,6 +100,15 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def _init_front(self) -> None:
         self._engine_module: pl.LightningModule | None = None  # the module it was built for
         self._engine_trains = False  # built with the LightningModule's optimizer (not for eval)
+        self._several: SeveralEngines | None = None  # several optimizers: an engine each
+
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        """Every engine: one per optimizer of ``configure_optimizers`` (then one for the
+        frozen submodules) when it returns several, see ``_several.py``; else the one."""
+        if self._several is not None:
+            return list(self._several.engines.values())
+        return [self.engine]
 
     @property
     def pipeline(self) -> PipelineEngine:
@@ -138,19 +150,48 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         assert pl_module is not None
         kept = self._engine is not None and self._engine_module is pl_module
         if kept and (self._engine_trains or not fitting):  # fit, then validate: keep the trained
-            if isinstance(self._engine, ZeroEngine):
+            if isinstance(self._engine, ZeroEngine) and self._several is None:
                 self.model = self._engine  # Lightning's connect() reset it to the LightningModule
         else:
             self._drop_engine(pl_module)
-            optimizer, schedulers = self._lightning_optimizer(trainer) if fitting else (None, [])
-            if int(self._base_config.pipeline.stages or 1) > 1:
-                self._setup_pipeline(trainer, pl_module, optimizer, schedulers)
+            optimizers, schedulers = self._configured_optimizers(trainer) if fitting else ([], [])
+            if len(optimizers) > 1:
+                self._setup_several(trainer, pl_module, optimizers, schedulers)
+            elif int(self._base_config.pipeline.stages or 1) > 1:
+                self._setup_pipeline(
+                    trainer, pl_module, optimizers[0] if fitting else None, schedulers
+                )
             else:
-                self._setup_engine(trainer, pl_module, optimizer, schedulers)
+                self._setup_engine(
+                    trainer, pl_module, optimizers[0] if fitting else None, schedulers
+                )
             self._engine_module, self._engine_trains = pl_module, fitting
             self.barrier("ZeroStrategy.setup")
-        if fitting:
+        if fitting and self._several is not None:
+            self.optimizers = [e.optimizer for e in self._several.trained]
+        elif fitting:
             self.optimizers = [self._engine.optimizer]  # type: ignore[union-attr]
+
+    def _setup_several(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list, scheds: list
+    ) -> None:
+        """One engine per optimizer: see [Note: one engine per optimizer] in ``_several.py``."""
+        if int(self._base_config.pipeline.stages or 1) > 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(optimizers)} optimizers with a pipeline "
+                "config: a pipeline trains one model with one optimizer"
+            )
+
+        def build(part: nn.Module, optimizer: Any) -> ZeroEngine:
+            return self._build_engine(part, optimizer, None if optimizer is None else 1)
+
+        move_real_tensors(pl_module, self.root_device)  # buffers of parameter-free submodules
+        self._several = several = SeveralEngines(pl_module, optimizers, scheds, build)
+        self._engine = several.trained[0]
+        self.precision_plugin.several = several  # type: ignore[attr-defined]
+        _wrap_toggles(pl_module, several)
+        if self.stage == 3:
+            install_sharded_summary(trainer, list(several.engines.values()))
 
     def _setup_engine(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, scheds: list[Any]
@@ -169,7 +210,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         self._engine = self.model = engine
         self.precision_plugin.engine = engine  # type: ignore[attr-defined]
         if engine.stage == 3:
-            install_sharded_summary(trainer, engine)
+            install_sharded_summary(trainer, [engine])
 
     def _setup_pipeline(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, scheds: list[Any]
@@ -196,11 +237,21 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         self._use_steps(LightningPipeline(engine, pl_module))
 
     def _drop_engine(self, pl_module: pl.LightningModule) -> None:
-        engine, owner = self._engine, self._engine_module
-        self._engine, self._engine_module = None, None
+        engine, owner, several = self._engine, self._engine_module, self._several
+        self._engine, self._engine_module, self._several = None, None, None
+        self.precision_plugin.several = None  # type: ignore[attr-defined]
         self._use_steps(None)
         if engine is None or owner is not pl_module:
             return  # another module's engine: that module stays as it is
+        if several is not None:
+            _wrap_toggles(pl_module, None)
+            if engine.stage == 3:
+                raise RuntimeError(
+                    "this LightningModule's ZeRO-3 parameters are sharded by the engines of a "
+                    "fit, so it cannot be set up again; use a new model and Trainer"
+                )
+            several.destroy()
+            return
         if engine.config.zero_optimization.stage == 3:
             raise RuntimeError(
                 "this LightningModule was set up by ZeroStrategy for evaluation and its ZeRO-3 "
@@ -217,12 +268,20 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             else:
                 setattr(self, name, getattr(steps, name))
 
-    def _lightning_optimizer(self, trainer: pl.Trainer) -> tuple[Optimizer, list[Any]]:
+    def save_consolidated(self, path: str | os.PathLike) -> Path:
+        """Collective: rank 0 writes the fp32 weights (every engine's, with several
+        optimizers), keyed like the module's ``state_dict()``, to one file."""
+        if self._several is not None:
+            return self._several.save_weights(path)
+        return super().save_consolidated(path)
+
+    def _configured_optimizers(self, trainer: pl.Trainer) -> tuple[list[Optimizer], list[Any]]:
         self.setup_optimizers(trainer)
-        optimizers = self.optimizers
+        optimizers = list(self.optimizers)
         mock = bool(optimizers) and isinstance(optimizers[0], _MockOptimizer)
-        one_optimizer(0 if mock else len(optimizers), "ZeroStrategy (configure_optimizers)")
-        return optimizers[0], [config.scheduler for config in self.lr_scheduler_configs]
+        if mock or not optimizers:
+            one_optimizer(0, "ZeroStrategy (configure_optimizers)")
+        return optimizers, [config.scheduler for config in self.lr_scheduler_configs]
 
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -269,8 +328,12 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
         }
         # a weights-only checkpoint (weights_only=True, save_weights_only=True) has none
+        include_optimizer = "optimizer_states" in checkpoint
+        if self._several is not None:
+            self._several.save(path, client_state, include_optimizer)
+            return
         self._active().save_checkpoint(
-            path, client_state=client_state, include_optimizer="optimizer_states" in checkpoint
+            path, client_state=client_state, include_optimizer=include_optimizer
         )
 
     def load_checkpoint(
@@ -294,12 +357,42 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 "to validate/test/predict, or resume fit from a full checkpoint"
             )
         # evaluation needs the weights only: its engine's optimizer is a stand-in
-        client_state = self._active().load_checkpoint(
-            path, load_optimizer=fitting, trust_checkpoint=weights_only is False
-        )
+        trust = weights_only is False
+        if self._several is not None:
+            client_state = self._several.load(path, fitting, trust)
+        elif holds_engines(path):
+            raise ValueError(
+                f"{path} holds several models (one engine per optimizer of configure_optimizers): "
+                "load it into the same LightningModule, fitting with the same optimizers"
+            )
+        else:
+            client_state = self._active().load_checkpoint(
+                path, load_optimizer=fitting, trust_checkpoint=trust
+            )
         if not isinstance(client_state, dict):
             raise ValueError(f"{path}: not written by a Lightning Trainer (no Lightning state)")
         return client_state
+
+
+def _wrap_toggles(module: pl.LightningModule, several: SeveralEngines | None) -> None:
+    """``toggle_optimizer``/``untoggle_optimizer`` also turn the other engines' parameters
+    off and on (see ``_several.py``); ``None`` restores the class's methods."""
+    if several is None:
+        module.__dict__.pop("toggle_optimizer", None)
+        module.__dict__.pop("untoggle_optimizer", None)
+        return
+    cls = type(module)
+
+    def toggle_optimizer(optimizer: Any) -> None:
+        cls.toggle_optimizer(module, optimizer)
+        several.toggle(optimizer)
+
+    def untoggle_optimizer(optimizer: Any) -> None:
+        cls.untoggle_optimizer(module, optimizer)
+        several.untoggle()
+
+    module.__dict__["toggle_optimizer"] = toggle_optimizer
+    module.__dict__["untoggle_optimizer"] = untoggle_optimizer
 
 
 def _log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:

@@ -15,8 +15,9 @@ from tests.distributed import free_port, run_command
 HERE = Path(__file__).resolve().parent
 
 
-def run_script(script: str, out: Path, timeout: float = 240) -> str:
-    """Run ``script`` with ``out`` as its argument; return its output, or fail with its tail."""
+def run_script(script: str, out: Path, timeout: float = 240, args: tuple[str, ...] = ()) -> str:
+    """Run ``script`` with ``out`` (then ``args``) as its arguments; return its output, or
+    fail with its tail."""
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
@@ -26,7 +27,8 @@ def run_script(script: str, out: Path, timeout: float = 240) -> str:
     )
     for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(var, None)
-    return run_command([sys.executable, str(HERE / script), str(out)], HERE, env, timeout, script)
+    cmd = [sys.executable, str(HERE / script), str(out), *args]
+    return run_command(cmd, HERE, env, timeout, script)
 
 
 def run_for_results(script: str, out: Path) -> dict:

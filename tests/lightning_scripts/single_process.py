@@ -57,14 +57,16 @@ for flag in ("32-true", "bf16-mixed", "bf16-true", "16-true"):
 
 
 class TwoOptimizers(Regressor):
-    """Manual optimization (automatic optimization takes one optimizer in Lightning itself)."""
+    """Manual optimization (automatic optimization takes one optimizer in Lightning itself),
+    the optimizers splitting one submodule, which cannot become one engine each."""
 
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
 
     def configure_optimizers(self) -> Any:
-        return [torch.optim.SGD(self.body.parameters()), torch.optim.SGD(self.head.parameters())]
+        first, rest = self.body[0].parameters(), self.body[2].parameters()
+        return [torch.optim.SGD(first), torch.optim.SGD([*rest, *self.head.parameters()])]
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         return None

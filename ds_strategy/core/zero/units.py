@@ -6,7 +6,9 @@ its backward) and released right after. Pure module-tree logic: no process group
 [Note: choosing units]
 The default policy makes a unit of every module that is an element of an ``nn.ModuleList``
 or ``nn.Sequential`` (the repeated blocks of nearly every model), plus the root, which owns
-whatever no block owns (embeddings, final norm, head). Modules inside an
+whatever no block owns (embeddings, final norm, head). A root that is an ``nn.ModuleDict``
+has no forward (the loop calls its members, as Lightning's several optimizers do through
+their parts), so each member is a unit too. Modules inside an
 ``nn.MultiheadAttention`` never become units: its forward reads ``out_proj.weight`` without
 calling ``out_proj``, so the parameters must be gathered by the attention module (or above).
 ``unit_types`` replaces the default with "every module of these class names".
@@ -53,7 +55,14 @@ def _default_units(root: nn.Module, unit_types: tuple[str, ...] | None) -> list[
                 chosen.append(child)
             visit(child, inside_blocked or isinstance(child, _NO_UNITS_INSIDE))
 
-    visit(root, isinstance(root, _NO_UNITS_INSIDE))
+    if not isinstance(root, nn.ModuleDict):
+        visit(root, isinstance(root, _NO_UNITS_INSIDE))
+        return chosen
+    for member in root.values():  # no forward of its own: the loop calls each member
+        if id(member) not in seen and any(True for _ in member.parameters()):
+            seen.add(id(member))
+            chosen.append(member)
+            visit(member, isinstance(member, _NO_UNITS_INSIDE))
     return chosen
 
 

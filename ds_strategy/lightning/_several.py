@@ -1,0 +1,266 @@
+"""Several optimizers under ``ZeroStrategy`` (a GAN's generator and discriminator, manual
+optimization): one :class:`~ds_strategy.ZeroEngine` per optimizer.
+
+[Note: one engine per optimizer]
+Each optimizer gets an engine over the LightningModule's top-level submodules that hold its
+parameters, gathered in a ``_Part`` that shares them (so every name an engine reports is a key
+of the module's ``state_dict()``); submodules with parameters no optimizer holds (a frozen
+reference) get one more engine, built for evaluation. ``training_step`` calls the submodules
+directly, so a part's own forward never runs (ZeRO-3 handles that: see the note on a unit
+called outside the root in ``core/zero/stage3.py``); under mixed precision each submodule
+casts its inputs and outputs as the engine's forward would. Lightning's loop keeps the
+semantics it has under DDP:
+
+- gradients add up over ``manual_backward`` calls until ``optimizer.zero_grad()`` or that
+  optimizer's step (the engines keep gradients another engine's backward left, and
+  ``zero_grad()`` reaches the engine), so a generator loss through the discriminator lands
+  there exactly as under DDP, and accumulation by hand works;
+- ``toggle_optimizer(opt)`` turns ``requires_grad`` off for the other parts' parameters until
+  ``untoggle_optimizer`` (Lightning's own only reaches the engines' shards), so a toggled-out
+  model gets no gradient, as under DDP;
+- under fp16 each backward must reach one optimizer's parameters (toggle it), since each
+  engine scales its own loss.
+
+Checkpoints hold every engine under one commit point (``core/checkpoint/engines.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..core.checkpoint.engines import load_engines, save_engines
+from ..core.checkpoint.weights_file import write_weights
+from ..core.engine import ZeroEngine
+from ..frontends.engines import PendingClip, move_schedulers
+
+__all__ = ["SeveralEngines", "split_by_optimizer"]
+
+FROZEN = "frozen"
+
+
+class _Part(nn.ModuleDict):
+    """Some of a LightningModule's submodules, shared (not copied): what one engine wraps. A
+    ``ModuleDict`` has no forward, so under ZeRO-3 each submodule is a unit of its own."""
+
+    def __init__(self, module: nn.Module, names: list[str]) -> None:
+        super().__init__({name: module._modules[name] for name in names})
+
+
+def split_by_optimizer(
+    module: nn.Module, optimizers: list[Optimizer]
+) -> tuple[list[list[str]], list[str]]:
+    """The top-level submodules holding each optimizer's parameters, and the frozen ones
+    (parameters in no optimizer); anything else is an error naming the fix."""
+    owner: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if owner.setdefault(id(p), i) != i:
+                    raise ValueError(
+                        f"a parameter is in optimizers {owner[id(p)]} and {i}: ZeroStrategy "
+                        "gives each optimizer its own engine, which owns its parameters' "
+                        "shards; give each parameter to one optimizer"
+                    )
+    direct = [n for n, p in module._parameters.items() if p is not None]
+    if direct:
+        raise ValueError(
+            f"the LightningModule holds the parameters {direct} itself: with several "
+            "optimizers ZeroStrategy gives each optimizer the submodules its parameters live "
+            "in; move them into a submodule (self.generator = nn.Sequential(...))"
+        )
+    parts: list[list[str]] = [[] for _ in optimizers]
+    frozen: list[str] = []
+    placed: set[int] = set()
+    for name, child in module.named_children():
+        params = list(child.parameters())
+        which = sorted({owner[id(p)] for p in params if id(p) in owner})
+        if len(which) > 1:
+            raise ValueError(
+                f"LightningModule.{name} holds parameters of optimizers {which}: with several "
+                "optimizers ZeroStrategy gives each optimizer whole top-level submodules; "
+                "split it into one submodule per optimizer"
+            )
+        placed.update(id(p) for p in params)
+        if which:
+            parts[which[0]].append(name)
+        elif params:
+            frozen.append(name)
+    for i, names in enumerate(parts):
+        held = [p for g in optimizers[i].param_groups for p in g["params"]]
+        if not names or any(id(p) not in placed for p in held):
+            raise ValueError(
+                f"optimizer {i} holds parameters that are not in the LightningModule's "
+                "submodules: build each optimizer over the module's own parameters "
+                "(torch.optim.Adam(self.generator.parameters()))"
+            )
+    return parts, frozen
+
+
+def _zeroing(engine: ZeroEngine) -> None:
+    """``engine.optimizer.zero_grad()`` (what Lightning's optimizer calls) zeroes the engine's
+    gradients too."""
+    base = type(engine.optimizer)
+
+    def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
+        engine.zero_grad()
+
+    engine.optimizer.__class__ = type(
+        base.__name__,
+        (base,),
+        {"zero_grad": zero_grad, "__module__": base.__module__, "__qualname__": base.__qualname__},
+    )
+
+
+def _casting(module: nn.Module, engine: ZeroEngine) -> list[Any]:
+    """Mixed precision: ``module`` casts its inputs to the compute dtype and its outputs to
+    fp32, as the engine's own forward does."""
+    if not engine.precision.mixed:
+        return []
+
+    def cast_in(_: nn.Module, args: Any, kwargs: Any) -> Any:
+        return engine.precision.cast_inputs((args, kwargs))
+
+    def cast_out(_: nn.Module, args: Any, output: Any) -> Any:
+        return engine.precision.cast_outputs(output)
+
+    return [
+        module.register_forward_pre_hook(cast_in, with_kwargs=True),
+        module.register_forward_hook(cast_out),
+    ]
+
+
+class SeveralEngines:
+    """The engines of one LightningModule with several optimizers, in optimizer order (then
+    the frozen part's): backward, step, clipping, toggling, checkpoints and weights."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        schedulers: list[Any],
+        build: Callable[[nn.Module, Any], ZeroEngine],
+    ) -> None:
+        parts, frozen = split_by_optimizer(module, optimizers)
+        self.module = module
+        self.engines: dict[str, ZeroEngine] = {}
+        self.clips: dict[ZeroEngine, PendingClip] = {}
+        self._handles: list[Any] = []
+        self._toggled: ZeroEngine | None = None
+        self._trainable: dict[ZeroEngine, list[nn.Parameter]] = {}
+        try:
+            for i, (names, opt) in enumerate(zip(parts, optimizers, strict=True)):
+                engine = self.engines[f"optimizer_{i}"] = build(_Part(module, names), opt)
+                move_schedulers(engine, [s for s in schedulers if s.optimizer is opt])
+                engine.keep_foreign_grads = True
+                _zeroing(engine)
+                self.clips[engine] = PendingClip()
+            if frozen:
+                part = _Part(module, frozen)
+                self.engines[FROZEN] = build(part, None)  # for evaluation
+            for engine in self.engines.values():
+                for child in engine.module.children():
+                    self._handles += _casting(child, engine)
+        except BaseException:
+            self.destroy()
+            raise
+        # the parameters toggle_optimizer turns off (after building: materialised ones)
+        self._trainable = {
+            e: [p for p in e.module.parameters() if p.requires_grad] for e in self.clips
+        }
+
+    @property
+    def trained(self) -> list[ZeroEngine]:
+        """The engines with an optimizer, in optimizer order."""
+        return list(self.clips)
+
+    def engine_of(self, optimizer: Any) -> ZeroEngine:
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer
+        for engine in self.clips:
+            if engine.optimizer is optimizer:
+                return engine
+        raise ValueError(
+            "this optimizer is not one ZeroStrategy set up: use the optimizers self.optimizers() "
+            "returns"
+        )
+
+    # -- toggle_optimizer -------------------------------------------------------------------
+
+    def toggle(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s model gets gradients until :meth:`untoggle`."""
+        self._toggled = self.engine_of(optimizer)
+        for engine, params in self._trainable.items():
+            for p in params:
+                p.requires_grad_(engine is self._toggled)
+
+    def untoggle(self) -> None:
+        self._toggled = None
+        for params in self._trainable.values():
+            for p in params:
+                p.requires_grad_(True)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        active = [self._toggled] if self._toggled is not None else self.trained
+        if len(active) > 1 and any(e.config.fp16.enabled is True for e in active):
+            raise ValueError(
+                "fp16 with several optimizers: each engine scales the loss by its own loss "
+                "scale, so each backward must reach one optimizer's parameters; wrap each "
+                "optimizer's forward, backward and step in self.toggle_optimizer(opt) ... "
+                "self.untoggle_optimizer(opt), or train in bf16"
+            )
+        active[0].backward(loss, *args, **kwargs)  # the others keep what reaches them
+
+    def clip(self, optimizer: Any, max_norm: float) -> None:
+        self.clips[self.engine_of(optimizer)].max_norm = float(max_norm)
+
+    def step(self, optimizer: Any) -> ZeroEngine:
+        engine = self.engine_of(optimizer)
+        self.clips[engine].step(engine)
+        return engine
+
+    # -- checkpoints and weights ------------------------------------------------------------
+
+    def save(self, path: Path, client_state: Any, include_optimizer: bool) -> None:
+        save_engines(self.engines, path, client_state, include_optimizer=include_optimizer)
+
+    def load(self, path: Path, load_optimizer: bool, trust_checkpoint: bool) -> Any:
+        return load_engines(
+            self.engines, path, load_optimizer=load_optimizer, trust_checkpoint=trust_checkpoint
+        )
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
+        """Every engine's consolidated weights, keyed and ordered like the module's
+        ``state_dict()`` (the buffers of submodules without parameters included). Collective;
+        ``rank0_only``: the other ranks get ``{}``."""
+        state: dict[str, Tensor] = {}
+        for engine in self.engines.values():
+            state.update(engine.full_state_dict(rank0_only=rank0_only))
+        if rank0_only and next(iter(self.engines.values())).rank != 0:
+            return {}
+        own = self.module.state_dict()
+        return {k: state[k] if k in state else v.detach().clone() for k, v in own.items()}
+
+    def save_weights(self, path: str | Path) -> Path:
+        """Collective: rank 0 writes :meth:`full_state_dict` to one file."""
+        state = self.full_state_dict(rank0_only=True)
+        first = next(iter(self.engines.values()))
+        if first.rank == 0:
+            write_weights(state, Path(path))
+        first.comm.barrier()
+        return Path(path)
+
+    def destroy(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.untoggle()
+        for engine in self.engines.values():
+            engine.destroy()
+        self.engines.clear()
+        self.clips.clear()
