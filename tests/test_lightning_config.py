@@ -256,7 +256,7 @@ def test_fabric_precision_reaches_the_engine(single: dict[str, Any]) -> None:
         ("clip_contradiction", ["gradient_clipping=2.0", "Trainer(gradient_clip_val=2.0)"]),
         (
             "two_optimizers",
-            ["LightningModule.body holds parameters of optimizers [0, 1]", "one submodule per"],
+            ["TwoOptimizers.body holds parameters of optimizers [0, 1]", "one submodule per"],
         ),
         ("file_checkpoint", ["plain.ckpt", "directories", "load_state_dict"]),
         ("fabric_clip_value", ["clip_val", "max_norm"]),

@@ -1,7 +1,9 @@
 """``ZeroStrategy`` for Lightning Fabric: ``fabric.setup``/``backward``/``clip_gradients``/
 ``save``/``load`` mapped onto :class:`~ds_strategy.ZeroEngine` s (one per ``fabric.setup``
-call: a GAN's generator and discriminator, a frozen teacher next to a student), with no
-sharding logic."""
+call: a GAN's generator and discriminator, a frozen teacher next to a student; one per
+optimizer of ``fabric.setup(model, opt_g, opt_d)``, see ``frontends/several.py``), with no
+sharding logic. ``fabric.save``/``load`` of a state holding several models writes every
+engine under one commit point (``core/checkpoint/engines.py``)."""
 
 from __future__ import annotations
 
@@ -21,15 +23,16 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..core.checkpoint.engines import holds_engines, load_engines, save_engines
 from ..core.engine import ZeroEngine
 from ..core.optimizers import evaluation_optimizer
 from ..frontends.engines import (
     PendingClip,
     move_real_tensors,
     move_schedulers,
-    one_optimizer,
 )
 from ..frontends.lightning_base import LightningZeroBase
+from ..frontends.several import SeveralEngines
 from .precision import ZeroFabricPrecision
 
 __all__ = ["ZeroStrategy"]
@@ -75,6 +78,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         # one engine per fabric.setup call, in order, with its clip_gradients request waiting
         # between accumulation boundaries
         self._clips: dict[ZeroEngine, PendingClip] = {}
+        # what each fabric.setup call built, in order: an engine, or one per optimizer of
+        # fabric.setup(model, opt_a, opt_b, ...)
+        self._setups: list[ZeroEngine | SeveralEngines] = []
 
     precision_class = ZeroFabricPrecision
     precision = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
@@ -91,8 +97,11 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        """Wrap ``module`` and its single optimizer in a :class:`~ds_strategy.ZeroEngine`."""
-        one_optimizer(len(optimizers), "the ZeRO strategy")
+        """Wrap ``module`` and its optimizer in a :class:`~ds_strategy.ZeroEngine`; with several
+        optimizers, one engine each over the submodules holding its parameters (the module
+        comes back as it is, its submodules sharded)."""
+        if len(optimizers) > 1:
+            return self._setup_several(module, optimizers, scheduler)
         engine = self._setup(module, optimizers[0])
         move_schedulers(engine, [scheduler] if scheduler is not None else [])
         return engine, [engine.optimizer], scheduler
@@ -108,14 +117,44 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         # Fabric loops accumulate as the config (or the user) says
         engine = self._build_engine(module, optimizer, None)
         self._clips[engine] = PendingClip()
+        self._setups.append(engine)
         if self._engine is None:
             self._engine = engine  # ``strategy.engine``: the first model set up
         return engine
 
+    def _setup_several(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        def build(part: nn.Module, optimizer: Any) -> ZeroEngine:
+            return self._build_engine(part, optimizer, None)
+
+        self.module_to_device(module)  # buffers of parameter-free submodules
+        scheds = [scheduler] if scheduler is not None else []
+        several = SeveralEngines(module, optimizers, scheds, build)
+        self._setups.append(several)
+        self._clips.update(several.clips)
+        if self._engine is None:
+            self._engine = several.trained[0]
+        return module, [e.optimizer for e in several.trained], scheduler
+
     @property
     def engines(self) -> list[ZeroEngine]:
-        """The engines of every ``fabric.setup`` call, in order."""
-        return list(self._clips)
+        """The engines of every ``fabric.setup`` call, in order (one per optimizer where a
+        model was set up with several, then its frozen submodules' one)."""
+        found: list[ZeroEngine] = []
+        for setup in self._setups:
+            found += setup.engines.values() if isinstance(setup, SeveralEngines) else [setup]
+        return found
+
+    def _several_of(self, module: nn.Module | None) -> SeveralEngines | None:
+        """The engines of a model set up with several optimizers (``module`` None: the only
+        model set up)."""
+        module = getattr(module, "_orig_mod", module)
+        for setup in self._setups:
+            alone = module is None and len(self._setups) == 1
+            if isinstance(setup, SeveralEngines) and (alone or module is setup.module):
+                return setup
+        return None
 
     def _engine_of(self, module: nn.Module | None, optimizer: Any = None) -> ZeroEngine:
         """The engine ``module`` (a compiled one: the engine it wraps) or ``optimizer``
@@ -136,7 +175,11 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self.precision.pre_backward(tensor, module)
-        self._engine_of(module).backward(tensor, *args, **kwargs)
+        several = self._several_of(module)
+        if several is not None:
+            several.backward(tensor, *args, **kwargs)
+        else:
+            self._engine_of(module).backward(tensor, *args, **kwargs)
         self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -172,21 +215,29 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
             "by the global gradient norm; use fabric.clip_gradients(model, optimizer, max_norm=...)"
         )
 
-    def _engine_in(self, state: dict[str, Any]) -> ZeroEngine:
-        engines = [v for v in state.values() if isinstance(v, ZeroEngine)]
-        if len(engines) > 1:
-            raise ValueError(
-                f"the state holds {len(engines)} models set up under the ZeRO strategy: "
-                "fabric.save/load of several sharded models in one state is not supported; "
-                "save each model with its optimizer to its own path "
-                "(fabric.save(path_g, {'model': g, 'optimizer': opt_g, ...}))"
-            )
-        if not engines:
+    def _engines_in(self, state: dict[str, Any]) -> dict[str, ZeroEngine]:
+        """Every model of ``state`` set up here: an engine under its key, the engines of a
+        model set up with several optimizers under ``key.optimizer_<i>`` (and ``key.frozen``)."""
+        found: dict[str, ZeroEngine] = {}
+        for key, value in state.items():
+            several = self._several_of(value) if isinstance(value, nn.Module) else None
+            if isinstance(value, ZeroEngine):
+                found[key] = value
+            elif several is not None:
+                found.update({f"{key}.{name}": e for name, e in several.engines.items()})
+        if not found:
             raise ValueError(
                 "the state must hold the model set up by fabric.setup under the ZeRO "
                 "strategy: pass state={'model': model, ...}"
             )
-        return engines[0]
+        return found
+
+    @staticmethod
+    def _rest(state: dict[str, Any], engines: dict[str, ZeroEngine]) -> list[str]:
+        """The keys of ``state`` that are not a model or an optimizer the engines hold."""
+        held = {id(e) for e in engines.values()} | {id(e.optimizer) for e in engines.values()}
+        models = {k.split(".")[0] for k in engines}
+        return [k for k, v in state.items() if k not in models and id(v) not in held]
 
     def save_checkpoint(
         self,
@@ -195,17 +246,22 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """One sharded checkpoint directory (collective); entries other than the model and its
-        optimizer travel as its ``client_state``."""
+        """One sharded checkpoint directory (collective); entries other than the models and
+        their optimizers travel as its ``client_state``. Several models (or a model set up with
+        several optimizers): every engine under one commit point."""
         if storage_options is not None or filter is not None:
             raise TypeError(
                 "fabric.save(..., storage_options/filter) is not supported by the ZeRO strategy: "
                 "the engine writes the sharded state itself"
             )
-        engine = self._engine_in(state)
-        rest = {k: v for k, v in state.items() if v is not engine and v is not engine.optimizer}
+        engines = self._engines_in(state)
+        rest = {k: state[k] for k in self._rest(state, engines)}
         client_state = self._convert_stateful_objects_in_state(rest, {})
-        engine.save_checkpoint(self._checkpoint_path(path), client_state=client_state)
+        path = self._checkpoint_path(path)
+        if len(engines) == 1:
+            next(iter(engines.values())).save_checkpoint(path, client_state=client_state)
+        else:
+            save_engines(engines, path, client_state)
 
     def load_checkpoint(
         self,
@@ -214,7 +270,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Restore the engine, then the other entries of ``state``, from :meth:`save_checkpoint`'s
+        """Restore the engines, then the other entries of ``state``, from :meth:`save_checkpoint`'s
         directory; returns the saved entries ``state`` did not ask for."""
         path = self._checkpoint_path(path)
         if not path.is_dir():
@@ -224,10 +280,14 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
                 "loading a ZeRO checkpoint directory needs the set-up model in the state: "
                 "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
             )
-        engine = self._engine_in(state)
-        # weights_only=False: the file is trusted
-        saved = engine.load_checkpoint(path, trust_checkpoint=weights_only is False) or {}
-        wanted = [k for k, v in state.items() if v is not engine and v is not engine.optimizer]
+        engines = self._engines_in(state)
+        trust = weights_only is False  # the file is trusted
+        if len(engines) == 1 and not holds_engines(path):
+            saved = next(iter(engines.values())).load_checkpoint(path, trust_checkpoint=trust)
+        else:
+            saved = load_engines(engines, path, trust_checkpoint=trust)
+        saved = saved or {}
+        wanted = self._rest(state, engines)
         _validate_keys_for_strict_loading(wanted, saved.keys(), strict=strict)
         for name in [k for k in wanted if k in saved]:
             if isinstance(state[name], _Stateful):

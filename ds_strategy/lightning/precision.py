@@ -17,7 +17,7 @@ from torch.optim import LBFGS, Optimizer
 from ..core.engine import ZeroEngine
 from ..frontends.engines import PendingClip
 from ..frontends.lightning_base import FlagPrecision
-from ._several import SeveralEngines
+from ..frontends.several import SeveralEngines
 
 __all__ = ["ZeroPrecision"]
 

@@ -45,8 +45,8 @@ from ..frontends.engines import (
 )
 from ..frontends.flags import apply_loop_flags, clipping
 from ..frontends.lightning_base import LightningZeroBase
+from ..frontends.several import SeveralEngines
 from ._pipeline import LightningPipeline, build_pipeline
-from ._several import SeveralEngines
 from ._summary import install_sharded_summary
 from .precision import ZeroPrecision
 
@@ -105,7 +105,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     @property
     def engines(self) -> list[ZeroEngine]:
         """Every engine: one per optimizer of ``configure_optimizers`` (then one for the
-        frozen submodules) when it returns several, see ``_several.py``; else the one."""
+        frozen submodules) when it returns several, see ``frontends/several.py``; else the one."""
         if self._several is not None:
             return list(self._several.engines.values())
         return [self.engine]
@@ -175,7 +175,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def _setup_several(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list, scheds: list
     ) -> None:
-        """One engine per optimizer: see [Note: one engine per optimizer] in ``_several.py``."""
+        """One engine per optimizer: see [Note: one engine per optimizer] in ``frontends/several.py``."""
         if int(self._base_config.pipeline.stages or 1) > 1:
             raise ValueError(
                 f"configure_optimizers returned {len(optimizers)} optimizers with a pipeline "
@@ -376,7 +376,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
 
 def _wrap_toggles(module: pl.LightningModule, several: SeveralEngines | None) -> None:
     """``toggle_optimizer``/``untoggle_optimizer`` also turn the other engines' parameters
-    off and on (see ``_several.py``); ``None`` restores the class's methods."""
+    off and on (see ``frontends/several.py``); ``None`` restores the class's methods."""
     if several is None:
         module.__dict__.pop("toggle_optimizer", None)
         module.__dict__.pop("untoggle_optimizer", None)

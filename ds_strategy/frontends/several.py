@@ -1,24 +1,25 @@
-"""Several optimizers under ``ZeroStrategy`` (a GAN's generator and discriminator, manual
-optimization): one :class:`~ds_strategy.ZeroEngine` per optimizer.
+"""One model with several optimizers (a GAN whose ``LightningModule`` holds the generator and
+the discriminator, each with its Adam): one :class:`~ds_strategy.ZeroEngine` per optimizer,
+for Lightning's Trainer, Fabric's ``setup(model, opt_g, opt_d)`` and Accelerate.
 
 [Note: one engine per optimizer]
-Each optimizer gets an engine over the LightningModule's top-level submodules that hold its
-parameters, gathered in a ``_Part`` that shares them (so every name an engine reports is a key
-of the module's ``state_dict()``); submodules with parameters no optimizer holds (a frozen
-reference) get one more engine, built for evaluation. ``training_step`` calls the submodules
-directly, so a part's own forward never runs (ZeRO-3 handles that: see the note on a unit
-called outside the root in ``core/zero/stage3.py``); under mixed precision each submodule
-casts its inputs and outputs as the engine's forward would. Lightning's loop keeps the
-semantics it has under DDP:
+Each optimizer gets an engine over the model's top-level submodules that hold its parameters,
+gathered in a ``_Part`` that shares them (so every name an engine reports is a key of the
+model's ``state_dict()``); submodules with parameters no optimizer holds (a frozen reference)
+get one more engine, built for evaluation. The loop calls the model or its submodules, never a
+part, so a part's own forward never runs (a ``ModuleDict``: under ZeRO-3 each submodule is a
+unit, see ``core/zero/units.py`` and the note on a unit called outside the root in
+``core/zero/stage3.py``); under mixed precision each submodule casts its inputs and outputs as
+the engine's forward would. The loop keeps the semantics it has under DDP:
 
-- gradients add up over ``manual_backward`` calls until ``optimizer.zero_grad()`` or that
-  optimizer's step (the engines keep gradients another engine's backward left, and
-  ``zero_grad()`` reaches the engine), so a generator loss through the discriminator lands
-  there exactly as under DDP, and accumulation by hand works;
-- ``toggle_optimizer(opt)`` turns ``requires_grad`` off for the other parts' parameters until
-  ``untoggle_optimizer`` (Lightning's own only reaches the engines' shards), so a toggled-out
-  model gets no gradient, as under DDP;
-- under fp16 each backward must reach one optimizer's parameters (toggle it), since each
+- gradients add up over backward calls until ``optimizer.zero_grad()`` or that optimizer's
+  step (the engines keep gradients another engine's backward left, and ``zero_grad()``
+  reaches the engine), so a generator loss through the discriminator lands there exactly as
+  under DDP, and accumulation by hand works;
+- Lightning's ``toggle_optimizer(opt)`` turns ``requires_grad`` off for the other parts'
+  parameters until ``untoggle_optimizer`` (:meth:`SeveralEngines.toggle`; Lightning's own only
+  reaches the engines' shards), so a toggled-out model gets no gradient, as under DDP;
+- under fp16 each backward must reach one optimizer's parameters (a toggled one), since each
   engine scales its own loss.
 
 Checkpoints hold every engine under one commit point (``core/checkpoint/engines.py``).
@@ -44,7 +45,7 @@ FROZEN = "frozen"
 
 
 class _Part(nn.ModuleDict):
-    """Some of a LightningModule's submodules, shared (not copied): what one engine wraps. A
+    """Some of a model's submodules, shared (not copied): what one engine wraps. A
     ``ModuleDict`` has no forward, so under ZeRO-3 each submodule is a unit of its own."""
 
     def __init__(self, module: nn.Module, names: list[str]) -> None:
@@ -62,10 +63,11 @@ def split_by_optimizer(
             for p in group["params"]:
                 if owner.setdefault(id(p), i) != i:
                     raise ValueError(
-                        f"a parameter is in optimizers {owner[id(p)]} and {i}: ZeroStrategy "
-                        "gives each optimizer its own engine, which owns its parameters' "
-                        "shards; give each parameter to one optimizer"
+                        f"a parameter is in optimizers {owner[id(p)]} and {i}: each optimizer "
+                        "gets its own engine, which owns its parameters' shards; give each "
+                        "parameter to one optimizer"
                     )
+    model = type(module).__name__
     direct = [n for n, p in module._parameters.items() if p is not None]
     if direct:
         raise ValueError(
@@ -81,8 +83,8 @@ def split_by_optimizer(
         which = sorted({owner[id(p)] for p in params if id(p) in owner})
         if len(which) > 1:
             raise ValueError(
-                f"LightningModule.{name} holds parameters of optimizers {which}: with several "
-                "optimizers ZeroStrategy gives each optimizer whole top-level submodules; "
+                f"{model}.{name} holds parameters of optimizers {which}: with several "
+                "optimizers each optimizer gets an engine over whole top-level submodules; "
                 "split it into one submodule per optimizer"
             )
         placed.update(id(p) for p in params)
@@ -94,8 +96,8 @@ def split_by_optimizer(
         held = [p for g in optimizers[i].param_groups for p in g["params"]]
         if not names or any(id(p) not in placed for p in held):
             raise ValueError(
-                f"optimizer {i} holds parameters that are not in the LightningModule's "
-                "submodules: build each optimizer over the module's own parameters "
+                f"optimizer {i} holds parameters that are not in {model}'s submodules: build "
+                "each optimizer over the model's own parameters "
                 "(torch.optim.Adam(self.generator.parameters()))"
             )
     return parts, frozen
@@ -135,8 +137,8 @@ def _casting(module: nn.Module, engine: ZeroEngine) -> list[Any]:
 
 
 class SeveralEngines:
-    """The engines of one LightningModule with several optimizers, in optimizer order (then
-    the frozen part's): backward, step, clipping, toggling, checkpoints and weights."""
+    """The engines of one model with several optimizers, in optimizer order (then the frozen
+    part's): backward, step, clipping, toggling, checkpoints and weights."""
 
     def __init__(
         self,
@@ -184,8 +186,8 @@ class SeveralEngines:
             if engine.optimizer is optimizer:
                 return engine
         raise ValueError(
-            "this optimizer is not one ZeroStrategy set up: use the optimizers self.optimizers() "
-            "returns"
+            "this optimizer is not one the ZeRO strategy set up: use the optimizers it returned "
+            "(self.optimizers() in a LightningModule)"
         )
 
     # -- toggle_optimizer -------------------------------------------------------------------
