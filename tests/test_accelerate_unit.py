@@ -319,7 +319,7 @@ def test_load_state_unpickles_registered_objects_only_when_trusted(tmp_path: Pat
 def test_what_zero_cannot_do_raises_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     accelerator = _accelerator(gradient_accumulation_steps=2)
     model = _model()
-    with pytest.raises(ValueError, match="model and its optimizer"):
+    with pytest.raises(ValueError, match="without an optimizer but with trainable parameters"):
         accelerator.prepare(model)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match="clip_grad_value_"):
@@ -402,3 +402,22 @@ def test_zero_config_can_be_replaced_until_prepare_and_inference_needs_no_engine
     assert engine.stage == 2
     with pytest.raises(ValueError, match="after prepare"):
         accelerator.zero_config = accelerator.zero_config
+
+
+def test_several_models_pair_each_optimizer_with_its_model_or_say_why_not() -> None:
+    accelerator = _accelerator()
+    a, b, frozen = _model(), _model(), _model().requires_grad_(False)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="two optimizers over one model"):
+        accelerator.prepare(a, opt_a, torch.optim.SGD(a.parameters(), lr=0.1), frozen)
+    with pytest.raises(ValueError, match="hold the parameters of one model"):
+        both = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+        accelerator.prepare(a, b, both)
+    with pytest.raises(ValueError, match="freeze it"):
+        accelerator.prepare(b, frozen)  # b is trainable and came without its optimizer
+    # in any order, in one call or several
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    ref, eb, wb, ea, wa = accelerator.prepare(frozen, b, opt_b, a, opt_a)
+    assert [type(m).__name__ for m in (ref, eb, ea)] == ["ZeroEngine"] * 3
+    assert wb.engine is eb and wa.engine is ea and not ref.trainable
+    accelerator.free_memory()

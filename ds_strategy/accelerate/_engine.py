@@ -1,5 +1,6 @@
-"""A :class:`~ds_strategy.accelerate.ZeroAccelerator` training one model with a ZeRO engine.
-Before ``prepare``, and for objects it did not prepare, Accelerate's own behaviour applies.
+"""A :class:`~ds_strategy.accelerate.ZeroAccelerator` training models with ZeRO engines, one
+per prepared model (see [Note: several models]). Before ``prepare``, and for objects it did
+not prepare, Accelerate's own behaviour applies.
 
 [Note: who decides the accumulation boundary]
 Accelerate (``accelerator.sync_gradients``: every k-th batch inside ``accumulate()``, and at
@@ -15,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -27,20 +30,24 @@ from torch.utils.data import DataLoader
 
 from ..config._auto import fill_auto
 from ..core import ZeroEngine
+from ..core.checkpoint.engines import holds_engines, load_engines, save_engines
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
 from ._front import Front, prepared, torch_optimizer
 
-__all__ = ["EngineFront", "ZeroOptimizerWrapper"]
+__all__ = ["EngineFront", "Slot", "ZeroOptimizerWrapper"]
 
 
 class ZeroOptimizerWrapper(AcceleratedOptimizer):
     """What ``prepare`` returns for the optimizer: the engine's, over this rank's shards (so is
     its ``state_dict()``: use ``accelerator.save_state``). ``step()`` runs the pending engine
-    step; ``zero_grad()`` is a no-op: the engine zeroes gradients after every step."""
+    step. ``zero_grad()``: with one model a no-op (the engine zeroes gradients after every
+    step); with several, at an accumulation boundary it zeroes the engine's gradients, as
+    Accelerate's optimizer does (see [Note: several models])."""
 
-    def __init__(self, engine: ZeroEngine, front: EngineFront) -> None:
-        super().__init__(engine.optimizer, device_placement=False, scaler=None)
-        self.engine = engine
+    def __init__(self, slot: Slot, front: EngineFront) -> None:
+        super().__init__(slot.engine.optimizer, device_placement=False, scaler=None)
+        self.engine = slot.engine
+        self.slot = slot
         self.front = front
         self.skipped = False
 
@@ -50,18 +57,19 @@ class ZeroOptimizerWrapper(AcceleratedOptimizer):
                 "optimizer.step(closure) is not supported by ZeroAccelerator: the engine steps "
                 "once per accumulation boundary; compute the loss before calling step()"
             )
-        if not self.front.step_pending:
-            return
+        if not self.slot.step_pending or not self.front.acc.sync_gradients:
+            return  # as Accelerate's optimizer, which steps at a boundary only
         skipped_before = self.engine.skipped_steps
         self.engine.set_gradient_accumulation_boundary(True)
         try:
             self.engine.step()
         finally:
-            self.front.step_pending = False
+            self.slot.step_pending = False
         self.skipped = self.engine.skipped_steps != skipped_before
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        pass
+        if self.front.several and self.front.acc.sync_gradients:
+            self.engine.zero_grad()
 
     @property
     def step_was_skipped(self) -> bool:
@@ -69,18 +77,68 @@ class ZeroOptimizerWrapper(AcceleratedOptimizer):
         return self.skipped
 
 
+@dataclass(eq=False)
+class Slot:
+    """One prepared model: its engine, and for a trained one its optimizer wrapper and whether
+    a boundary backward left its step pending (see the module note)."""
+
+    engine: ZeroEngine
+    wrapper: ZeroOptimizerWrapper | None = None  # None: frozen, sharded for evaluation
+    user_optimizer: weakref.ref[Any] | None = None
+    step_pending: bool = False
+
+
+# [Note: several models]
+# ``prepare(model_a, opt_a, model_b, opt_b, ref_model)`` (in one call or several) builds one
+# engine per model: each optimizer goes with the model holding its parameters, and a model
+# whose parameters are all frozen gets an engine for evaluation (a reference or reward model,
+# sharded at ZeRO-3). The loop then keeps plain Accelerate's semantics: gradients add up over
+# backward calls until ``optimizer.zero_grad()`` at a boundary (the engines keep what another
+# engine's backward left, ``keep_foreign_grads``), so a generator's loss through the
+# discriminator lands there exactly as in plain Accelerate; every backward sets the boundary
+# of every trained engine, and leaves the step pending on those it reached. Under fp16 each
+# backward must reach one trained model, whose loss scale it uses.
+
+
 class EngineFront(Front):
-    trained: ZeroEngine | None = None
+    trained: ZeroEngine | None = None  # the first trained engine
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.wrapper: ZeroOptimizerWrapper | None = None
-        self.user_optimizer: weakref.ref[Any] | None = None
-        self.step_pending = False  # a boundary backward waits for optimizer.step() (see the note)
+        self.slots: list[Slot] = []
 
     @property
     def zero_engine(self) -> ZeroEngine | None:
         return self.trained
+
+    @property
+    def wrapper(self) -> ZeroOptimizerWrapper | None:
+        """The first trained model's optimizer, as ``prepare`` returned it."""
+        return next((s.wrapper for s in self.slots if s.wrapper is not None), None)
+
+    @property
+    def several(self) -> bool:
+        """Whether more than one trained model was prepared (see [Note: several models])."""
+        return sum(s.wrapper is not None for s in self.slots) > 1
+
+    def _trained_slots(self) -> list[Slot]:
+        return [s for s in self.slots if s.wrapper is not None]
+
+    def slot_of(self, model: Any) -> Slot | None:
+        for slot in self.slots:
+            if any(model is m for m in (slot.engine, slot.engine.module)):
+                return slot
+        return None
+
+    def owns(self, model: Any) -> bool:
+        return self.slot_of(model) is not None
+
+    def owns_optimizer(self, optimizer: Any) -> bool:
+        return any(optimizer is s.wrapper for s in self.slots if s.wrapper is not None)
+
+    def unwrap(self, model: Any) -> nn.Module | None:
+        slot = self.slot_of(model)
+        return slot.engine.module if slot is not None else None
 
     def prepare_loader(self, loader: DataLoader) -> Any:
         if loader.batch_size is not None:
@@ -93,14 +151,48 @@ class EngineFront(Front):
     def is_model(self, obj: Any) -> bool:
         return isinstance(obj, nn.Module) and not isinstance(obj, ZeroEngine)
 
+    def pair_up(
+        self, args: tuple[Any, ...], models: list[int], opts: list[int], scheds: list[int]
+    ) -> list[tuple[int, int | None]]:
+        """Each optimizer with the model holding its parameters; a model without one must be
+        frozen (see [Note: several models])."""
+        if len(models) == 1 and len(opts) == 1 and not self.slots:
+            return super().pair_up(args, models, opts, scheds)  # one model: any scheduler
+        if scheds:
+            raise ValueError(
+                "a DummyScheduler (the engine's own scheduler) goes with one model and its "
+                "optimizer prepared alone; with several models pass torch lr schedulers"
+            )
+        owner = {id(p): m for m in models for p in args[m].parameters()}
+        pairs: dict[int, int | None] = dict.fromkeys(models)
+        for o in opts:
+            held = [p for g in _param_groups(args[o]) for p in g["params"]]
+            found = {owner.get(id(p)) for p in held}
+            if len(found) != 1 or None in found:
+                raise ValueError(
+                    "each optimizer passed to prepare() must hold the parameters of one model "
+                    "passed in the same call (optimizer "
+                    f"{type(args[o]).__name__} holds parameters of {len(found - {None})} of "
+                    f"them{' and of none' if None in found else ''})"
+                )
+            m = found.pop()
+            assert m is not None
+            if pairs[m] is not None:
+                raise ValueError(
+                    f"two optimizers over one model ({type(args[m]).__name__}): under "
+                    "ZeroAccelerator each model has one optimizer (param groups may carry "
+                    "different hyper-parameters); prepare each part as its own model"
+                )
+            pairs[m] = o
+        return list(pairs.items())
+
     def scheduler_alone(self) -> NoReturn:
         raise ValueError(
             "accelerate.utils.DummyScheduler must be passed to prepare() together with the "
             "model and its DummyOptim"
         )
 
-    def build(self, model: nn.Module, user_opt: Any, dummy: Any) -> tuple[Any, Any, Any]:
-        sched = _engine_scheduler(self.cfg, dummy)
+    def _resolved(self, model: nn.Module, user_opt: Any, dummy: Any) -> Any:
         groups = getattr(user_opt, "param_groups", None)
         config = getattr(model, "config", None)  # a Hugging Face model's
         hidden, sizes = getattr(config, "hidden_size", None), getattr(config, "hidden_sizes", None)
@@ -113,17 +205,41 @@ class EngineFront(Front):
             warmup_num_steps=getattr(dummy, "warmup_num_steps", None),
             total_num_steps=getattr(dummy, "total_num_steps", None),
         )
-        resolved = fill_auto(self.cfg, facts)
+        return fill_auto(self.cfg, facts)
+
+    def build(self, model: nn.Module, user_opt: Any, dummy: Any) -> tuple[Any, Any, Any]:
+        sched = _engine_scheduler(self.cfg, dummy)
+        resolved = self._resolved(model, user_opt, dummy)
         optimizer = torch_optimizer(resolved, user_opt)
         move_real_tensors(model, self.acc.device)  # meta tensors: the engine materialises them
         engine = ZeroEngine(model, optimizer, resolved, lr_scheduler=sched)
         if engine.timers is not None:  # wall_clock_breakdown: also to the trackers, once started
             engine.timers.add_sink(timing_sink(self._log))
         self.adopt_steps(engine.gradient_accumulation_steps)
-        self.trained = self.model = engine
-        self.wrapper = ZeroOptimizerWrapper(engine, self)
-        self.user_optimizer = weakref.ref(user_opt)
-        return engine, self.wrapper, self.register(engine, self.wrapper, engine.lr_scheduler)
+        slot = Slot(engine, user_optimizer=weakref.ref(user_opt))
+        slot.wrapper = ZeroOptimizerWrapper(slot, self)
+        self.slots.append(slot)
+        if self.trained is None:
+            self.trained = self.model = engine
+        for s in self._trained_slots():  # see [Note: several models]
+            s.engine.keep_foreign_grads = self.several
+        return engine, slot.wrapper, self.register(engine, slot.wrapper, engine.lr_scheduler)
+
+    def build_frozen(self, model: nn.Module) -> nn.Module:
+        """A model prepared without an optimizer: frozen, sharded for evaluation."""
+        if any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                f"ZeroAccelerator.prepare got {type(model).__name__} without an optimizer but "
+                "with trainable parameters: pass it with its optimizer (prepare(model, "
+                "optimizer)), or freeze it (model.requires_grad_(False)) to prepare a frozen "
+                "reference or reward model, sharded for evaluation"
+            )
+        resolved = self._resolved(model, None, None).replace(optimizer=None, scheduler=None)
+        move_real_tensors(model, self.acc.device)
+        engine = ZeroEngine(model, None, resolved)
+        self.slots.append(Slot(engine))
+        self.acc._models.append(engine)
+        return engine
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if self.acc.trackers:  # init_trackers() was called; log() writes on the main process only
@@ -133,22 +249,29 @@ class EngineFront(Front):
         """Wrap ``scheduler`` as Accelerate does, after moving it onto the engine's optimizer."""
         if prepared(scheduler):
             return scheduler
-        wrapper = self.wrapper
-        if wrapper is None or self.trained is None:
-            raise ValueError(
-                "prepare the model and optimizer before (or together with) the lr scheduler"
-            )
         bound = getattr(scheduler, "optimizer", None)
-        user_opt = self.user_optimizer() if self.user_optimizer is not None else None
-        if bound is None or all(bound is not o for o in (user_opt, wrapper, wrapper.optimizer)):
+        slot = next(
+            (
+                s
+                for s in self._trained_slots()
+                if bound is not None
+                and any(bound is o for o in (s.user_optimizer(), s.wrapper, s.engine.optimizer))  # type: ignore[misc]
+            ),
+            None,
+        )
+        if slot is None:
+            if not self._trained_slots():
+                raise ValueError(
+                    "prepare the model and optimizer before (or together with) the lr scheduler"
+                )
             raise ValueError(
                 "the lr scheduler is built on an optimizer this ZeroAccelerator did not prepare; "
                 "build it on the optimizer passed to (or returned by) prepare()"
             )
-        move_schedulers(self.trained, [scheduler])
+        move_schedulers(slot.engine, [scheduler])
         out = AcceleratedScheduler(
             scheduler,
-            wrapper,
+            slot.wrapper,
             step_with_optimizer=self.acc.step_scheduler_with_optimizer,
             split_batches=self.acc.split_batches,
         )
@@ -156,33 +279,37 @@ class EngineFront(Front):
         return out
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        engine = self.trained
-        if engine is None:
+        trained = self._trained_slots()
+        if not trained:
             return Accelerator.backward(self.acc, loss, **kwargs)
         unknown = sorted(set(kwargs) - {"retain_graph"})
         if unknown:
             raise TypeError(f"ZeroAccelerator.backward does not support {', '.join(unknown)}")
         boundary = self.acc.sync_gradients
-        # Accelerate's setter may change the steps after prepare(); its value divides the loss.
-        engine.gradient_accumulation_steps = self.acc.gradient_accumulation_steps
-        engine.set_gradient_accumulation_boundary(boundary)  # stages 0/1 reduce only then
-        engine.backward(loss, retain_graph=bool(kwargs.get("retain_graph", False)))
-        if boundary:
-            self.step_pending = True
-        elif not self.step_pending:
-            engine.step()  # not a boundary: only counts the micro-step
+        for slot in trained:
+            # Accelerate's setter may change the steps after prepare(); its value divides the loss
+            slot.engine.gradient_accumulation_steps = self.acc.gradient_accumulation_steps
+            slot.engine.set_gradient_accumulation_boundary(boundary)  # stages 0/1 reduce only then
+        lead = trained[0] if len(trained) == 1 else _lead(loss, trained)
+        lead.engine.backward(loss, retain_graph=bool(kwargs.get("retain_graph", False)))
+        for slot in trained:
+            reached = slot is lead or any(g.holds_grads() for g in slot.engine.plan.groups)
+            if boundary and reached:
+                slot.step_pending = True
+            elif not boundary and reached and not slot.step_pending:
+                slot.engine.step()  # not a boundary: only counts the micro-step
 
     def check_accumulate(self) -> None:
         """Accelerate's ``accumulate()`` drives the engine's boundaries (see the module note)."""
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        if not self.owns(model):
+        slot = self.slot_of(model)
+        if slot is None or slot.wrapper is None:
             with Accelerator.no_sync(self.acc, model):
                 yield
             return
-        engine = self.trained
-        assert engine is not None
+        engine = slot.engine
         # Stages 2/3 reduce every backward into the gradient shards: skipping that would hold
         # full-size unreduced gradients, as Accelerate's DeepSpeed integration also avoids.
         with engine.no_sync() if engine.stage < 2 else contextlib.nullcontext():
@@ -191,22 +318,27 @@ class EngineFront(Front):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float
     ) -> torch.Tensor:
-        engine = self.trained
-        if engine is None:
+        trained = self._trained_slots()
+        if not trained:
             return Accelerator.clip_grad_norm_(self.acc, parameters, max_norm, norm_type)
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): ZeRO clips by L2 norm only")
         if not float(max_norm) > 0:
             raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): must be > 0")
-        wanted = {id(p) for p in engine.module.parameters() if p.requires_grad}
         given = {id(p) for p in parameters}
+        slot = next(
+            (s for s in trained if given <= {id(p) for p in s.engine.module.parameters()}),
+            trained[0],
+        )
+        engine = slot.engine
+        wanted = {id(p) for p in engine.module.parameters() if p.requires_grad}
         if not given <= {id(p) for p in engine.module.parameters()} or not wanted <= given:
             raise ValueError(
                 "clip_grad_norm_ clips the global norm of all the model's gradients at once; "
                 "pass model.parameters() of the prepared model (a subset, or parameters of "
                 "another model, cannot be clipped separately under ZeRO)"
             )
-        if not self.step_pending:
+        if not slot.step_pending:
             where = (
                 "before accelerator.backward(loss) or after optimizer.step()"
                 if self.acc.sync_gradients
@@ -228,14 +360,73 @@ class EngineFront(Front):
             "clipped inside the engine's step); use clip_grad_norm_"
         )
 
+    def engines(self) -> dict[str, ZeroEngine]:
+        """Every prepared model's engine, named by the order ``prepare`` got them."""
+        return {f"model_{i}": s.engine for i, s in enumerate(self.slots)}
+
     def load_state(self, input_dir: str | None, trust_checkpoint: bool) -> None:
-        self.step_pending = False
+        for slot in self.slots:
+            slot.step_pending = False
         super().load_state(input_dir, trust_checkpoint)
 
+    def full_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        slot = self.slot_of(model)
+        assert slot is not None
+        return slot.engine.full_state_dict()
+
+    def save_engines(self, path: str) -> None:
+        if len(self.slots) == 1:
+            return super().save_engines(path)
+        save_engines(self.engines(), path)  # one commit point for every model
+
+    def load_engines(self, path: str, trust_checkpoint: bool) -> None:
+        if len(self.slots) == 1 and not holds_engines(Path(path)):
+            return super().load_engines(path, trust_checkpoint)
+        load_engines(self.engines(), path, trust_checkpoint=trust_checkpoint)
+
     def free(self) -> None:
+        for slot in self.slots:
+            if slot.engine is not self.trained:  # Front.free destroys that one
+                slot.engine.destroy()
         super().free()
-        self.wrapper = self.user_optimizer = None
-        self.step_pending = False
+        self.slots = []
+
+
+def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """A torch optimizer's param groups, or a ``DummyOptim``'s parameters as one group."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer.param_groups
+    params = list(getattr(optimizer, "params", []))
+    return params if params and isinstance(params[0], dict) else [{"params": params}]
+
+
+def _lead(loss: torch.Tensor, trained: list[Slot]) -> Slot:
+    """The slot whose engine runs a backward of several trained models: any under fp32/bf16
+    (the loss is divided the same way); under fp16 the one model the loss reaches, whose loss
+    scale it takes (see [Note: several models])."""
+    if trained[0].engine.config.fp16.enabled is not True:
+        return trained[0]
+    of = {id(p): s for s in trained for p in s.engine.module.parameters() if p.requires_grad}
+    reached: list[Slot] = []
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        slot = of.get(id(getattr(fn, "variable", None)))
+        if slot is not None and slot not in reached:
+            reached.append(slot)
+        todo += [nxt for nxt, _ in fn.next_functions]
+    if len(reached) != 1:
+        raise ValueError(
+            f"under fp16 this backward reaches {len(reached)} of the prepared models' "
+            "parameters: each engine scales the loss by its own loss scale, so each backward "
+            "must reach one trained model (detach() what another model produced, or "
+            "requires_grad_(False) on the other model around its forward), or train in bf16"
+        )
+    return reached[0]
 
 
 def _engine_scheduler(cfg: Any, dummy: DummyScheduler | None) -> Any:

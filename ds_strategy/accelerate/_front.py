@@ -95,29 +95,45 @@ class Front:
         opts = [i for i, o in fresh if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
         scheds = [i for i, o in enumerate(args) if isinstance(o, self.engine_schedulers)]
         if models or opts:
-            if self.trained is not None:
-                raise ValueError(
-                    "this ZeroAccelerator already prepared a model; like Accelerate's DeepSpeed "
-                    "integration it trains one model (create another ZeroAccelerator for another)"
-                )
-            if len(models) != 1 or len(opts) != 1 or len(scheds) > 1:
-                raise ValueError(
-                    f"ZeroAccelerator.prepare needs {self.model_kind} and its optimizer in the "
-                    f"same call, one of each, and at most one scheduler for the engine (got "
-                    f"{len(models)} model(s), {len(opts)} optimizer(s), {len(scheds)}): the "
-                    "engine rebuilds the optimizer over this rank's shards"
-                )
-            sched = args[scheds[0]] if scheds else None
-            model, wrapper, owned = self.build(args[models[0]], args[opts[0]], sched)
-            out[models[0]], out[opts[0]] = model, wrapper
-            for i in scheds:
-                out[i] = owned
+            for m, o in self.pair_up(args, models, opts, scheds):
+                if o is None:  # a frozen model, sharded for evaluation
+                    out[m] = self.build_frozen(args[m])
+                    continue
+                sched = args[scheds[0]] if scheds else None
+                model, wrapper, owned = self.build(args[m], args[o], sched)
+                out[m], out[o] = model, wrapper
+                for i in scheds:
+                    out[i] = owned
         elif scheds:
             self.scheduler_alone()
         for i, obj in enumerate(args):
             if isinstance(obj, LRScheduler) and i not in scheds:
                 out[i] = self.prepare_scheduler(obj)
         return out
+
+    def pair_up(
+        self, args: tuple[Any, ...], models: list[int], opts: list[int], scheds: list[int]
+    ) -> list[tuple[int, int | None]]:
+        """``(model index, its optimizer's index)`` for each model ``prepare`` got: here one
+        model with its optimizer, once (the ZeRO engine's front allows several)."""
+        if self.trained is not None:
+            raise ValueError(
+                "this ZeroAccelerator already prepared a model; like Accelerate's DeepSpeed "
+                "integration it trains one model (create another ZeroAccelerator for another)"
+            )
+        if len(models) != 1 or len(opts) != 1 or len(scheds) > 1:
+            raise ValueError(
+                f"ZeroAccelerator.prepare needs {self.model_kind} and its optimizer in the "
+                f"same call, one of each, and at most one scheduler for the engine (got "
+                f"{len(models)} model(s), {len(opts)} optimizer(s), {len(scheds)}): the "
+                "engine rebuilds the optimizer over this rank's shards"
+            )
+        return [(models[0], opts[0])]
+
+    def build_frozen(self, model: nn.Module) -> nn.Module:
+        raise ValueError(
+            f"ZeroAccelerator.prepare needs {self.model_kind} together with its optimizer"
+        )
 
     def facts(
         self, optimizer: Any, world_size: int, micro_batch: int | None, **more: Any
@@ -154,7 +170,7 @@ class Front:
             # as with DeepSpeed: the hooks get the engine, no consolidated weights
             for hook in acc._save_model_state_pre_hook.values():
                 hook(acc._models, [], path)
-        engine.save_checkpoint(os.path.join(path, ENGINE_DIR))
+        self.save_engines(os.path.join(path, ENGINE_DIR))
         with together(world):
             save_accelerator_state(
                 path,
@@ -183,7 +199,7 @@ class Front:
             path = _load_dir(acc, input_dir)
             for hook in acc._load_model_state_pre_hook.values():
                 hook(acc._models, path)
-        engine.load_checkpoint(os.path.join(path, ENGINE_DIR), trust_checkpoint=trust_checkpoint)
+        self.load_engines(os.path.join(path, ENGINE_DIR), trust_checkpoint)
         with together(world):
             rank, objects = acc.state.process_index, acc._custom_objects
             restored = load_accelerator_state(
@@ -201,6 +217,20 @@ class Front:
             for i, obj in enumerate(objects):
                 f = Path(path) / f"custom_checkpoint_{i}.pkl"
                 obj.load_state_dict(loads(f.read_bytes(), str(f), trust_checkpoint))
+
+    def full_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        """Consolidated weights of ``model`` (one this front :meth:`owns`). Collective."""
+        assert self.trained is not None
+        return self.trained.full_state_dict()
+
+    def save_engines(self, path: str) -> None:
+        """Write the engines' checkpoint directory ``path``. Collective."""
+        assert self.trained is not None
+        self.trained.save_checkpoint(path)
+
+    def load_engines(self, path: str, trust_checkpoint: bool) -> None:
+        assert self.trained is not None
+        self.trained.load_checkpoint(path, trust_checkpoint=trust_checkpoint)
 
     def free(self) -> None:
         if self.trained is not None:

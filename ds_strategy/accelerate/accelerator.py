@@ -81,6 +81,9 @@ class ZeroAccelerator(Accelerator):
         DS_STRATEGY_CONFIG=configs/zero3.yaml \\
             accelerate launch --config_file configs/accelerate/cpu_2proc.yaml train.py
 
+    Several models (a GAN, RLHF's actor, critic and frozen reference) go through ``prepare``
+    together or one by one: an engine each, frozen ones sharded for evaluation.
+
     With a ``pipeline`` section, ``prepare`` takes an ``nn.Sequential`` and the loop is
     ``loss = model.train_batch(x, y)`` (see ``ds_strategy.accelerate._pipeline``).
     """
@@ -159,8 +162,9 @@ class ZeroAccelerator(Accelerator):
         return self._loader_mesh
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Like ``Accelerator.prepare``; the model and its optimizer (passed together) become a
-        :class:`~ds_strategy.ZeroEngine` and its rebuilt optimizer, which schedulers move onto."""
+        """Like ``Accelerator.prepare``; each model and its optimizer (passed together) become a
+        :class:`~ds_strategy.ZeroEngine` and its rebuilt optimizer, which schedulers move onto;
+        a frozen model without an optimizer becomes an engine for evaluation."""
         if device_placement is not None:
             raise ValueError("prepare(device_placement=...) is not supported by ZeroAccelerator")
         out = self._front.prepare(args)
@@ -186,7 +190,8 @@ class ZeroAccelerator(Accelerator):
         return model
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if optimizer is getattr(self._front, "wrapper", None):
+        owns = getattr(self._front, "owns_optimizer", None)
+        if optimizer is getattr(self._front, "wrapper", None) or (owns and owns(optimizer)):
             return optimizer
         raise ValueError(_TOGETHER)
 
@@ -248,7 +253,7 @@ class ZeroAccelerator(Accelerator):
         (``unwrap=False``: prefixed ``module.``). Collective: call it on every rank."""
         if not self._front.owns(model):
             return super().get_state_dict(model, unwrap)
-        state = self._front.trained.full_state_dict()  # type: ignore[union-attr]
+        state = self._front.full_state_dict(model)
         return state if unwrap else {f"module.{k}": v for k, v in state.items()}
 
     def save_state(
