@@ -240,6 +240,14 @@ def test_fabric_precision_reaches_the_engine(single: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.launcher
+def test_several_optimizers_under_automatic_optimization_get_lightnings_own_error(
+    single: dict[str, Any],
+) -> None:
+    message = single["errors"]["two_optimizers_automatic"]
+    assert "only supported with manual optimization" in message, message
+
+
 @pytest.mark.parametrize(
     "case, fragments",
     [

@@ -42,6 +42,12 @@ def test_a_gan_with_two_optimizers_matches_ddp(gan: dict[str, Any], stage: int) 
     assert zero["val_d"] == pytest.approx(ddp["val_d"], rel=1e-5)
 
 
+def test_offload_of_every_engine_matches_ddp(gan: dict[str, Any]) -> None:
+    """ZeRO-3 with parameters and optimizer state offloaded to CPU, for each optimizer."""
+    assert max_diff(gan["zero3_offload"]["weights"], gan["ddp"]["weights"]) <= TOL
+    assert gan["zero3_offload"]["offloaded"] == [("cpu", "cpu")] * 3
+
+
 def test_without_toggling_gradients_add_up_until_zero_grad_as_under_ddp(
     gan: dict[str, Any],
 ) -> None:

@@ -72,6 +72,14 @@ class TwoOptimizers(Regressor):
         return None
 
 
+class TwoOptimizersAutomatic(Regressor):
+    """Several optimizers under automatic optimization: Lightning itself refuses them."""
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.body.parameters()), torch.optim.SGD(self.head.parameters())]
+
+
+expect("two_optimizers_automatic", lambda: fit(model=TwoOptimizersAutomatic()))
 expect("double", lambda: trainer("zero2", ROOT, devices=1, precision="64-true"))
 expect("clip_value", lambda: fit(gradient_clip_algorithm="value"))
 expect(

@@ -119,6 +119,13 @@ def fit(tag: str, strategy: Any, toggle: bool = True, **kwargs: Any) -> dict[str
         "lr": [s.get_last_lr()[0] for s in model.lr_schedulers()],
         "val_d": float(t.callback_metrics["val_d"]),
         "engines": len(t.strategy.engines) if isinstance(t.strategy, ZeroStrategy) else 0,
+        "offloaded": [
+            (
+                e.config.zero_optimization.offload_param.device,
+                e.config.zero_optimization.offload_optimizer.device,
+            )
+            for e in (t.strategy.engines if isinstance(t.strategy, ZeroStrategy) else [])
+        ],
     }
 
 
@@ -142,6 +149,10 @@ for stage in (1, 2):
     results[f"zero{stage}"] = fit(f"zero{stage}", zero(stage))
 every_epoch = ModelCheckpoint(dirpath=ROOT / "zero3" / "ckpt", save_top_k=-1, every_n_epochs=1)
 results["zero3"] = fit("zero3", zero(3), callbacks=[every_epoch], enable_checkpointing=True)
+offload = ZeroStrategy(
+    stage=3, offload_optimizer=True, offload_parameters=True, config=ZERO3_SHARD_ALL
+)
+results["zero3_offload"] = fit("zero3_offload", offload)
 results["ddp_plain"] = fit("ddp_plain", "ddp_find_unused_parameters_true", toggle=False)
 results["zero3_plain"] = fit("zero3_plain", zero(3), toggle=False)
 results["ddp_bf16"] = fit("ddp_bf16", "ddp_find_unused_parameters_true", precision="bf16-mixed")
