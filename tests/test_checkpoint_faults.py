@@ -297,6 +297,27 @@ def _kill_at(step: int, log: list[str]) -> None:
         setattr(os, name, patched)
 
 
+def each_kill_point(root: Path, save: Any, limit: int) -> Any:
+    """Set ``root`` aside; for each n restore it and run ``save()`` in a forked child killed
+    just before its n-th filesystem change; yield ``(n, killed)`` with ``root`` as the child
+    left it, until a save runs to its end (or ``limit``)."""
+    pristine = root.with_name("pristine")
+    shutil.copytree(root, pristine)
+    for step in range(1, limit):
+        shutil.rmtree(root)
+        shutil.copytree(pristine, root)
+        pid = os.fork()
+        if pid == 0:
+            _kill_at(step, [])
+            save()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status)
+        yield step, killed
+        if not killed:
+            return
+
+
 def _weights(engine: ds_strategy.ZeroEngine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.full_state_dict().items()}
 
@@ -323,19 +344,9 @@ def kill_every_step_job(root: str, scenario: str, queue: Any) -> None:
     a = _weights(writer)
     train(writer, batches(1, 1, GB, seed=3), 0, 1)
     b = _weights(writer)
-    pristine = root_p.with_name("pristine")
-    shutil.copytree(root_p, pristine)
     results = []
-    for step in range(1, 200):
-        shutil.rmtree(root_p)
-        shutil.copytree(pristine, root_p)
-        pid = os.fork()
-        if pid == 0:
-            _kill_at(step, [])
-            writer.save_checkpoint(root_p, tag=second)
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        killed = os.WIFSIGNALED(status)
+    kill_points = each_kill_point(root_p, lambda: writer.save_checkpoint(root_p, tag=second), 200)
+    for step, killed in kill_points:
         names = sorted(p.name for p in root_p.iterdir() if not p.name.startswith("."))
         latest = (root_p / "latest").read_text()
         with warnings.catch_warnings(record=True) as caught:
@@ -359,8 +370,6 @@ def kill_every_step_job(root: str, scenario: str, queue: Any) -> None:
                 "after_loads_b": _same(_weights(reader), b),
             }
         )
-        if not killed:
-            break
     queue.put(results)
 
 

@@ -87,6 +87,14 @@ def test_resumed_at_another_world_size_and_stage_ends_where_the_run_ends(
     ]
 
 
+def test_the_checkpoint_of_several_engines_validates_and_consolidates(gan: dict[str, Any]) -> None:
+    """trainer.validate(ckpt_path=...) reads every engine's part into one evaluation engine;
+    ds_strategy.consolidate writes one file with every submodule's weights."""
+    resumed, zero3 = gan["resumed"], gan["zero3"]
+    assert resumed["validated"]["val_d"] == pytest.approx(zero3["val_d"], rel=1e-5)
+    assert max_diff(resumed["consolidated"], zero3["weights"]) == 0.0
+
+
 # -- errors that name the fix (one process, no launcher) ----------------------------------------
 
 

@@ -455,13 +455,11 @@ def killed_engines_job(root: str, queue: Any) -> None:
     """One process: state A saved, state B saved with a kill before each filesystem change in
     turn (in a forked child); after each kill the parent loads: both models at A or both at B,
     never one at each."""
-    import os
-    import shutil
     import warnings
     from pathlib import Path
 
     from ds_strategy.core.checkpoint.engines import load_engines, save_engines
-    from tests.test_checkpoint_faults import _kill_at
+    from tests.test_checkpoint_faults import each_kill_point
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -472,18 +470,8 @@ def killed_engines_job(root: str, queue: Any) -> None:
     a = {k: prefixed("", e.full_state_dict()) for k, e in writer.items()}
     gan_step_range(writer, range(1, 2), 0, 1)
     b = {k: prefixed("", e.full_state_dict()) for k, e in writer.items()}
-    pristine = root_p.with_name("pristine")
-    shutil.copytree(root_p, pristine)
     results = []
-    for step in range(1, 400):
-        shutil.rmtree(root_p)
-        shutil.copytree(pristine, root_p)
-        pid = os.fork()
-        if pid == 0:
-            _kill_at(step, [])
-            save_engines(writer, root_p)
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
+    for step, killed in each_kill_point(root_p, lambda: save_engines(writer, root_p), 400):
         load_engines(reader, root_p)
         got = {k: prefixed("", e.full_state_dict()) for k, e in reader.items()}
         which = [
@@ -491,9 +479,7 @@ def killed_engines_job(root: str, queue: Any) -> None:
             for n, want in (("A", a), ("B", b))
             if all(torch.equal(got[m][k], want[m][k]) for m in want for k in want[m])
         ]
-        results.append({"step": step, "killed": os.WIFSIGNALED(status), "loaded": which})
-        if not os.WIFSIGNALED(status):
-            break
+        results.append({"step": step, "killed": killed, "loaded": which})
     queue.put(results)
 
 

@@ -360,10 +360,11 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         trust = weights_only is False
         if self._several is not None:
             client_state = self._several.load(path, fitting, trust)
-        elif holds_engines(path):
+        elif fitting and holds_engines(path):
             raise ValueError(
                 f"{path} holds several models (one engine per optimizer of configure_optimizers): "
-                "load it into the same LightningModule, fitting with the same optimizers"
+                "resume it with the same LightningModule and optimizers (validate, test and "
+                "predict read its weights into one engine)"
             )
         else:
             client_state = self._active().load_checkpoint(

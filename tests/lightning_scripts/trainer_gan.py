@@ -6,7 +6,8 @@ Rank 0 writes ``OUT/results.pt``.
 
 Usage: ``MASTER_PORT=... python trainer_gan.py OUT`` (Lightning starts rank 1), then
 ``python trainer_gan.py OUT resume``: one process resumes the ZeRO-3 run's epoch-0
-checkpoint under ZeRO-2 and writes ``OUT/resumed.pt``.
+checkpoint under ZeRO-2, validates its final checkpoint (every engine's weights read into
+one evaluation engine) and consolidates it, and writes ``OUT/resumed.pt``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import lightning as L
 import torch
 from _common import ZERO3_SHARD_ALL, out_dir, rank, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import ds_strategy  # noqa: F401  (registers the strategies)
+import ds_strategy
 from ds_strategy.lightning import ZeroStrategy
 
 ROOT = out_dir()
@@ -141,6 +143,14 @@ if sys.argv[2:] == ["resume"]:
         "global_step": t.global_step,
         "lr": [s.get_last_lr()[0] for s in model.lr_schedulers()],
     }
+    # the final checkpoint's weights, read into one engine for evaluation, and consolidated
+    final = next((ROOT / "zero3" / "ckpt").glob("epoch=1-*"))
+    t = trainer(
+        zero(3), ROOT / "validate", devices=1, accumulate_grad_batches=1, gradient_clip_val=None
+    )
+    resumed["validated"] = t.validate(GAN(toggle=True), data(8), ckpt_path=str(final))[0]
+    ds_strategy.consolidate(final, ROOT / "gan.safetensors")
+    resumed["consolidated"] = load_file(ROOT / "gan.safetensors")
     torch.save(resumed, ROOT / "resumed.pt")
     sys.exit(0)
 

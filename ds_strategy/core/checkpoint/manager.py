@@ -49,6 +49,7 @@ from ...config import ConfigError
 from ..collectives import Comm
 from ..faults import together
 from . import sharded, swap
+from .engines import MANIFEST, holds_engines, read_manifest
 from .flat_piece import FlatPiece
 from .lock import LOCK_FILE, acquire, release
 from .validate import META_FILE, CheckpointError, read_meta
@@ -198,6 +199,13 @@ class CheckpointManager:
     ) -> Any:
         self.wait()
         with together(self.engine.checkpoint_comm, CheckpointError):
+            if load_optimizer and tag is None and holds_engines(Path(path)):
+                raise CheckpointError(
+                    f"{path} holds several engines (one per model or optimizer), each with its "
+                    "own optimizer state: load their weights into this one engine with "
+                    "load_optimizer=False, or resume each engine from its own part "
+                    f"({path}/<name>/<tag>, named in {MANIFEST})"
+                )
             directories = resolve_sources(Path(path), tag)
         client_state = sharded.load_engine(
             self.engine,
@@ -306,7 +314,12 @@ def resolve_sources(path: Path, tag: str | None) -> list[Path]:
     """The checkpoint directories a load reads: one (see :func:`resolve_load_dir`), or, for a
     pipeline checkpoint's root, each stage's (``stage_<k>/tag``, or the one its ``latest``
     names), which together hold the whole model whatever layout loads them; see the note on
-    a pipeline checkpoint's commit point."""
+    a pipeline checkpoint's commit point. A checkpoint of several engines (``engines.py``):
+    each engine's part of the committed tag, together the model (a GAN's generator and
+    discriminator), for one engine's weights, ``consolidate`` and inference."""
+    if tag is None and holds_engines(path):  # several engines' parts: together the model
+        manifest = read_manifest(path)
+        return [path / name / manifest["tag"] for name in manifest["engines"]]
     stages = stage_dirs(path)
     if not stages:
         return [resolve_load_dir(path, tag)]
