@@ -132,6 +132,40 @@ class Estimate:
         return config_name(self.stage, self.offload)
 
 
+def _check_arguments(
+    world_size: int,
+    stage: int,
+    offload: str,
+    precision: str,
+    hpz_partition_size: int,
+    mics_shard_size: int,
+) -> None:
+    """:func:`estimate`'s arguments, or an error naming the one that is off."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if (stage, offload) not in CANDIDATES:
+        raise ValueError(
+            f"offload {offload!r} is not available at stage {stage}: optimizer offload needs "
+            "stage 1-3, parameter and NVMe offload need stage 3"
+        )
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if hpz_partition_size < 1 or world_size % hpz_partition_size:
+        raise ValueError(
+            f"hpz_partition_size={hpz_partition_size} must divide the world size {world_size}"
+        )
+    if mics_shard_size > 0 and world_size % mics_shard_size:
+        raise ValueError(
+            f"mics_shard_size={mics_shard_size} must divide the world size {world_size}"
+        )
+    if mics_shard_size > 0 and hpz_partition_size > 1:
+        raise ValueError("mics_shard_size and hpz_partition_size: give one of them")
+
+
 def estimate(
     facts: ModelFacts,
     world_size: int,
@@ -157,29 +191,7 @@ def estimate(
     ...          mics_shard_size=2).model_state  # 16 * 1000 / 2
     8000.0
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    if (stage, offload) not in CANDIDATES:
-        raise ValueError(
-            f"offload {offload!r} is not available at stage {stage}: optimizer offload needs "
-            "stage 1-3, parameter and NVMe offload need stage 3"
-        )
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if hpz_partition_size < 1 or world_size % hpz_partition_size:
-        raise ValueError(
-            f"hpz_partition_size={hpz_partition_size} must divide the world size {world_size}"
-        )
-    if mics_shard_size > 0 and world_size % mics_shard_size:
-        raise ValueError(
-            f"mics_shard_size={mics_shard_size} must divide the world size {world_size}"
-        )
-    if mics_shard_size > 0 and hpz_partition_size > 1:
-        raise ValueError("mics_shard_size and hpz_partition_size: give one of them")
+    _check_arguments(world_size, stage, offload, precision, hpz_partition_size, mics_shard_size)
     p, g, k = PRECISIONS[precision]
     n = mics_shard_size if mics_shard_size > 0 and stage >= 1 else world_size
     psi, train = facts.params, facts.n_trainable
@@ -380,6 +392,28 @@ class Peak:
         return sorted((t for t in held if t.nbytes > 0), key=lambda t: -t.nbytes)
 
 
+# [Note: the peak of a step]
+# On top of the model state at rest (:func:`estimate`'s terms) a step holds, per phase:
+#
+# - forward and backward: stage 3's gathered parameters (``gathered``); with parameters
+#   on NVMe, the shards of the units whose gathers are in flight (``stage3_prefetch_bucket_size``
+#   worth of units, at least one), read from their files (a shard is freed once gathered).
+# - backward: the gradient buckets of the reduction (``reduce_buffers``). At stages 2-3 a
+#   group's full-size gradients (``reduce_bucket_size`` elements, half that where the
+#   collective needs a receive buffer; at most a stage-3 block unit, or at stages 1-2 the
+#   whole model, and at least the largest parameter) are held while one group fills and
+#   one is reduced, plus that receive buffer; at stage 1 the gradients are persistent and the reduction adds
+#   the receive buffer and its ``1/N`` output. With NVMe optimizer offload on CPU ranks
+#   the gradient shard being reduced into is read in and written behind (``grad_shard``).
+# - step: under mixed precision the fp32 copies of the gradient shard
+#   (``fp32_grads``). With the optimizer on NVMe the step reads its state bucket by
+#   bucket (``swap_buffers``): the bucket stepping and the one read ahead
+#   (``min(buffer_count, 2) x buffer_size`` elements, at most the rank's shard), each
+#   element with its Adam moments, fp32 master, gradient (and under mixed precision the
+#   low-precision shard and the fp32 gradient copy). Writes go behind; they hold more
+#   only while the disk lags the step (at most ``buffer_count`` buckets).
+#
+# Activations (``activation_bytes``) are held from the forward to the backward.
 def step_peak(
     facts: ModelFacts,
     world_size: int,
@@ -389,31 +423,8 @@ def step_peak(
     activation_bytes: float = 0.0,
     knobs: Knobs | None = None,
 ) -> Peak:
-    """The buffers one rank holds during a training step, tier by tier and phase by phase.
-
-    [Note: the peak of a step]
-    On top of the model state at rest (:func:`estimate`'s terms) a step holds, per phase:
-
-    - forward and backward: stage 3's gathered parameters (``gathered``); with parameters
-      on NVMe, the shards of the units whose gathers are in flight (``stage3_prefetch_bucket_size``
-      worth of units, at least one), read from their files (a shard is freed once gathered).
-    - backward: the gradient buckets of the reduction (``reduce_buffers``). At stages 2-3 a
-      group's full-size gradients (``reduce_bucket_size`` elements, half that where the
-      collective needs a receive buffer; at most a stage-3 block unit, or at stages 1-2 the
-      whole model, and at least the largest parameter) are held while one group fills and
-      one is reduced, plus that receive buffer; at stage 1 the gradients are persistent and the reduction adds
-      the receive buffer and its ``1/N`` output. With NVMe optimizer offload on CPU ranks
-      the gradient shard being reduced into is read in and written behind (``grad_shard``).
-    - step: under mixed precision the fp32 copies of the gradient shard
-      (``fp32_grads``). With the optimizer on NVMe the step reads its state bucket by
-      bucket (``swap_buffers``): the bucket stepping and the one read ahead
-      (``min(buffer_count, 2) x buffer_size`` elements, at most the rank's shard), each
-      element with its Adam moments, fp32 master, gradient (and under mixed precision the
-      low-precision shard and the fp32 gradient copy). Writes go behind; they hold more
-      only while the disk lags the step (at most ``buffer_count`` buckets).
-
-    Activations (``activation_bytes``) are held from the forward to the backward.
-    """
+    """The buffers one rank holds during a training step, tier by tier and phase by phase
+    (see [Note: the peak of a step] above)."""
     k_ = knobs or Knobs()
     base = estimate(
         facts,
@@ -461,9 +472,25 @@ def step_peak(
             terms.append(Term("param_shards_in_flight", "host", in_flight, phase))
     if activation_bytes:
         terms.append(Term("activations", "device", float(activation_bytes), "backward"))
-    # backward: the reduction's buckets. A group is at most a bucket, at least one parameter;
-    # at stage 3 the groups that matter are a block's (the root unit reduces last, once the
-    # blocks' gathered parameters are gone).
+    terms += _reduction_terms(facts, stage, g, n, k_, grads_in_files)
+    # step
+    shard = train / n if stage >= 1 else train
+    if nvme_opt:
+        per_element = 8 + 4 + g + ((p + 4) if mixed else 0)  # moments, master, grad (+ copies)
+        held = min(min(max(k_.buffer_count, 1), 2) * max(k_.buffer_numel, 1), shard)
+        terms.append(Term("swap_buffers", "host", per_element * held, "step"))
+    elif mixed and train:
+        terms.append(Term("fp32_grads", "host" if host_opt else "device", 4 * shard, "step"))
+    return Peak(stage, offload, precision, tuple(terms), k_.cpu_only)
+
+
+def _reduction_terms(
+    facts: ModelFacts, stage: int, g: float, n: int, k_: Knobs, grads_in_files: bool
+) -> list[Term]:
+    """Backward's reduction buckets. A group is at most a bucket, at least one parameter;
+    at stage 3 the groups that matter are a block's (the root unit reduces last, once the
+    blocks' gathered parameters are gone)."""
+    train = facts.n_trainable
     bucket = k_.reduce_bucket_numel / 2 if k_.reduce_scratch else k_.reduce_bucket_numel
     if stage == 3:
         group = max(1.0, min(bucket, facts.largest_unit or train))
@@ -478,19 +505,10 @@ def step_peak(
         reduce = g * (scratch + group / n)
     else:
         reduce = 0.0
-    if reduce:
-        terms.append(Term("reduce_buffers", "device", reduce, "backward"))
+    terms = [Term("reduce_buffers", "device", reduce, "backward")] if reduce else []
     if grads_in_files:
         terms.append(Term("grad_shard", "host", g * 2 * group / n, "backward"))
-    # step
-    shard = train / n if stage >= 1 else train
-    if nvme_opt:
-        per_element = 8 + 4 + g + ((p + 4) if mixed else 0)  # moments, master, grad (+ copies)
-        held = min(min(max(k_.buffer_count, 1), 2) * max(k_.buffer_numel, 1), shard)
-        terms.append(Term("swap_buffers", "host", per_element * held, "step"))
-    elif mixed and train:
-        terms.append(Term("fp32_grads", "host" if host_opt else "device", 4 * shard, "step"))
-    return Peak(stage, offload, precision, tuple(terms), k_.cpu_only)
+    return terms
 
 
 def format_peaks(peaks: list[Peak]) -> str:
@@ -724,6 +742,11 @@ def add_cli_parser(sub: Any) -> None:
         default="bf16",
         help="the precision to recommend a configuration for (default bf16)",
     )
+    _add_layout_arguments(e)
+
+
+def _add_layout_arguments(e: Any) -> None:
+    """The ZeRO++ / MiCS / pipeline / config / CPU flags of ``ds-strategy estimate``."""
     e.add_argument(
         "--hpz-partition-size",
         type=int,
@@ -836,71 +859,99 @@ def _option(name: str, parse: Callable[[str], Any], text: str) -> Any:
         raise ValueError(f"{name}: {err}") from None
 
 
+def _model_from_args(args: Any) -> tuple[ModelFacts, list[StageFacts]]:
+    """The model's facts (and a pipeline's per stage) from ``--model`` or ``--params``."""
+    if not args.model:
+        if args.model_arg:
+            raise ValueError("--model-arg needs --model")
+        if _pipeline_args(args)[0] > 1:
+            raise ValueError("--pipeline-stages needs --model (its layers are partitioned)")
+        return ModelFacts(params=_option("--params", parse_count, args.params)), []
+    kwargs = {}
+    for item in args.model_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--model-arg {item!r}: expected KEY=VALUE")
+        kwargs[key] = _literal(value)
+    stages, method, chunks = _pipeline_args(args)
+    threshold = int(args.persistence_threshold)
+    try:
+        if stages > 1:
+            parts = pipeline_facts(args.model, stages, method, chunks, kwargs, threshold)
+            return _whole(parts), parts
+        return model_facts(args.model, kwargs, threshold), []
+    except ValueError as err:  # the model's own check of its arguments, or ours
+        if str(err).startswith("--"):
+            raise
+        raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
+        raise ValueError(
+            f"--model {args.model} with {kwargs}: building it on the meta device failed "
+            f"({build_failure(err)}); check --model-arg"
+        ) from None
+
+
+def _check_layout_args(args: Any) -> None:
+    """``--world-size``, ``--hpz-partition-size``, ``--ranks-per-node``, ``--mics-shard-size``."""
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.hpz_partition_size < 1 or args.world_size % args.hpz_partition_size:
+        raise ValueError(
+            f"--hpz-partition-size {args.hpz_partition_size} must divide --world-size "
+            f"{args.world_size}"
+        )
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise ValueError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
+    if args.mics_shard_size == 0 or args.mics_shard_size < -1:
+        raise ValueError(
+            f"--mics-shard-size must be -1 (off) or a divisor of --world-size, got "
+            f"{args.mics_shard_size}"
+        )
+    mics = args.mics_shard_size
+    if mics > 0 and (args.world_size % mics or args.hpz_partition_size > 1):
+        raise ValueError(
+            f"--mics-shard-size {mics} must divide --world-size {args.world_size} and "
+            "cannot be combined with --hpz-partition-size"
+        )
+
+
+def _describe(args: Any, facts: ModelFacts, parts: list[StageFacts]) -> str:
+    """The heading: the model's size, its units or stages, the ranks."""
+    mics_note = (
+        f" (MiCS: stages 1-3 sharded over groups of {args.mics_shard_size})"
+        if args.mics_shard_size > 0
+        else ""
+    )
+    unit = (
+        f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
+        f"{facts.largest_unit / 1e6:.2f}M"
+        if args.model and not parts
+        else f" in {len(parts)} pipeline stages"
+        if parts
+        else "; ZeRO-3 gathers counted as the prefetch bucket only (give --model for its units)"
+    )
+    return (
+        f"{facts.params / 1e9:.3f}B parameters ({facts.n_trainable / 1e9:.3f}B trainable){unit}\n"
+        f"{args.world_size} rank(s){mics_note}{' per stage' if parts else ''}, Adam; GB per rank "
+        "(1 GB = 1e9 bytes); ok = fits"
+    )
+
+
 def run_cli(args: Any) -> int:
     """Print the table and the recommendation; 0 when something fits (or nothing to fit),
     1 when nothing does, 2 on bad input."""
-    parts: list[StageFacts] = []
     try:
         if not 0 <= args.persistence_threshold < 2**63:  # (NaN fails too)
             raise ValueError(
                 f"--persistence-threshold must be a number of elements >= 0, got "
                 f"{args.persistence_threshold}"
             )
-        if args.model:
-            kwargs = {}
-            for item in args.model_arg:
-                key, sep, value = item.partition("=")
-                if not sep:
-                    raise ValueError(f"--model-arg {item!r}: expected KEY=VALUE")
-                kwargs[key] = _literal(value)
-            stages, method, chunks = _pipeline_args(args)
-            try:
-                if stages > 1:
-                    parts = pipeline_facts(
-                        args.model, stages, method, chunks, kwargs, int(args.persistence_threshold)
-                    )
-                    facts = _whole(parts)
-                else:
-                    facts = model_facts(args.model, kwargs, int(args.persistence_threshold))
-            except ValueError as err:  # the model's own check of its arguments, or ours
-                if str(err).startswith("--"):
-                    raise
-                raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
-            except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
-                raise ValueError(
-                    f"--model {args.model} with {kwargs}: building it on the meta device failed "
-                    f"({build_failure(err)}); check --model-arg"
-                ) from None
-        else:
-            if args.model_arg:
-                raise ValueError("--model-arg needs --model")
-            if _pipeline_args(args)[0] > 1:
-                raise ValueError("--pipeline-stages needs --model (its layers are partitioned)")
-            facts = ModelFacts(params=_option("--params", parse_count, args.params))
+        facts, parts = _model_from_args(args)
         gpu = _option("--gpu-mem", parse_bytes, args.gpu_mem) if args.gpu_mem else None
         cpu = _option("--cpu-mem", parse_bytes, args.cpu_mem) if args.cpu_mem else None
         act = _option("--activations", parse_bytes, args.activations)
-        if args.world_size < 1:
-            raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
-        if args.hpz_partition_size < 1 or args.world_size % args.hpz_partition_size:
-            raise ValueError(
-                f"--hpz-partition-size {args.hpz_partition_size} must divide --world-size "
-                f"{args.world_size}"
-            )
+        _check_layout_args(args)
         knobs = _knobs(args)
-        if args.ranks_per_node is not None and args.ranks_per_node < 1:
-            raise ValueError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
-        if args.mics_shard_size == 0 or args.mics_shard_size < -1:
-            raise ValueError(
-                f"--mics-shard-size must be -1 (off) or a divisor of --world-size, got "
-                f"{args.mics_shard_size}"
-            )
-        mics = args.mics_shard_size
-        if mics > 0 and (args.world_size % mics or args.hpz_partition_size > 1):
-            raise ValueError(
-                f"--mics-shard-size {mics} must divide --world-size {args.world_size} and "
-                "cannot be combined with --hpz-partition-size"
-            )
     except (ValueError, OSError) as err:
         print(f"ds-strategy estimate: {err}", file=sys.stderr)
         return 2
@@ -915,24 +966,7 @@ def run_cli(args: Any) -> int:
             mics_shard_size=args.mics_shard_size,
         )
 
-    mics_note = (
-        f" (MiCS: stages 1-3 sharded over groups of {args.mics_shard_size})"
-        if args.mics_shard_size > 0
-        else ""
-    )
-    unit = (
-        f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
-        f"{facts.largest_unit / 1e6:.2f}M"
-        if args.model and not parts
-        else f" in {len(parts)} pipeline stages"
-        if parts
-        else "; ZeRO-3 gathers counted as the prefetch bucket only (give --model for its units)"
-    )
-    print(
-        f"{facts.params / 1e9:.3f}B parameters ({facts.n_trainable / 1e9:.3f}B trainable){unit}\n"
-        f"{args.world_size} rank(s){mics_note}{' per stage' if parts else ''}, Adam; GB per rank "
-        "(1 GB = 1e9 bytes); ok = fits"
-    )
+    print(_describe(args, facts, parts))
     if parts:
         per_stage = [table(part.facts) for part in parts]
         for part, rows in zip(parts, per_stage, strict=True):
@@ -961,6 +995,17 @@ def run_cli(args: Any) -> int:
             "[the phase] and the largest terms held then"
         )
         print(format_peaks(peaks))
+    return _recommendation(args, estimates, gpu, cpu, per_node, len(parts))
+
+
+def _recommendation(
+    args: Any,
+    estimates: list[Estimate],
+    gpu: float | None,
+    cpu: float | None,
+    per_node: int,
+    stages: int,
+) -> int:
     if gpu is None:
         print("give --gpu-mem (and --cpu-mem) for a recommendation")
         return 0
@@ -974,8 +1019,8 @@ def run_cli(args: Any) -> int:
     where = f", {_gb(best.cpu)} GB host" if best.cpu else ""
     where += f", {_gb(best.nvme)} GB NVMe" if best.nvme else ""
     config = config_of(best)
-    if parts:
-        config = {"pipeline": {"stages": len(parts)}, **config}
+    if stages:
+        config = {"pipeline": {"stages": stages}, **config}
     print(
         f"recommended: {best.name} {args.precision} -- {_gb(best.device_total)} GB per device"
         f"{where}\n  config: {json.dumps(config)}"

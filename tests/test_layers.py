@@ -180,3 +180,27 @@ def test_only_ds_strategy_hf_imports_transformers() -> None:
                 else []
             )
             assert not any(n.split(".")[0] == "transformers" for n in names), path
+
+
+def test_no_function_in_the_package_is_over_80_lines() -> None:
+    """Long functions are parts waiting for names: the engine is assembled in named steps,
+    the CLIs parse, check and print in separate functions."""
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > 80:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines})")
+    assert not long, long
+
+
+def test_the_engine_takes_no_private_arguments() -> None:
+    """A pipeline hands its stage engines a public StageContext, nothing private."""
+    import inspect
+
+    from ds_strategy import ZeroEngine
+
+    params = inspect.signature(ZeroEngine.__init__).parameters
+    assert [p for p in params if p.startswith("_")] == []
+    assert "pipeline_stage" in params

@@ -43,6 +43,7 @@ from .quant.export import write_quantized_state
 from .quant.qat import prepare_qat
 from .quant.scheme import QuantScheme
 from .schedulers import build_scheduler
+from .stage_context import StageContext
 from .timers import StepTimers, phase
 from .topology import Topology
 from .tp import TensorParallel, resolve_plan
@@ -81,15 +82,47 @@ class ZeroEngine(nn.Module):
         lr_scheduler: SchedulerLike | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        _stage_of: nn.Module | None = None,
-        _mesh: ParallelMesh | None = None,
-        _replaced: dict[int, nn.Parameter] | None = None,
+        pipeline_stage: StageContext | None = None,
     ) -> None:
         super().__init__()
         init_process_group_from_env()
         self.comm = Comm(process_group)
+        # a pipeline stage's engine (core/pipeline): its stage, mesh and the whole model
+        self.pipeline_stage = pipeline_stage
         # [Note: agreement points] in faults.py: local work that may fail on one rank only is
-        # agreed on before the next collective, so every rank raises instead of waiting
+        # agreed on before the next collective, so every rank raises instead of waiting.
+        # The engine is assembled in named steps, each from the resolved config:
+        tp = self._resolve_config(config, process_group)
+        self._adopt_model(model, tp)  # agreement, ownership, quantization-aware layers
+        self._lay_out_ranks(model, tp)  # tensor parallelism, links, hierarchy, MiCS
+        scaling = self._init_loop_state(model)  # counters, precision, loss scale
+        self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
+        self._build_offload(model, optimizer)
+        self._build_sharding(model, scaling, param_init_fn)  # the plan: groups and units
+        self._build_optimizer(model, optimizer, lr_scheduler)
+        self.compression = self._build_compression(in_pipeline=pipeline_stage is not None)
+        self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
+        self._count_resident()
+        self._compile_watch = CompileWatch(self.module)
+        self._own_grads = False  # gradients of a backward() of this engine since zero_grad
+        self._logged_foreign = False
+        # False: another engine's backward through this model leaves gradients that this
+        # engine's next backward drops (see _drop_foreign_grads). True: they stay until
+        # zero_grad() or the step, as in a torch loop, for a front end whose loop zeroes
+        # gradients itself (Lightning's optimizer.zero_grad() with several optimizers)
+        self.keep_foreign_grads = False
+        self._claimed = claim_parameters(self.module, self)
+        if self.config.compile.enabled:
+            self.compile()
+
+    # -- assembly, in the order __init__ runs it -------------------------------------------------
+
+    def _resolve_config(
+        self, config: Any, process_group: torch.distributed.ProcessGroup | None
+    ) -> int:
+        """``self.config`` resolved for the data-parallel ranks, and the topology; returns the
+        tensor-parallel size."""
+        stage = self.pipeline_stage
         with together(self.comm):
             loaded = load_config(config)
             if loaded.pipeline.stages > 1:
@@ -99,40 +132,52 @@ class ZeroEngine(nn.Module):
                     "nn.Sequential and trained with engine.train_batch; this front end drives "
                     "a ZeroEngine, so set pipeline.stages to 1 here"
                 )
-            tp = _tensor_parallel_size(loaded, self.comm, process_group, _mesh)
+            mesh = stage.mesh if stage is not None else None
+            tp = _tensor_parallel_size(loaded, self.comm, process_group, mesh)
             # batch sizes count data-parallel ranks: tensor-parallel ones share each batch
             self.config: ZeroConfig = loaded.resolve(world_size=self.comm.world_size // tp)
             world = Comm()  # the topology is the job's, whatever group this engine runs on
             self.topology = Topology.detect(
                 world.world_size, world.rank, self.config.topology.ranks_per_machine
             )
-        zc = self.config.zero_optimization
-        self.stage = zc.stage
-        check_ranks_agree(self.comm, self.config, model)  # before anything a rank may refuse
+        self.stage = self.config.zero_optimization.stage
+        return tp
+
+    def _adopt_model(self, model: nn.Module, tp: int) -> None:
+        """Checks before anything a rank may refuse, quantization-aware layers, and what a
+        checkpoint of this engine needs to know of the model."""
+        check_ranks_agree(self.comm, self.config, model)
         with together(self.comm):
             check_parameters_free(model)  # no other engine's parameters (core/ownership.py)
         self.qat: dict[str, str] = {}  # layer -> fake quantization (quantization.qat)
         if self.config.quantization.qat:
             with together(self.comm):
                 self.qat = _prepare_qat(model, self.config, tp)
-        self.mesh = ParallelMesh.flat(self.comm.rank, self.comm.world_size)
+        stage = self.pipeline_stage
         # every rank holding a part of this engine's state: checkpoints are written by them all
         self.checkpoint_comm = self.comm
-        # a pipeline stage holds part of a model (_stage_of): a checkpoint it loads may hold
-        # more, and a weight tied across stages may be saved under the whole model's name
-        self.checkpoint_partial = _stage_of is not None
+        # a pipeline stage holds part of a model: a checkpoint it loads may hold more, and a
+        # weight tied across stages may be saved under the whole model's name
+        self.checkpoint_partial = stage is not None
         # the swap files a checkpoint reads and writes in place, during one (core/offload)
         self.checkpoint_io: SwapFiles | None = None
-        self.checkpoint_stage: int | None = None  # which stage_<k> of a pipeline checkpoint
+        self.checkpoint_stage = stage.stage if stage is not None else None  # its stage_<k>
         self.checkpoint_aliases: dict[str, str] = (
-            _tied_aliases(model, _stage_of) if _stage_of is not None else {}
+            _tied_aliases(model, stage.whole_model) if stage is not None else {}
         )
+
+    def _lay_out_ranks(self, model: nn.Module, tp: int) -> None:
+        """The mesh and the groups: tensor-parallel layers over consecutive ranks, ZeRO over
+        the others (hierarchically, or in MiCS shard groups, as configured)."""
+        zc = self.config.zero_optimization
+        self.mesh = ParallelMesh.flat(self.comm.rank, self.comm.world_size)
         self.tensor_parallel: TensorParallel | None = None
         if tp > 1:  # split the layers over consecutive ranks, then ZeRO over the others
             with together(self.comm):
                 tp_plan = resolve_plan(model, tp, self.config.tensor_parallel.plan)
             # a pipeline stage's engine gets the pipeline's mesh and runs on one stage's ranks
-            self.mesh = _mesh or ParallelMesh.build(self.comm.world_size, tp, _pick_device(model))
+            given = self.pipeline_stage.mesh if self.pipeline_stage is not None else None
+            self.mesh = given or ParallelMesh.build(self.comm.world_size, tp, _pick_device(model))
             assert self.mesh.device_mesh is not None
             tp_comm = Comm(self.mesh.group("tp"))
             self.tensor_parallel = TensorParallel(
@@ -147,8 +192,12 @@ class ZeroEngine(nn.Module):
         self.shard_comm: Comm = self.comm
         if int(zc.mics_shard_size) > 0:
             with together(self.comm):
-                self._check_mics(in_pipeline=_stage_of is not None)
+                self._check_mics(in_pipeline=self.pipeline_stage is not None)
             self.shard_comm = MiCSComm.build(self.comm, int(zc.mics_shard_size), self.topology)
+
+    def _init_loop_state(self, model: nn.Module) -> GradScaling:
+        """Step counters, precision and loss scaling, activation checkpointing; returns how
+        gradients are scaled when they are reduced."""
         with together(self.comm):
             self._check_supported()
             self.module = model
@@ -173,8 +222,12 @@ class ZeroEngine(nn.Module):
                 self.config.gradient_predivide_factor,
             )
             apply_activation_checkpointing(model, self.config.activation_checkpointing)
-        self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
-        with together(self.comm):  # the offload tier takes the groups as they are built
+        return scaling
+
+    def _build_offload(self, model: nn.Module, optimizer: OptimizerLike | None) -> None:
+        """The offload tier (or None); it takes the groups as they are built, and a streaming
+        build opens its swap files for the whole model first."""
+        with together(self.comm):
             self._offload = Offload.build(self.config, [], self.comm.rank, self.comm)
             if self._offload is not None and self._offload.streams_build:
                 shards = self.shard_comm.world_size
@@ -184,6 +237,14 @@ class ZeroEngine(nn.Module):
                     optimizer,
                     META_FILE,
                 )
+
+    def _build_sharding(
+        self,
+        model: nn.Module,
+        scaling: GradScaling,
+        param_init_fn: Callable[[nn.Module], None] | None,
+    ) -> None:
+        """The sharding plan: flat groups (ZeRO-3: units, built one at a time) and the reducer."""
         self.plan: ShardingPlan = build_plan(
             model,
             self.shard_comm,
@@ -200,35 +261,24 @@ class ZeroEngine(nn.Module):
         )
         # parameters a pipeline materialised before this engine (the optimizer may hold the
         # meta ones they replaced)
-        self.plan.replaced.update(_replaced or {})
+        if self.pipeline_stage is not None:
+            self.plan.replaced.update(self.pipeline_stage.replaced)
         self._link_zero_plus_plus()
         meter = self.plan.meter  # scratch of the composed collectives: in the peak
         if self._offload is not None:  # what comes back from NVMe: in the peak too
             self._offload.set_meter(meter)
         self.comm.on_scratch = lambda n: meter.alloc(n) if n > 0 else meter.free(-n)
+
+    def _build_optimizer(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerLike | None,
+        lr_scheduler: SchedulerLike | None,
+    ) -> None:
+        """The user's (or the config's) optimizer rebuilt over this rank's shards, and its lr
+        scheduler; a model without trainable parameters gets a stand-in for evaluation."""
         with together(self.comm):
-            self.trainable = any(p.requires_grad for p in model.parameters())
-            if not self.trainable:
-                if optimizer is not None or self.config.optimizer is not None:
-                    raise ValueError(
-                        f"{type(model).__name__} has no trainable parameters (requires_grad is "
-                        "False on all of them), so an optimizer would train nothing; unfreeze "
-                        "the parameters to train, or pass optimizer=None (and no optimizer "
-                        "section) to build an engine for evaluation"
-                    )
-                optimizer = evaluation_optimizer
-            elif optimizer is None:
-                if self.config.optimizer is None:
-                    raise ValueError(
-                        "no optimizer: pass a torch.optim.Optimizer (or a callable params -> "
-                        "Optimizer) to ds_strategy.initialize, or add an 'optimizer' section to "
-                        "the config"
-                    )
-                optimizer = optimizer_factory(self.config.optimizer)
-            else:
-                if self.tensor_parallel is not None:  # the user's optimizer holds full weights
-                    self.plan.replaced.update(self.tensor_parallel.replaced)
-                _check_optimizer_params(optimizer, model, self.plan.replaced, _stage_of)
+            optimizer = self._the_optimizer(model, optimizer)
             # the optimizer's pieces are views of masters a streaming build has written out
             viewable = self._offload.viewable() if self._offload else contextlib.nullcontext()
             with viewable:
@@ -254,20 +304,32 @@ class ZeroEngine(nn.Module):
                 self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
             else:
                 self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
-        self.compression = self._build_compression(in_pipeline=_stage_of is not None)
-        self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
-        self._count_resident()
-        self._compile_watch = CompileWatch(self.module)
-        self._own_grads = False  # gradients of a backward() of this engine since zero_grad
-        self._logged_foreign = False
-        # False: another engine's backward through this model leaves gradients that this
-        # engine's next backward drops (see _drop_foreign_grads). True: they stay until
-        # zero_grad() or the step, as in a torch loop, for a front end whose loop zeroes
-        # gradients itself (Lightning's optimizer.zero_grad() with several optimizers)
-        self.keep_foreign_grads = False
-        self._claimed = claim_parameters(self.module, self)
-        if self.config.compile.enabled:
-            self.compile()
+
+    def _the_optimizer(self, model: nn.Module, optimizer: OptimizerLike | None) -> OptimizerLike:
+        """What to rebuild: the user's optimizer, the config's, or the evaluation stand-in."""
+        self.trainable = any(p.requires_grad for p in model.parameters())
+        if not self.trainable:
+            if optimizer is not None or self.config.optimizer is not None:
+                raise ValueError(
+                    f"{type(model).__name__} has no trainable parameters (requires_grad is "
+                    "False on all of them), so an optimizer would train nothing; unfreeze "
+                    "the parameters to train, or pass optimizer=None (and no optimizer "
+                    "section) to build an engine for evaluation"
+                )
+            return evaluation_optimizer
+        if optimizer is None:
+            if self.config.optimizer is None:
+                raise ValueError(
+                    "no optimizer: pass a torch.optim.Optimizer (or a callable params -> "
+                    "Optimizer) to ds_strategy.initialize, or add an 'optimizer' section to "
+                    "the config"
+                )
+            return optimizer_factory(self.config.optimizer)
+        if self.tensor_parallel is not None:  # the user's optimizer holds full weights
+            self.plan.replaced.update(self.tensor_parallel.replaced)
+        whole = self.pipeline_stage.whole_model if self.pipeline_stage is not None else None
+        _check_optimizer_params(optimizer, model, self.plan.replaced, whole)
+        return optimizer
 
     def _build_compression(
         self, in_pipeline: bool

@@ -463,25 +463,10 @@ def load_engine(
     restores weights, buffers, counters and RNG only, into an engine whose optimizer may
     differ (e.g. one built just for evaluation)."""
     dirs = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
-    comm = engine.checkpoint_comm
-    aliases, partial = engine.checkpoint_aliases, engine.checkpoint_partial
-    strict = len(dirs) == 1 and not partial  # the checkpoint is this model, no more, no less
-    live_shapes = _param_shapes(engine)
-    metas = [validate(d, comm, live_shapes if strict else None, require_checksums) for d in dirs]
-    if not strict:
-        with together(comm, CheckpointError):
-            check_shapes_within(dirs, live_shapes, aliases)
-    saved: dict[str, Any] = {}
-    source: dict[str, int] = {}  # key -> the first directory holding it
-    for i, md in enumerate(metas):
-        for key, value in md.items():
-            if key not in saved:
-                saved[key], source[key] = value, i
+    comm, aliases = engine.checkpoint_comm, engine.checkpoint_aliases
+    saved, source = _saved_entries(engine, dirs, require_checksums)
     path = dirs[0] if len(dirs) == 1 else dirs[0].parent
     rng_key = f"rng/{comm.rank}"
-    home = engine.checkpoint_stage  # a pipeline stage's random state: from its own stage's
-    if home is not None and home < len(metas) and rng_key in metas[home]:
-        saved[rng_key], source[rng_key] = metas[home][rng_key], home
     packed = ["engine", "client_state"] + (["optim_groups"] if load_optimizer else [])
     packed += [rng_key] if rng_key in saved else []
     with together(comm, CheckpointError):  # whatever one rank refuses, every rank does
@@ -506,22 +491,7 @@ def load_engine(
                 f"{path}: checkpoint does not match this model: {len(missing)} entr"
                 f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
             )
-    for i, d in enumerate(dirs):  # every rank reads every directory, in the same order
-        part = {k: v for k, v in state.items() if source[k] == i}
-        reader = SafeReader(d)
-        files = engine.checkpoint_io  # state in swap files is written there in place
-        planner = StreamingLoadPlanner(files, comm.rank) if files is not None else None
-        with single_process_ok(comm.active):
-            dcp.load(
-                part,
-                storage_reader=reader,
-                planner=planner,
-                process_group=comm.group,
-                no_dist=not comm.active,
-            )
-        if planner is not None:
-            planner.done()
-        state.update(part)
+    _read_dirs(engine, dirs, state, source)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):
         for key in packed:
@@ -532,6 +502,55 @@ def load_engine(
         _restore_engine(engine, state, rng_key, load_optimizer)
     engine.plan.after_load()
     return state["client_state"]
+
+
+def _saved_entries(
+    engine: ZeroEngine, dirs: list[Path], require_checksums: bool
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """Every entry the checkpoint directories hold (checked against this model first), and
+    the index of the first directory holding each; a pipeline stage's random state comes
+    from its own stage's directory."""
+    comm, aliases = engine.checkpoint_comm, engine.checkpoint_aliases
+    strict = len(dirs) == 1 and not engine.checkpoint_partial  # this model, no more, no less
+    live_shapes = _param_shapes(engine)
+    metas = [validate(d, comm, live_shapes if strict else None, require_checksums) for d in dirs]
+    if not strict:
+        with together(comm, CheckpointError):
+            check_shapes_within(dirs, live_shapes, aliases)
+    saved: dict[str, Any] = {}
+    source: dict[str, int] = {}  # key -> the first directory holding it
+    for i, md in enumerate(metas):
+        for key, value in md.items():
+            if key not in saved:
+                saved[key], source[key] = value, i
+    rng_key = f"rng/{comm.rank}"
+    home = engine.checkpoint_stage
+    if home is not None and home < len(metas) and rng_key in metas[home]:
+        saved[rng_key], source[rng_key] = metas[home][rng_key], home
+    return saved, source
+
+
+def _read_dirs(
+    engine: ZeroEngine, dirs: list[Path], state: dict[str, Any], source: dict[str, int]
+) -> None:
+    """Fill ``state`` in place from the directories; every rank reads every directory, in
+    the same order (DCP's reads are collective)."""
+    comm = engine.checkpoint_comm
+    for i, d in enumerate(dirs):
+        part = {k: v for k, v in state.items() if source[k] == i}
+        files = engine.checkpoint_io  # state in swap files is written there in place
+        planner = StreamingLoadPlanner(files, comm.rank) if files is not None else None
+        with single_process_ok(comm.active):
+            dcp.load(
+                part,
+                storage_reader=SafeReader(d),
+                planner=planner,
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
+        if planner is not None:
+            planner.done()
+        state.update(part)
 
 
 def _aliased(

@@ -49,6 +49,7 @@ from ..engine import ZeroEngine, _pick_device
 from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..precision.policy import PrecisionPolicy
+from ..stage_context import StageContext
 from ..timers import phase
 from ..zero.stage3 import Stage3Runtime
 from .mesh import Mesh
@@ -151,49 +152,11 @@ class PipelineEngine:
         self.micro_batches: int = self.config.gradient_accumulation_steps
         self.micro_batch_size: int | None = self.config.train_micro_batch_size_per_gpu
         n_chunks = self.mesh.pp_size * chunks
-        bounds = partition_layers(layers, n_chunks, pc.partition_method)
-        self.bounds = bounds
-        chunk_of_layer = [c for c in range(n_chunks) for _ in range(bounds[c], bounds[c + 1])]
-        rank_of_layer = [c % self.mesh.pp_size for c in chunk_of_layer]
-        self.tied = find_tied(layers, rank_of_layer, self.mesh)
-        mine = stage_indices(self.stage_id, self.mesh.pp_size, chunks)
-        self.chunk_ids = mine
-        if self.tied and self.config.zero_optimization.stage == 3:
-            t = self.tied[0]
-            raise ValueError(
-                f"zero_optimization.stage 3: a weight is shared by pipeline stages {t.stages} "
-                "(tied across stages, e.g. an embedding and its output head); under ZeRO-3 each "
-                "stage reduce-scatters its gradients as backward runs, so the copies cannot be "
-                "summed. Use stage 1 or 2, or keep the layers that share it on one stage "
-                "(pipeline.partition_method)"
-            )
-        own = stage_layers(bounds, self.stage_id, self.mesh.pp_size, chunks)
-        with together(Comm()):  # building a layer may fail on one rank (memory, a builder)
-            replaced = _build_own(layers, builders, own, device, self.config, param_init_fn)
-        for t in self.tied:  # the materialised copy of a tied weight is the one kept in sync
-            t.param = replaced.get(id(t.param), t.param)  # type: ignore[assignment]
-        broadcast_tied(self.tied)
-        # the stage's layers under their index in the full model, so state_dict keys match;
-        # the schedule runs each chunk through this module, so its hooks (ZeRO-3) see it
-        self.module = _StageModule(
-            [[(str(i), layers[i]) for i in range(bounds[c], bounds[c + 1])] for c in mine]
+        self.bounds = partition_layers(layers, n_chunks, pc.partition_method)
+        self.chunk_ids = mine = stage_indices(self.stage_id, self.mesh.pp_size, chunks)
+        self._build_stage_engine(
+            layers, builders, device, optimizer, lr_scheduler, param_init_fn, n_chunks
         )
-        self.engine = ZeroEngine(
-            self.module,
-            optimizer,
-            self._stage_config(),
-            lr_scheduler=lr_scheduler,
-            # with tensor parallelism the engine splits the layers over the stage's tp ranks
-            process_group=self.mesh.stage_group or self.mesh.dp_group,
-            param_init_fn=param_init_fn,
-            _stage_of=nn.Sequential(*layers),  # the optimizer holds every stage's parameters
-            _mesh=self.mesh.parallel,
-            _replaced=replaced,
-        )
-        self.engine.checkpoint_stage = self.stage_id
-        with together(Comm()):  # only the owning stages can tell
-            self._check_ties_replicated()
-        self.engine.set_gradient_accumulation_boundary(True)  # one step() per train_batch
         device = self.engine.device
         self._pp = Comm(self.mesh.pp_group)
         self._pp.link = self.engine.topology.link(self._pp.global_ranks())
@@ -220,6 +183,61 @@ class PipelineEngine:
         self._uncommitted: tuple[Path, str] | None = None
         self._saves_seen = self.engine.checkpoint_manager.saves
         self._has_last = n_chunks - 1 in mine
+
+    def _build_stage_engine(
+        self,
+        layers: list[nn.Module],
+        builders: Any,
+        device: torch.device,
+        optimizer: Any,
+        lr_scheduler: Any,
+        param_init_fn: Callable[[nn.Module], None] | None,
+        n_chunks: int,
+    ) -> None:
+        """This rank's layers (only they are built), the weights tied across stages, and the
+        :class:`~ds_strategy.ZeroEngine` over them with the stage's :class:`StageContext`."""
+        bounds, mine = self.bounds, self.chunk_ids
+        chunk_of_layer = [c for c in range(n_chunks) for _ in range(bounds[c], bounds[c + 1])]
+        rank_of_layer = [c % self.mesh.pp_size for c in chunk_of_layer]
+        self.tied = find_tied(layers, rank_of_layer, self.mesh)
+        if self.tied and self.config.zero_optimization.stage == 3:
+            t = self.tied[0]
+            raise ValueError(
+                f"zero_optimization.stage 3: a weight is shared by pipeline stages {t.stages} "
+                "(tied across stages, e.g. an embedding and its output head); under ZeRO-3 each "
+                "stage reduce-scatters its gradients as backward runs, so the copies cannot be "
+                "summed. Use stage 1 or 2, or keep the layers that share it on one stage "
+                "(pipeline.partition_method)"
+            )
+        own = stage_layers(bounds, self.stage_id, self.mesh.pp_size, self.chunks)
+        with together(Comm()):  # building a layer may fail on one rank (memory, a builder)
+            replaced = _build_own(layers, builders, own, device, self.config, param_init_fn)
+        for t in self.tied:  # the materialised copy of a tied weight is the one kept in sync
+            t.param = replaced.get(id(t.param), t.param)  # type: ignore[assignment]
+        broadcast_tied(self.tied)
+        # the stage's layers under their index in the full model, so state_dict keys match;
+        # the schedule runs each chunk through this module, so its hooks (ZeRO-3) see it
+        self.module = _StageModule(
+            [[(str(i), layers[i]) for i in range(bounds[c], bounds[c + 1])] for c in mine]
+        )
+        self.engine = ZeroEngine(
+            self.module,
+            optimizer,
+            self._stage_config(),
+            lr_scheduler=lr_scheduler,
+            # with tensor parallelism the engine splits the layers over the stage's tp ranks
+            process_group=self.mesh.stage_group or self.mesh.dp_group,
+            param_init_fn=param_init_fn,
+            pipeline_stage=StageContext(
+                self.stage_id,
+                nn.Sequential(*layers),  # the optimizer holds every stage's parameters
+                self.mesh.parallel,
+                replaced,
+            ),
+        )
+        with together(Comm()):  # only the owning stages can tell
+            self._check_ties_replicated()
+        self.engine.set_gradient_accumulation_boundary(True)  # one step() per train_batch
 
     def _check_ties_replicated(self) -> None:
         tp = self.engine.tensor_parallel
