@@ -169,3 +169,45 @@ def test_both_engines_answer_the_training_engine_calls() -> None:
                 assert (got.kind, got.default) == (p.kind, p.default), f"{cls.__name__}.{name}"
                 if p.kind is p.POSITIONAL_OR_KEYWORD:
                     assert positional[i] == p.name, f"{cls.__name__}.{name}: {p.name} moved"
+
+
+# -- the checkpoint seam -----------------------------------------------------------------------------
+
+
+def _seam_members() -> set[str]:
+    from ds_strategy.core.checkpoint.seam import CheckpointedEngine
+
+    names = set(getattr(CheckpointedEngine, "__annotations__", {}))
+    names |= {n for n in vars(CheckpointedEngine) if not n.startswith("_")}
+    return names
+
+
+def test_checkpoint_code_reads_only_the_seam_of_an_engine() -> None:
+    """Every ``engine.<name>`` the checkpoint modules read is a member of the protocol (so the
+    protocol is the whole list), and none is private."""
+    import ast
+    from pathlib import Path
+
+    members = _seam_members()
+    folder = Path(ds_strategy.__file__).parent / "core" / "checkpoint"
+    read: set[str] = set()
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                if isinstance(owner, ast.Attribute) and owner.attr == "engine":
+                    read.add(node.attr)  # self.engine.<name>
+                elif isinstance(owner, ast.Name) and owner.id == "engine":
+                    read.add(node.attr)
+    assert read and read <= members, sorted(read - members)
+    assert not [n for n in read if n.startswith("_")]
+
+
+def test_an_engine_has_every_member_of_the_checkpoint_seam() -> None:
+    model = nn.Linear(4, 4)
+    engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    try:
+        missing = [n for n in sorted(_seam_members()) if not hasattr(engine, n)]
+        assert missing == []
+    finally:
+        engine.destroy()

@@ -23,14 +23,12 @@ import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..faults import together
 from . import swap
+from .seam import CheckpointedEngine
 from .validate import META_FILE, CheckpointError
-
-if TYPE_CHECKING:
-    from ..engine import ZeroEngine
 
 __all__ = ["MANIFEST", "holds_engines", "load_engines", "read_manifest", "save_engines"]
 
@@ -89,7 +87,7 @@ def _next_tag(path: Path) -> str:
 
 
 def save_engines(
-    engines: Mapping[str, ZeroEngine],
+    engines: Mapping[str, CheckpointedEngine],
     path: str | Path,
     client_state: Any = None,
     *,
@@ -136,7 +134,7 @@ def save_engines(
 
 
 def load_engines(
-    engines: Mapping[str, ZeroEngine],
+    engines: Mapping[str, CheckpointedEngine],
     path: str | Path,
     *,
     load_optimizer: bool = True,

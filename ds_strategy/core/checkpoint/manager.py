@@ -41,7 +41,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -52,10 +52,8 @@ from . import sharded, swap
 from .engines import MANIFEST, holds_engines, read_manifest
 from .flat_piece import FlatPiece
 from .lock import LOCK_FILE, acquire, release
+from .seam import CheckpointedEngine
 from .validate import META_FILE, CheckpointError, read_meta
-
-if TYPE_CHECKING:
-    from ..engine import ZeroEngine
 
 __all__ = ["CheckpointManager", "LATEST"]
 
@@ -65,7 +63,7 @@ LATEST = "latest"
 class CheckpointManager:
     """Saves and loads for one engine; owns the pending asynchronous save, if any."""
 
-    def __init__(self, engine: ZeroEngine) -> None:
+    def __init__(self, engine: CheckpointedEngine) -> None:
         self.engine = engine
         self.config = engine.config.checkpoint
         if self.config.save_interval is not None and not self.config.save_dir:

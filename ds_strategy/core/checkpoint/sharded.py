@@ -37,7 +37,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -53,6 +53,7 @@ from ..memory import human_bytes
 from ..offload.streaming import SwapFiles
 from . import swap
 from .flat_piece import FlatPiece
+from .seam import CheckpointedEngine
 from .streamed import StreamingLoadPlanner, StreamingSavePlanner
 from .trust import SafeReader
 from .trust import pack as _pack
@@ -65,9 +66,6 @@ from .validate import (
     record_checksums,
     validate,
 )
-
-if TYPE_CHECKING:
-    from ..engine import ZeroEngine
 
 __all__ = ["CheckpointWriteError", "FORMAT", "commit", "load_engine", "write"]
 
@@ -84,7 +82,7 @@ def single_process_ok(distributed: bool) -> Iterator[None]:
         yield
 
 
-def _names(engine: ZeroEngine) -> dict[int, str]:
+def _names(engine: CheckpointedEngine) -> dict[int, str]:
     """Each parameter's name in the checkpoint: its name in the model, or, for this rank's
     part of a tensor-parallel weight, the original weight's."""
     tp = engine.tensor_parallel
@@ -96,7 +94,7 @@ def _names(engine: ZeroEngine) -> dict[int, str]:
 
 
 def _piece(
-    engine: ZeroEngine,
+    engine: CheckpointedEngine,
     p: torch.Tensor,
     local: torch.Tensor,
     start: int,
@@ -117,7 +115,7 @@ def _piece(
     return FlatPiece(local, start, info.numel, runs=runs)
 
 
-def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+def _model_entries(engine: CheckpointedEngine) -> dict[str, torch.Tensor]:
     """This rank's pieces of every parameter, as views of the live storage (so a load writes
     straight into the shards), plus the persistent buffers."""
     names = _names(engine)
@@ -145,7 +143,7 @@ def _model_entries(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
+def _param_shapes(engine: CheckpointedEngine) -> dict[str, list[int]]:
     """Each parameter's real shape (saved flattened; sharded ones are empty between uses)."""
     names = _names(engine)
     shapes = {names[id(p)]: list(p.shape) for p in engine.module.parameters()}
@@ -158,7 +156,7 @@ def _param_shapes(engine: ZeroEngine) -> dict[str, list[int]]:
     return shapes
 
 
-def _pieces(engine: ZeroEngine) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
+def _pieces(engine: CheckpointedEngine) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
     """(piece, parameter name, parameter, its numel) for every optimizer piece on this rank."""
     names = _names(engine)
     for pc in engine.optimizer_pieces:
@@ -166,7 +164,7 @@ def _pieces(engine: ZeroEngine) -> Iterator[tuple[Any, str, torch.Tensor, int]]:
         yield pc, names[id(p)], p, pc.group.layout.slots[pc.index].numel
 
 
-def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
+def _optim_entries(engine: CheckpointedEngine) -> dict[str, Any]:
     opt = engine.optimizer
     out: dict[str, Any] = {}
     for pc, name, p, numel in _pieces(engine):
@@ -180,7 +178,7 @@ def _optim_entries(engine: ZeroEngine) -> dict[str, Any]:
     return out
 
 
-def _compression_slots(engine: ZeroEngine) -> Iterator[tuple[str, torch.Tensor, int]]:
+def _compression_slots(engine: CheckpointedEngine) -> Iterator[tuple[str, torch.Tensor, int]]:
     """(checkpoint key, this rank's view, numel) of every compression buffer (top-k residual,
     momentum-correction velocity) of every parameter."""
     comp = engine.compression
@@ -194,7 +192,7 @@ def _compression_slots(engine: ZeroEngine) -> Iterator[tuple[str, torch.Tensor, 
                 yield f"compression/{names[id(p)]}/{kind}", view, slot.numel
 
 
-def _compression_entries(engine: ZeroEngine) -> dict[str, FlatPiece]:
+def _compression_entries(engine: CheckpointedEngine) -> dict[str, FlatPiece]:
     """[Note: compression residuals in a checkpoint]
     Each rank's residual is its own (what it has not sent yet), so a parameter's residuals are
     saved as one tensor of ``world x numel`` elements, rank ``r`` writing row ``r``. Loaded at
@@ -213,7 +211,7 @@ def _loaded_as_is(state: dict[str, Any]) -> None:
 
 
 def _compression_destinations(
-    engine: ZeroEngine, saved: dict[str, Any]
+    engine: CheckpointedEngine, saved: dict[str, Any]
 ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
     """What to load the residuals into, and what to do once loaded: nothing when the
     checkpoint has none (a dense run's: the residuals start at zero) or the same world size;
@@ -234,7 +232,7 @@ def _compression_destinations(
     return {k: FlatPiece(t, 0, t.numel()) for k, t in rows.items()}, average
 
 
-def _engine_entry(engine: ZeroEngine) -> dict[str, Any]:
+def _engine_entry(engine: CheckpointedEngine) -> dict[str, Any]:
     # counters, lr scheduler and loss scaler: engine.restore_checkpoint_state takes them back
     return {
         "format": FORMAT,
@@ -253,7 +251,7 @@ def _rng_state() -> dict[str, Any]:
 
 
 def collect_state(
-    engine: ZeroEngine, client_state: Any = None, include_optimizer: bool = True
+    engine: CheckpointedEngine, client_state: Any = None, include_optimizer: bool = True
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What this rank saves (views of the live storage) and the ``ds_strategy.json`` record."""
     engine.plan.wait_params()
@@ -450,7 +448,7 @@ def _as_write_error(
 
 
 def load_engine(
-    engine: ZeroEngine,
+    engine: CheckpointedEngine,
     paths: str | os.PathLike | list[Path],
     load_optimizer: bool = True,
     require_checksums: bool = True,
@@ -505,7 +503,7 @@ def load_engine(
 
 
 def _saved_entries(
-    engine: ZeroEngine, dirs: list[Path], require_checksums: bool
+    engine: CheckpointedEngine, dirs: list[Path], require_checksums: bool
 ) -> tuple[dict[str, Any], dict[str, int]]:
     """Every entry the checkpoint directories hold (checked against this model first), and
     the index of the first directory holding each; a pipeline stage's random state comes
@@ -531,7 +529,7 @@ def _saved_entries(
 
 
 def _read_dirs(
-    engine: ZeroEngine, dirs: list[Path], state: dict[str, Any], source: dict[str, int]
+    engine: CheckpointedEngine, dirs: list[Path], state: dict[str, Any], source: dict[str, int]
 ) -> None:
     """Fill ``state`` in place from the directories; every rank reads every directory, in
     the same order (DCP's reads are collective)."""
@@ -585,7 +583,7 @@ def _saved_for(
     return by_name.get(name) or by_name.get(aliases.get(name, name), [])
 
 
-def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, Any]:
+def _optim_destinations(engine: CheckpointedEngine, saved: dict[str, Any]) -> dict[str, Any]:
     """Tensors to load the optimizer state into: this rank's pieces of per-element state
     (created if the optimizer has not stepped yet) and placeholders for the rest."""
     opt = engine.optimizer
@@ -610,7 +608,7 @@ def _optim_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, 
 
 
 def _install_optimizer_state(
-    engine: ZeroEngine, state: dict[str, Any], path: Path, trust: bool
+    engine: CheckpointedEngine, state: dict[str, Any], path: Path, trust: bool
 ) -> None:
     opt = engine.optimizer
     by_name = _saved_optim_keys(state)
@@ -631,7 +629,7 @@ def _install_optimizer_state(
 
 
 def _restore_engine(
-    engine: ZeroEngine, state: dict[str, Any], rng_key: str, with_optimizer: bool
+    engine: CheckpointedEngine, state: dict[str, Any], rng_key: str, with_optimizer: bool
 ) -> None:
     # the lr schedule belongs to the optimizer it drives
     engine.restore_checkpoint_state(state["engine"], lr_scheduler=with_optimizer)

@@ -467,7 +467,16 @@ class InferenceEngine(nn.Module):
                 "save_quantized: this engine holds full-precision weights; build it with a "
                 "quantization section (bits 8 or 4) first"
             )
-        write_quantized(self, path)
+        groups = [g for u in self.units for g in u.groups]
+        write_quantized(
+            path,
+            self.module,
+            groups,
+            self.comm,
+            self.quant.scheme,
+            self.quant.modules,
+            self.tensor_parallel is not None,
+        )
         return path
 
     def destroy(self) -> None:

@@ -11,26 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..checkpoint.weights_file import stream_safetensors
+from ..collectives import Comm
 from ..quant.export import quant_meta
-
-if TYPE_CHECKING:
-    from .engine import InferenceEngine
+from ..zero.flat_group import FlatParamGroup
 
 __all__ = ["write_quantized"]
 
 
-def _entries(engine: InferenceEngine) -> list[tuple[str, nn.Parameter | torch.Tensor]]:
+def _entries(module: nn.Module) -> list[tuple[str, nn.Parameter | torch.Tensor]]:
     """(name, tensor) of every parameter (a tied one once, under its first name) and
     persistent buffer, in state-dict order."""
     out: list[tuple[str, nn.Parameter | torch.Tensor]] = []
     seen: set[int] = set()
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    for name, t in module.state_dict(keep_vars=True).items():
         if id(t) not in seen:
             seen.add(id(t))
             out.append((name, t))
@@ -38,11 +37,11 @@ def _entries(engine: InferenceEngine) -> list[tuple[str, nn.Parameter | torch.Te
 
 
 def _tensors(
-    engine: InferenceEngine, entries: list[tuple[str, torch.Tensor]]
+    groups: list[FlatParamGroup], entries: list[tuple[str, torch.Tensor]]
 ) -> Iterator[torch.Tensor]:
     """The full tensors of ``entries`` in order; collective under ZeRO (a group is gathered
     when its first parameter comes up and released after its last)."""
-    group_of = {id(p): g for u in engine.units for g in u.groups for p in g.params}
+    group_of = {id(p): g for g in groups for p in g.params}
     last_use: dict[int, int] = {}
     for i, (_, t) in enumerate(entries):
         g = group_of.get(id(t))
@@ -61,26 +60,33 @@ def _tensors(
             g.release()
 
 
-def write_quantized(engine: InferenceEngine, path: Path) -> None:
-    if engine.tensor_parallel is not None:
+def write_quantized(
+    path: Path,
+    module: nn.Module,
+    groups: list[FlatParamGroup],
+    comm: Comm,
+    scheme: Any,
+    modules: dict[str, Any],
+    tensor_parallel: bool,
+) -> None:
+    """Collective: rank 0 writes ``module``'s weights, the sharded ones gathered group by
+    group from ``groups``, with the quantization ``scheme`` of ``modules`` in the metadata."""
+    if tensor_parallel:
         raise ValueError(
             "save_quantized: this engine splits its layers over tensor-parallel ranks; save from "
             "an engine without tensor parallelism (the file then loads into any layout, "
             "tensor-parallel included)"
         )
-    quant = engine.quant
-    assert quant is not None
-    entries = _entries(engine)
+    entries = _entries(module)
     shapes = {}
-    for u in engine.units:
-        for g in u.groups:
-            for p, shape in zip(g.params, g.shapes, strict=True):
-                shapes[id(p)] = list(shape)
+    for g in groups:
+        for p, shape in zip(g.params, g.shapes, strict=True):
+            shapes[id(p)] = list(shape)
     declared = [(name, t.dtype, shapes.get(id(t), list(t.shape))) for name, t in entries]
-    tensors = _tensors(engine, entries)
-    if engine.comm.rank == 0:
-        stream_safetensors(path, declared, tensors, quant_meta(quant.scheme, quant.modules))
+    tensors = _tensors(groups, entries)
+    if comm.rank == 0:
+        stream_safetensors(path, declared, tensors, quant_meta(scheme, modules))
     else:
         for _ in tensors:  # take part in the gathers
             pass
-    engine.comm.barrier()
+    comm.barrier()

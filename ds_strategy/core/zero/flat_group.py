@@ -34,10 +34,10 @@ from ..collectives import Comm, Work
 from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
-from .inflight import Fold, Gather, Reduction
+from .inflight import Fold, Gather, GradScaling, Reduction
 from .layout import FlatLayout
 
-__all__ = ["FlatParamGroup", "GroupPolicy", "ShardState"]
+__all__ = ["FlatParamGroup", "GradScaling", "GroupPolicy", "ShardState"]
 
 
 class ShardState(enum.Enum):
@@ -76,21 +76,6 @@ class GroupPolicy:
     shard_optimizer: bool  # stage >= 1: the optimizer sees only this rank's slice
     shard_grads: bool  # stage >= 2: only the reduced slice of the gradients is kept
     shard_params: bool  # stage 3: only the slice of the parameters is kept between uses
-
-
-@dataclass(frozen=True)
-class GradScaling:
-    """DeepSpeed's gradient averaging: divide by ``pre`` before the reduction and multiply by
-    ``post`` after it (``pre * (1/post) == world size``)."""
-
-    pre: float
-    post: float
-
-    @staticmethod
-    def of(world_size: int, prescale: bool, predivide_factor: float) -> GradScaling:
-        if prescale:
-            return GradScaling(float(world_size), 1.0)
-        return GradScaling(predivide_factor, predivide_factor / world_size)
 
 
 class FlatParamGroup:

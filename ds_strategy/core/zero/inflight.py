@@ -20,16 +20,38 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..collectives import Work
 
-if TYPE_CHECKING:
-    from .flat_group import FlatParamGroup, GradScaling
+__all__ = ["Fold", "Gather", "GradScaling", "ReducingGroup", "Reduction", "ReductionQueue"]
 
-__all__ = ["Fold", "Gather", "Reduction", "ReductionQueue"]
+
+@dataclass(frozen=True)
+class GradScaling:
+    """DeepSpeed's gradient averaging: divide by ``pre`` before the reduction and multiply by
+    ``post`` after it (``pre * (1/post) == world size``)."""
+
+    pre: float
+    post: float
+
+    @staticmethod
+    def of(world_size: int, prescale: bool, predivide_factor: float) -> GradScaling:
+        if prescale:
+            return GradScaling(float(world_size), 1.0)
+        return GradScaling(predivide_factor, predivide_factor / world_size)
+
+
+class ReducingGroup(Protocol):
+    """What a reduction needs of the group it reduces (a ``FlatParamGroup``)."""
+
+    def launch_reduce(self, scaling: GradScaling) -> Reduction | None: ...
+
+    def before_fold(self) -> None: ...
+
+    def reduction_done(self, reduction: Reduction) -> None: ...
 
 
 class Fold(enum.Enum):
@@ -49,7 +71,7 @@ class Reduction:
     frees ``held`` bytes of model state; the result, multiplied by ``post``, ends in ``dest``
     as ``fold`` says."""
 
-    group: FlatParamGroup
+    group: ReducingGroup
     work: Work
     send: torch.Tensor | None
     out: torch.Tensor | None
@@ -97,7 +119,7 @@ class ReductionQueue:
         self.max_in_flight = max_in_flight
         self._in_flight: deque[Reduction] = deque()
 
-    def launch(self, group: FlatParamGroup, scaling: GradScaling) -> None:
+    def launch(self, group: ReducingGroup, scaling: GradScaling) -> None:
         """Make room (complete the oldest reductions), then start ``group``'s."""
         if self.max_in_flight is not None:
             while len(self._in_flight) >= self.max_in_flight:
