@@ -1,4 +1,5 @@
-"""The ``ds-strategy`` command."""
+"""The ``ds-strategy`` command: ``consolidate`` (here), ``estimate`` (``estimate.py``) and
+``generate`` (``generate.py``); ``python -m ds_strategy.cli`` runs it too."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import sys
 
 import torch
 
-from . import generate_cli
-from .core.checkpoint.consolidate import consolidate
-from .estimate import add_cli_parser, run_cli
+from ..core.checkpoint.consolidate import consolidate
+from . import estimate, generate
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
 
@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="accept a checkpoint that records no checksums (only one you trust)",
     )
-    add_cli_parser(sub)
-    generate_cli.add_cli_parser(sub)
+    estimate.add_cli_parser(sub)
+    generate.add_cli_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "estimate":
-        return run_cli(args)
+        return estimate.run_cli(args)
     if args.command == "generate":
-        return generate_cli.run_cli(args)
+        return generate.run_cli(args)
     try:
         out = consolidate(
             args.checkpoint_dir,
@@ -58,7 +58,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,359 @@
+"""``ds-strategy estimate``: the memory model of ``ds_strategy.estimate`` for one model and
+world size, every ZeRO stage / offload tier / precision as a table, the peak of a step, and
+the cheapest configuration that fits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..core.model_factory import build_failure
+from ..estimate import (
+    CANDIDATES,
+    DEFAULT_PERSISTENCE_THRESHOLD,
+    PRECISIONS,
+    Estimate,
+    Knobs,
+    ModelFacts,
+    StageFacts,
+    config_of,
+    estimate_all,
+    format_peaks,
+    format_table,
+    gigabytes,
+    model_facts,
+    parse_bytes,
+    parse_count,
+    pipeline_facts,
+    recommend,
+    step_peak,
+    worst_per_candidate,
+)
+
+__all__ = ["add_cli_parser", "run_cli"]
+
+
+def add_cli_parser(sub: Any) -> None:
+    """Register ``ds-strategy estimate`` on an argparse subparsers object."""
+    e = sub.add_parser(
+        "estimate",
+        help="per-rank memory of every ZeRO stage / offload / precision, and the cheapest that fits",
+        description="Per-rank memory of every ZeRO stage, offload tier and precision (Adam), "
+        "and the cheapest configuration that fits the given memory.",
+    )
+    what = e.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", help="number of parameters: 7e9, 7B, 350M")
+    what.add_argument(
+        "--model",
+        help="a model factory 'package.module:factory', called on the meta device "
+        "(counts parameters and the largest ZeRO-3 unit without allocating)",
+    )
+    e.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the factory (repeatable; values are Python literals)",
+    )
+    e.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    e.add_argument("--gpu-mem", help="memory per accelerator: 80GB, 24GiB")
+    e.add_argument("--cpu-mem", help="host memory per node, shared by its ranks: 512GB")
+    e.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks sharing one node's host memory (default: min(world size, 8))",
+    )
+    e.add_argument("--activations", default="0", help="activation memory per rank, if known: 10GB")
+    e.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="bf16",
+        help="the precision to recommend a configuration for (default bf16)",
+    )
+    _add_layout_arguments(e)
+
+
+def _add_layout_arguments(e: Any) -> None:
+    """The ZeRO++ / MiCS / pipeline / config / CPU flags of ``ds-strategy estimate``."""
+    e.add_argument(
+        "--hpz-partition-size",
+        type=int,
+        default=1,
+        help="ZeRO++ zero_hpz_partition_size (its secondary stage-3 copy is counted)",
+    )
+    e.add_argument(
+        "--mics-shard-size",
+        type=int,
+        default=-1,
+        help="MiCS mics_shard_size: stages 1-3 shard over this many ranks, not all of them",
+    )
+    e.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="pipeline stages (with --model, an nn.Sequential factory): the table per stage; "
+        "--world-size is then the data-parallel ranks of each stage",
+    )
+    e.add_argument(
+        "--partition-method",
+        default=None,
+        help="pipeline.partition_method: parameters (default), uniform, type:<regex>",
+    )
+    e.add_argument(
+        "--stages-per-rank", type=int, default=None, help="chunks per rank (interleaved 1F1B)"
+    )
+    e.add_argument(
+        "--config",
+        help="a ds_strategy / DeepSpeed config or preset name: its pipeline section gives the "
+        "three above (flags given explicitly win), its bucket and offload buffer sizes size "
+        "the peak of a step",
+    )
+    e.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="the ranks compute on CPUs (gloo): device memory is host memory, so the host peak "
+        "is the whole per-rank peak",
+    )
+    e.add_argument(
+        "--persistence-threshold",
+        type=float,
+        default=DEFAULT_PERSISTENCE_THRESHOLD,
+        help="stage3_param_persistence_threshold (with --model)",
+    )
+
+
+def _literal(text: str) -> Any:
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _pipeline_args(args: Any) -> tuple[int, str, int]:
+    """(stages, partition method, chunks per rank) from the flags, else the config's
+    ``pipeline`` section, else no pipeline."""
+    stages, method, chunks = 1, "parameters", 1
+    if args.config:
+        from ..config import load_config
+
+        pc = load_config(args.config).pipeline
+        stages, method = int(pc.stages), str(pc.partition_method)
+        chunks = int(pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1))
+    if args.pipeline_stages != 1:
+        stages = args.pipeline_stages
+    method = args.partition_method or method
+    chunks = args.stages_per_rank or chunks
+    if stages < 1 or chunks < 1:
+        raise ValueError(f"--pipeline-stages {stages} / --stages-per-rank {chunks}: must be >= 1")
+    return stages, method, chunks
+
+
+def _knobs(args: Any) -> Knobs:
+    """The buffer sizes of ``--config`` (DeepSpeed's defaults without one)."""
+    cpu_only = bool(args.cpu_only)
+    if not args.config:
+        return Knobs(reduce_scratch=cpu_only, cpu_only=cpu_only)
+    from ..config import load_config
+
+    return Knobs.from_config(load_config(args.config), cpu_only)
+
+
+def _whole(parts: list[StageFacts]) -> ModelFacts:
+    """The pipeline's parameters in total (a tied copy on each stage counted each time)."""
+    return ModelFacts(
+        params=sum(p.facts.params for p in parts),
+        trainable=sum(p.facts.n_trainable for p in parts),
+    )
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 6]`` -> ``"0-2, 5-6"``."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
+
+
+def _option(name: str, parse: Callable[[str], Any], text: str) -> Any:
+    """``parse(text)``, its error naming the option ``name``."""
+    try:
+        return parse(text)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
+
+def _model_from_args(args: Any) -> tuple[ModelFacts, list[StageFacts]]:
+    """The model's facts (and a pipeline's per stage) from ``--model`` or ``--params``."""
+    if not args.model:
+        if args.model_arg:
+            raise ValueError("--model-arg needs --model")
+        if _pipeline_args(args)[0] > 1:
+            raise ValueError("--pipeline-stages needs --model (its layers are partitioned)")
+        return ModelFacts(params=_option("--params", parse_count, args.params)), []
+    kwargs = {}
+    for item in args.model_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--model-arg {item!r}: expected KEY=VALUE")
+        kwargs[key] = _literal(value)
+    stages, method, chunks = _pipeline_args(args)
+    threshold = int(args.persistence_threshold)
+    try:
+        if stages > 1:
+            parts = pipeline_facts(args.model, stages, method, chunks, kwargs, threshold)
+            return _whole(parts), parts
+        return model_facts(args.model, kwargs, threshold), []
+    except ValueError as err:  # the model's own check of its arguments, or ours
+        if str(err).startswith("--"):
+            raise
+        raise ValueError(f"--model {args.model} with {kwargs}: {err}") from None
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
+        raise ValueError(
+            f"--model {args.model} with {kwargs}: building it on the meta device failed "
+            f"({build_failure(err)}); check --model-arg"
+        ) from None
+
+
+def _check_layout_args(args: Any) -> None:
+    """``--world-size``, ``--hpz-partition-size``, ``--ranks-per-node``, ``--mics-shard-size``."""
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.hpz_partition_size < 1 or args.world_size % args.hpz_partition_size:
+        raise ValueError(
+            f"--hpz-partition-size {args.hpz_partition_size} must divide --world-size "
+            f"{args.world_size}"
+        )
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise ValueError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
+    if args.mics_shard_size == 0 or args.mics_shard_size < -1:
+        raise ValueError(
+            f"--mics-shard-size must be -1 (off) or a divisor of --world-size, got "
+            f"{args.mics_shard_size}"
+        )
+    mics = args.mics_shard_size
+    if mics > 0 and (args.world_size % mics or args.hpz_partition_size > 1):
+        raise ValueError(
+            f"--mics-shard-size {mics} must divide --world-size {args.world_size} and "
+            "cannot be combined with --hpz-partition-size"
+        )
+
+
+def _describe(args: Any, facts: ModelFacts, parts: list[StageFacts]) -> str:
+    """The heading: the model's size, its units or stages, the ranks."""
+    mics_note = (
+        f" (MiCS: stages 1-3 sharded over groups of {args.mics_shard_size})"
+        if args.mics_shard_size > 0
+        else ""
+    )
+    unit = (
+        f", ZeRO-3 units: root {facts.root_unit / 1e6:.2f}M, largest block "
+        f"{facts.largest_unit / 1e6:.2f}M"
+        if args.model and not parts
+        else f" in {len(parts)} pipeline stages"
+        if parts
+        else "; ZeRO-3 gathers counted as the prefetch bucket only (give --model for its units)"
+    )
+    return (
+        f"{facts.params / 1e9:.3f}B parameters ({facts.n_trainable / 1e9:.3f}B trainable){unit}\n"
+        f"{args.world_size} rank(s){mics_note}{' per stage' if parts else ''}, Adam; GB per rank "
+        "(1 GB = 1e9 bytes); ok = fits"
+    )
+
+
+def run_cli(args: Any) -> int:
+    """Print the table and the recommendation; 0 when something fits (or nothing to fit),
+    1 when nothing does, 2 on bad input."""
+    try:
+        if not 0 <= args.persistence_threshold < 2**63:  # (NaN fails too)
+            raise ValueError(
+                f"--persistence-threshold must be a number of elements >= 0, got "
+                f"{args.persistence_threshold}"
+            )
+        facts, parts = _model_from_args(args)
+        gpu = _option("--gpu-mem", parse_bytes, args.gpu_mem) if args.gpu_mem else None
+        cpu = _option("--cpu-mem", parse_bytes, args.cpu_mem) if args.cpu_mem else None
+        act = _option("--activations", parse_bytes, args.activations)
+        _check_layout_args(args)
+        knobs = _knobs(args)
+    except (ValueError, OSError) as err:
+        print(f"ds-strategy estimate: {err}", file=sys.stderr)
+        return 2
+    per_node = args.ranks_per_node or min(args.world_size, 8)
+
+    def table(f: ModelFacts) -> list[Estimate]:
+        return estimate_all(
+            f,
+            args.world_size,
+            activation_bytes=act,
+            hpz_partition_size=args.hpz_partition_size,
+            mics_shard_size=args.mics_shard_size,
+        )
+
+    print(_describe(args, facts, parts))
+    if parts:
+        per_stage = [table(part.facts) for part in parts]
+        for part, rows in zip(parts, per_stage, strict=True):
+            f = part.facts
+            print(
+                f"\npipeline stage {part.stage}: layers {_ranges(part.layers)}, "
+                f"{f.params / 1e6:.2f}M parameters, ZeRO-3 units: root {f.root_unit / 1e6:.2f}M, "
+                f"largest block {f.largest_unit / 1e6:.2f}M"
+            )
+            print(format_table(rows, None, cpu, per_node))
+        # one config serves every stage: the recommendation must fit the largest
+        estimates = worst_per_candidate(per_stage)
+        print("\nper configuration, the stage needing the most memory:")
+    else:
+        estimates = table(facts)
+    print(format_table(estimates, gpu, cpu, per_node))
+    if not parts and args.mics_shard_size <= 0 and args.hpz_partition_size == 1:
+        peaks = [
+            step_peak(facts, args.world_size, s, o, args.precision, act, knobs)
+            for s, o in CANDIDATES
+        ]
+        where = "host memory (CPU ranks)" if knobs.cpu_only else "each tier"
+        print(
+            f"\npeak of a training step at {args.precision}, {where}, GB per rank: model state "
+            "and the step's buffers (gathered units, gradient buckets, swap buffers), "
+            "[the phase] and the largest terms held then"
+        )
+        print(format_peaks(peaks))
+    return _recommendation(args, estimates, gpu, cpu, per_node, len(parts))
+
+
+def _recommendation(
+    args: Any,
+    estimates: list[Estimate],
+    gpu: float | None,
+    cpu: float | None,
+    per_node: int,
+    stages: int,
+) -> int:
+    if gpu is None:
+        print("give --gpu-mem (and --cpu-mem) for a recommendation")
+        return 0
+    best = recommend(estimates, gpu, cpu, per_node, args.precision)
+    if best is None:
+        print(
+            f"nothing fits {args.gpu_mem} per device at {args.precision}: add ranks "
+            "(--world-size), reduce activations (activation checkpointing) or use larger devices"
+        )
+        return 1
+    where = f", {gigabytes(best.cpu)} GB host" if best.cpu else ""
+    where += f", {gigabytes(best.nvme)} GB NVMe" if best.nvme else ""
+    config = config_of(best)
+    if stages:
+        config = {"pipeline": {"stages": stages}, **config}
+    print(
+        f"recommended: {best.name} {args.precision} -- {gigabytes(best.device_total)} GB per device"
+        f"{where}\n  config: {json.dumps(config)}"
+    )
+    return 0
