@@ -151,16 +151,17 @@ def test_each_front_end_uses_the_front_end_layer(front: str) -> None:
 
 
 def test_front_end_size_budget() -> None:
-    """lightning/, fabric/, accelerate/ and the front-end layer stay thin (3,250 lines: the
+    """lightning/, fabric/, accelerate/ and the front-end layer stay thin (3,420 lines: the
     2,500 of the one-layer rewrite plus tensor parallelism's data sharding and the hooks the
     Hugging Face Trainer front end uses, 2,600; plus several models and optimizers in one job,
-    an engine per model or per optimizer in each front end, about 650)."""
+    an engine per model or per optimizer in each front end, about 650; plus each framework's
+    private-API calls gathered in one module, about 170)."""
     lines = sum(
         len(p.read_text().splitlines())
         for d in (*FRONT_ENDS, "frontends")
         for p in (PACKAGE / d).rglob("*.py")
     )
-    assert lines <= 3250, f"the front ends are {lines} lines"
+    assert lines <= 3420, f"the front ends are {lines} lines"
 
 
 def test_hf_front_end_size_budget() -> None:

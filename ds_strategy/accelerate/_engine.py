@@ -33,6 +33,7 @@ from ..core import ZeroEngine
 from ..core.checkpoint.engines import holds_engines, load_engines, save_engines
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
 from ._front import Front, prepared, torch_optimizer
+from ._private import track
 
 __all__ = ["EngineFront", "Slot", "ZeroOptimizerWrapper"]
 
@@ -238,7 +239,7 @@ class EngineFront(Front):
         move_real_tensors(model, self.acc.device)
         engine = ZeroEngine(model, None, resolved)
         self.slots.append(Slot(engine))
-        self.acc._models.append(engine)
+        track(self.acc, "model", engine)
         return engine
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
@@ -275,7 +276,7 @@ class EngineFront(Front):
             step_with_optimizer=self.acc.step_scheduler_with_optimizer,
             split_batches=self.acc.split_batches,
         )
-        self.acc._schedulers.append(out)
+        track(self.acc, "scheduler", out)
         return out
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

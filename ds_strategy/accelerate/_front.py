@@ -40,6 +40,14 @@ from ..core.collectives import Comm
 from ..core.faults import together
 from ..core.optimizers import build_optimizer
 from ..core.training import TrainingEngine
+from ._private import (
+    custom_objects,
+    run_load_hooks,
+    run_save_hooks,
+    track,
+    tracked_loaders,
+    tracked_schedulers,
+)
 from .plugin import ZeroPlugin
 
 __all__ = ["ENGINE_DIR", "EngineSchedulerWrapper", "Front"]
@@ -154,8 +162,8 @@ class Front:
         self, model: nn.Module, wrapper: Any, scheduler: Any
     ) -> EngineSchedulerWrapper | None:
         """Hand Accelerate the prepared model and optimizer; wrap a scheduler the engine owns."""
-        self.acc._models.append(model)
-        self.acc._optimizers.append(wrapper)
+        track(self.acc, "model", model)
+        track(self.acc, "optimizer", wrapper)
         return None if scheduler is None else EngineSchedulerWrapper(scheduler, wrapper)
 
     def save_state(self, output_dir: str | None, safe_serialization: bool) -> str:
@@ -168,23 +176,22 @@ class Front:
         with together(world):
             os.makedirs(path, exist_ok=True)
             # as with DeepSpeed: the hooks get the engine, no consolidated weights
-            for hook in acc._save_model_state_pre_hook.values():
-                hook(acc._models, [], path)
+            run_save_hooks(acc, path)
         self.save_engines(os.path.join(path, ENGINE_DIR))
         with together(world):
             save_accelerator_state(
                 path,
                 [],
                 [],
-                acc._schedulers,
-                acc._dataloaders,
+                tracked_schedulers(acc),
+                tracked_loaders(acc),
                 acc.state.process_index,
                 acc.step,
                 None,
                 save_on_each_node=on_each_node,
                 safe_serialization=safe_serialization,
             )
-            for i, obj in enumerate(acc._custom_objects):
+            for i, obj in enumerate(custom_objects(acc)):
                 save_custom_state(obj, path, i, save_on_each_node=on_each_node)
         acc.project_configuration.iteration += 1
         return path
@@ -197,13 +204,12 @@ class Front:
         world = Comm()
         with together(world):
             path = _load_dir(acc, input_dir)
-            for hook in acc._load_model_state_pre_hook.values():
-                hook(acc._models, path)
+            run_load_hooks(acc, path)
         self.load_engines(os.path.join(path, ENGINE_DIR), trust_checkpoint)
         with together(world):
-            rank, objects = acc.state.process_index, acc._custom_objects
+            rank, objects = acc.state.process_index, custom_objects(acc)
             restored = load_accelerator_state(
-                path, [], [], acc._schedulers, acc._dataloaders, rank, None, "cpu"
+                path, [], [], tracked_schedulers(acc), tracked_loaders(acc), rank, None, "cpu"
             )
             if "step" in restored:
                 acc.step = restored["step"]

@@ -27,6 +27,7 @@ from ..config import ZeroConfig
 from ..config._auto import fill_auto
 from ..core.pipeline import PipelineEngine
 from ._front import Front, torch_optimizer
+from ._private import track
 from .plugin import ZeroPlugin
 
 __all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
@@ -205,7 +206,7 @@ class PipelineFront(Front):
             use_stateful_dataloader=acc.use_stateful_dataloader,
         )
         out._is_accelerate_prepared = True
-        acc._dataloaders.append(out)
+        track(acc, "dataloader", out)
         return out
 
     def _check_batch(self, size: int) -> None:

@@ -22,6 +22,7 @@ from ..frontends.engines import move_real_tensors
 from ..frontends.flags import apply_mixed_precision
 from ._engine import EngineFront
 from ._pipeline import PipelineFront
+from ._private import prepared_objects
 from .plugin import ZeroPlugin
 
 __all__ = ["ZeroAccelerator"]
@@ -168,7 +169,7 @@ class ZeroAccelerator(Accelerator):
         if device_placement is not None:
             raise ValueError("prepare(device_placement=...) is not supported by ZeroAccelerator")
         out = self._front.prepare(args)
-        containers = (self._dataloaders, self._models, self._optimizers, self._schedulers)
+        containers = prepared_objects(self)
         for obj in out:
             if any(obj in c for c in containers):
                 obj._is_accelerate_prepared = True

@@ -14,12 +14,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.strategy import (
-    _BackwardSyncControl,
-    _Sharded,
-    _validate_keys_for_strict_loading,
-)
-from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -32,13 +26,22 @@ from ..frontends.engines import (
     move_schedulers,
 )
 from ..frontends.lightning_base import LightningZeroBase
+from ..frontends.lightning_private import (
+    BackwardSyncControl,
+    Sharded,
+    Stateful,
+    check_strict_keys,
+    convert_stateful,
+    joint_setup_error,
+    set_backward_sync_control,
+)
 from ..frontends.several import SeveralEngines
 from .precision import ZeroFabricPrecision
 
 __all__ = ["ZeroStrategy"]
 
 
-class _EngineSyncControl(_BackwardSyncControl):
+class _EngineSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)`` is the engine's ``no_sync()``."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
@@ -52,7 +55,7 @@ class _EngineSyncControl(_BackwardSyncControl):
         return module.no_sync()
 
 
-class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
+class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
     """ZeRO stage 0-3 for ``lightning.Fabric`` (registered as ``zero1`` ... ``zero3_offload``;
     arguments: :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`).
 
@@ -74,7 +77,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
     not_set_up = "the ZeRO engine exists once fabric.setup(model, ...) has run"
 
     def _init_front(self) -> None:
-        self._backward_sync_control = _EngineSyncControl()
+        set_backward_sync_control(self, _EngineSyncControl())
         # one engine per fabric.setup call, in order, with its clip_gradients request waiting
         # between accumulation boundaries
         self._clips: dict[ZeroEngine, PendingClip] = {}
@@ -111,7 +114,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
         return self._setup(module, evaluation_optimizer)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        raise ValueError(self._err_msg_joint_setup_required())
+        raise ValueError(joint_setup_error(self))
 
     def _setup(self, module: nn.Module, optimizer: Any) -> ZeroEngine:
         # Fabric loops accumulate as the config (or the user) says
@@ -256,7 +259,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
             )
         engines = self._engines_in(state)
         rest = {k: state[k] for k in self._rest(state, engines)}
-        client_state = self._convert_stateful_objects_in_state(rest, {})
+        client_state = convert_stateful(self, rest)
         path = self._checkpoint_path(path)
         if len(engines) == 1:
             next(iter(engines.values())).save_checkpoint(path, client_state=client_state)
@@ -288,9 +291,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, _Sharded):
             saved = load_engines(engines, path, trust_checkpoint=trust)
         saved = saved or {}
         wanted = self._rest(state, engines)
-        _validate_keys_for_strict_loading(wanted, saved.keys(), strict=strict)
+        check_strict_keys(wanted, saved.keys(), strict=strict)
         for name in [k for k in wanted if k in saved]:
-            if isinstance(state[name], _Stateful):
+            if isinstance(state[name], Stateful):
                 state[name].load_state_dict(saved.pop(name))
             else:
                 state[name] = saved.pop(name)

@@ -5,7 +5,6 @@ use :class:`ShardedModelSummary`, counting full sizes (as Lightning does for Dee
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -14,6 +13,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 
 from ..core.engine import ZeroEngine
+from ..frontends.lightning_private import replace_summary, summary_depth, summary_layer_modules
 
 __all__ = ["ShardedModelSummary", "install_sharded_summary"]
 
@@ -34,7 +34,7 @@ class ShardedModelSummary(ModelSummary):
 
     @property
     def param_nums(self) -> list[int]:
-        return [self._count(layer._module) for layer in self._layer_summary.values()]
+        return [self._count(m) for m in summary_layer_modules(self)]
 
     @property
     def total_parameters(self) -> int:
@@ -60,8 +60,8 @@ def install_sharded_summary(trainer: pl.Trainer, engines: list[ZeroEngine]) -> N
     def _summary(
         callback: ModelSummaryCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> ModelSummary:
-        return ShardedModelSummary(pl_module, numel, max_depth=callback._max_depth)
+        return ShardedModelSummary(pl_module, numel, max_depth=summary_depth(callback))
 
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelSummaryCallback):
-            callback._summary = types.MethodType(_summary, callback)  # type: ignore[method-assign]
+            replace_summary(callback, _summary)

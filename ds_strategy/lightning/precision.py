@@ -17,6 +17,7 @@ from torch.optim import LBFGS, Optimizer
 from ..core.engine import ZeroEngine
 from ..frontends.engines import PendingClip
 from ..frontends.lightning_base import FlagPrecision
+from ..frontends.lightning_private import after_closure
 from ..frontends.several import SeveralEngines
 
 __all__ = ["ZeroPrecision"]
@@ -89,7 +90,7 @@ class ZeroPrecision(FlagPrecision, Precision):
                     "configure_gradient_clipping is overridden: under ZeroStrategy a call to "
                     "self.clip_gradients(...) there clips at the next optimizer step, by norm only"
                 )
-            self._after_closure(model, optimizer)
+            after_closure(self, model, optimizer)
         self.clips.step(engine)
         return closure_result
 

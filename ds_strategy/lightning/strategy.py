@@ -25,7 +25,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -45,6 +44,7 @@ from ..frontends.engines import (
 )
 from ..frontends.flags import apply_loop_flags, clipping
 from ..frontends.lightning_base import LightningZeroBase
+from ..frontends.lightning_private import is_stand_in_optimizer
 from ..frontends.several import SeveralEngines
 from ._pipeline import LightningPipeline, build_pipeline
 from ._summary import install_sharded_summary
@@ -278,7 +278,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def _configured_optimizers(self, trainer: pl.Trainer) -> tuple[list[Optimizer], list[Any]]:
         self.setup_optimizers(trainer)
         optimizers = list(self.optimizers)
-        mock = bool(optimizers) and isinstance(optimizers[0], _MockOptimizer)
+        mock = bool(optimizers) and is_stand_in_optimizer(optimizers[0])
         if mock or not optimizers:
             one_optimizer(0, "ZeroStrategy (configure_optimizers)")
         return optimizers, [config.scheduler for config in self.lr_scheduler_configs]

@@ -1,0 +1,65 @@
+"""Every use of ``accelerate.Accelerator``'s private state, in one place: the lists of what it
+tracks and the hooks ``save_state``/``load_state`` run. Checked against accelerate 1.16.0
+(and the package's floor, 1.0: these names are the same there). A new accelerate that renames
+them breaks here, and only here.
+
+Accelerate has no public way to register an object it did not prepare itself (the engine and
+its optimizer wrapper stand where its DDP model and ``AcceleratedOptimizer`` would), nor to
+run its save/load model hooks for an engine that writes its own checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accelerate import Accelerator
+
+__all__ = [
+    "custom_objects",
+    "prepared_objects",
+    "run_load_hooks",
+    "run_save_hooks",
+    "track",
+    "tracked_loaders",
+    "tracked_schedulers",
+]
+
+_KINDS = {"model": "_models", "optimizer": "_optimizers", "scheduler": "_schedulers"}
+_KINDS["dataloader"] = "_dataloaders"
+
+
+def track(acc: Accelerator, kind: str, obj: Any) -> None:
+    """Add ``obj`` to what ``acc`` tracks as a prepared ``kind`` (model, optimizer, scheduler,
+    dataloader): ``save_state``, ``free_memory`` and ``accumulate`` then see it."""
+    getattr(acc, _KINDS[kind]).append(obj)
+
+
+def prepared_objects(acc: Accelerator) -> tuple[list[Any], ...]:
+    """The dataloaders, models, optimizers and schedulers ``acc`` tracks."""
+    return acc._dataloaders, acc._models, acc._optimizers, acc._schedulers
+
+
+def tracked_schedulers(acc: Accelerator) -> list[Any]:
+    return acc._schedulers
+
+
+def tracked_loaders(acc: Accelerator) -> list[Any]:
+    return acc._dataloaders
+
+
+def custom_objects(acc: Accelerator) -> list[Any]:
+    """The objects registered with ``register_for_checkpointing``."""
+    return acc._custom_objects
+
+
+def run_save_hooks(acc: Accelerator, path: str) -> None:
+    """The hooks ``register_save_state_pre_hook`` added, given the models (no weights, as
+    under DeepSpeed: the engine writes its own)."""
+    for hook in acc._save_model_state_pre_hook.values():
+        hook(acc._models, [], path)
+
+
+def run_load_hooks(acc: Accelerator, path: str) -> None:
+    """The hooks ``register_load_state_pre_hook`` added, given the models."""
+    for hook in acc._load_model_state_pre_hook.values():
+        hook(acc._models, path)
