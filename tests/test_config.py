@@ -7,6 +7,7 @@ import dataclasses
 import doctest
 import json
 import pickle
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -700,3 +701,32 @@ def test_hugging_face_deepspeed_json_loads_with_warnings_only_for_unimplemented(
 def test_docstring_examples_run(module: Any) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- the rule table -----------------------------------------------------------------------------
+
+
+def test_the_rule_table_refuses_with_a_config_error_naming_the_key() -> None:
+    from ds_strategy.config.rules import RULES, Facts, check_rules
+
+    assert len({r.name for r in RULES}) == len(RULES)
+    cases = [
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+         Facts(), "config", "zero_optimization.offload_optimizer", "stage 1, 2 or 3"),
+        ({"zero_optimization": {"stage": 2, "mics_shard_size": 2},
+          "topology": {"hierarchical": True}},
+         Facts(world_size=4), "ranks", "zero_optimization.mics_shard_size", "hierarchical"),
+        ({"zero_optimization": {"stage": 2, "mics_shard_size": 3}},
+         Facts(world_size=4, ranks_per_machine=2), "ranks", "zero_optimization.mics_shard_size",
+         "does not divide the 4 data-parallel ranks"),
+        ({"zero_optimization": {"stage": 3}},
+         Facts(optimizer="OneBitAdam", compressed_optimizer=True), "optimizer", "optimizer",
+         "zero_optimization.stage 3 (use stage 0, 1 or 2)"),
+    ]  # fmt: skip
+    for raw, facts, when, key, fragment in cases:
+        cfg = load_config(raw).resolve(world_size=facts.world_size)
+        check_rules(cfg, facts, "other point")  # rules of another point do not run
+        with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
+            check_rules(cfg, facts, when)
+        assert info.value.key == key
+    check_rules(load_config({}).resolve(world_size=4), Facts(world_size=4), "ranks")

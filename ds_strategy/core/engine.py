@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig, load_config
+from ..config.rules import Facts, check_rules
 from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.validate import META_FILE
@@ -31,7 +32,7 @@ from .fingerprint import check_ranks_agree
 from .hierarchical import HierarchicalComm
 from .mesh import ParallelMesh
 from .mics import MiCSComm
-from .offload import Offload, check_offload_config
+from .offload import Offload
 from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
@@ -100,7 +101,7 @@ class ZeroEngine(nn.Module):
         self._build_offload(model, optimizer)
         self._build_sharding(model, scaling, param_init_fn)  # the plan: groups and units
         self._build_optimizer(model, optimizer, lr_scheduler)
-        self.compression = self._build_compression(in_pipeline=pipeline_stage is not None)
+        self.compression = self._build_compression()
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
         self._compile_watch = CompileWatch(self.module)
@@ -190,16 +191,16 @@ class ZeroEngine(nn.Module):
             self.comm = HierarchicalComm.build(self.comm.group, self.topology)
         # what ZeRO shards over: the data-parallel ranks, or under MiCS a group of them
         self.shard_comm: Comm = self.comm
+        with together(self.comm):  # see config/rules.py
+            check_rules(self.config, self._facts(), "ranks")
         if int(zc.mics_shard_size) > 0:
-            with together(self.comm):
-                self._check_mics(in_pipeline=self.pipeline_stage is not None)
             self.shard_comm = MiCSComm.build(self.comm, int(zc.mics_shard_size), self.topology)
 
     def _init_loop_state(self, model: nn.Module) -> GradScaling:
         """Step counters, precision and loss scaling, activation checkpointing; returns how
         gradients are scaled when they are reduced."""
         with together(self.comm):
-            self._check_supported()
+            check_rules(self.config, Facts(), "config")  # see config/rules.py
             self.module = model
             self.device = _pick_device(model)
             self.micro_steps = 0
@@ -331,24 +332,15 @@ class ZeroEngine(nn.Module):
         _check_optimizer_params(optimizer, model, self.plan.replaced, whole)
         return optimizer
 
-    def _build_compression(
-        self, in_pipeline: bool
-    ) -> TopKReduction | OneBitReduction | ZeroOneReduction | None:
+    def _build_compression(self) -> TopKReduction | OneBitReduction | ZeroOneReduction | None:
         """``gradient_compression``: the top-k exchange the reducer runs after warm-up; a
         1-bit optimizer (``OneBitAdam``, ``OneBitLamb``): its compressed momentum exchange
         after ``freeze_step``; ``ZeroOneAdam``: its 1-bit gradients and synchronisations."""
         gc = self.config.gradient_compression
-        compressed = gc.method != "none" or isinstance(self.optimizer, CompressedExchange)
-        with together(self.comm):
-            if compressed and self.shard_comm is not self.comm:
-                raise ValueError(
-                    "zero_optimization.mics_shard_size with gradient compression "
-                    f"(gradient_compression.method={gc.method!r}, optimizer "
-                    f"{type(self.optimizer).__name__}): the compressed exchanges run over all "
-                    "data-parallel ranks and MiCS reduces in two groups; remove one of them"
-                )
+        with together(self.comm):  # see config/rules.py
+            check_rules(self.config, self._facts(), "optimizer")
         if isinstance(self.optimizer, CompressedExchange):
-            return self._build_onebit(gc.method, in_pipeline)
+            return self._build_onebit()
         if gc.method == "none" or not self.trainable or self.plan.reducer is None:
             return None
         momentum = 0.0
@@ -366,37 +358,9 @@ class ZeroEngine(nn.Module):
         self.plan.reducer.compression = compression
         return compression
 
-    def _build_onebit(
-        self, method: str, in_pipeline: bool
-    ) -> OneBitReduction | ZeroOneReduction | None:
-        name = type(self.optimizer).__name__
-        local_steps = isinstance(self.optimizer, ZeroOneAdam)
-        with together(self.comm):
-            refused = []
-            if method != "none":
-                refused.append(
-                    f"gradient_compression.method={method!r} (one compression at a time)"
-                )
-            if local_steps and self.stage > 0:
-                refused.append(
-                    f"zero_optimization.stage {self.stage}: its local steps move each rank's "
-                    "weights with that rank's own momentum, which needs every parameter's "
-                    "optimizer state on every rank (use stage 0, as DeepSpeed runs it, or "
-                    "OneBitAdam, which works at stages 0-2)"
-                )
-            elif self.stage > 2:
-                refused.append("zero_optimization.stage 3 (use stage 0, 1 or 2)")
-            if self._offload is not None:
-                refused.append("optimizer / parameter offload (remove the offload sections)")
-            if self.tensor_parallel is not None:
-                refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
-            if in_pipeline:
-                refused.append("pipeline stages (remove the pipeline section)")
-            if refused:
-                raise ValueError(
-                    f"{name} has the ranks exchange 1-bit compressed momenta or updates, which "
-                    f"does not work with {'; '.join(refused)}"
-                )
+    def _build_onebit(self) -> OneBitReduction | ZeroOneReduction | None:
+        """A 1-bit / 0-1 optimizer's exchange (the rule table has refused what it cannot
+        run with)."""
         if self.plan.reducer is None or self.comm.world_size == 1:
             return None  # nothing to exchange: it trains as its dense warm-up does
         clip = float(self.config.gradient_clipping or 0.0)
@@ -419,44 +383,19 @@ class ZeroEngine(nn.Module):
         self.plan.reducer.compression = compression
         return compression
 
-    # -- configuration checks --------------------------------------------------------------------
-
-    def _check_supported(self) -> None:
-        check_offload_config(self.config)  # offload needs stage >= 1; offload_param stage 3
-
-    def _check_mics(self, in_pipeline: bool) -> None:
-        """``mics_shard_size``: what it composes with (see core/mics.py)."""
-        zc = self.config.zero_optimization
-        size, n = int(zc.mics_shard_size), self.comm.world_size
-        refused = []
-        if zc.stage == 0:
-            refused.append("zero_optimization.stage 0, which shards nothing (use stage 1-3)")
-        if self.config.topology.hierarchical:
-            refused.append(
-                "topology.hierarchical (MiCS's shard groups already keep ZeRO's collectives "
-                "inside a machine; keep one of them)"
-            )
-        if zc.stage == 3 and int(zc.zero_hpz_partition_size) > 1:
-            refused.append(
-                "zero_hpz_partition_size (hpZ's secondary shard inside a machine is what a "
-                "MiCS shard group already is; keep one of them)"
-            )
-        if zc.stage == 3 and zc.zero_quantized_gradients:
-            refused.append("zero_quantized_gradients (remove it, or mics_shard_size)")
-        if in_pipeline:
-            refused.append("pipeline stages (remove mics_shard_size from a pipeline config)")
-        if refused:
-            raise ValueError(
-                f"zero_optimization.mics_shard_size={size} does not work with " + "; ".join(refused)
-            )
-        if size > n or n % size:
-            raise ValueError(
-                f"zero_optimization.mics_shard_size={size} does not divide the {n} "
-                "data-parallel ranks; use a divisor of it (usually the ranks per machine, "
-                f"{self.topology.ranks_per_machine} here), or -1 to shard over all of them"
-            )
-
-    # -- the training loop ---------------------------------------------------------------------
+    def _facts(self) -> Facts:
+        """What the rule table (``config/rules.py``) needs to know besides the config."""
+        optimizer = getattr(self, "optimizer", None)
+        return Facts(
+            world_size=self.comm.world_size,
+            ranks_per_machine=self.topology.ranks_per_machine,
+            in_pipeline=self.pipeline_stage is not None,
+            tensor_parallel=self.tensor_parallel is not None,
+            offload=getattr(self, "_offload", None) is not None,
+            optimizer=type(optimizer).__name__ if optimizer is not None else "",
+            compressed_optimizer=isinstance(optimizer, CompressedExchange),
+            local_steps=isinstance(optimizer, ZeroOneAdam),
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; under mixed precision floating-point inputs are cast

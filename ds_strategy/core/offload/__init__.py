@@ -1,5 +1,5 @@
 """CPU and NVMe tiers for optimizer state and parameters (ZeRO-Offload / ZeRO-Infinity)."""
 
-from .runtime import Offload, check_offload_config
+from .runtime import Offload
 
-__all__ = ["Offload", "check_offload_config"]
+__all__ = ["Offload"]

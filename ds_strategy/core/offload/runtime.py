@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...config import UnsupportedConfigWarning, ZeroConfig
+from ...config.rules import Facts, check_rules
 from ..progress import Progress
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
@@ -30,26 +31,9 @@ from .swap import SwapDir, SwappedTensor, SwapState, check_nvme_path, drive_of
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
     from ..zero.flat_group import FlatParamGroup
 
-__all__ = ["Offload", "check_offload_config"]
+__all__ = ["Offload"]
 
 _STATE_PER_ELEMENT = {"SGD": 1, "Adagrad": 1, "RMSprop": 2, "Adadelta": 2, "Rprop": 2}
-
-
-def check_offload_config(config: ZeroConfig) -> None:
-    """Offload combinations that cannot work, with the key to change."""
-    zc = config.zero_optimization
-    if zc.offload_optimizer.device != "none" and zc.stage == 0:
-        raise ValueError(
-            f"zero_optimization.offload_optimizer: device {zc.offload_optimizer.device!r} needs "
-            "ZeRO stage 1, 2 or 3 (the offloaded state is this rank's shard); set "
-            "zero_optimization.stage or offload_optimizer.device to 'none'"
-        )
-    if zc.offload_param.device != "none" and zc.stage != 3:
-        raise ValueError(
-            f"zero_optimization.offload_param: device {zc.offload_param.device!r} needs ZeRO "
-            f"stage 3 (only stage 3 partitions parameters), but stage is {zc.stage}; set "
-            "zero_optimization.stage to 3 or offload_param.device to 'none'"
-        )
 
 
 def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
@@ -206,7 +190,7 @@ class Offload:
         """The offload tier of ``config`` (None when nothing is offloaded). ``comm``: the
         engine's ranks, asked for their swap space when the directory's room is checked
         (ranks of one machine may share its drive); collective then."""
-        check_offload_config(config)
+        check_rules(config, Facts(), "config")  # offload x stage: config/rules.py
         zc = config.zero_optimization
         if zc.offload_optimizer.device == "none" and zc.offload_param.device == "none":
             return None
