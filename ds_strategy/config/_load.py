@@ -70,6 +70,7 @@ from ._schema import (
     ZeroOptimizationConfig,
     register_operations,
 )
+from .rules import Facts, check_rules
 
 STRICT_ENV = "DS_STRATEGY_STRICT_CONFIG"
 """Set to ``1`` (or ``true``/``yes``/``on``) to make every unknown config key an error."""
@@ -380,31 +381,7 @@ def _check_scheduler(cfg: SchedulerConfig, prefix: str) -> None:
 
 
 def _check_top(cfg: ZeroConfig, prefix: str) -> None:
-    if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
-        _fail(
-            "fp16.enabled",
-            "fp16 and bf16 cannot both be enabled; set fp16.enabled or bf16.enabled to false",
-        )
-    if cfg.gradient_compression.method != "none":
-        if cfg.zero_optimization.stage == 3:
-            _fail(
-                "gradient_compression.method",
-                "gradient compression runs with ZeRO stages 0, 1 and 2 (stage 3 reduces each "
-                "layer's gradients as backward produces them); set zero_optimization.stage to "
-                "2 or lower, or method to 'none'",
-            )
-        if cfg.tensor_parallel.autotp_size != 1:
-            _fail(
-                "gradient_compression.method",
-                "gradient compression with tensor_parallel is not available yet; set "
-                "tensor_parallel.autotp_size to 1 or method to 'none'",
-            )
-        if cfg.pipeline.stages > 1:
-            _fail(
-                "gradient_compression.method",
-                "gradient compression is not available with pipeline stages; remove the "
-                "pipeline section or set method to 'none'",
-            )
+    check_rules(cfg, Facts(), "load")  # the cross-section rules: rules.py
 
 
 def _check_tensor_parallel(cfg: TensorParallelConfig, prefix: str) -> None:

@@ -4,8 +4,8 @@ it runs in, each refusal a :class:`ConfigError` naming the key, the reason and t
 [Note: the rule table]
 A rule is a named check of one feature (its ``key``) against the others; it returns what it
 refuses (empty: nothing). :func:`check_rules` runs the rules that apply at one point of
-building an engine (the config alone is known at first; later the data-parallel ranks, the
-optimizer, whether the engine is a pipeline stage) and raises the first refusal. The engine
+building an engine (the config as it is read; then resolved; later the data-parallel ranks,
+the optimizer, whether the engine is a pipeline stage) and raises the first refusal. The engine
 runs them inside its agreement points, so every rank raises the same error. Rules whose
 checks need only the config run when the engine starts; the rest once their facts exist.
 """
@@ -55,7 +55,9 @@ class Rule:
 
     name: str
     key: str
-    when: str  # "config": the config alone; "ranks": with the ranks; "optimizer": with it
+    # "load": as the config is read ("auto" values may remain); "config": the resolved config
+    # alone; "ranks": with the ranks; "optimizer": with the optimizer
+    when: str
     check: Check
 
 
@@ -162,7 +164,42 @@ def _compressed_optimizer(cfg: ZeroConfig, facts: Facts) -> str | None:
     return None
 
 
+def _fp16_and_bf16(cfg: ZeroConfig, facts: Facts) -> str | None:
+    if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
+        return (
+            "fp16.enabled: fp16 and bf16 cannot both be enabled; set fp16.enabled or "
+            "bf16.enabled to false"
+        )
+    return None
+
+
+def _compression_layouts(cfg: ZeroConfig, facts: Facts) -> str | None:
+    if cfg.gradient_compression.method == "none":
+        return None
+    key = "gradient_compression.method"
+    if cfg.zero_optimization.stage == 3:
+        return (
+            f"{key}: gradient compression runs with ZeRO stages 0, 1 and 2 (stage 3 reduces "
+            "each layer's gradients as backward produces them); set zero_optimization.stage "
+            "to 2 or lower, or method to 'none'"
+        )
+    if cfg.tensor_parallel.autotp_size != 1:
+        return (
+            f"{key}: gradient compression with tensor_parallel is not available yet; set "
+            "tensor_parallel.autotp_size to 1 or method to 'none'"
+        )
+    if cfg.pipeline.stages > 1:
+        return (
+            f"{key}: gradient compression is not available with pipeline stages; remove the "
+            "pipeline section or set method to 'none'"
+        )
+    return None
+
+
 RULES: tuple[Rule, ...] = (
+    Rule("fp16 or bf16", "fp16.enabled", "load", _fp16_and_bf16),
+    Rule("gradient compression's layouts", "gradient_compression.method", "load",
+         _compression_layouts),
     Rule("offload_optimizer needs a sharding stage", "zero_optimization.offload_optimizer",
          "config", _offload_optimizer_stage),
     Rule("offload_param needs stage 3", "zero_optimization.offload_param", "config",
@@ -179,8 +216,9 @@ RULES: tuple[Rule, ...] = (
 
 
 def check_rules(cfg: ZeroConfig, facts: Facts, when: str) -> None:
-    """Run the rules of one point of building an engine (``"config"``, ``"ranks"``,
-    ``"optimizer"``); raise the first refusal as a :class:`ConfigError` naming its key."""
+    """Run the rules of one point (``"load"``, then building an engine: ``"config"``,
+    ``"ranks"``, ``"optimizer"``); raise the first refusal as a :class:`ConfigError` naming
+    its key."""
     for rule in RULES:
         if rule.when == when:
             message = rule.check(cfg, facts)
