@@ -211,3 +211,20 @@ def test_an_engine_has_every_member_of_the_checkpoint_seam() -> None:
         assert missing == []
     finally:
         engine.destroy()
+
+
+def test_checkpoint_entry_keys_are_records_with_the_on_disk_names() -> None:
+    from ds_strategy.core.checkpoint.keys import EntryKey
+
+    cases = {
+        "model/blocks.0.attn.weight": EntryKey("model", "blocks.0.attn.weight"),
+        "buffer/norm.running_mean": EntryKey("buffer", "norm.running_mean"),
+        "optim/head.weight/exp_avg": EntryKey("optim", "head.weight", "exp_avg"),
+        "optim_scalar/head.weight/step": EntryKey("optim_scalar", "head.weight", "step"),
+        "compression/w/residual": EntryKey("compression", "w", "residual"),
+    }
+    for text, entry in cases.items():
+        assert EntryKey.parse(text) == entry and entry.text == text
+    for other in ("engine", "rng/0", "optim_groups", "client_state", "optim/no_state"):
+        assert EntryKey.parse(other) is None
+    assert EntryKey("model", "a.w").under("b.w").text == "model/b.w"

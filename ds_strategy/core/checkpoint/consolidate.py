@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .keys import MODEL_KINDS, EntryKey
 from .manager import resolve_sources
 from .sharded import single_process_ok
 from .trust import SafeReader
@@ -36,9 +37,9 @@ def _entries(reader: SafeReader) -> dict[str, TensorStorageMetadata]:
     md = reader.read_metadata().state_dict_metadata
     out = {}
     for key, m in md.items():
-        for prefix in ("model/", "buffer/"):
-            if key.startswith(prefix) and isinstance(m, TensorStorageMetadata):
-                out[key] = m
+        entry = EntryKey.parse(key)
+        if entry is not None and entry.kind in MODEL_KINDS and isinstance(m, TensorStorageMetadata):
+            out[key] = m
     return out
 
 

@@ -53,6 +53,7 @@ from ..memory import human_bytes
 from ..offload.streaming import SwapFiles
 from . import swap
 from .flat_piece import FlatPiece
+from .keys import OPTIMIZER_KINDS, EntryKey
 from .seam import CheckpointedEngine
 from .streamed import StreamingLoadPlanner, StreamingSavePlanner
 from .trust import SafeReader
@@ -126,20 +127,21 @@ def _model_entries(engine: CheckpointedEngine) -> dict[str, torch.Tensor]:
         if not g.policy.shard_optimizer and g.master is None:  # stage 0: every rank saves all
             for i, p in enumerate(g.params):
                 full = g.full_tensor(i).view(-1)
-                out[f"model/{names[id(p)]}"] = _piece(engine, p, full, 0, full.numel())
+                out[EntryKey("model", names[id(p)]).text] = _piece(engine, p, full, 0, full.numel())
             continue
         flat = g.master if g.master is not None else g.shard  # fp32 masters when training mixed
         for pc in g.layout.pieces(g.rank):
             p, numel = g.params[pc.index], g.layout.slots[pc.index].numel
-            out[f"model/{names[id(p)]}"] = _piece(
+            out[EntryKey("model", names[id(p)]).text] = _piece(
                 engine, p, flat, pc.param_start, numel, at=pc.shard_start, length=pc.length
             )
     for p in engine.module.parameters():
         if id(p) not in grouped:  # not sharded (frozen, or persistent and frozen): replicated
-            out[f"model/{names[id(p)]}"] = _piece(engine, p, p.detach().view(-1), 0, p.numel())
+            key = EntryKey("model", names[id(p)]).text
+            out[key] = _piece(engine, p, p.detach().view(-1), 0, p.numel())
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if not isinstance(t, nn.Parameter) and torch.is_tensor(t):
-            out[f"buffer/{name}"] = t.detach()
+            out[EntryKey("buffer", name).text] = t.detach()
     return out
 
 
@@ -170,11 +172,12 @@ def _optim_entries(engine: CheckpointedEngine) -> dict[str, Any]:
     for pc, name, p, numel in _pieces(engine):
         for k, v in opt.state.get(pc.tensor, {}).items():
             if torch.is_tensor(v) and v.shape == pc.tensor.shape:
-                out[f"optim/{name}/{k}"] = _piece(engine, p, v.view(-1), pc.start, numel)
+                key = EntryKey("optim", name, k).text
+                out[key] = _piece(engine, p, v.view(-1), pc.start, numel)
             elif torch.is_tensor(v):  # identical on every owner of the parameter: DCP keeps one
-                out[f"optim_scalar/{name}/{k}"] = v
+                out[EntryKey("optim_scalar", name, k).text] = v
             else:
-                out[f"optim_obj/{name}/{k}"] = _pack(v)
+                out[EntryKey("optim_obj", name, k).text] = _pack(v)
     return out
 
 
@@ -189,7 +192,7 @@ def _compression_slots(engine: CheckpointedEngine) -> Iterator[tuple[str, torch.
         for kind, buf in st.state_dict().items():
             for p, slot in zip(g.params, g.layout.slots, strict=True):
                 view = buf[slot.offset : slot.offset + slot.numel]
-                yield f"compression/{names[id(p)]}/{kind}", view, slot.numel
+                yield EntryKey("compression", names[id(p)], kind).text, view, slot.numel
 
 
 def _compression_entries(engine: CheckpointedEngine) -> dict[str, FlatPiece]:
@@ -263,7 +266,8 @@ def collect_state(
     if rank != 0 and isinstance(engine.compression, ZeroOneReduction):
         # 0/1 Adam's local steps move the stage-0 replicas apart between syncs: rank 0 writes
         # its whole copy (weights with their accumulators), never a mix of the ranks' copies
-        state = {k: v for k, v in state.items() if not k.startswith(("model/", "optim"))}
+        replicas = ("model", *OPTIMIZER_KINDS)
+        state = {k: v for k, v in state.items() if _kind(k) not in replicas}
     if rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
         if include_optimizer:
             groups = [
@@ -559,26 +563,30 @@ def _aliased(
     under the whole model's first name)."""
     out = {}
     for key, t in entries.items():
-        kind, _, name = key.partition("/")
-        other = f"{kind}/{aliases.get(name, name)}"
+        entry = EntryKey.parse(key)
+        other = entry.under(aliases.get(entry.param, entry.param)).text if entry else key
         out[other if key not in saved and other in saved else key] = t
     return out
 
 
-def _saved_optim_keys(saved: dict[str, Any]) -> dict[str, list[tuple[str, str, Any]]]:
-    """Saved optimizer entries by parameter name: (checkpoint key, state key, metadata)."""
-    out: dict[str, list[tuple[str, str, Any]]] = {}
+def _kind(key: str) -> str | None:
+    entry = EntryKey.parse(key)
+    return entry.kind if entry is not None else None
+
+
+def _saved_optim_keys(saved: dict[str, Any]) -> dict[str, list[tuple[EntryKey, Any]]]:
+    """Saved optimizer entries by parameter name: (its key, metadata or value)."""
+    out: dict[str, list[tuple[EntryKey, Any]]] = {}
     for key, md in saved.items():
-        kind, _, rest = key.partition("/")
-        if kind in ("optim", "optim_scalar", "optim_obj"):
-            name, _, k = rest.rpartition("/")
-            out.setdefault(name, []).append((key, k, md))
+        entry = EntryKey.parse(key)
+        if entry is not None and entry.kind in OPTIMIZER_KINDS:
+            out.setdefault(entry.param, []).append((entry, md))
     return out
 
 
 def _saved_for(
-    by_name: dict[str, list[tuple[str, str, Any]]], name: str, aliases: dict[str, str]
-) -> list[tuple[str, str, Any]]:
+    by_name: dict[str, list[tuple[EntryKey, Any]]], name: str, aliases: dict[str, str]
+) -> list[tuple[EntryKey, Any]]:
     """A parameter's saved optimizer entries, under its name or else under its alias."""
     return by_name.get(name) or by_name.get(aliases.get(name, name), [])
 
@@ -591,8 +599,9 @@ def _optim_destinations(engine: CheckpointedEngine, saved: dict[str, Any]) -> di
     out: dict[str, Any] = {}
     files = engine.checkpoint_io
     for i, (pc, name, p, numel) in enumerate(_pieces(engine)):
-        for key, k, md in _saved_for(by_name, name, engine.checkpoint_aliases):
-            if key.startswith("optim/"):
+        for entry, md in _saved_for(by_name, name, engine.checkpoint_aliases):
+            key, k = entry.text, entry.state
+            if entry.kind == "optim":
                 st = opt.state[pc.tensor]
                 if k not in st:  # with NVMe offload: made out in a swap file, not in memory
                     dtype = md.properties.dtype
@@ -613,11 +622,13 @@ def _install_optimizer_state(
     opt = engine.optimizer
     by_name = _saved_optim_keys(state)
     for pc, name, _, _ in _pieces(engine):
-        for key, k, value in _saved_for(by_name, name, engine.checkpoint_aliases):
-            if key.startswith("optim_scalar/"):
-                opt.state[pc.tensor][k] = value
-            elif key.startswith("optim_obj/"):
-                opt.state[pc.tensor][k] = _unpack(value, f"{path}: optimizer state", trust)
+        for entry, value in _saved_for(by_name, name, engine.checkpoint_aliases):
+            if entry.kind == "optim_scalar":
+                opt.state[pc.tensor][entry.state] = value
+            elif entry.kind == "optim_obj":
+                opt.state[pc.tensor][entry.state] = _unpack(
+                    value, f"{path}: optimizer state", trust
+                )
     groups = state["optim_groups"]
     if len(groups) != len(opt.param_groups):
         raise ValueError(
