@@ -38,6 +38,7 @@ def test_a_gan_with_two_optimizers_matches_ddp(gan: dict[str, Any], stage: int) 
     assert zero["engines"] == 3  # generator, discriminator, the frozen prior
     assert max_diff(zero["weights"], ddp["weights"]) <= TOL
     assert zero["global_step"] == ddp["global_step"] == 12  # 8 generator + 4 discriminator steps
+    assert zero["before_steps"] == ddp["before_steps"] == 12  # the hook before each step
     assert zero["lr"] == pytest.approx(ddp["lr"])
     assert zero["val_d"] == pytest.approx(ddp["val_d"], rel=1e-5)
 

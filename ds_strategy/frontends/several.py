@@ -221,10 +221,9 @@ class SeveralEngines:
     def clip(self, optimizer: Any, max_norm: float) -> None:
         self.clips[self.engine_of(optimizer)].max_norm = float(max_norm)
 
-    def step(self, optimizer: Any) -> ZeroEngine:
+    def step(self, optimizer: Any) -> None:
         engine = self.engine_of(optimizer)
         self.clips[engine].step(engine)
-        return engine
 
     # -- checkpoints and weights ------------------------------------------------------------
 

@@ -80,10 +80,8 @@ class ZeroPrecision(FlagPrecision, Precision):
                 "the engine needs backward and step as separate calls"
             )
         closure_result = closure()
-        if self.several is not None:  # manual optimization: the optimizer's engine steps
-            self.several.step(optimizer)
-            return closure_result
-        engine = self._engine()
+        several = self.several  # several optimizers: the optimizer's own engine steps
+        engine = several.engine_of(optimizer) if several is not None else self._engine()
         if engine.is_gradient_accumulation_boundary():  # once per real step, as under DDP
             if is_overridden("configure_gradient_clipping", model, LightningModule):
                 _warnings.warn(
@@ -91,7 +89,10 @@ class ZeroPrecision(FlagPrecision, Precision):
                     "self.clip_gradients(...) there clips at the next optimizer step, by norm only"
                 )
             after_closure(self, model, optimizer)
-        self.clips.step(engine)
+        if several is not None:
+            several.step(optimizer)
+        else:
+            self.clips.step(engine)
         return closure_result
 
     def clip_gradients(

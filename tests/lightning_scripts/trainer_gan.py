@@ -52,6 +52,10 @@ class GAN(L.LightningModule):
         self.prior.requires_grad_(False)
         self.generator = nn.Sequential(nn.Linear(NOISE, 32), nn.Tanh(), nn.Linear(32, DATA))
         self.discriminator = nn.Sequential(nn.Linear(DATA, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.before_steps = 0  # on_before_optimizer_step calls, as Lightning makes them
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.before_steps += 1
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         real, z = batch
@@ -118,6 +122,7 @@ def fit(tag: str, strategy: Any, toggle: bool = True, **kwargs: Any) -> dict[str
     return {
         "weights": weights(t, model),
         "global_step": t.global_step,
+        "before_steps": model.before_steps,
         "lr": [s.get_last_lr()[0] for s in model.lr_schedulers()],
         "val_d": float(t.callback_metrics["val_d"]),
         "engines": len(t.strategy.engines) if isinstance(t.strategy, ZeroStrategy) else 0,
