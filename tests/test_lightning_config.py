@@ -267,6 +267,7 @@ def test_several_optimizers_under_automatic_optimization_get_lightnings_own_erro
             ["TwoOptimizers.body holds parameters of optimizers [0, 1]", "one submodule per"],
         ),
         ("file_checkpoint", ["plain.ckpt", "directories", "load_state_dict"]),
+        ("no_optimizer", ["(configure_optimizers) got no optimizer", "one per model"]),
         ("fabric_clip_value", ["clip_val", "max_norm"]),
         ("fabric_double", ["Fabric(precision='64-true')"]),
     ],

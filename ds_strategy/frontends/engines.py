@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -18,21 +18,19 @@ __all__ = [
     "has_optimizer_state",
     "move_real_tensors",
     "move_schedulers",
-    "one_optimizer",
+    "no_optimizer",
     "PendingClip",
     "timing_sink",
 ]
 
 
-def one_optimizer(count: int, front: str) -> None:
-    """The engine shards one optimizer's state: anything else is an error saying what to do."""
-    if count != 1:
-        raise ValueError(
-            f"{front} needs exactly one optimizer, got {count}: the engine shards one "
-            "optimizer's state across the ranks and runs it at its own accumulation boundaries. "
-            "Put all parameters in one optimizer (param groups may carry different "
-            "hyper-parameters), or train the other models with their own strategy"
-        )
+def no_optimizer(front: str) -> NoReturn:
+    """Training needs an optimizer: an error saying what to return."""
+    raise ValueError(
+        f"{front} got no optimizer: the engine shards the optimizer's state across the ranks. "
+        "Return one from configure_optimizers (or one per model, e.g. a GAN's generator and "
+        "discriminator, with manual optimization)"
+    )
 
 
 def timing_sink(

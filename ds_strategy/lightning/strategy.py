@@ -39,7 +39,7 @@ from ..frontends.engines import (
     has_optimizer_state,
     move_real_tensors,
     move_schedulers,
-    one_optimizer,
+    no_optimizer,
     timing_sink,
 )
 from ..frontends.flags import apply_loop_flags, clipping
@@ -280,7 +280,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         optimizers = list(self.optimizers)
         mock = bool(optimizers) and is_stand_in_optimizer(optimizers[0])
         if mock or not optimizers:
-            one_optimizer(0, "ZeroStrategy (configure_optimizers)")
+            no_optimizer("ZeroStrategy (configure_optimizers)")
         return optimizers, [config.scheduler for config in self.lr_scheduler_configs]
 
     def on_train_start(self) -> None:

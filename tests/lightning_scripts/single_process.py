@@ -79,7 +79,13 @@ class TwoOptimizersAutomatic(Regressor):
         return [torch.optim.SGD(self.body.parameters()), torch.optim.SGD(self.head.parameters())]
 
 
+class NoOptimizer(Regressor):
+    def configure_optimizers(self) -> Any:
+        return None
+
+
 expect("two_optimizers_automatic", lambda: fit(model=TwoOptimizersAutomatic()))
+expect("no_optimizer", lambda: fit(model=NoOptimizer()))
 expect("double", lambda: trainer("zero2", ROOT, devices=1, precision="64-true"))
 expect("clip_value", lambda: fit(gradient_clip_algorithm="value"))
 expect(
