@@ -235,12 +235,12 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
             )
         return found
 
-    @staticmethod
-    def _rest(state: dict[str, Any], engines: dict[str, ZeroEngine]) -> list[str]:
-        """The keys of ``state`` that are not a model or an optimizer the engines hold."""
+    def _rest(self, state: dict[str, Any], engines: dict[str, ZeroEngine]) -> list[str]:
+        """The keys of ``state`` that are not a model set up here or an optimizer the engines
+        hold."""
         held = {id(e) for e in engines.values()} | {id(e.optimizer) for e in engines.values()}
-        models = {k.split(".")[0] for k in engines}
-        return [k for k, v in state.items() if k not in models and id(v) not in held]
+        held |= {id(s.module) for s in self._setups if isinstance(s, SeveralEngines)}
+        return [k for k, v in state.items() if id(v) not in held]
 
     def save_checkpoint(
         self,
