@@ -99,8 +99,7 @@ def save_engines(
     if not engines:
         raise ValueError("save_engines needs at least one engine")
     path = Path(path)
-    first = next(iter(engines.values()))
-    comm = first.comm
+    comm = next(iter(engines.values())).checkpoint_comm  # every rank holding a part
     with together(comm, CheckpointError):
         if comm.rank == 0:
             if (path / META_FILE).is_file():
@@ -144,8 +143,7 @@ def load_engines(
     (each engine's part reshards as one engine's checkpoint does); returns the client state.
     Engines built for evaluation load their weights only. Collective."""
     path = Path(path)
-    first = next(iter(engines.values()))
-    with together(first.comm, CheckpointError):
+    with together(next(iter(engines.values())).checkpoint_comm, CheckpointError):
         manifest = read_manifest(path)
         tag, saved = manifest["tag"], manifest["engines"]
         if sorted(saved) != sorted(engines):
