@@ -55,6 +55,7 @@ from ._schema import (
     SCHEDULER_REQUIRED_PARAMS,
     TP_STYLES,
     UNSUPPORTED_KEYS,
+    Choice,
     ConfigError,
     DeprecatedConfigWarning,
     FP16Config,
@@ -200,12 +201,19 @@ def _parse_leaf(f: _Field, value: Any, key: str) -> Any:
     if value is None:
         if f.field.default is None:
             return None
-        _fail(key, f"expected {_KIND_NAMES[f.spec.kind]}, got null")
-    parsed = _COERCE[f.spec.kind](value, key)
+        _fail(key, f"expected {_KIND_NAMES[_plain_kind(f.spec.kind)]}, got null")
+    parsed = _COERCE[_plain_kind(f.spec.kind)](value, key)
     if f.spec.normalize is not None:
         parsed = f.spec.normalize(parsed)
     _check_bounds(f.spec, parsed, key)
+    if issubclass(f.spec.kind, Choice):
+        return f.spec.kind(parsed)
     return parsed
+
+
+def _plain_kind(kind: type) -> type:
+    """The scalar type a leaf is read as (a ``Choice`` enum is read as its string)."""
+    return str if issubclass(kind, Choice) else kind
 
 
 # ----------------------------------------------------------------------------- deprecated forms
@@ -639,9 +647,54 @@ def config_schema() -> DictConfig:
     >>> load_config(node).zero_optimization.stage
     3
     """
-    node = OmegaConf.structured(ZeroConfig)
+    node = OmegaConf.structured(_mirror(ZeroConfig))
     _make_writable(node)
     return node
+
+
+@functools.cache
+def _mirror(cls: type) -> type:
+    """``cls`` with every leaf annotated ``Any`` (and a choice's default as its plain string),
+    sections mirrored likewise: the schema omegaconf gets, where a leaf may hold ``"auto"``
+    (see the note in ``_schema.py``)."""
+    specs: list[tuple[str, Any, dataclasses.Field[Any]]] = []
+    for name, f in _schema(cls).items():
+        if f.kind == "leaf":
+            default = f.field.default
+            plain = default.value if isinstance(default, Choice) else default
+            specs.append((name, Any, dataclasses.field(default=plain)))
+        elif f.kind == "section":
+            assert f.section is not None
+            mirror = _mirror(f.section)
+            if f.optional:
+                specs.append((name, mirror | None, dataclasses.field(default=None)))
+            else:
+                make = functools.partial(_mirror_value, f.default)
+                specs.append((name, mirror, dataclasses.field(default_factory=make)))
+        else:
+            hint = typing.get_type_hints(cls)[name]
+            specs.append((name, hint, dataclasses.field(default_factory=f.field.default_factory)))
+    mirror: type = dataclasses.make_dataclass(cls.__name__, specs, frozen=True)
+    mirror.__module__ = __name__
+    return mirror
+
+
+def _mirror_value(make: Callable[[], Any]) -> Any:
+    """The mirror of the section ``make()`` builds, holding the same values."""
+    return _mirror_of(make())
+
+
+def _mirror_of(obj: Any) -> Any:
+    out: dict[str, Any] = {}
+    for name, f in _schema(type(obj)).items():
+        value = getattr(obj, name)
+        if f.kind == "section" and value is not None:
+            out[name] = _mirror_of(value)
+        elif isinstance(value, Choice):
+            out[name] = value.value
+        else:
+            out[name] = copy.deepcopy(value)
+    return _mirror(type(obj))(**out)
 
 
 def _make_writable(node: DictConfig) -> None:
@@ -664,6 +717,8 @@ def config_to_dict(obj: Any) -> dict[str, Any]:
         if f.kind == "section":
             if value is not None:
                 out[name] = config_to_dict(value)
+        elif isinstance(value, Choice):
+            out[name] = value.value  # plain data: JSON, YAML and omegaconf take it as is
         else:
             out[name] = copy.deepcopy(value)
     return out

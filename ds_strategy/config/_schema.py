@@ -4,21 +4,24 @@ Field names are DeepSpeed's config keys and defaults are DeepSpeed's defaults, s
 DeepSpeed JSON loads unchanged. The dataclasses hold data only; parsing, validation and the
 "auto" / batch-size resolution live in ``_load.py``.
 
-[Note: why leaves are annotated ``Any``]
-Hugging Face tools write ``"auto"`` for almost any value and fill it in later, so until
-:meth:`ZeroConfig.resolve` runs, an ``int`` field may legitimately hold the string ``"auto"``.
-omegaconf 2.3 (the schema for Hydra recipes, via ``OmegaConf.structured(ZeroConfig)``)
-supports neither ``Literal`` nor general ``Union`` types, so "int or 'auto'" cannot be spelled
-as an annotation it accepts. Every leaf is therefore annotated ``Any`` and declared with
-:func:`leaf`, which records the real type, allowed values and bounds in the field metadata;
-the loader enforces them. Sections are nested dataclasses, which omegaconf types fully, so
-unknown keys are still rejected by omegaconf itself.
+[Note: typed leaves, and the omegaconf mirror]
+Each leaf is annotated with the type it holds once :meth:`ZeroConfig.resolve` has run: ints are
+ints, floats floats, bools bools, and a string with a fixed set of values is a :class:`Choice`
+enum (a ``str`` subclass, so ``device == "cpu"`` and ``{"cpu": ...}[device]`` keep working).
+Before resolving, a leaf may still hold ``"auto"``: Hugging Face tools write it for almost any
+value and fill it in later. :func:`leaf` records the real type, allowed values and bounds in the
+field metadata; the loader enforces them and turns choices into their enum.
+omegaconf 2.3 (the schema for Hydra recipes) supports neither ``Literal`` nor general ``Union``
+types, so "int or 'auto'" cannot be an annotation it accepts: ``config_schema()`` therefore
+builds its node from a mirror of these dataclasses whose leaves are ``Any`` (generated from
+this schema by ``_load._mirror``, never written by hand). Sections stay nested dataclasses
+there, so omegaconf still rejects unknown keys.
 
 [Note: adding a section]
 Add a frozen dataclass whose leaves use :func:`leaf`, add one field to :class:`ZeroConfig`
 (``section(MyConfig)``), and delete its entry from :data:`UNSUPPORTED_KEYS`. The loader walks
 dataclass fields recursively, so no parsing code changes; a cross-field rule, if any, is one
-function registered in ``_load._CHECKS``.
+``Rule`` in ``rules.py`` (a check of one section's own values: ``_load._CHECKS``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
+from enum import Enum
 from typing import Any
 
 AUTO = "auto"
@@ -73,11 +77,67 @@ for _cls in (
     _cls.__module__ = "ds_strategy.config"
 
 
+class Choice(str, Enum):
+    """A leaf with a fixed set of string values. Members equal, hash and print as their value,
+    so code and messages written against the strings (``device == "cpu"``, ``f"{device!r}"``)
+    read them unchanged."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    __hash__ = str.__hash__
+
+
+class OffloadDevice(Choice):
+    """Where an offloaded tier lives: ``offload_optimizer.device`` / ``offload_param.device``."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class PipelineSchedule(Choice):
+    """``pipeline.schedule``."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class CommDataType(Choice):
+    """``communication_data_type``: the dtype gradients are reduced in."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class CompressionMethod(Choice):
+    """``gradient_compression.method``."""
+
+    NONE = "none"
+    TOPK = "topk"
+
+
+class QuantKernel(Choice):
+    """``quantization.kernel`` (unset: ``auto``)."""
+
+    TORCHAO = "torchao"
+    TORCH = "torch"
+    DEQUANTIZE = "dequantize"
+
+
 @dataclass(frozen=True)
 class LeafSpec:
-    """What a leaf accepts; stored in field metadata because the annotation is ``Any``."""
+    """What a leaf accepts, stored in field metadata (the annotation says the resolved type)."""
 
-    kind: type  # int, float, bool or str
+    kind: type  # int, float, bool, str or a Choice enum
     choices: tuple[Any, ...] | None = None
     ge: float | None = None
     gt: float | None = None
@@ -117,6 +177,8 @@ def leaf(
     aliases: tuple[str, ...] = (),
 ) -> Any:
     """Declare a scalar field; without ``default`` the key is required (``default=None``: nullable)."""
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        choices = tuple(member.value for member in kind)
     spec = LeafSpec(kind, choices, ge, gt, le, normalize)
     return field(default=default, metadata={"leaf": spec, "aliases": aliases})
 
@@ -152,14 +214,14 @@ class OffloadConfig:
     'cpu'
     """
 
-    device: Any = leaf(str, "none", choices=("none", "cpu", "nvme"))
-    nvme_path: Any = leaf(str, None)
-    pin_memory: Any = leaf(bool, False)
-    buffer_count: Any = leaf(int, 5, ge=0, le=1024)
-    buffer_size: Any = leaf(int, 100_000_000, ge=0, le=2**40)
-    max_in_cpu: Any = leaf(int, 1_000_000_000, ge=0)
-    fast_init: Any = leaf(bool, False)
-    ratio: Any = leaf(float, 1.0, ge=0.0, le=1.0)
+    device: OffloadDevice = leaf(OffloadDevice, OffloadDevice.NONE)
+    nvme_path: str | None = leaf(str, None)
+    pin_memory: bool = leaf(bool, False)
+    buffer_count: int = leaf(int, 5, ge=0, le=1024)
+    buffer_size: int = leaf(int, 100_000_000, ge=0, le=2**40)
+    max_in_cpu: int = leaf(int, 1_000_000_000, ge=0)
+    fast_init: bool = leaf(bool, False)
+    ratio: float = leaf(float, 1.0, ge=0.0, le=1.0)
 
 
 def _optimizer_offload_defaults() -> OffloadConfig:
@@ -194,31 +256,31 @@ class ZeroOptimizationConfig:
     500000000
     """
 
-    stage: Any = leaf(int, 0, choices=(0, 1, 2, 3))
-    overlap_comm: Any = leaf(bool, True)
-    contiguous_gradients: Any = leaf(bool, True)
-    reduce_scatter: Any = leaf(bool, True)
-    reduce_bucket_size: Any = leaf(int, 500_000_000, ge=0, normalize=_zero_means_one)
-    allgather_partitions: Any = leaf(bool, True)
-    allgather_bucket_size: Any = leaf(int, 500_000_000, ge=0)
-    stage3_prefetch_bucket_size: Any = leaf(
+    stage: int = leaf(int, 0, choices=(0, 1, 2, 3))
+    overlap_comm: bool = leaf(bool, True)
+    contiguous_gradients: bool = leaf(bool, True)
+    reduce_scatter: bool = leaf(bool, True)
+    reduce_bucket_size: int = leaf(int, 500_000_000, ge=0, normalize=_zero_means_one)
+    allgather_partitions: bool = leaf(bool, True)
+    allgather_bucket_size: int = leaf(int, 500_000_000, ge=0)
+    stage3_prefetch_bucket_size: int = leaf(
         int, 50_000_000, ge=0, aliases=("prefetch_bucket_size",)
     )
-    stage3_max_live_parameters: Any = leaf(
+    stage3_max_live_parameters: int = leaf(
         int, 1_000_000_000, ge=0, aliases=("max_live_parameters",)
     )
-    stage3_max_reuse_distance: Any = leaf(int, 1_000_000_000, ge=0, aliases=("max_reuse_distance",))
-    stage3_param_persistence_threshold: Any = leaf(
+    stage3_max_reuse_distance: int = leaf(int, 1_000_000_000, ge=0, aliases=("max_reuse_distance",))
+    stage3_param_persistence_threshold: int = leaf(
         int, 100_000, ge=0, aliases=("param_persistence_threshold",)
     )
     # ZeRO++ qwZ: stage 3's parameter all-gathers in block-quantized int8 (a no-op below 3)
-    zero_quantized_weights: Any = leaf(bool, False)
+    zero_quantized_weights: bool = leaf(bool, False)
     # ZeRO++ hpZ: a secondary copy of stage 3's parameters over this many ranks (1: off)
-    zero_hpz_partition_size: Any = leaf(int, 1, ge=1)
+    zero_hpz_partition_size: int = leaf(int, 1, ge=1)
     # ZeRO++ qgZ: stage 3's gradient reduce-scatters in block-quantized int8 (no-op below 3)
-    zero_quantized_gradients: Any = leaf(bool, False)
+    zero_quantized_gradients: bool = leaf(bool, False)
     # MiCS: shard over groups of this many ranks, replicate across the groups (-1 or 0: off)
-    mics_shard_size: Any = leaf(int, -1, ge=-1)
+    mics_shard_size: int = leaf(int, -1, ge=-1)
     offload_optimizer: OffloadConfig = section(_optimizer_offload_defaults)
     offload_param: OffloadConfig = section(OffloadConfig)
 
@@ -237,14 +299,14 @@ class FP16Config:
     1000
     """
 
-    enabled: Any = leaf(bool, False)
-    loss_scale: Any = leaf(float, 0.0, ge=0.0, le=2.0**64)
-    initial_scale_power: Any = leaf(int, 16, ge=-64, le=64)
-    loss_scale_window: Any = leaf(int, 1000)  # >= 1 when used: see _load._check_fp16
-    hysteresis: Any = leaf(int, 2)  # >= 1 when used: see _load._check_fp16
-    consecutive_hysteresis: Any = leaf(bool, False)
-    min_loss_scale: Any = leaf(float, 1.0)  # > 0 when used: see _load._check_fp16
-    auto_cast: Any = leaf(bool, False)
+    enabled: bool = leaf(bool, False)
+    loss_scale: float = leaf(float, 0.0, ge=0.0, le=2.0**64)
+    initial_scale_power: int = leaf(int, 16, ge=-64, le=64)
+    loss_scale_window: int = leaf(int, 1000)  # >= 1 when used: see _load._check_fp16
+    hysteresis: int = leaf(int, 2)  # >= 1 when used: see _load._check_fp16
+    consecutive_hysteresis: bool = leaf(bool, False)
+    min_loss_scale: float = leaf(float, 1.0)  # > 0 when used: see _load._check_fp16
+    auto_cast: bool = leaf(bool, False)
 
 
 @dataclass(frozen=True)
@@ -255,11 +317,11 @@ class BF16Config:
     False
     """
 
-    enabled: Any = leaf(bool, False)
-    immediate_grad_update: Any = leaf(bool, False)
+    enabled: bool = leaf(bool, False)
+    immediate_grad_update: bool = leaf(bool, False)
     # ds_strategy's own key: false trains the bf16 weights directly (no fp32 master copy,
     # optimizer state in bf16), like Lightning's "bf16-true".
-    master_weights: Any = leaf(bool, True)
+    master_weights: bool = leaf(bool, True)
 
 
 @dataclass(frozen=True)
@@ -273,7 +335,7 @@ class OptimizerConfig:
     0.0001
     """
 
-    type: Any = leaf(str)
+    type: str = leaf(str)
     params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -300,7 +362,7 @@ class SchedulerConfig:
     {}
     """
 
-    type: Any = leaf(str)
+    type: str = leaf(str)
     params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -318,10 +380,10 @@ class CheckpointConfig:
     True
     """
 
-    save_dir: Any = leaf(str, None)
-    save_interval: Any = leaf(int, None, ge=1)
-    keep_last: Any = leaf(int, None, ge=1)
-    async_save: Any = leaf(bool, False)
+    save_dir: str | None = leaf(str, None)
+    save_interval: int | None = leaf(int, None, ge=1)
+    keep_last: int | None = leaf(int, None, ge=1)
+    async_save: bool = leaf(bool, False)
 
 
 @dataclass(frozen=True)
@@ -339,10 +401,10 @@ class PipelineConfig:
     '1f1b'
     """
 
-    stages: Any = leaf(int, 1, ge=1)
-    partition_method: Any = leaf(str, "parameters")
-    schedule: Any = leaf(str, "1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
-    stages_per_rank: Any = leaf(int, None, ge=1)
+    stages: int = leaf(int, 1, ge=1)
+    partition_method: str = leaf(str, "parameters")
+    schedule: PipelineSchedule = leaf(PipelineSchedule, PipelineSchedule.ONE_F_ONE_B)
+    stages_per_rank: int | None = leaf(int, None, ge=1)
 
 
 TP_STYLES = ("colwise", "rowwise", "replicate")
@@ -363,7 +425,7 @@ class TensorParallelConfig:
     {}
     """
 
-    autotp_size: Any = leaf(int, 1, ge=1, aliases=("tp_size",))  # tp_size: DeepSpeed inference's
+    autotp_size: int = leaf(int, 1, ge=1, aliases=("tp_size",))  # tp_size: DeepSpeed inference's
     plan: dict[str, Any] = field(default_factory=dict)
 
 
@@ -388,13 +450,13 @@ class QuantizationConfig:
     64
     """
 
-    bits: Any = leaf(int, None, choices=(4, 8))
-    group_size: Any = leaf(int, 64, choices=(32, 64, 128))
-    symmetric: Any = leaf(bool, True)
+    bits: int | None = leaf(int, None, choices=(4, 8))
+    group_size: int = leaf(int, 64, choices=(32, 64, 128))
+    symmetric: bool = leaf(bool, True)
     modules_to_not_convert: list[str] = field(default_factory=list)
-    embeddings: Any = leaf(bool, True)
-    kernel: Any = leaf(str, None, choices=("torchao", "torch", "dequantize"))
-    qat: Any = leaf(bool, False)
+    embeddings: bool = leaf(bool, True)
+    kernel: QuantKernel | None = leaf(QuantKernel, None)
+    qat: bool = leaf(bool, False)
 
 
 @dataclass(frozen=True)
@@ -413,10 +475,10 @@ class GradientCompressionConfig:
     'none'
     """
 
-    method: Any = leaf(str, "none", choices=("none", "topk"), normalize=str.lower)
-    ratio: Any = leaf(float, 0.01, gt=0.0, le=1.0)
-    warmup_steps: Any = leaf(int, 0, ge=0)
-    momentum_correction: Any = leaf(bool, False)
+    method: CompressionMethod = leaf(CompressionMethod, CompressionMethod.NONE, normalize=str.lower)
+    ratio: float = leaf(float, 0.01, gt=0.0, le=1.0)
+    warmup_steps: int = leaf(int, 0, ge=0)
+    momentum_correction: bool = leaf(bool, False)
 
 
 @dataclass(frozen=True)
@@ -432,8 +494,8 @@ class CompileConfig:
     'inductor'
     """
 
-    enabled: Any = leaf(bool, False)
-    backend: Any = leaf(str, "inductor")
+    enabled: bool = leaf(bool, False)
+    backend: str = leaf(str, "inductor")
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -452,8 +514,8 @@ class TopologyConfig:
     True
     """
 
-    ranks_per_machine: Any = leaf(int, None, ge=1)
-    hierarchical: Any = leaf(bool, False)
+    ranks_per_machine: int | None = leaf(int, None, ge=1)
+    hierarchical: bool = leaf(bool, False)
 
 
 @dataclass(frozen=True)
@@ -471,15 +533,15 @@ class ActivationCheckpointingConfig:
     'blocks'
     """
 
-    enabled: Any = leaf(bool, False)
-    modules: Any = leaf(str, "blocks")
-    every: Any = leaf(int, 1, ge=1)
-    cpu_checkpointing: Any = leaf(bool, False)
-    partition_activations: Any = leaf(bool, False)
-    contiguous_memory_optimization: Any = leaf(bool, False)
-    number_checkpoints: Any = leaf(int, None)
-    synchronize_checkpoint_boundary: Any = leaf(bool, False)
-    profile: Any = leaf(bool, False)
+    enabled: bool = leaf(bool, False)
+    modules: str = leaf(str, "blocks")
+    every: int = leaf(int, 1, ge=1)
+    cpu_checkpointing: bool = leaf(bool, False)
+    partition_activations: bool = leaf(bool, False)
+    contiguous_memory_optimization: bool = leaf(bool, False)
+    number_checkpoints: int | None = leaf(int, None)
+    synchronize_checkpoint_boundary: bool = leaf(bool, False)
+    profile: bool = leaf(bool, False)
 
 
 @dataclass(frozen=True)
@@ -500,21 +562,19 @@ class ZeroConfig:
     8
     """
 
-    train_batch_size: Any = leaf(int, None, ge=1, le=2**40)
-    train_micro_batch_size_per_gpu: Any = leaf(int, None, ge=1, le=2**31)
-    gradient_accumulation_steps: Any = leaf(int, None, ge=1, le=2**31)
-    gradient_clipping: Any = leaf(float, 0.0, normalize=_negative_means_off)
-    steps_per_print: Any = leaf(int, 10, ge=1)
+    train_batch_size: int | None = leaf(int, None, ge=1, le=2**40)
+    train_micro_batch_size_per_gpu: int | None = leaf(int, None, ge=1, le=2**31)
+    gradient_accumulation_steps: int | None = leaf(int, None, ge=1, le=2**31)
+    gradient_clipping: float = leaf(float, 0.0, normalize=_negative_means_off)
+    steps_per_print: int = leaf(int, 10, ge=1)
     # without fp16 loss scaling a non-finite gradient norm skips the step; this many in a row
     # is an error (fp16 stops at fp16.min_loss_scale instead). Not a DeepSpeed key.
-    max_consecutive_skipped_steps: Any = leaf(int, 20, ge=1)
-    wall_clock_breakdown: Any = leaf(bool, False)
-    gradient_predivide_factor: Any = leaf(float, 1.0, gt=0.0)
-    prescale_gradients: Any = leaf(bool, False)
-    communication_data_type: Any = leaf(
-        str, None, choices=("fp32", "fp16", "bf16"), normalize=str.lower
-    )
-    seed: Any = leaf(int, None)
+    max_consecutive_skipped_steps: int = leaf(int, 20, ge=1)
+    wall_clock_breakdown: bool = leaf(bool, False)
+    gradient_predivide_factor: float = leaf(float, 1.0, gt=0.0)
+    prescale_gradients: bool = leaf(bool, False)
+    communication_data_type: CommDataType | None = leaf(CommDataType, None, normalize=str.lower)
+    seed: int | None = leaf(int, None)
     zero_optimization: ZeroOptimizationConfig = section(ZeroOptimizationConfig)
     fp16: FP16Config = section(FP16Config)
     bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
