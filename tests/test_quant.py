@@ -217,4 +217,4 @@ def test_qat_trains_through_the_engine_and_exports_what_it_trained(
     assert isinstance(served.module.blocks[1].fc, QuantizedLinear)
     assert torch.allclose(served(x), trained, atol=1e-5)
     with pytest.raises(ValueError, match="quantization.qat with tensor_parallel"):
-        ds_strategy.core.engine._prepare_qat(GPT(cfg), engine.config, tp=2)
+        ds_strategy.core.assembly._prepare_qat(GPT(cfg), engine.config, tp=2)

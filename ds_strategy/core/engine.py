@@ -16,41 +16,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ZeroConfig, load_config
-from ..config.rules import Facts, check_rules
-from .activation_checkpointing import apply_activation_checkpointing
+from ..config import ZeroConfig
+from .assembly import EngineBuilder, EngineParts, LoopHooks
 from .checkpoint.manager import CheckpointManager
-from .checkpoint.validate import META_FILE
+from .checkpoint.seam import ShardedState
 from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
 from .compiled import CompileWatch, check_compile_kwargs, compile_backend, compile_units
 from .compression.onebit_reduce import OneBitReduction
-from .compression.topk_reduce import TopKReduction
 from .compression.zeroone_reduce import ZeroOneReduction
-from .faults import together
-from .fingerprint import check_ranks_agree
-from .hierarchical import HierarchicalComm
-from .mesh import ParallelMesh
+from .engine_shards import sharded_state
 from .mics import MiCSComm
-from .offload import Offload
 from .offload.streaming import SwapFiles
-from .optim.onebit import CompressedExchange, MomentumCompressed
-from .optim.zeroone import ZeroOneAdam
-from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
-from .ownership import check_parameters_free, claim_parameters, release_parameters
-from .precision.loss_scaler import LossScaler
-from .precision.policy import PrecisionPolicy
+from .optim.onebit import CompressedExchange
+from .ownership import claim_parameters, release_parameters
 from .quant.export import write_quantized_state
-from .quant.qat import prepare_qat
 from .quant.scheme import QuantScheme
-from .schedulers import build_scheduler
 from .stage_context import StageContext
-from .timers import StepTimers, phase
-from .topology import Topology
-from .tp import TensorParallel, resolve_plan
-from .zero.builders import ShardingPlan, build_plan
-from .zero.flat_group import GradScaling
-from .zero.optimizer import OptimizerLike, OptimizerPiece, ShardedOptimizer, rebuild_optimizer
+from .timers import phase
+from .zero.builders import ShardingPlan
+from .zero.optimizer import OptimizerLike, OptimizerPiece
 
 __all__ = ["ZeroEngine"]
 
@@ -87,21 +72,28 @@ class ZeroEngine(nn.Module):
     ) -> None:
         super().__init__()
         init_process_group_from_env()
-        self.comm = Comm(process_group)
         # a pipeline stage's engine (core/pipeline): its stage, mesh and the whole model
         self.pipeline_stage = pipeline_stage
-        # [Note: agreement points] in faults.py: local work that may fail on one rank only is
-        # agreed on before the next collective, so every rank raises instead of waiting.
-        # The engine is assembled in named steps, each from the resolved config:
-        tp = self._resolve_config(config, process_group)
-        self._adopt_model(model, tp)  # agreement, ownership, quantization-aware layers
-        self._lay_out_ranks(model, tp)  # tensor parallelism, links, hierarchy, MiCS
-        scaling = self._init_loop_state(model)  # counters, precision, loss scale
-        self.timers = StepTimers.from_config(self.config, self.comm, self.device)  # or None
-        self._build_offload(model, optimizer)
-        self._build_sharding(model, scaling, param_init_fn)  # the plan: groups and units
-        self._build_optimizer(model, optimizer, lr_scheduler)
-        self.compression = self._build_compression()
+        self._init_loop_state()
+        # [Note: engine assembly] in assembly.py: the parts, each from the resolved config
+        builder = EngineBuilder(
+            model,
+            config,
+            Comm(process_group),
+            process_group=process_group,
+            pipeline_stage=pipeline_stage,
+            loop=LoopHooks(
+                reduce_every_backward=lambda: not self._no_sync,
+                reduce_at_boundary=lambda: (
+                    (not self._no_sync) and self.is_gradient_accumulation_boundary()
+                ),
+                loss_scale=lambda: self.loss_scale,
+                global_steps=lambda: self.global_steps,
+                steps_taken=lambda: self.global_steps - self.skipped_steps,
+            ),
+        )
+        self.module = model
+        self._install(builder.build(optimizer, lr_scheduler, param_init_fn))
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
         self._compile_watch = CompileWatch(self.module)
@@ -116,286 +108,46 @@ class ZeroEngine(nn.Module):
         if self.config.compile.enabled:
             self.compile()
 
-    # -- assembly, in the order __init__ runs it -------------------------------------------------
+    def _init_loop_state(self) -> None:
+        """Step counters and the flags of the accumulation window."""
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._skips_in_a_row = 0
+        self._no_sync = False
+        self._global_grad_norm: float | None = None
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        self._ready_norm: float | None = None  # this boundary's reduced-gradient norm
+        self._clipped_norm: float | None = None  # their norm after clip_grad_norm_
 
-    def _resolve_config(
-        self, config: Any, process_group: torch.distributed.ProcessGroup | None
-    ) -> int:
-        """``self.config`` resolved for the data-parallel ranks, and the topology; returns the
-        tensor-parallel size."""
-        stage = self.pipeline_stage
-        with together(self.comm):
-            loaded = load_config(config)
-            if loaded.pipeline.stages > 1:
-                raise ValueError(
-                    f"pipeline.stages={loaded.pipeline.stages}: a pipeline is built by "
-                    "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
-                    "nn.Sequential and trained with engine.train_batch; this front end drives "
-                    "a ZeroEngine, so set pipeline.stages to 1 here"
-                )
-            mesh = stage.mesh if stage is not None else None
-            tp = _tensor_parallel_size(loaded, self.comm, process_group, mesh)
-            # batch sizes count data-parallel ranks: tensor-parallel ones share each batch
-            self.config: ZeroConfig = loaded.resolve(world_size=self.comm.world_size // tp)
-            world = Comm()  # the topology is the job's, whatever group this engine runs on
-            self.topology = Topology.detect(
-                world.world_size, world.rank, self.config.topology.ranks_per_machine
-            )
-        self.stage = self.config.zero_optimization.stage
-        return tp
-
-    def _adopt_model(self, model: nn.Module, tp: int) -> None:
-        """Checks before anything a rank may refuse, quantization-aware layers, and what a
-        checkpoint of this engine needs to know of the model."""
-        check_ranks_agree(self.comm, self.config, model)
-        with together(self.comm):
-            check_parameters_free(model)  # no other engine's parameters (core/ownership.py)
-        self.qat: dict[str, str] = {}  # layer -> fake quantization (quantization.qat)
-        if self.config.quantization.qat:
-            with together(self.comm):
-                self.qat = _prepare_qat(model, self.config, tp)
-        stage = self.pipeline_stage
-        # every rank holding a part of this engine's state: checkpoints are written by them all
-        self.checkpoint_comm = self.comm
-        # a pipeline stage holds part of a model: a checkpoint it loads may hold more, and a
-        # weight tied across stages may be saved under the whole model's name
-        self.checkpoint_partial = stage is not None
+    def _install(self, parts: EngineParts) -> None:
+        """The built parts under the names the loop, the front ends and checkpoints read."""
+        self.config: ZeroConfig = parts.config
+        self.stage = parts.config.zero_optimization.stage
+        self.topology = parts.topology
+        self.device = parts.device
+        self.qat = parts.qat
+        ranks = parts.ranks
+        self.comm, self.shard_comm = ranks.comm, ranks.shard_comm
+        self.mesh, self.tensor_parallel = ranks.mesh, ranks.tensor_parallel
+        place = parts.checkpoint
+        self.checkpoint_comm = place.comm
+        self.checkpoint_partial = place.partial
+        self.checkpoint_stage = place.stage
+        self.checkpoint_aliases = place.aliases
         # the swap files a checkpoint reads and writes in place, during one (core/offload)
         self.checkpoint_io: SwapFiles | None = None
-        self.checkpoint_stage = stage.stage if stage is not None else None  # its stage_<k>
-        self.checkpoint_aliases: dict[str, str] = (
-            _tied_aliases(model, stage.whole_model) if stage is not None else {}
-        )
-
-    def _lay_out_ranks(self, model: nn.Module, tp: int) -> None:
-        """The mesh and the groups: tensor-parallel layers over consecutive ranks, ZeRO over
-        the others (hierarchically, or in MiCS shard groups, as configured)."""
-        zc = self.config.zero_optimization
-        self.mesh = ParallelMesh.flat(self.comm.rank, self.comm.world_size)
-        self.tensor_parallel: TensorParallel | None = None
-        if tp > 1:  # split the layers over consecutive ranks, then ZeRO over the others
-            with together(self.comm):
-                tp_plan = resolve_plan(model, tp, self.config.tensor_parallel.plan)
-            # a pipeline stage's engine gets the pipeline's mesh and runs on one stage's ranks
-            given = self.pipeline_stage.mesh if self.pipeline_stage is not None else None
-            self.mesh = given or ParallelMesh.build(self.comm.world_size, tp, _pick_device(model))
-            assert self.mesh.device_mesh is not None
-            tp_comm = Comm(self.mesh.group("tp"))
-            self.tensor_parallel = TensorParallel(
-                model, self.mesh.device_mesh["tp"], tp_plan, tp_comm
-            )
-            self.comm = Comm(self.mesh.group("dp"))
-        for comm in self._comms():
-            comm.link = self.topology.link(comm.global_ranks())
-        if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
-            self.comm = HierarchicalComm.build(self.comm.group, self.topology)
-        # what ZeRO shards over: the data-parallel ranks, or under MiCS a group of them
-        self.shard_comm: Comm = self.comm
-        with together(self.comm):  # see config/rules.py
-            check_rules(self.config, self._facts(), "ranks")
-        if int(zc.mics_shard_size) > 0:
-            self.shard_comm = MiCSComm.build(self.comm, int(zc.mics_shard_size), self.topology)
-
-    def _init_loop_state(self, model: nn.Module) -> GradScaling:
-        """Step counters, precision and loss scaling, activation checkpointing; returns how
-        gradients are scaled when they are reduced."""
-        with together(self.comm):
-            check_rules(self.config, Facts(), "config")  # see config/rules.py
-            self.module = model
-            self.device = _pick_device(model)
-            self.micro_steps = 0
-            self.global_steps = 0
-            self._no_sync = False
-            self._global_grad_norm: float | None = None
-            self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
-            self._ready_norm: float | None = None  # this boundary's reduced-gradient norm
-            self._clipped_norm: float | None = None  # their norm after clip_grad_norm_
-            self.skipped_steps = 0
-            self._skips_in_a_row = 0
-            self.precision = PrecisionPolicy.from_config(self.config)
-            self._scaler = (
-                LossScaler.from_config(self.config.fp16) if self.precision.loss_scaling else None
-            )
-            self.gradient_accumulation_steps: int = self.config.gradient_accumulation_steps
-            scaling = GradScaling.of(
-                self.comm.world_size,
-                self.config.prescale_gradients,
-                self.config.gradient_predivide_factor,
-            )
-            apply_activation_checkpointing(model, self.config.activation_checkpointing)
-        return scaling
-
-    def _build_offload(self, model: nn.Module, optimizer: OptimizerLike | None) -> None:
-        """The offload tier (or None); it takes the groups as they are built, and a streaming
-        build opens its swap files for the whole model first."""
-        with together(self.comm):
-            self._offload = Offload.build(self.config, [], self.comm.rank, self.comm)
-            if self._offload is not None and self._offload.streams_build:
-                shards = self.shard_comm.world_size
-                self._offload.open_for_build(
-                    _shard_bytes(model, shards, self.precision),
-                    -(-sum(p.numel() for p in model.parameters() if p.requires_grad) // shards),
-                    optimizer,
-                    META_FILE,
-                )
-
-    def _build_sharding(
-        self,
-        model: nn.Module,
-        scaling: GradScaling,
-        param_init_fn: Callable[[nn.Module], None] | None,
-    ) -> None:
-        """The sharding plan: flat groups (ZeRO-3: units, built one at a time) and the reducer."""
-        self.plan: ShardingPlan = build_plan(
-            model,
-            self.shard_comm,
-            self.config,
-            self.device,
-            scaling,
-            should_reduce_every_backward=lambda: not self._no_sync,
-            should_reduce_at_boundary=lambda: (
-                (not self._no_sync) and self.is_gradient_accumulation_boundary()
-            ),
-            param_init_fn=param_init_fn,
-            precision=self.precision,
-            on_groups=self._offload.adopt if self._offload is not None else None,
-        )
-        # parameters a pipeline materialised before this engine (the optimizer may hold the
-        # meta ones they replaced)
-        if self.pipeline_stage is not None:
-            self.plan.replaced.update(self.pipeline_stage.replaced)
-        self._link_zero_plus_plus()
-        meter = self.plan.meter  # scratch of the composed collectives: in the peak
-        if self._offload is not None:  # what comes back from NVMe: in the peak too
-            self._offload.set_meter(meter)
-        self.comm.on_scratch = lambda n: meter.alloc(n) if n > 0 else meter.free(-n)
-
-    def _build_optimizer(
-        self,
-        model: nn.Module,
-        optimizer: OptimizerLike | None,
-        lr_scheduler: SchedulerLike | None,
-    ) -> None:
-        """The user's (or the config's) optimizer rebuilt over this rank's shards, and its lr
-        scheduler; a model without trainable parameters gets a stand-in for evaluation."""
-        with together(self.comm):
-            optimizer = self._the_optimizer(model, optimizer)
-            # the optimizer's pieces are views of masters a streaming build has written out
-            viewable = self._offload.viewable() if self._offload else contextlib.nullcontext()
-            with viewable:
-                opt, pieces = rebuild_optimizer(optimizer, self.plan.groups, self.plan.replaced)
-                tp = self.tensor_parallel
-                self._sharded_opt = ShardedOptimizer(
-                    opt,
-                    pieces,
-                    self.plan.groups,
-                    self.shard_comm,
-                    tp_norm=(tp.norm_weight, tp.comm) if tp is not None else None,
-                )
-            self.optimizer = opt
-            if self._offload is not None:
-                self._offload.attach(self._sharded_opt, META_FILE)
-            if self.config.scheduler is not None:
-                if lr_scheduler is not None:
-                    raise ValueError(
-                        f"the config has a scheduler section ({self.config.scheduler.type}) "
-                        "and lr_scheduler= was passed too: keep one of them"
-                    )
-                section = self.config.scheduler
-                self.lr_scheduler = build_scheduler(section.type, dict(section.params), opt)
-            else:
-                self.lr_scheduler = _bind_scheduler(lr_scheduler, opt)
-
-    def _the_optimizer(self, model: nn.Module, optimizer: OptimizerLike | None) -> OptimizerLike:
-        """What to rebuild: the user's optimizer, the config's, or the evaluation stand-in."""
-        self.trainable = any(p.requires_grad for p in model.parameters())
-        if not self.trainable:
-            if optimizer is not None or self.config.optimizer is not None:
-                raise ValueError(
-                    f"{type(model).__name__} has no trainable parameters (requires_grad is "
-                    "False on all of them), so an optimizer would train nothing; unfreeze "
-                    "the parameters to train, or pass optimizer=None (and no optimizer "
-                    "section) to build an engine for evaluation"
-                )
-            return evaluation_optimizer
-        if optimizer is None:
-            if self.config.optimizer is None:
-                raise ValueError(
-                    "no optimizer: pass a torch.optim.Optimizer (or a callable params -> "
-                    "Optimizer) to ds_strategy.initialize, or add an 'optimizer' section to "
-                    "the config"
-                )
-            return optimizer_factory(self.config.optimizer)
-        if self.tensor_parallel is not None:  # the user's optimizer holds full weights
-            self.plan.replaced.update(self.tensor_parallel.replaced)
-        whole = self.pipeline_stage.whole_model if self.pipeline_stage is not None else None
-        _check_optimizer_params(optimizer, model, self.plan.replaced, whole)
-        return optimizer
-
-    def _build_compression(self) -> TopKReduction | OneBitReduction | ZeroOneReduction | None:
-        """``gradient_compression``: the top-k exchange the reducer runs after warm-up; a
-        1-bit optimizer (``OneBitAdam``, ``OneBitLamb``): its compressed momentum exchange
-        after ``freeze_step``; ``ZeroOneAdam``: its 1-bit gradients and synchronisations."""
-        gc = self.config.gradient_compression
-        with together(self.comm):  # see config/rules.py
-            check_rules(self.config, self._facts(), "optimizer")
-        if isinstance(self.optimizer, CompressedExchange):
-            return self._build_onebit()
-        if gc.method == "none" or not self.trainable or self.plan.reducer is None:
-            return None
-        momentum = 0.0
-        if gc.momentum_correction:
-            momentum = _take_sgd_momentum(self.optimizer)
-        compression = TopKReduction(
-            self.plan.groups,
-            self.comm,
-            float(gc.ratio),
-            int(gc.warmup_steps),
-            momentum,
-            loss_scale=lambda: self.loss_scale,
-            optimizer_steps=lambda: self.global_steps,
-        )
-        self.plan.reducer.compression = compression
-        return compression
-
-    def _build_onebit(self) -> OneBitReduction | ZeroOneReduction | None:
-        """A 1-bit / 0-1 optimizer's exchange (the rule table has refused what it cannot
-        run with)."""
-        if self.plan.reducer is None or self.comm.world_size == 1:
-            return None  # nothing to exchange: it trains as its dense warm-up does
-        clip = float(self.config.gradient_clipping or 0.0)
-
-        def optimizer_steps() -> int:  # steps taken, skipped ones not counted
-            return self.global_steps - self.skipped_steps
-
-        hooks: dict[str, Any] = dict(
-            loss_scale=lambda: self.loss_scale, optimizer_steps=optimizer_steps, clip=clip
-        )
-        compression: OneBitReduction | ZeroOneReduction
-        if isinstance(self.optimizer, ZeroOneAdam):
-            compression = ZeroOneReduction(self.plan.groups, self.comm, self.optimizer, **hooks)
-        else:
-            assert isinstance(self.optimizer, MomentumCompressed)
-            pieces = self._sharded_opt.pieces
-            compression = OneBitReduction(
-                self.plan.groups, pieces, self.comm, self.optimizer, **hooks
-            )
-        self.plan.reducer.compression = compression
-        return compression
-
-    def _facts(self) -> Facts:
-        """What the rule table (``config/rules.py``) needs to know besides the config."""
-        optimizer = getattr(self, "optimizer", None)
-        return Facts(
-            world_size=self.comm.world_size,
-            ranks_per_machine=self.topology.ranks_per_machine,
-            in_pipeline=self.pipeline_stage is not None,
-            tensor_parallel=self.tensor_parallel is not None,
-            offload=getattr(self, "_offload", None) is not None,
-            optimizer=type(optimizer).__name__ if optimizer is not None else "",
-            compressed_optimizer=isinstance(optimizer, CompressedExchange),
-            local_steps=isinstance(optimizer, ZeroOneAdam),
-        )
+        self.precision = parts.precision.policy
+        self._scaler = parts.precision.scaler
+        self.gradient_accumulation_steps: int = parts.config.gradient_accumulation_steps
+        self.timers = parts.timers
+        self._offload = parts.offload
+        self.plan: ShardingPlan = parts.plan
+        self.optimizer = parts.optimizer.optimizer
+        self._sharded_opt = parts.optimizer.sharded
+        self.lr_scheduler = parts.optimizer.lr_scheduler
+        self.trainable = parts.optimizer.trainable
+        self.compression = parts.compression
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; under mixed precision floating-point inputs are cast
@@ -567,7 +319,7 @@ class ZeroEngine(nn.Module):
         if not math.isfinite(norm):
             self._skip_step(norm)
             return
-        clip = float(self.config.gradient_clipping or 0.0)
+        clip = self.config.gradient_clipping
         if self._exchanged_step():
             clip = 0.0  # a 1-bit exchange clipped each rank's gradient before it
         self._global_grad_norm = norm / scale
@@ -649,6 +401,25 @@ class ZeroEngine(nn.Module):
         gradient. Checkpoints save the optimizer state by these; read-only."""
         return tuple(self._sharded_opt.pieces)
 
+    def checkpoint_shards(self) -> ShardedState:
+        """This rank's weights, optimizer slots and compression buffers, each with its place
+        in the whole parameter (``checkpoint/seam.py``): views of the live storage, once the
+        in-flight parameter gathers have landed. What a checkpoint saves and loads into."""
+        return sharded_state(
+            self.plan,
+            self.module,
+            self.tensor_parallel,
+            self.optimizer_pieces,
+            self.compression,
+            stage=self.stage,
+            world_size=self.world_size,
+            tp_degree=self.mesh.tp,
+        )
+
+    def checkpoint_loaded(self) -> None:
+        """A checkpoint load overwrote the shards: rebuild the resident full parameters."""
+        self.plan.after_load()
+
     def checkpoint_state(self) -> dict[str, Any]:
         """The training-loop state a checkpoint records besides weights and optimizer state:
         ``global_steps``, ``micro_steps``, ``skipped_steps``, the lr scheduler's and the fp16
@@ -726,9 +497,9 @@ class ZeroEngine(nn.Module):
             write_quantized_state(
                 state,
                 self.module,
-                QuantScheme(int(qc.bits), int(qc.group_size), bool(qc.symmetric)),
+                QuantScheme(qc.bits, qc.group_size, qc.symmetric),
                 path,
-                embeddings=bool(qc.embeddings),
+                embeddings=qc.embeddings,
                 modules_to_not_convert=list(qc.modules_to_not_convert),
             )
         self.comm.barrier()
@@ -926,29 +697,6 @@ class ZeroEngine(nn.Module):
             self.tensor_parallel.comm.take_into(report, "tp_")
         return report
 
-    def _link_zero_plus_plus(self) -> None:
-        """ZeRO++'s groups: hpZ's link from the topology; qgZ's reduce-scatters two-level
-        (inside each machine, then across) whenever the ranks span machines, as DeepSpeed's
-        qgZ is, even without ``topology.hierarchical``. Collective."""
-        for comm in {id(g.secondary_comm): g.secondary_comm for g in self.plan.groups}.values():
-            if comm is not None:
-                comm.link = self.topology.link(comm.global_ranks())
-        quantized = [g for g in self.plan.groups if g.quantized_reduce]
-        if not quantized or isinstance(self.comm, HierarchicalComm):
-            return
-        two = HierarchicalComm.build(self.comm.group, self.topology)
-        if isinstance(two, HierarchicalComm):
-            two.parent = self.comm  # its bytes are the engine's
-            for g in quantized:
-                g.reduce_comm = two
-
-    def _comms(self) -> list[Comm]:
-        """Every group this engine sends on: data-parallel, checkpoint, tensor-parallel."""
-        comms = [self.comm, self.checkpoint_comm]
-        if self.tensor_parallel is not None:
-            comms.append(self.tensor_parallel.comm)
-        return comms
-
     @property
     def world_size(self) -> int:
         return self.comm.world_size
@@ -968,132 +716,3 @@ class ZeroEngine(nn.Module):
             if self._offload is not None:
                 self._offload.close()
             release_parameters(self._claimed, self)
-
-
-def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str]:
-    """``quantization.qat``: the layers the quantization converts train fake-quantized."""
-    qc = config.quantization
-    if tp > 1:
-        raise ValueError(
-            "quantization.qat with tensor_parallel.autotp_size > 1 is not supported: the fake "
-            "quantization rounds whole rows of each weight, which tensor parallelism splits; "
-            "train with qat at autotp_size 1"
-        )
-    scheme = QuantScheme(int(qc.bits), int(qc.group_size), bool(qc.symmetric))
-    return prepare_qat(
-        model,
-        scheme,
-        embeddings=bool(qc.embeddings),
-        modules_to_not_convert=list(qc.modules_to_not_convert),
-    )
-
-
-def _tied_aliases(part: nn.Module, whole: nn.Module) -> dict[str, str]:
-    """``part``'s parameter names -> the name ``whole`` gives the same tensor first, where
-    they differ (a pipeline stage's copy of a weight tied to an earlier stage's)."""
-    first: dict[int, str] = {}
-    for name, p in whole.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
-    out = {}
-    for name, p in part.named_parameters():
-        canonical = first.get(id(p), name)
-        if canonical != name:
-            out[name] = canonical
-    return out
-
-
-def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:
-    """Momentum correction accumulates the velocity before compression, so it replaces the
-    optimizer's momentum: SGD's (one value for all groups) is taken and set to 0 here."""
-    momenta = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
-    if not isinstance(optimizer, torch.optim.SGD) or len(momenta) != 1 or not min(momenta) > 0:
-        raise ValueError(
-            "gradient_compression.momentum_correction: the correction accumulates SGD's "
-            "momentum locally before compression (Deep Gradient Compression), so it needs "
-            f"torch.optim.SGD with one momentum > 0 for all groups (got "
-            f"{type(optimizer).__name__}, momentum {sorted(momenta)}); use SGD(momentum=...) "
-            "or set momentum_correction to false"
-        )
-    for g in optimizer.param_groups:
-        g["momentum"], g["nesterov"] = 0.0, False
-    return momenta.pop()
-
-
-def _tensor_parallel_size(
-    cfg: ZeroConfig,
-    comm: Comm,
-    process_group: torch.distributed.ProcessGroup | None,
-    mesh: ParallelMesh | None,
-) -> int:
-    tp = int(cfg.tensor_parallel.autotp_size)
-    if tp == 1:
-        return 1
-    if mesh is not None:  # a pipeline stage: the pipeline built the mesh
-        assert mesh.tp == tp and mesh.dp * tp == comm.world_size, (mesh, comm.world_size)
-        return tp
-    if process_group is not None:
-        raise ValueError(
-            f"tensor_parallel.autotp_size={tp} with an engine on a process sub-group is not "
-            "supported; build the engine on the default group (its mesh splits the ranks)"
-        )
-    ParallelMesh.data_parallel_size(comm.world_size, tp)  # an error unless T divides it
-    return tp
-
-
-def _shard_bytes(model: nn.Module, shards: int, precision: PrecisionPolicy) -> int:
-    """This rank's bytes of ZeRO-3 parameter shards and fp32 masters: what a streaming build
-    writes to the swap directory (the parameters' shapes are known on the meta device)."""
-    params = list(model.parameters())  # a tied weight once
-    elem = torch.empty((), dtype=precision.param_dtype).element_size()
-    total = -(-sum(p.numel() for p in params) // shards) * elem
-    if precision.master_weights and precision.param_dtype != torch.float32:
-        total += -(-sum(p.numel() for p in params if p.requires_grad) // shards) * 4
-    return total
-
-
-def _pick_device(model: nn.Module) -> torch.device:
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type != "meta":
-            return t.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_optimizer_params(
-    optimizer: OptimizerLike,
-    model: nn.Module,
-    replaced: dict[int, nn.Parameter],
-    whole_model: nn.Module | None,
-) -> None:
-    """An optimizer built over another model's parameters would train nothing, silently.
-    ``whole_model``: a pipeline stage's engine gets the optimizer of the whole model, whose
-    other parameters belong to the other stages."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return  # a factory: it is called with the shards
-    held = [replaced.get(id(p), p) for g in optimizer.param_groups for p in g["params"]]
-    mine = {id(p) for p in model.parameters()}
-    allowed = mine | ({id(p) for p in whole_model.parameters()} if whole_model else set())
-    belong = sum(id(p) in mine for p in held)
-    foreign = sum(id(p) not in allowed for p in held)
-    if held and (belong == 0 or foreign):
-        raise ValueError(
-            f"the optimizer holds {len(held)} parameters and {belong} of them belong to the "
-            f"model ({type(model).__name__}, {len(mine)} parameters): build it over this "
-            "model's parameters (torch.optim.AdamW(model.parameters(), ...)), after any "
-            "weight tying or freezing, and pass that same model to initialize"
-        )
-
-
-def _bind_scheduler(sched: SchedulerLike | None, opt: torch.optim.Optimizer) -> Any:
-    if sched is None:
-        return None
-    if callable(sched) and not hasattr(sched, "step"):
-        return sched(opt)
-    # A scheduler built on the user's optimizer: point it at the rebuilt one. The param
-    # groups kept every key (initial_lr included), so its schedule is unchanged.
-    sched.optimizer = opt
-    # LRScheduler warns when optimizer.step lacks its wrapper; the rebuilt optimizer's step is
-    # still the one it expects to be called before scheduler.step().
-    track_optimizer_step(opt)
-    return sched

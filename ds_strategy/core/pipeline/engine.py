@@ -41,11 +41,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ...config import ZeroConfig, load_config
+from ..assembly import pick_device
 from ..checkpoint.manager import write_latest
 from ..checkpoint.validate import CheckpointError
 from ..checkpoint.weights_file import write_weights
 from ..collectives import Comm, init_process_group_from_env
-from ..engine import ZeroEngine, _pick_device
+from ..engine import ZeroEngine
 from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..precision.policy import PrecisionPolicy
@@ -138,7 +139,7 @@ class PipelineEngine:
             layers, builders = _as_layers(model)
         raw: ZeroConfig = load_config(config)
         pc = raw.pipeline
-        device = _pick_device(nn.Sequential(*layers))  # a model all on meta: cuda, else cpu
+        device = pick_device(nn.Sequential(*layers))  # a model all on meta: cuda, else cpu
         self.mesh = Mesh.build(int(pc.stages), int(raw.tensor_parallel.autotp_size), device)
         self.config = raw.resolve(world_size=self.mesh.dp_size)
         self.schedule_name: str = pc.schedule
