@@ -85,7 +85,7 @@ def _offload_param_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
 
 def _mics_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
     zc = cfg.zero_optimization
-    size = int(zc.mics_shard_size)
+    size = zc.mics_shard_size
     if size <= 0:
         return None
     refused = []
@@ -96,7 +96,7 @@ def _mics_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
             "topology.hierarchical (MiCS's shard groups already keep ZeRO's collectives "
             "inside a machine; keep one of them)"
         )
-    if zc.stage == 3 and int(zc.zero_hpz_partition_size) > 1:
+    if zc.stage == 3 and zc.zero_hpz_partition_size > 1:
         refused.append(
             "zero_hpz_partition_size (hpZ's secondary shard inside a machine is what a "
             "MiCS shard group already is; keep one of them)"
@@ -111,7 +111,7 @@ def _mics_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
 
 
 def _mics_divides(cfg: ZeroConfig, facts: Facts) -> str | None:
-    size, n = int(cfg.zero_optimization.mics_shard_size), facts.world_size
+    size, n = cfg.zero_optimization.mics_shard_size, facts.world_size
     if size > 0 and (size > n or n % size):
         return (
             f"zero_optimization.mics_shard_size={size} does not divide the {n} "
@@ -124,7 +124,7 @@ def _mics_divides(cfg: ZeroConfig, facts: Facts) -> str | None:
 def _compression_with_mics(cfg: ZeroConfig, facts: Facts) -> str | None:
     gc = cfg.gradient_compression
     compressed = gc.method != "none" or facts.compressed_optimizer
-    if compressed and int(cfg.zero_optimization.mics_shard_size) > 0:
+    if compressed and cfg.zero_optimization.mics_shard_size > 0:
         return (
             "zero_optimization.mics_shard_size with gradient compression "
             f"(gradient_compression.method={gc.method!r}, optimizer {facts.optimizer}): the "

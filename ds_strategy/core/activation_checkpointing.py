@@ -176,7 +176,7 @@ def apply_activation_checkpointing(
                 key="activation_checkpointing.modules",
             )
     for m in modules:
-        _wrap(m, bool(config.cpu_checkpointing))
+        _wrap(m, config.cpu_checkpointing)
     return modules
 
 

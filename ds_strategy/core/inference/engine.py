@@ -89,7 +89,7 @@ class InferenceEngine(nn.Module):
         self.device = _device()
         self.sharded = self.config.zero_optimization.stage == 3
         self.tensor_parallel: TensorParallelInference | None = None
-        tp = int(self.config.tensor_parallel.autotp_size)
+        tp = self.config.tensor_parallel.autotp_size
         with together(self.comm):
             self._check_layout(tp)
         if tp > 1:  # a collective: the mesh's groups
@@ -183,7 +183,7 @@ class InferenceEngine(nn.Module):
                 )
             only = set(saved["modules"])
         elif qc.bits is not None:
-            scheme = QuantScheme(int(qc.bits), int(qc.group_size), bool(qc.symmetric))
+            scheme = QuantScheme(qc.bits, qc.group_size, qc.symmetric)
             only = None
         else:
             return None
@@ -193,7 +193,7 @@ class InferenceEngine(nn.Module):
             scheme,
             dtype=self.dtype,
             kernel=kernel,
-            embeddings=bool(qc.embeddings) or only is not None,
+            embeddings=qc.embeddings or only is not None,
             modules_to_not_convert=[] if only is not None else list(qc.modules_to_not_convert),
             only=only,
         )
@@ -212,7 +212,7 @@ class InferenceEngine(nn.Module):
             )
             return
         zc = self.config.zero_optimization
-        plan = plan_units(self.module, int(zc.stage3_param_persistence_threshold))
+        plan = plan_units(self.module, zc.stage3_param_persistence_threshold)
         self._check_budget(plan)  # before reading anything
         self.units = place_sharded(
             self.module,
@@ -222,12 +222,12 @@ class InferenceEngine(nn.Module):
             self.comm,
             self.device,
             self.dtype,
-            int(zc.reduce_bucket_size),
+            zc.reduce_bucket_size,
             self.meter,
         )
 
     def _check_budget(self, plan: UnitPlan) -> None:
-        budget = int(self.config.zero_optimization.stage3_max_live_parameters)
+        budget = self.config.zero_optimization.stage3_max_live_parameters
         sizes = [sum(p.numel() for p in plan.params[id(u)]) for u in plan.units]
         root, largest = sizes[-1], max(sizes[:-1], default=0)
         # each flat group pads to a multiple of the ranks
@@ -248,8 +248,8 @@ class InferenceEngine(nn.Module):
             self.units,
             GradScaling(1.0, 1.0),
             should_reduce=lambda: False,
-            prefetch_numel=int(zc.stage3_prefetch_bucket_size),
-            max_live_numel=int(zc.stage3_max_live_parameters),
+            prefetch_numel=zc.stage3_prefetch_bucket_size,
+            max_live_numel=zc.stage3_max_live_parameters,
             queue=ReductionQueue(None),
         )
 

@@ -221,7 +221,7 @@ class Offload:
             self.groups.append(g)
         # Swapped tensors are resized as they come and go: plain host memory, never pinned.
         swapped = self.nvme_optimizer or self.nvme_params
-        pin = bool(self.opt_cfg.pin_memory or self.param_cfg.pin_memory) and not swapped
+        pin = (self.opt_cfg.pin_memory or self.param_cfg.pin_memory) and not swapped
         place_on_host(groups, pin, params=self.param_cfg.device != "none")
         if self.swap_dir is not None:
             self._swap_out(groups)
@@ -390,8 +390,8 @@ class Offload:
             sharded_opt,
             self.state,
             self.group_swaps,
-            bucket_numel=int(cfg.buffer_size),
-            in_flight=int(cfg.buffer_count),
+            bucket_numel=cfg.buffer_size,
+            in_flight=cfg.buffer_count,
         )
         sharded_opt.stepper = self.stepper
         self.wait()

@@ -37,15 +37,15 @@ class LossScaler:
     @staticmethod
     def from_config(cfg: FP16Config) -> LossScaler:
         if cfg.loss_scale and cfg.loss_scale > 0:
-            return LossScaler(scale=float(cfg.loss_scale))
+            return LossScaler(scale=cfg.loss_scale)
         return LossScaler(
-            scale=float(2 ** int(cfg.initial_scale_power)),
+            scale=2.0**cfg.initial_scale_power,
             dynamic=True,
-            window=int(cfg.loss_scale_window),
-            hysteresis=int(cfg.hysteresis),
-            consecutive_hysteresis=bool(cfg.consecutive_hysteresis),
-            min_scale=float(cfg.min_loss_scale),
-            hysteresis_left=int(cfg.hysteresis),
+            window=cfg.loss_scale_window,
+            hysteresis=cfg.hysteresis,
+            consecutive_hysteresis=cfg.consecutive_hysteresis,
+            min_scale=cfg.min_loss_scale,
+            hysteresis_left=cfg.hysteresis,
         )
 
     def update(self, overflow: bool) -> None:

@@ -46,7 +46,7 @@ class PrecisionPolicy:
         if cfg.fp16.enabled:
             param, master, scaling = torch.float16, True, True
         elif cfg.bf16.enabled:
-            param, master, scaling = torch.bfloat16, bool(cfg.bf16.master_weights), False
+            param, master, scaling = torch.bfloat16, cfg.bf16.master_weights, False
         else:
             param, master, scaling = torch.float32, False, False
         reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else param

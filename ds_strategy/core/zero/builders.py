@@ -183,7 +183,7 @@ def group_numel(config: ZeroConfig, comm: Comm) -> int:
     where a reduce-scatter needs a receive buffer as large as its input (gloo), so that a
     group being filled plus one in flight with its receive buffer stay within two buckets."""
     zc = config.zero_optimization
-    bucket = int(zc.reduce_bucket_size)
+    bucket = zc.reduce_bucket_size
     if zc.stage >= 1 and comm.reduce_needs_scratch:
         return max(1, bucket // 2)
     return bucket
@@ -323,8 +323,8 @@ def _build_stage3(
     on_groups: Callable[[list[FlatParamGroup]], None] | None,
 ) -> ShardingPlan:
     zc = config.zero_optimization
-    secondary = hpz_comm(comm, int(zc.zero_hpz_partition_size))
-    plan = plan_units(model, int(zc.stage3_param_persistence_threshold))
+    secondary = hpz_comm(comm, zc.zero_hpz_partition_size)
+    plan = plan_units(model, zc.stage3_param_persistence_threshold)
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}
     units: list[Unit] = []
@@ -343,9 +343,9 @@ def _build_stage3(
                 g.load_from_params()
         for g in groups:
             g.broadcast_and_bind()
-            g.quantized_gather = bool(zc.zero_quantized_weights)  # ZeRO++ qwZ
+            g.quantized_gather = zc.zero_quantized_weights  # ZeRO++ qwZ
             g.secondary_comm = secondary  # ZeRO++ hpZ
-            g.quantized_reduce = bool(zc.zero_quantized_gradients)  # ZeRO++ qgZ
+            g.quantized_reduce = zc.zero_quantized_gradients  # ZeRO++ qgZ
         if on_groups is not None:  # e.g. written out before the next unit is built
             with together(comm):
                 on_groups(groups)
@@ -368,8 +368,8 @@ def _build_stage3(
         units,
         scaling,
         should_reduce,
-        prefetch_numel=int(zc.stage3_prefetch_bucket_size),
-        max_live_numel=int(zc.stage3_max_live_parameters),
+        prefetch_numel=zc.stage3_prefetch_bucket_size,
+        max_live_numel=zc.stage3_max_live_parameters,
         queue=queue,
     )
     reducer = GradReducer(small, scaling, should_reduce, queue)
