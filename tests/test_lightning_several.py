@@ -100,7 +100,7 @@ def test_the_checkpoint_of_several_engines_validates_and_consolidates(gan: dict[
 
 
 def test_an_optimizer_over_part_of_a_submodule_is_refused_naming_the_fix() -> None:
-    from ds_strategy.frontends.several import split_by_optimizer
+    from ds_strategy.core.several import split_by_optimizer
 
     module = nn.Module()
     module.a = nn.Linear(2, 2)

@@ -17,12 +17,10 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DummyScheduler
 from torch import nn
@@ -30,27 +28,25 @@ from torch.utils.data import DataLoader
 
 from ..config._auto import fill_auto
 from ..core import ZeroEngine
-from ..core.checkpoint.engines import holds_engines, load_engines, save_engines
+from ..core.several import engines_reached
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
-from ._front import Front, prepared, torch_optimizer
+from ._front import EngineOptimizer, Front, prepared, torch_optimizer
 from ._private import track
 
 __all__ = ["EngineFront", "Slot", "ZeroOptimizerWrapper"]
 
 
-class ZeroOptimizerWrapper(AcceleratedOptimizer):
-    """What ``prepare`` returns for the optimizer: the engine's, over this rank's shards (so is
-    its ``state_dict()``: use ``accelerator.save_state``). ``step()`` runs the pending engine
-    step. ``zero_grad()``: with one model a no-op (the engine zeroes gradients after every
-    step); with several, at an accumulation boundary it zeroes the engine's gradients, as
-    Accelerate's optimizer does (see [Note: several models])."""
+class ZeroOptimizerWrapper(EngineOptimizer):
+    """``step()`` runs the pending engine step. ``zero_grad()``: with one model a no-op (the
+    engine zeroes gradients after every step); with several, at an accumulation boundary it
+    zeroes the engine's gradients, as Accelerate's optimizer does (see [Note: several models])."""
+
+    engine: ZeroEngine
 
     def __init__(self, slot: Slot, front: EngineFront) -> None:
-        super().__init__(slot.engine.optimizer, device_placement=False, scaler=None)
-        self.engine = slot.engine
+        super().__init__(slot.engine)
         self.slot = slot
         self.front = front
-        self.skipped = False
 
     def step(self, closure: object = None) -> None:
         if closure is not None:
@@ -60,22 +56,15 @@ class ZeroOptimizerWrapper(AcceleratedOptimizer):
             )
         if not self.slot.step_pending or not self.front.acc.sync_gradients:
             return  # as Accelerate's optimizer, which steps at a boundary only
-        skipped_before = self.engine.skipped_steps
         self.engine.set_gradient_accumulation_boundary(True)
         try:
-            self.engine.step()
+            self.stepping(self.engine.step)
         finally:
             self.slot.step_pending = False
-        self.skipped = self.engine.skipped_steps != skipped_before
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.front.several and self.front.acc.sync_gradients:
             self.engine.zero_grad()
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped (fp16 overflow)."""
-        return self.skipped
 
 
 @dataclass(eq=False)
@@ -113,11 +102,6 @@ class EngineFront(Front):
         return self.trained
 
     @property
-    def wrapper(self) -> ZeroOptimizerWrapper | None:
-        """The first trained model's optimizer, as ``prepare`` returned it."""
-        return next((s.wrapper for s in self.slots if s.wrapper is not None), None)
-
-    @property
     def several(self) -> bool:
         """Whether more than one trained model was prepared (see [Note: several models])."""
         return sum(s.wrapper is not None for s in self.slots) > 1
@@ -131,15 +115,12 @@ class EngineFront(Front):
                 return slot
         return None
 
-    def owns(self, model: Any) -> bool:
-        return self.slot_of(model) is not None
+    def engine_of(self, model: Any) -> ZeroEngine | None:
+        slot = self.slot_of(model)
+        return slot.engine if slot is not None else None
 
     def owns_optimizer(self, optimizer: Any) -> bool:
         return any(optimizer is s.wrapper for s in self.slots if s.wrapper is not None)
-
-    def unwrap(self, model: Any) -> nn.Module | None:
-        slot = self.slot_of(model)
-        return slot.engine.module if slot is not None else None
 
     def prepare_loader(self, loader: DataLoader) -> Any:
         if loader.batch_size is not None:
@@ -361,8 +342,7 @@ class EngineFront(Front):
             "clipped inside the engine's step); use clip_grad_norm_"
         )
 
-    def engines(self) -> dict[str, ZeroEngine]:
-        """Every prepared model's engine, named by the order ``prepare`` got them."""
+    def engines(self) -> dict[str, ZeroEngine]:  # type: ignore[override]
         return {f"model_{i}": s.engine for i, s in enumerate(self.slots)}
 
     def load_state(self, input_dir: str | None, trust_checkpoint: bool) -> None:
@@ -370,25 +350,7 @@ class EngineFront(Front):
             slot.step_pending = False
         super().load_state(input_dir, trust_checkpoint)
 
-    def full_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
-        slot = self.slot_of(model)
-        assert slot is not None
-        return slot.engine.full_state_dict()
-
-    def save_engines(self, path: str) -> None:
-        if len(self.slots) == 1:
-            return super().save_engines(path)
-        save_engines(self.engines(), path)  # one commit point for every model
-
-    def load_engines(self, path: str, trust_checkpoint: bool) -> None:
-        if len(self.slots) == 1 and not holds_engines(Path(path)):
-            return super().load_engines(path, trust_checkpoint)
-        load_engines(self.engines(), path, trust_checkpoint=trust_checkpoint)
-
     def free(self) -> None:
-        for slot in self.slots:
-            if slot.engine is not self.trained:  # Front.free destroys that one
-                slot.engine.destroy()
         super().free()
         self.slots = []
 
@@ -407,19 +369,7 @@ def _lead(loss: torch.Tensor, trained: list[Slot]) -> Slot:
     scale it takes (see [Note: several models])."""
     if trained[0].engine.config.fp16.enabled is not True:
         return trained[0]
-    of = {id(p): s for s in trained for p in s.engine.module.parameters() if p.requires_grad}
-    reached: list[Slot] = []
-    seen: set[int] = set()
-    todo = [loss.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        slot = of.get(id(getattr(fn, "variable", None)))
-        if slot is not None and slot not in reached:
-            reached.append(slot)
-        todo += [nxt for nxt, _ in fn.next_functions]
+    reached = engines_reached(loss, [s.engine for s in trained])
     if len(reached) != 1:
         raise ValueError(
             f"under fp16 this backward reaches {len(reached)} of the prepared models' "
@@ -427,7 +377,7 @@ def _lead(loss: torch.Tensor, trained: list[Slot]) -> Slot:
             "must reach one trained model (detach() what another model produced, or "
             "requires_grad_(False) on the other model around its forward), or train in bf16"
         )
-    return reached[0]
+    return next(s for s in trained if s.engine is reached[0])
 
 
 def _engine_scheduler(cfg: Any, dummy: DummyScheduler | None) -> Any:

@@ -26,6 +26,7 @@ from accelerate.checkpointing import (
     save_accelerator_state,
     save_custom_state,
 )
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
@@ -38,6 +39,7 @@ from ..core import ZeroEngine
 from ..core.checkpoint.trust import loads
 from ..core.collectives import Comm
 from ..core.faults import together
+from ..core.loop import load_all, save_all
 from ..core.optimizers import build_optimizer
 from ..core.training import TrainingEngine
 from ._private import (
@@ -50,7 +52,7 @@ from ._private import (
 )
 from .plugin import ZeroPlugin
 
-__all__ = ["ENGINE_DIR", "EngineSchedulerWrapper", "Front"]
+__all__ = ["ENGINE_DIR", "EngineOptimizer", "EngineSchedulerWrapper", "Front"]
 
 ENGINE_DIR = "zero_checkpoint"
 
@@ -60,6 +62,30 @@ class EngineSchedulerWrapper(AcceleratedScheduler):
 
     def step(self, *args: object, **kwargs: object) -> None:
         pass
+
+
+class EngineOptimizer(AcceleratedOptimizer):
+    """What ``prepare`` returns for the optimizer: the engine's, over this rank's shards (so is
+    its ``state_dict()``: use ``accelerator.save_state``), stepped by the engine."""
+
+    def __init__(self, engine: TrainingEngine) -> None:
+        super().__init__(engine.optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+        self.skipped = False
+
+    def stepping(self, run: Callable[[], Any]) -> Any:
+        """``run()`` (the engine's step, or a pipeline's ``train_batch``), noting whether the
+        engine skipped the step."""
+        before = self.engine.skipped_steps  # type: ignore[attr-defined]
+        out = run()
+        self.skipped = self.engine.skipped_steps != before  # type: ignore[attr-defined]
+        return out
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped (an fp16 overflow, a non-finite
+        gradient norm)."""
+        return self.skipped
 
 
 class Front:
@@ -85,12 +111,17 @@ class Front:
         """Ranks that split each layer (and read the same batches)."""
         return int(self.cfg.tensor_parallel.autotp_size or 1)
 
-    def owns(self, model: Any) -> bool:
+    def engine_of(self, model: Any) -> TrainingEngine | None:
+        """The engine of ``model`` (what ``prepare`` returned for it, or the user's module)."""
         t = self.trained
-        return t is not None and any(model is m for m in (self.model, t, t.module))
+        return t if t is not None and any(model is m for m in (self.model, t, t.module)) else None
 
-    def unwrap(self, model: Any) -> nn.Module | None:
-        return self.trained.module if self.owns(model) else None  # type: ignore[union-attr]
+    def owns_optimizer(self, optimizer: Any) -> bool:
+        return False
+
+    def engines(self) -> dict[str, TrainingEngine]:
+        """Every prepared model's engine, named by the order ``prepare`` got them."""
+        return {} if self.trained is None else {"model_0": self.trained}
 
     def prepare(self, args: tuple[Any, ...]) -> list[Any]:
         """Loaders, then the model with its optimizer (and a scheduler the engine builds), then
@@ -168,8 +199,7 @@ class Front:
 
     def save_state(self, output_dir: str | None, safe_serialization: bool) -> str:
         """Collective (see the note on save_state)."""
-        acc, engine = self.acc, self.trained
-        assert engine is not None
+        acc = self.acc
         path = _save_dir(acc, output_dir)
         world = Comm()
         on_each_node = acc.project_configuration.save_on_each_node
@@ -177,7 +207,7 @@ class Front:
             os.makedirs(path, exist_ok=True)
             # as with DeepSpeed: the hooks get the engine, no consolidated weights
             run_save_hooks(acc, path)
-        self.save_engines(os.path.join(path, ENGINE_DIR))
+        save_all(self.engines(), os.path.join(path, ENGINE_DIR))  # one commit point for several
         with together(world):
             save_accelerator_state(
                 path,
@@ -199,13 +229,12 @@ class Front:
     def load_state(self, input_dir: str | None, trust_checkpoint: bool) -> None:
         """Collective. Only tensors and plain data are unpickled (the engine's checkpoint, and
         registered objects, which Accelerate would unpickle in full) unless ``trust_checkpoint``."""
-        acc, engine = self.acc, self.trained
-        assert engine is not None
+        acc = self.acc
         world = Comm()
         with together(world):
             path = _load_dir(acc, input_dir)
             run_load_hooks(acc, path)
-        self.load_engines(os.path.join(path, ENGINE_DIR), trust_checkpoint)
+        load_all(self.engines(), os.path.join(path, ENGINE_DIR), trust_checkpoint=trust_checkpoint)
         with together(world):
             rank, objects = acc.state.process_index, custom_objects(acc)
             restored = load_accelerator_state(
@@ -224,23 +253,9 @@ class Front:
                 f = Path(path) / f"custom_checkpoint_{i}.pkl"
                 obj.load_state_dict(loads(f.read_bytes(), str(f), trust_checkpoint))
 
-    def full_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
-        """Consolidated weights of ``model`` (one this front :meth:`owns`). Collective."""
-        assert self.trained is not None
-        return self.trained.full_state_dict()
-
-    def save_engines(self, path: str) -> None:
-        """Write the engines' checkpoint directory ``path``. Collective."""
-        assert self.trained is not None
-        self.trained.save_checkpoint(path)
-
-    def load_engines(self, path: str, trust_checkpoint: bool) -> None:
-        assert self.trained is not None
-        self.trained.load_checkpoint(path, trust_checkpoint=trust_checkpoint)
-
     def free(self) -> None:
-        if self.trained is not None:
-            self.trained.destroy()
+        for engine in self.engines().values():
+            engine.destroy()
         self.trained = self.model = None
         self.batch_sizes = []
 

@@ -18,7 +18,6 @@ from typing import Any, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils.deepspeed import DummyScheduler
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
@@ -26,7 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..config import ZeroConfig
 from ..config._auto import fill_auto
 from ..core.pipeline import PipelineEngine
-from ._front import Front, torch_optimizer
+from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import track
 from .plugin import ZeroPlugin
 
@@ -81,7 +80,7 @@ class PipelineModel(nn.Module):
         super().__init__()
         self.module = engine.module
         self.engine = engine
-        self.step_was_skipped = False
+        self.wrapper = PipelineOptimizer(engine)  # what prepare returns for the optimizer
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -93,10 +92,11 @@ class PipelineModel(nn.Module):
 
     def train_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         self.module.train()
-        skipped = self.engine.skipped_steps
-        loss = self.engine.train_batch(inputs, targets)
-        self.step_was_skipped = self.engine.skipped_steps != skipped
-        return loss
+        return self.wrapper.stepping(lambda: self.engine.train_batch(inputs, targets))
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.wrapper.step_was_skipped
 
     def eval_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
         self.module.eval()
@@ -109,13 +109,9 @@ class PipelineModel(nn.Module):
         )
 
 
-class PipelineOptimizer(AcceleratedOptimizer):
-    """What ``prepare`` returns for the optimizer: this rank's shard of the engine's optimizer,
-    which ``train_batch`` steps and zeroes, so ``step()`` and ``zero_grad()`` do nothing."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, model: PipelineModel) -> None:
-        super().__init__(optimizer, device_placement=False, scaler=None)
-        self._model = model
+class PipelineOptimizer(EngineOptimizer):
+    """This rank's shard of the engine's optimizer, which ``train_batch`` steps and zeroes, so
+    ``step()`` and ``zero_grad()`` do nothing."""
 
     def step(self, closure: object = None) -> None:
         if closure is not None:
@@ -125,11 +121,6 @@ class PipelineOptimizer(AcceleratedOptimizer):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         pass
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when the last ``train_batch`` skipped its step (a non-finite gradient norm)."""
-        return self._model.step_was_skipped
 
 
 class PipelineFront(Front):
@@ -247,5 +238,5 @@ class PipelineFront(Front):
         for size in self.batch_sizes:  # loaders prepared before the model
             self._check_batch(size)
         self.adopt_steps(engine.micro_batches)
-        wrapper = PipelineOptimizer(engine.optimizer, self.model)
+        wrapper = self.model.wrapper
         return self.model, wrapper, self.register(self.model, wrapper, engine.lr_scheduler)

@@ -186,13 +186,12 @@ class ZeroAccelerator(Accelerator):
         trained here is returned as it is). Training goes through ``prepare(model, optimizer)``."""
         if not evaluation_mode:
             raise ValueError(_TOGETHER)
-        if not self._front.owns(model) and device_placement is not False:
+        if self._front.engine_of(model) is None and device_placement is not False:
             move_real_tensors(model, self.device)
         return model
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        owns = getattr(self._front, "owns_optimizer", None)
-        if optimizer is getattr(self._front, "wrapper", None) or (owns and owns(optimizer)):
+        if self._front.owns_optimizer(optimizer):
             return optimizer
         raise ValueError(_TOGETHER)
 
@@ -246,15 +245,16 @@ class ZeroAccelerator(Accelerator):
     def unwrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         """The user's model (under a pipeline: this rank's stage). Under ZeRO-3 its parameters
         are empty outside forward: read weights with :meth:`get_state_dict`."""
-        mine = self._front.unwrap(model)
-        return mine if mine is not None else super().unwrap_model(model, *args, **kwargs)
+        engine = self._front.engine_of(model)
+        return engine.module if engine is not None else super().unwrap_model(model, *args, **kwargs)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every rank, keyed like ``model.state_dict()``
         (``unwrap=False``: prefixed ``module.``). Collective: call it on every rank."""
-        if not self._front.owns(model):
+        engine = self._front.engine_of(model)
+        if engine is None:
             return super().get_state_dict(model, unwrap)
-        state = self._front.full_state_dict(model)
+        state = engine.full_state_dict()
         return state if unwrap else {f"module.{k}": v for k, v in state.items()}
 
     def save_state(

@@ -1,7 +1,7 @@
 """``ZeroStrategy`` for Lightning Fabric: ``fabric.setup``/``backward``/``clip_gradients``/
 ``save``/``load`` mapped onto :class:`~ds_strategy.ZeroEngine` s (one per ``fabric.setup``
 call: a GAN's generator and discriminator, a frozen teacher next to a student; one per
-optimizer of ``fabric.setup(model, opt_g, opt_d)``, see ``frontends/several.py``), with no
+optimizer of ``fabric.setup(model, opt_g, opt_d)``, see ``core/several.py``), with no
 sharding logic. ``fabric.save``/``load`` of a state holding several models writes every
 engine under one commit point (``core/checkpoint/engines.py``)."""
 
@@ -17,14 +17,11 @@ from lightning.fabric.strategies.ddp import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..core.checkpoint.engines import holds_engines, load_engines, save_engines
 from ..core.engine import ZeroEngine
+from ..core.loop import PendingClip, load_all, save_all
 from ..core.optimizers import evaluation_optimizer
-from ..frontends.engines import (
-    PendingClip,
-    move_real_tensors,
-    move_schedulers,
-)
+from ..core.several import SeveralEngines
+from ..frontends.engines import move_real_tensors, move_schedulers
 from ..frontends.lightning_base import LightningZeroBase
 from ..frontends.lightning_private import (
     BackwardSyncControl,
@@ -35,7 +32,6 @@ from ..frontends.lightning_private import (
     joint_setup_error,
     set_backward_sync_control,
 )
-from ..frontends.several import SeveralEngines
 from .precision import ZeroFabricPrecision
 
 __all__ = ["ZeroStrategy"]
@@ -128,12 +124,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
     def _setup_several(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        def build(part: nn.Module, optimizer: Any) -> ZeroEngine:
-            return self._build_engine(part, optimizer, None)
-
-        self.module_to_device(module)  # buffers of parameter-free submodules
         scheds = [scheduler] if scheduler is not None else []
-        several = SeveralEngines(module, optimizers, scheds, build)
+        several = self._build_several(module, optimizers, scheds, None)
         self._setups.append(several)
         self._clips.update(several.clips)
         if self._engine is None:
@@ -260,11 +252,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         engines = self._engines_in(state)
         rest = {k: state[k] for k in self._rest(state, engines)}
         client_state = convert_stateful(self, rest)
-        path = self._checkpoint_path(path)
-        if len(engines) == 1:
-            next(iter(engines.values())).save_checkpoint(path, client_state=client_state)
-        else:
-            save_engines(engines, path, client_state)
+        save_all(engines, self._checkpoint_path(path), client_state)
 
     def load_checkpoint(
         self,
@@ -285,11 +273,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
             )
         engines = self._engines_in(state)
         trust = weights_only is False  # the file is trusted
-        if len(engines) == 1 and not holds_engines(path):
-            saved = next(iter(engines.values())).load_checkpoint(path, trust_checkpoint=trust)
-        else:
-            saved = load_engines(engines, path, trust_checkpoint=trust)
-        saved = saved or {}
+        saved = load_all(engines, path, trust_checkpoint=trust) or {}
         wanted = self._rest(state, engines)
         check_strict_keys(wanted, saved.keys(), strict=strict)
         for name in [k for k in wanted if k in saved]:

@@ -1,4 +1,5 @@
-"""Loop helpers every front end uses around an engine, written against its public surface only."""
+"""Loop helpers the front ends share around an engine, written against its public surface only
+(a clip request waiting for the step is the core's, ``core/loop.py``, which plain loops use too)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 from torch import nn
 
 from ..core.checkpoint.validate import META_FILE
-from ..core.engine import ZeroEngine
 from ..core.optimizers import track_optimizer_step
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "move_real_tensors",
     "move_schedulers",
     "no_optimizer",
-    "PendingClip",
     "timing_sink",
 ]
 
@@ -65,26 +64,3 @@ def has_optimizer_state(path: Path) -> bool:
         return bool(json.loads((path / META_FILE).read_text()).get("optimizer", True))
     except (OSError, ValueError):
         return True  # unreadable metadata: let the engine's load name the problem
-
-
-class PendingClip:
-    """A clip request waiting for the optimizer step: sharded gradients have a norm only then."""
-
-    def __init__(self) -> None:
-        self.max_norm: float | None = None
-
-    def clip(self, engine: ZeroEngine, max_norm: float) -> float | None:
-        """At a boundary clip now and return the norm before clipping; else wait for the step."""
-        if not engine.is_gradient_accumulation_boundary():
-            self.max_norm = float(max_norm)
-            return None
-        return engine.clip_grad_norm_(float(max_norm))
-
-    def step(self, engine: ZeroEngine) -> bool:
-        """``engine.step()``, clipping first unless the engine's clip does it; whether it ran."""
-        max_norm, self.max_norm = self.max_norm, None
-        stepping = engine.is_gradient_accumulation_boundary()
-        if stepping and max_norm is not None and float(engine.config.gradient_clipping) != max_norm:
-            engine.clip_grad_norm_(max_norm)
-        engine.step()
-        return stepping

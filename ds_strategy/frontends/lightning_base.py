@@ -16,8 +16,9 @@ from torch import nn
 
 from ..config import ZeroConfig
 from ..core.engine import ZeroEngine
+from ..core.several import SeveralEngines
 from ..core.training import TrainingEngine
-from .engines import move_real_tensors
+from .engines import move_real_tensors, move_schedulers
 from .flags import PRESETS, apply_loop_flags, base_config, check_precision
 
 __all__ = ["FlagPrecision", "LightningZeroBase"]
@@ -169,6 +170,26 @@ class LightningZeroBase:
                         f"config, which the engine rejected: {err}"
                     ) from err
             raise
+
+    def _build_several(
+        self,
+        module: nn.Module,
+        optimizers: list[Any],
+        schedulers: list[Any],
+        accumulate: int | None,
+    ) -> SeveralEngines:
+        """One engine per optimizer over the submodules holding its parameters (see [Note: one
+        engine per optimizer] in ``core/several.py``); each scheduler moves onto its engine."""
+
+        def build(part: nn.Module, optimizer: Any) -> ZeroEngine:
+            if optimizer is None:  # the frozen submodules', for evaluation
+                return self._build_engine(part, None, None)
+            engine = self._build_engine(part, optimizer, accumulate)
+            move_schedulers(engine, [s for s in schedulers if s.optimizer is optimizer])
+            return engine
+
+        move_real_tensors(module, self.root_device)  # buffers of parameter-free submodules
+        return SeveralEngines(module, optimizers, build)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -15,10 +15,10 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
 from ..core.engine import ZeroEngine
-from ..frontends.engines import PendingClip
+from ..core.loop import PendingClip
+from ..core.several import SeveralEngines
 from ..frontends.lightning_base import FlagPrecision
 from ..frontends.lightning_private import after_closure
-from ..frontends.several import SeveralEngines
 
 __all__ = ["ZeroPrecision"]
 

@@ -35,6 +35,7 @@ from ..core.checkpoint.engines import holds_engines
 from ..core.engine import ZeroEngine
 from ..core.optimizers import evaluation_optimizer
 from ..core.pipeline import PipelineEngine
+from ..core.several import SeveralEngines
 from ..frontends.engines import (
     has_optimizer_state,
     move_real_tensors,
@@ -45,7 +46,6 @@ from ..frontends.engines import (
 from ..frontends.flags import apply_loop_flags, clipping
 from ..frontends.lightning_base import LightningZeroBase
 from ..frontends.lightning_private import is_stand_in_optimizer
-from ..frontends.several import SeveralEngines
 from ._pipeline import LightningPipeline, build_pipeline
 from ._summary import install_sharded_summary
 from .precision import ZeroPrecision
@@ -105,7 +105,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     @property
     def engines(self) -> list[ZeroEngine]:
         """Every engine: one per optimizer of ``configure_optimizers`` (then one for the
-        frozen submodules) when it returns several, see ``frontends/several.py``; else the one."""
+        frozen submodules) when it returns several, see ``core/several.py``; else the one."""
         if self._several is not None:
             return list(self._several.engines.values())
         return [self.engine]
@@ -175,18 +175,13 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def _setup_several(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list, scheds: list
     ) -> None:
-        """One engine per optimizer: see [Note: one engine per optimizer] in ``frontends/several.py``."""
+        """One engine per optimizer: see [Note: one engine per optimizer] in ``core/several.py``."""
         if int(self._base_config.pipeline.stages or 1) > 1:
             raise ValueError(
                 f"configure_optimizers returned {len(optimizers)} optimizers with a pipeline "
                 "config: a pipeline trains one model with one optimizer"
             )
-
-        def build(part: nn.Module, optimizer: Any) -> ZeroEngine:
-            return self._build_engine(part, optimizer, None if optimizer is None else 1)
-
-        move_real_tensors(pl_module, self.root_device)  # buffers of parameter-free submodules
-        self._several = several = SeveralEngines(pl_module, optimizers, scheds, build)
+        self._several = several = self._build_several(pl_module, optimizers, scheds, 1)
         self._engine = several.trained[0]
         self.precision_plugin.several = several  # type: ignore[attr-defined]
         _wrap_toggles(pl_module, several)
@@ -377,7 +372,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
 
 def _wrap_toggles(module: pl.LightningModule, several: SeveralEngines | None) -> None:
     """``toggle_optimizer``/``untoggle_optimizer`` also turn the other engines' parameters
-    off and on (see ``frontends/several.py``); ``None`` restores the class's methods."""
+    off and on (see ``core/several.py``); ``None`` restores the class's methods."""
     if several is None:
         module.__dict__.pop("toggle_optimizer", None)
         module.__dict__.pop("untoggle_optimizer", None)

@@ -1,6 +1,8 @@
 """One model with several optimizers (a GAN whose ``LightningModule`` holds the generator and
-the discriminator, each with its Adam): one :class:`~ds_strategy.ZeroEngine` per optimizer,
-for Lightning's Trainer, Fabric's ``setup(model, opt_g, opt_d)`` and Accelerate.
+the discriminator, each with its Adam): one :class:`~ds_strategy.ZeroEngine` per optimizer, for
+Lightning's Trainer and Fabric's ``setup(model, opt_g, opt_d)``; and for several models each
+with its own engine (Accelerate's ``prepare(gen, opt_g, disc, opt_d)``), which engines a loss
+reaches. Nothing here touches a framework: front ends map their hooks onto it.
 
 [Note: one engine per optimizer]
 Each optimizer gets an engine over the model's top-level submodules that hold its parameters,
@@ -22,7 +24,7 @@ the engine's forward would. The loop keeps the semantics it has under DDP:
 - under fp16 each backward must reach one optimizer's parameters (a toggled one), since each
   engine scales its own loss.
 
-Checkpoints hold every engine under one commit point (``core/checkpoint/engines.py``).
+Checkpoints hold every engine under one commit point (``checkpoint/engines.py``).
 """
 
 from __future__ import annotations
@@ -34,12 +36,11 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..core.checkpoint.engines import load_engines, save_engines
-from ..core.checkpoint.weights_file import write_weights
-from ..core.engine import ZeroEngine
-from ..frontends.engines import PendingClip, move_schedulers
+from .checkpoint.weights_file import write_weights
+from .engine import ZeroEngine
+from .loop import PendingClip, load_all, save_all
 
-__all__ = ["SeveralEngines", "split_by_optimizer"]
+__all__ = ["SeveralEngines", "engines_reached", "split_by_optimizer"]
 
 FROZEN = "frozen"
 
@@ -103,6 +104,25 @@ def split_by_optimizer(
     return parts, frozen
 
 
+def engines_reached(loss: Tensor, engines: list[ZeroEngine]) -> list[ZeroEngine]:
+    """The engines whose trainable parameters a backward of ``loss`` reaches (under fp16 each
+    engine scales the loss by its own loss scale, so a backward must reach one of them)."""
+    of = {id(p): e for e in engines for p in e.module.parameters() if p.requires_grad}
+    reached: list[ZeroEngine] = []
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        engine = of.get(id(getattr(fn, "variable", None)))
+        if engine is not None and engine not in reached:
+            reached.append(engine)
+        todo += [nxt for nxt, _ in fn.next_functions]
+    return reached
+
+
 def _zeroing(engine: ZeroEngine) -> None:
     """``engine.optimizer.zero_grad()`` (what Lightning's optimizer calls) zeroes the engine's
     gradients too."""
@@ -144,9 +164,10 @@ class SeveralEngines:
         self,
         module: nn.Module,
         optimizers: list[Optimizer],
-        schedulers: list[Any],
         build: Callable[[nn.Module, Any], ZeroEngine],
     ) -> None:
+        """``build(part, optimizer)``: the engine of a part (``optimizer`` None: the frozen
+        part's, for evaluation), built as the front end builds one."""
         parts, frozen = split_by_optimizer(module, optimizers)
         self.module = module
         self.engines: dict[str, ZeroEngine] = {}
@@ -157,7 +178,6 @@ class SeveralEngines:
         try:
             for i, (names, opt) in enumerate(zip(parts, optimizers, strict=True)):
                 engine = self.engines[f"optimizer_{i}"] = build(_Part(module, names), opt)
-                move_schedulers(engine, [s for s in schedulers if s.optimizer is opt])
                 engine.keep_foreign_grads = True
                 _zeroing(engine)
                 self.clips[engine] = PendingClip()
@@ -228,12 +248,10 @@ class SeveralEngines:
     # -- checkpoints and weights ------------------------------------------------------------
 
     def save(self, path: Path, client_state: Any, include_optimizer: bool) -> None:
-        save_engines(self.engines, path, client_state, include_optimizer=include_optimizer)
+        save_all(self.engines, path, client_state, include_optimizer)
 
     def load(self, path: Path, load_optimizer: bool, trust_checkpoint: bool) -> Any:
-        return load_engines(
-            self.engines, path, load_optimizer=load_optimizer, trust_checkpoint=trust_checkpoint
-        )
+        return load_all(self.engines, path, load_optimizer, trust_checkpoint)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:
         """Every engine's consolidated weights, keyed and ordered like the module's

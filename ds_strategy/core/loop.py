@@ -1,0 +1,75 @@
+"""What a training loop does around its engines, whichever framework drives it (Lightning's
+Trainer and Fabric, Accelerate, the Hugging Face Trainer, or a plain PyTorch loop): a clip
+request waiting for the optimizer step, and the engines of one job saved and loaded as one
+checkpoint. Written against the engines' public surface only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .checkpoint.engines import holds_engines, load_engines, save_engines
+from .engine import ZeroEngine
+from .training import TrainingEngine
+
+__all__ = ["PendingClip", "load_all", "save_all"]
+
+
+class PendingClip:
+    """A clip request waiting for the optimizer step: sharded gradients have a norm only then."""
+
+    def __init__(self) -> None:
+        self.max_norm: float | None = None
+
+    def clip(self, engine: ZeroEngine, max_norm: float) -> float | None:
+        """At a boundary clip now and return the norm before clipping; else wait for the step."""
+        if not engine.is_gradient_accumulation_boundary():
+            self.max_norm = float(max_norm)
+            return None
+        return engine.clip_grad_norm_(float(max_norm))
+
+    def step(self, engine: ZeroEngine) -> bool:
+        """``engine.step()``, clipping first unless the engine's clip does it; whether it ran."""
+        max_norm, self.max_norm = self.max_norm, None
+        stepping = engine.is_gradient_accumulation_boundary()
+        if stepping and max_norm is not None and float(engine.config.gradient_clipping) != max_norm:
+            engine.clip_grad_norm_(max_norm)
+        engine.step()
+        return stepping
+
+
+def save_all(
+    engines: Mapping[str, TrainingEngine],
+    path: str | Path,
+    client_state: Any = None,
+    include_optimizer: bool = True,
+) -> None:
+    """Save the engines of one job to the directory ``path``: one engine in its own layout,
+    several under one commit point (``checkpoint/engines.py``). Collective."""
+    if len(engines) == 1:
+        engine = next(iter(engines.values()))
+        engine.save_checkpoint(path, client_state=client_state, include_optimizer=include_optimizer)
+    else:
+        save_engines(engines, path, client_state, include_optimizer=include_optimizer)  # type: ignore[arg-type]
+
+
+def load_all(
+    engines: Mapping[str, TrainingEngine],
+    path: str | Path,
+    load_optimizer: bool = True,
+    trust_checkpoint: bool = False,
+) -> Any:
+    """Restore what :func:`save_all` wrote (a one-engine job also from several engines'
+    directory, which then names the engine); returns the client state. Collective."""
+    if len(engines) == 1 and not holds_engines(Path(path)):
+        engine = next(iter(engines.values()))
+        return engine.load_checkpoint(
+            path, load_optimizer=load_optimizer, trust_checkpoint=trust_checkpoint
+        )
+    return load_engines(
+        engines,  # type: ignore[arg-type]
+        path,
+        load_optimizer=load_optimizer,
+        trust_checkpoint=trust_checkpoint,
+    )
