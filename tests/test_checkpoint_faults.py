@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import ds_strategy
-from ds_strategy.core.checkpoint import sharded
+from ds_strategy.core.checkpoint import reshard, store
 from ds_strategy.core.checkpoint.lock import CheckpointBusyError
 from ds_strategy.core.checkpoint.manager import complete_in_every_stage
 from tests.distributed import run_ranks
@@ -157,7 +157,7 @@ def one_rank_fails_worker(rank: int, world: int, shared: str) -> dict[str, Any]:
         "save: checksums unreadable",
         lambda: e.save_checkpoint(root, tag="s4"),
         lambda: mock.patch.object(
-            sharded, "record_checksums", side_effect=OSError(errno.EIO, "Input/output error")
+            store, "record_checksums", side_effect=OSError(errno.EIO, "Input/output error")
         ),
     )
 
@@ -172,7 +172,7 @@ def one_rank_fails_worker(rank: int, world: int, shared: str) -> dict[str, Any]:
         "load: restoring the counters",
         lambda: e.load_checkpoint(root, tag="good"),
         lambda: mock.patch.object(
-            sharded, "_restore_engine", side_effect=RuntimeError("scheduler state does not fit")
+            reshard, "_restore_engine", side_effect=RuntimeError("scheduler state does not fit")
         ),
     )
     out["latest"] = (root / "latest").read_text() if (root / "latest").exists() else None
@@ -512,7 +512,7 @@ def test_a_bare_directory_is_locked_for_its_save_only(tmp_path: Path) -> None:
     engine.wait_for_checkpoint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     refused = OSError(errno.EROFS, os.strerror(errno.EROFS))
-    with mock.patch.object(sharded, "fresh_tmp", side_effect=refused), pytest.raises(OSError):
+    with mock.patch.object(store, "fresh_tmp", side_effect=refused), pytest.raises(OSError):
         engine.save_checkpoint(tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nor after a failed one
 

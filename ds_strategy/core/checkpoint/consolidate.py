@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .keys import MODEL_KINDS, EntryKey
 from .manager import resolve_sources
-from .sharded import single_process_ok
+from .store import single_process_ok
 from .trust import SafeReader
 from .validate import META_FILE, check_files
 from .weights_file import stream_safetensors
@@ -33,13 +33,14 @@ from .weights_file import stream_safetensors
 __all__ = ["consolidate"]
 
 
-def _entries(reader: SafeReader) -> dict[str, TensorStorageMetadata]:
+def _entries(reader: SafeReader) -> dict[EntryKey, TensorStorageMetadata]:
+    """The weights and buffers a checkpoint holds."""
     md = reader.read_metadata().state_dict_metadata
     out = {}
     for key, m in md.items():
         entry = EntryKey.parse(key)
         if entry is not None and entry.kind in MODEL_KINDS and isinstance(m, TensorStorageMetadata):
-            out[key] = m
+            out[entry] = m
     return out
 
 
@@ -48,18 +49,24 @@ def _shapes(path: Path) -> dict[str, list[int]]:
     return meta.get("shapes", {})
 
 
+def _by_name(entries: dict[EntryKey, TensorStorageMetadata]) -> list[EntryKey]:
+    return sorted(entries, key=lambda entry: entry.text)
+
+
 def _stream(
-    path: Path, dtype: torch.dtype | None, keys: set[str]
+    path: Path, dtype: torch.dtype | None, keys: set[EntryKey]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     reader = SafeReader(path)
     shapes = _shapes(path)
-    for key, m in sorted(_entries(reader).items()):
-        if key not in keys:
+    entries = _entries(reader)
+    for entry in _by_name(entries):
+        if entry not in keys:
             continue
+        m = entries[entry]
         t = torch.empty(m.size, dtype=m.properties.dtype)
         with single_process_ok(False):
-            dcp.load({key: t}, storage_reader=SafeReader(path), no_dist=True)
-        name = key.split("/", 1)[1]
+            dcp.load({entry.text: t}, storage_reader=SafeReader(path), no_dist=True)
+        name = entry.param
         if name in shapes:
             t = t.view(shapes[name])
         if dtype is not None and t.is_floating_point():
@@ -112,10 +119,10 @@ def consolidate(
     return out
 
 
-def _owned(sources: list[Path]) -> list[tuple[Path, dict[str, TensorStorageMetadata]]]:
+def _owned(sources: list[Path]) -> list[tuple[Path, dict[EntryKey, TensorStorageMetadata]]]:
     """Each checkpoint's entries that no earlier one has (a pipeline's stages hold disjoint
     layers; only a weight tied across stages is in two of them, under two names)."""
-    seen: set[str] = set()
+    seen: set[EntryKey] = set()
     out = []
     for src in sources:
         entries = {k: m for k, m in _entries(SafeReader(src)).items() if k not in seen}
@@ -135,8 +142,8 @@ def _write_safetensors(sources: list[Path], out: Path, dtype: torch.dtype | None
     entries = []
     for src, owned in _owned(sources):
         shapes = _shapes(src)
-        for key, m in sorted(owned.items()):
-            name = key.split("/", 1)[1]
+        for entry in _by_name(owned):
+            m, name = owned[entry], entry.param
             t_dtype = m.properties.dtype
             if dtype is not None and t_dtype.is_floating_point:
                 t_dtype = dtype

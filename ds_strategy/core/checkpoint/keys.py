@@ -11,11 +11,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["EntryKey", "MODEL_KINDS", "OPTIMIZER_KINDS"]
+__all__ = [
+    "CLIENT_STATE",
+    "ENGINE",
+    "EntryKey",
+    "MODEL_KINDS",
+    "OPTIMIZER_GROUPS",
+    "OPTIMIZER_KINDS",
+    "rng_key",
+]
 
 MODEL_KINDS = ("model", "buffer")
 OPTIMIZER_KINDS = ("optim", "optim_scalar", "optim_obj")
 _WITH_STATE = (*OPTIMIZER_KINDS, "compression")
+
+# the entries that stand alone, each packed (``trust.pack``)
+ENGINE = "engine"  # counters, lr scheduler and loss scaler, the layout saved from
+CLIENT_STATE = "client_state"  # the caller's, rank 0's
+OPTIMIZER_GROUPS = "optim_groups"  # the optimizer's param groups, without their params
+
+
+def rng_key(rank: int) -> str:
+    """The entry of rank ``rank``'s random state."""
+    return f"rng/{rank}"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ unless ``path`` is a root already (it holds ``latest``): then the tag is
 
 [Note: ordering that keeps a crash harmless]
 The checkpoint is written under ``<tag>.tmp`` and put in place when every rank has finished
-(``sharded.commit``, ``swap.put_in_place``); only then does rank 0 replace ``latest`` (write
+(``store.commit``, ``swap.put_in_place``); only then does rank 0 replace ``latest`` (write
 ``latest.tmp``, then ``os.replace``) and prune old tags. A crash at any point leaves ``latest``
 naming a complete checkpoint (``swap.py`` says how, for a tag saved again); the next save into
 the root rolls back or removes what the crash left.
@@ -43,14 +43,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ...config import ConfigError
 from ..collectives import Comm
 from ..faults import together
-from . import sharded, swap
+from . import reshard, store, swap
+from .collect import collect_state
 from .engines import MANIFEST, holds_engines, read_manifest
-from .flat_piece import FlatPiece
 from .lock import LOCK_FILE, acquire, release
 from .seam import CheckpointedEngine
 from .validate import META_FILE, CheckpointError, read_meta
@@ -105,7 +103,7 @@ class CheckpointManager:
                         swap.recover(final)
                     else:
                         swap.recover_root(root)
-                    sharded.fresh_tmp(final)
+                    store.fresh_tmp(final)
         except BaseException:
             if comm.rank == 0 and root is None:  # a bare directory is locked for its save only
                 release(self, lock_path)
@@ -126,20 +124,21 @@ class CheckpointManager:
 
         try:
             with together(comm, CheckpointError):  # phase 2: what each rank saves
-                state, meta = sharded.collect_state(self.engine, client_state, include_optimizer)
-            needed = sharded.total_bytes(comm, state)
+                mine = collect_state(self.engine, client_state, include_optimizer)
+            needed, meta = store.total_bytes(comm, mine.nbytes), mine.meta
             use_async = self.config.async_save if async_save is None else async_save
             if not use_async:
-                sharded.write(state, tmp, comm, final, needed, self.engine.checkpoint_io)  # 3
-                sharded.commit(comm, tmp, final, meta, needed, after_rename)
+                files = self.engine.checkpoint_io
+                store.write(mine.state_dict(), tmp, comm, final, needed, files)  # phase 3
+                store.commit(comm, tmp, final, meta, needed, after_rename)
                 if comm.rank == 0:
                     finish(ok=True)
                 self.saves, self.last_saved = self.saves + 1, final
                 return final
             side = self._side_comm()
             with together(comm, CheckpointError):
-                staged = _copy(state)
-            del state
+                staged = mine.snapshot().state_dict()
+            del mine
         except BaseException:
             if comm.rank == 0:
                 finish(ok=False)
@@ -148,8 +147,8 @@ class CheckpointManager:
         def run() -> None:
             ok = False
             try:
-                sharded.write(staged, tmp, side, final, needed)
-                sharded.commit(side, tmp, final, meta, needed, after_rename)
+                store.write(staged, tmp, side, final, needed)
+                store.commit(side, tmp, final, meta, needed, after_rename)
                 ok = True
             finally:
                 if side.rank == 0:
@@ -205,7 +204,7 @@ class CheckpointManager:
                     f"({path}/<name>/<tag>, named in {MANIFEST})"
                 )
             directories = resolve_sources(Path(path), tag)
-        client_state = sharded.load_engine(
+        client_state = reshard.load_engine(
             self.engine,
             directories,
             load_optimizer,
@@ -438,16 +437,3 @@ def _prune(root: Path, keep_last: int | None, keep: str) -> None:
     for _, d in steps[keep_last:]:
         if d.name not in protected:
             swap.remove(d)
-
-
-def _copy(state: dict[str, Any]) -> dict[str, Any]:
-    """A snapshot of ``state`` that training cannot change while it is being written."""
-    out: dict[str, Any] = {}
-    for k, v in state.items():
-        if isinstance(v, FlatPiece):
-            out[k] = v.snapshot()
-        elif torch.is_tensor(v):
-            out[k] = v.detach().clone()
-        else:
-            out[k] = v
-    return out

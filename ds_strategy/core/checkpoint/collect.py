@@ -1,0 +1,165 @@
+"""What a rank saves (:class:`RankState`), built from its engine's records (``seam.py``): one
+entry per piece of weights, optimizer state and compression residuals, each a
+:class:`FlatPiece` placed in its parameter flattened whole, plus the entries that stand alone
+(counters, param groups, the caller's ``client_state``, the random state). The same pieces,
+as views of the live storage, are what a load reads into (``reshard.py``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..collectives import Comm
+from .flat_piece import FlatPiece
+from .keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, OPTIMIZER_KINDS, EntryKey, rng_key
+from .seam import CheckpointedEngine, ExtraState, Placement, ShardedState
+from .trust import pack
+from .validate import FORMAT
+
+__all__ = ["RankState", "collect_state", "flat_piece"]
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank's part of a checkpoint: the per-parameter entries by key, the entries that
+    stand alone by name (packed), and the ``ds_strategy.json`` record (rank 0 writes it)."""
+
+    entries: dict[EntryKey, Any]
+    singles: dict[str, Any]
+    meta: dict[str, Any]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What DCP writes: every entry under its name on disk."""
+        return {**{key.text: v for key, v in self.entries.items()}, **self.singles}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors this rank writes."""
+        total = 0
+        for v in [*self.entries.values(), *self.singles.values()]:
+            if isinstance(v, FlatPiece):
+                total += v.piece_nbytes
+            elif torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+        return total
+
+    def snapshot(self) -> RankState:
+        """A copy that training cannot change while it is being written (an asynchronous
+        save): every tensor cloned, a piece cut to just its elements."""
+        return RankState(
+            {k: _copy(v) for k, v in self.entries.items()},
+            {k: _copy(v) for k, v in self.singles.items()},
+            self.meta,
+        )
+
+
+def _copy(v: Any) -> Any:
+    if isinstance(v, FlatPiece):
+        return v.snapshot()
+    return v.detach().clone() if torch.is_tensor(v) else v
+
+
+def flat_piece(where: Placement, local: torch.Tensor) -> FlatPiece:
+    """``local``'s elements at ``where``, in the checkpoint's flattened full tensor. No view
+    is cut from ``local``, which may be out in a swap file (NVMe offload)."""
+    runs = [(r.offset, r.start, r.length) for r in where.runs]
+    return FlatPiece(local, runs[0][1] if runs else 0, where.numel, runs=runs)
+
+
+def weight_entries(shards: ShardedState) -> dict[EntryKey, Any]:
+    """This rank's pieces of every parameter and the persistent buffers."""
+    out: dict[EntryKey, Any] = {
+        EntryKey("model", w.placement.name): flat_piece(w.placement, w.tensor)
+        for w in shards.weights
+    }
+    out.update({EntryKey("buffer", name): t for name, t in shards.buffers.items()})
+    return out
+
+
+def optimizer_entries(shards: ShardedState, optimizer: Any) -> dict[EntryKey, Any]:
+    """The optimizer's state of this rank's slots: per-element state placed like its slot,
+    other tensors (identical on every owner of the parameter: DCP keeps one) and objects."""
+    out: dict[EntryKey, Any] = {}
+    for slot in shards.optimizer:
+        name = slot.placement.name
+        for k, v in optimizer.state.get(slot.tensor, {}).items():
+            if torch.is_tensor(v) and v.shape == slot.tensor.shape:
+                out[EntryKey("optim", name, k)] = flat_piece(slot.placement, v.view(-1))
+            elif torch.is_tensor(v):
+                out[EntryKey("optim_scalar", name, k)] = v
+            else:
+                out[EntryKey("optim_obj", name, k)] = pack(v)
+    return out
+
+
+def extra_key(x: ExtraState) -> EntryKey:
+    return EntryKey(x.kind, x.param, x.name)
+
+
+def extra_entries(shards: ShardedState, comm: Comm) -> dict[EntryKey, FlatPiece]:
+    """[Note: compression residuals in a checkpoint]
+    Each rank's residual is its own (what it has not sent yet), so a parameter's residuals are
+    saved as one tensor of ``world x numel`` elements, rank ``r`` writing row ``r``. Loaded at
+    the same world size, each rank reads its own row back; at another, each rank reads every
+    row and takes their mean: the new ranks then owe, on average, what the old ranks owed (the
+    averaged update still to come is conserved)."""
+    out = {}
+    for x in shards.extra:
+        n = x.tensor.numel()
+        out[extra_key(x)] = FlatPiece(x.tensor, comm.rank * n, comm.world_size * n)
+    return out
+
+
+def _layout(shards: ShardedState) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "stage": shards.stage,
+        "world_size": shards.world_size,
+        "tensor_parallel": shards.tensor_parallel,
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def collect_state(
+    engine: CheckpointedEngine, client_state: Any = None, include_optimizer: bool = True
+) -> RankState:
+    """What this rank saves (views of the live storage) and the ``ds_strategy.json`` record."""
+    shards = engine.checkpoint_shards()
+    comm = engine.checkpoint_comm
+    entries = weight_entries(shards)
+    if include_optimizer:
+        entries.update(optimizer_entries(shards, engine.optimizer))
+        entries.update(extra_entries(shards, comm))
+    if comm.rank != 0 and shards.replicas_from_rank0:
+        # the replicas drift apart between synchronisations: rank 0 writes its whole copy
+        # (weights with their accumulators), never a mix of the ranks' copies
+        dropped = ("model", *OPTIMIZER_KINDS)
+        entries = {k: v for k, v in entries.items() if k.kind not in dropped}
+    singles: dict[str, Any] = {}
+    if comm.rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
+        if include_optimizer:
+            groups = [
+                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+            ]
+            singles[OPTIMIZER_GROUPS] = pack(groups)
+        # counters, lr scheduler and loss scaler: engine.restore_checkpoint_state takes them back
+        singles[ENGINE] = pack({**_layout(shards), **engine.checkpoint_state()})
+        singles[CLIENT_STATE] = pack(client_state)
+    singles[rng_key(comm.rank)] = pack(_rng_state())
+    meta = {
+        **_layout(shards),
+        "global_steps": engine.global_steps,
+        "shapes": {name: list(shape) for name, shape in shards.shapes.items()},
+        "optimizer": include_optimizer,
+    }
+    return RankState(entries, singles, meta)

@@ -1,0 +1,270 @@
+"""Loading a checkpoint into an engine of any world size, ZeRO stage, tensor-parallel split or
+pipeline layout: each rank asks DCP for the pieces it now holds (its engine's records, views
+of the live storage), and DCP reads whichever saved chunks overlap them. See [Note: loading
+across layouts] in ``sharded.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..faults import together
+from .collect import extra_entries, extra_key, flat_piece, weight_entries
+from .flat_piece import FlatPiece
+from .keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, OPTIMIZER_KINDS, EntryKey, rng_key
+from .seam import CheckpointedEngine, OptimizerSlot, ShardedState
+from .store import single_process_ok
+from .streamed import StreamingLoadPlanner
+from .trust import SafeReader, unpack
+from .validate import CheckpointError, check_shapes_within, validate
+
+__all__ = ["load_engine"]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What the checkpoint directories hold: DCP's metadata of every entry by its name on
+    disk, the directory each is read from (the first holding it), and the optimizer entries
+    by parameter name, read once into records."""
+
+    metadata: dict[str, Any]
+    source: dict[str, int]
+    optimizer: dict[str, list[EntryKey]]
+
+    @staticmethod
+    def of(metas: list[dict[str, Any]]) -> Saved:
+        metadata: dict[str, Any] = {}
+        source: dict[str, int] = {}
+        for i, md in enumerate(metas):
+            for key, value in md.items():
+                if key not in metadata:
+                    metadata[key], source[key] = value, i
+        optimizer: dict[str, list[EntryKey]] = {}
+        for key in metadata:
+            entry = EntryKey.parse(key)
+            if entry is not None and entry.kind in OPTIMIZER_KINDS:
+                optimizer.setdefault(entry.param, []).append(entry)
+        return Saved(metadata, source, optimizer)
+
+    def __contains__(self, key: EntryKey | str) -> bool:
+        return (key.text if isinstance(key, EntryKey) else key) in self.metadata
+
+    def resolve(self, key: EntryKey, aliases: dict[str, str]) -> EntryKey:
+        """``key``, or the same entry under its parameter's alias when only that is saved (a
+        weight a pipeline stage holds under its own layer's name, saved once under the whole
+        model's first name)."""
+        other = key.under(aliases.get(key.param, key.param))
+        return other if key not in self and other in self else key
+
+    def optimizer_of(self, name: str, aliases: dict[str, str]) -> list[EntryKey]:
+        """A parameter's saved optimizer entries, under its name or else under its alias."""
+        return self.optimizer.get(name) or self.optimizer.get(aliases.get(name, name), [])
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """A saved optimizer entry and the slot it belongs to on this rank."""
+
+    slot: OptimizerSlot
+    key: EntryKey
+
+
+def load_engine(
+    engine: CheckpointedEngine,
+    paths: str | os.PathLike | list[Path],
+    load_optimizer: bool = True,
+    require_checksums: bool = True,
+    trust_checkpoint: bool = False,
+) -> Any:
+    """Restore ``engine`` from ``paths`` (any world size or stage); returns ``client_state``.
+
+    ``paths``: one checkpoint directory, or several that together hold the model (a pipeline
+    checkpoint's stages, see [Note: loading across layouts]). ``load_optimizer=False``
+    restores weights, buffers, counters and RNG only, into an engine whose optimizer may
+    differ (e.g. one built just for evaluation)."""
+    dirs = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+    comm, aliases = engine.checkpoint_comm, engine.checkpoint_aliases
+    shards = engine.checkpoint_shards()
+    saved = _saved_entries(engine, shards, dirs, require_checksums)
+    path = dirs[0] if len(dirs) == 1 else dirs[0].parent
+    rng = rng_key(comm.rank)
+    packed = [ENGINE, CLIENT_STATE] + ([OPTIMIZER_GROUPS] if load_optimizer else [])
+    packed += [rng] if rng in saved else []
+    installs: list[OptimizerEntry] = []
+    with together(comm, CheckpointError):  # whatever one rank refuses, every rank does
+        if load_optimizer and OPTIMIZER_GROUPS not in saved:
+            raise ValueError(
+                f"{path}: this checkpoint was saved without optimizer state "
+                "(include_optimizer=False); load it with load_optimizer=False"
+            )
+        state = {saved.resolve(k, aliases).text: v for k, v in weight_entries(shards).items()}
+        after_extra = _loaded_as_is
+        if load_optimizer:
+            optimizer, installs = _optimizer_destinations(engine, shards, saved)
+            state.update(optimizer)
+            extra, after_extra = _extra_destinations(engine, shards, saved)
+            state.update(extra)
+        for key in packed:
+            md = saved.metadata.get(key)
+            state[key] = torch.empty(md.size, dtype=torch.uint8) if md is not None else None
+        missing = [k for k in state if k not in saved]
+        if missing:
+            raise ValueError(
+                f"{path}: checkpoint does not match this model: {len(missing)} entr"
+                f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
+            )
+    _read_dirs(engine, dirs, state, saved.source)
+    # an untrusted object on one rank (its own RNG entry, say) fails every rank
+    with together(comm, CheckpointError):
+        for key in packed:
+            state[key] = unpack(state[key], f"{path}: '{key}'", trust_checkpoint)
+        if load_optimizer:
+            _install_optimizer_state(engine, installs, state, path, trust_checkpoint)
+            after_extra(state)
+        _restore_engine(engine, state, rng, load_optimizer)
+    engine.checkpoint_loaded()
+    return state[CLIENT_STATE]
+
+
+def _saved_entries(
+    engine: CheckpointedEngine, shards: ShardedState, dirs: list[Path], require_checksums: bool
+) -> Saved:
+    """Every entry the checkpoint directories hold (checked against this model first); a
+    pipeline stage's random state comes from its own stage's directory."""
+    comm, aliases = engine.checkpoint_comm, engine.checkpoint_aliases
+    strict = len(dirs) == 1 and not engine.checkpoint_partial  # this model, no more, no less
+    live_shapes = {name: list(shape) for name, shape in shards.shapes.items()}
+    metas = [validate(d, comm, live_shapes if strict else None, require_checksums) for d in dirs]
+    if not strict:
+        with together(comm, CheckpointError):
+            check_shapes_within(dirs, live_shapes, aliases)
+    saved = Saved.of(metas)
+    rng = rng_key(comm.rank)
+    home = engine.checkpoint_stage
+    if home is not None and home < len(metas) and rng in metas[home]:
+        saved.metadata[rng], saved.source[rng] = metas[home][rng], home
+    return saved
+
+
+def _read_dirs(
+    engine: CheckpointedEngine, dirs: list[Path], state: dict[str, Any], source: dict[str, int]
+) -> None:
+    """Fill ``state`` in place from the directories; every rank reads every directory, in
+    the same order (DCP's reads are collective)."""
+    comm = engine.checkpoint_comm
+    for i, d in enumerate(dirs):
+        part = {k: v for k, v in state.items() if source[k] == i}
+        files = engine.checkpoint_io  # state in swap files is written there in place
+        planner = StreamingLoadPlanner(files, comm.rank) if files is not None else None
+        with single_process_ok(comm.active):
+            dcp.load(
+                part,
+                storage_reader=SafeReader(d),
+                planner=planner,
+                process_group=comm.group,
+                no_dist=not comm.active,
+            )
+        if planner is not None:
+            planner.done()
+        state.update(part)
+
+
+def _optimizer_destinations(
+    engine: CheckpointedEngine, shards: ShardedState, saved: Saved
+) -> tuple[dict[str, Any], list[OptimizerEntry]]:
+    """Tensors to load the optimizer state into: this rank's pieces of per-element state
+    (created if the optimizer has not stepped yet) and placeholders for the rest, which
+    :func:`_install_optimizer_state` puts in place once read."""
+    opt, files = engine.optimizer, engine.checkpoint_io
+    out: dict[str, Any] = {}
+    installs = []
+    for i, slot in enumerate(shards.optimizer):
+        for key in saved.optimizer_of(slot.placement.name, engine.checkpoint_aliases):
+            md = saved.metadata[key.text]
+            if key.kind != "optim":
+                out[key.text] = torch.empty(md.size, dtype=md.properties.dtype)
+                installs.append(OptimizerEntry(slot, key))
+                continue
+            st = opt.state[slot.tensor]
+            if key.state not in st:  # with NVMe offload: made out in a swap file, not in memory
+                dtype = md.properties.dtype
+                st[key.state] = (
+                    files.new_state(i, key.state, slot.tensor, dtype)
+                    if files is not None
+                    else torch.zeros_like(slot.tensor, dtype=dtype)
+                )
+            out[key.text] = flat_piece(slot.placement, st[key.state].view(-1))
+    return out, installs
+
+
+def _install_optimizer_state(
+    engine: CheckpointedEngine,
+    installs: list[OptimizerEntry],
+    state: dict[str, Any],
+    path: Path,
+    trust: bool,
+) -> None:
+    opt = engine.optimizer
+    for entry in installs:
+        value = state[entry.key.text]
+        if entry.key.kind == "optim_obj":
+            value = unpack(value, f"{path}: optimizer state", trust)
+        opt.state[entry.slot.tensor][entry.key.state] = value
+    groups = state[OPTIMIZER_GROUPS]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(
+            f"checkpoint has {len(groups)} optimizer param groups, this optimizer has "
+            f"{len(opt.param_groups)}; build the optimizer with the same param groups"
+        )
+    for live, saved in zip(opt.param_groups, groups, strict=True):
+        live.update(saved)
+
+
+def _loaded_as_is(state: dict[str, Any]) -> None:
+    """Nothing to do after loading: the entries went straight into place."""
+
+
+def _extra_destinations(
+    engine: CheckpointedEngine, shards: ShardedState, saved: Saved
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+    """What to load the residuals into, and what to do once loaded: nothing when the
+    checkpoint has none (a dense run's: the residuals start at zero) or the same world size;
+    the mean over the saved ranks' rows otherwise (see [Note: compression residuals in a
+    checkpoint] in ``collect.py``)."""
+    comm = engine.checkpoint_comm
+    held = [x for x in shards.extra if extra_key(x) in saved]
+    if not held:
+        return {}, _loaded_as_is
+    first = held[0]
+    saved_world = saved.metadata[extra_key(first).text].size.numel() // first.tensor.numel()
+    if saved_world == comm.world_size:
+        return {k.text: v for k, v in extra_entries(shards, comm).items()}, _loaded_as_is
+    rows = {extra_key(x).text: torch.empty(saved_world * x.tensor.numel()) for x in held}
+
+    def average(state: dict[str, Any]) -> None:
+        for x in held:
+            n = x.tensor.numel()
+            x.tensor.copy_(rows[extra_key(x).text].view(saved_world, n).mean(0))
+
+    return {k: FlatPiece(t, 0, t.numel()) for k, t in rows.items()}, average
+
+
+def _restore_engine(
+    engine: CheckpointedEngine, state: dict[str, Any], rng: str, with_optimizer: bool
+) -> None:
+    # the lr schedule belongs to the optimizer it drives
+    engine.restore_checkpoint_state(state[ENGINE], lr_scheduler=with_optimizer)
+    rng_state = state.get(rng)
+    if rng_state is not None:
+        torch.set_rng_state(rng_state["torch"])
+        random.setstate(rng_state["python"])
+        if "cuda" in rng_state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng_state["cuda"])
