@@ -40,6 +40,7 @@ from ..accelerate._front import ENGINE_DIR, EngineSchedulerWrapper
 from ..config import ZeroConfig
 from ..frontends.engines import move_schedulers
 from ._args import fill_from_training_args
+from ._private import TrainerHooks, save_pretrained_state, scheduler_is_rebuilt
 
 __all__ = ["ZeroTrainer"]
 
@@ -51,7 +52,7 @@ class _TrainerAccelerator(ZeroAccelerator):
         pass
 
 
-class ZeroTrainer(Trainer):
+class ZeroTrainer(TrainerHooks, Trainer):
     """``transformers.Trainer`` with ZeRO stages 0-3, offload and the engine's mixed precision.
 
     Takes every argument ``Trainer`` takes, plus:
@@ -78,20 +79,15 @@ class ZeroTrainer(Trainer):
     def __init__(self, *args: Any, zero_config: Any = None, **kwargs: Any) -> None:
         self.zero_plugin = ZeroPlugin(config=zero_config)
         self._max_steps: int | None = None
-        self._accelerator_args: dict[str, Any] = {}
+        self.accelerator_args: dict[str, Any] = {}  # what the Trainer builds its Accelerator from
         super().__init__(*args, **kwargs)
 
     # -- the accelerator ------------------------------------------------------------------
 
-    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        built = super()._build_accelerator_args(**kwargs)
-        self._accelerator_args = dict(built)
-        return built
-
     def create_accelerator_and_postprocess(self) -> None:
         _refuse_other_engines(self.args)
         super().create_accelerator_and_postprocess()  # the Trainer's own arguments for it
-        settings = dict(self._accelerator_args)
+        settings = dict(self.accelerator_args)
         settings.pop("kwargs_handlers", None)  # DistributedDataParallel's: there is no DDP here
         self.accelerator = _TrainerAccelerator(zero_plugin=self.zero_plugin, **settings)
         self._loaded_config: ZeroConfig = self.accelerator.zero_config
@@ -145,7 +141,7 @@ class ZeroTrainer(Trainer):
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None and engine.config.scheduler is not None:
             self.lr_scheduler = EngineSchedulerWrapper(engine.lr_scheduler, self.optimizer)
-            self._created_lr_scheduler = True
+            scheduler_is_rebuilt(self)
             return self.lr_scheduler
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         move_schedulers(engine, [scheduler])  # also one passed as Trainer(optimizers=(o, s))
@@ -161,33 +157,37 @@ class ZeroTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = engine.full_state_dict(rank0_only=not self.args.save_on_each_node)
-        self._save(output_dir, state_dict=state)  # on the ranks that save
+        save_pretrained_state(self, output_dir, state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def save_engine_state(self, output_dir: str) -> bool:
+        """In a Trainer checkpoint, the engine's instead of ``optimizer.pt`` (see the note)."""
         engine = self.accelerator.zero_engine
         if engine is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
+            return False
         engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))  # collective
         if self.args.should_save and engine.config.scheduler is None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        return True
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def load_engine_state(self, checkpoint: str | None) -> bool:
         engine = self.accelerator.zero_engine
         if engine is None or checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            return False
         engine.load_checkpoint(os.path.join(checkpoint, ENGINE_DIR))  # collective, any layout
         saved = os.path.join(checkpoint, SCHEDULER_NAME)
         if engine.config.scheduler is None and os.path.isfile(saved):
             self.lr_scheduler.load_state_dict(torch.load(saved, weights_only=True))
+        return True
 
-    def _load_best_model(self) -> None:
+    def load_best_engine_state(self) -> bool:
         engine = self.accelerator.zero_engine
         best = self.state.best_model_checkpoint
         if engine is None or best is None:
-            return super()._load_best_model()
+            return False
         engine.load_checkpoint(os.path.join(best, ENGINE_DIR), load_optimizer=False)
+        return True
 
 
 def _refuse_other_engines(args: Any) -> None:
