@@ -151,17 +151,17 @@ def test_each_front_end_uses_the_front_end_layer(front: str) -> None:
 
 
 def test_front_end_size_budget() -> None:
-    """lightning/, fabric/, accelerate/ and the front-end layer stay thin (3,420 lines: the
-    2,500 of the one-layer rewrite plus tensor parallelism's data sharding and the hooks the
-    Hugging Face Trainer front end uses, 2,600; plus several models and optimizers in one job,
-    an engine per model or per optimizer in each front end, about 650; plus each framework's
-    private-API calls gathered in one module, about 170)."""
-    lines = sum(
-        len(p.read_text().splitlines())
-        for d in (*FRONT_ENDS, "frontends")
-        for p in (PACKAGE / d).rglob("*.py")
-    )
-    assert lines <= 3420, f"the front ends are {lines} lines"
+    """The front ends stay adapters that map each framework's hooks onto the engines:
+    lightning/, fabric/, accelerate/, the front-end layer and ``_lightning_hook.py`` within
+    3,180 lines. What needs no framework is the core's, shared with plain PyTorch loops (a clip
+    waiting for the step and a job's engines saved as one in ``core/loop.py``, an engine per
+    optimizer of one model in ``core/several.py``). Issue 38 aims at 2,500; what is over it is
+    Accelerate's own surface (``prepare`` of several models, ``save_state``, the pipeline loop)
+    and the loop-flag policy in ``frontends/flags.py``."""
+    paths = [PACKAGE / "_lightning_hook.py"]
+    paths += [p for d in (*FRONT_ENDS, "frontends") for p in (PACKAGE / d).rglob("*.py")]
+    lines = sum(len(p.read_text().splitlines()) for p in paths)
+    assert lines <= 3180, f"the front ends are {lines} lines"
 
 
 def test_hf_front_end_size_budget() -> None:
