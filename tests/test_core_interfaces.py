@@ -3,8 +3,10 @@ section, and the engine's step with an outside gradient norm and its checkpoint 
 
 from __future__ import annotations
 
+import ast
 import copy
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from ds_strategy.core.optimizers import (
     optimizer_factory,
     track_optimizer_step,
 )
+from tests.seam_reads import ENGINE, engine_members, reads
+
+PACKAGE = Path(ds_strategy.__file__).parent
 
 # -- optimizers from a config section ----------------------------------------------------------------
 
@@ -184,23 +189,50 @@ def _seam_members() -> set[str]:
 
 def test_checkpoint_code_reads_only_the_seam_of_an_engine() -> None:
     """Every ``engine.<name>`` the checkpoint modules read is a member of the protocol (so the
-    protocol is the whole list), and none is private."""
-    import ast
-    from pathlib import Path
+    protocol is the whole list); they read no underscore attribute, and no flat group or
+    sharding plan at all: the engine's records carry each piece's place."""
+    found = reads(PACKAGE / "core" / "checkpoint")
+    members = engine_members(found)
+    assert members and members <= _seam_members(), sorted(members - _seam_members())
+    assert [str(r) for r in found if r.private] == []
+    assert [str(r) for r in found if r.kind != ENGINE] == []
+    # what the engine's layout is read from, none of it reached another way
+    names = set()
+    for path in (PACKAGE / "core" / "checkpoint").glob("*.py"):
+        names |= {
+            n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)
+        }
+    assert names & {"plan", "groups", "layout", "master", "tensor_parallel", "states"} == set()
 
-    members = _seam_members()
-    folder = Path(ds_strategy.__file__).parent / "core" / "checkpoint"
-    read: set[str] = set()
-    for path in folder.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute):
-                owner = node.value
-                if isinstance(owner, ast.Attribute) and owner.attr == "engine":
-                    read.add(node.attr)  # self.engine.<name>
-                elif isinstance(owner, ast.Name) and owner.id == "engine":
-                    read.add(node.attr)
-    assert read and read <= members, sorted(read - members)
-    assert not [n for n in read if n.startswith("_")]
+
+def test_inference_code_reads_no_underscore_attribute_of_an_engine_group_or_plan() -> None:
+    found = reads(PACKAGE / "core" / "inference")
+    assert [str(r) for r in found if r.private] == []
+
+
+def test_the_seam_walker_follows_names_bound_from_an_engine(tmp_path: Path) -> None:
+    (tmp_path / "code.py").write_text(
+        "def save(engine, groups: list[FlatParamGroup], n):\n"
+        "    plan = engine.plan\n"
+        "    for g in plan.groups:\n"
+        "        g._master.view(-1)\n"
+        "    info = engine.tensor_parallel.params.get(n) if n else None\n"
+        "    for i, h in enumerate(groups):\n"
+        "        h.layout.pieces(0)\n"
+        "    return info.full_runs, groups.copy(), self.engine.checkpoint_comm.rank\n"
+    )
+    found = reads(tmp_path)
+    chains = {(r.kind, ".".join(r.chain)) for r in found}
+    assert ("engine", "plan.groups.[]._master.view") in chains
+    assert ("engine", "tensor_parallel.params.get.().full_runs") in chains
+    assert ("group", "layout.pieces") in chains
+    assert ("engine", "checkpoint_comm.rank") in chains
+    assert not any("copy" in c for _, c in chains)  # the list's own method, not a group's
+    assert [str(r).split(": ")[1] for r in found if r.private] == [
+        "engine.plan.groups.[]._master",
+        "engine.plan.groups.[]._master.view",
+    ]
+    assert engine_members(found) == {"plan", "tensor_parallel", "checkpoint_comm"}
 
 
 def test_an_engine_has_every_member_of_the_checkpoint_seam() -> None:

@@ -117,6 +117,6 @@ def sharded_state(
         shapes=places.shapes,
         stage=stage,
         world_size=world_size,
-        tensor_parallel=tp_degree,
+        tp_degree=tp_degree,
         replicas_from_rank0=isinstance(compression, ZeroOneReduction),
     )

@@ -119,7 +119,7 @@ def _layout(shards: ShardedState) -> dict[str, Any]:
         "format": FORMAT,
         "stage": shards.stage,
         "world_size": shards.world_size,
-        "tensor_parallel": shards.tensor_parallel,
+        "tensor_parallel": shards.tp_degree,
     }
 
 

@@ -103,7 +103,7 @@ class ShardedState:
     shapes: Mapping[str, tuple[int, ...]]  # every parameter's full shape, held here or not
     stage: int  # the ZeRO stage
     world_size: int
-    tensor_parallel: int  # the tensor-parallel degree
+    tp_degree: int  # the tensor-parallel degree
     # weights and optimizer state written by rank 0 alone: the ranks' replicas drift apart
     # between synchronisations (0/1 Adam's local steps), so a mix of them would be no state
     replicas_from_rank0: bool = False
