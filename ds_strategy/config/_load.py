@@ -3,7 +3,8 @@
 One generic walker (:func:`_build`) turns a nested mapping into the dataclasses of
 ``_schema.py``: it reads DeepSpeed's deprecated spellings, maps aliases, sorts out unknown keys
 (see the note below), warns about DeepSpeed keys listed in ``UNSUPPORTED_KEYS``, coerces every
-leaf against its ``LeafSpec`` and runs the section's cross-field check. ``to_dict``, ``replace``
+leaf against its ``LeafSpec``, checks a section's own values and runs the load-time rules of
+``rules.py``. ``to_dict``, ``replace``
 and ``resolve`` (in ``_resolve.py``) go through plain dicts and that same walker, so every way
 of making a config validates alike.
 
@@ -58,9 +59,7 @@ from ._schema import (
     Choice,
     ConfigError,
     DeprecatedConfigWarning,
-    FP16Config,
     LeafSpec,
-    OffloadConfig,
     OptimizerConfig,
     QuantizationConfig,
     SchedulerConfig,
@@ -268,51 +267,7 @@ _UPGRADES: dict[type, Callable[[Any, str, Found], Any]] = {
 }
 
 
-# ----------------------------------------------------------------------------- cross-field rules
-
-
-def _check_offload(cfg: OffloadConfig, prefix: str) -> None:
-    if cfg.device == "nvme" and not cfg.nvme_path:
-        _fail(
-            f"{prefix}.nvme_path",
-            "required when device is 'nvme'; set it to a directory on a local NVMe drive, "
-            "or use device 'cpu'",
-        )
-
-
-def _check_zero(cfg: ZeroOptimizationConfig, prefix: str) -> None:
-    stage_known = not _is_auto(cfg.stage)
-    device = cfg.offload_param.device
-    if device not in ("none", AUTO) and stage_known and cfg.stage != 3:
-        _fail(
-            f"{prefix}.offload_param",
-            f"device {device!r} needs ZeRO stage 3 (only stage 3 partitions parameters), but "
-            f"stage is {cfg.stage}; set {prefix}.stage to 3 or remove offload_param",
-        )
-    ratio = cfg.offload_optimizer.ratio
-    if not _is_auto(ratio) and ratio < 1.0 and stage_known and cfg.stage != 3:
-        _fail(
-            f"{prefix}.offload_optimizer.ratio",
-            f"partial optimizer offload (ratio {ratio}) needs ZeRO stage 3, but stage is "
-            f"{cfg.stage}; set {prefix}.stage to 3 or ratio to 1.0",
-        )
-
-
-def _check_fp16(cfg: FP16Config, prefix: str) -> None:
-    # as DeepSpeed: the scaler's window and floor only matter with dynamic scaling, so a
-    # disabled or statically scaled fp16 section may hold anything there
-    if cfg.enabled is not True or _is_auto(cfg.loss_scale) or cfg.loss_scale != 0:
-        return
-    why = "when fp16 is enabled with dynamic loss scaling (loss_scale 0)"
-    window = cfg.loss_scale_window
-    if not _is_auto(window) and window < 1:
-        _fail(f"{prefix}.loss_scale_window", f"got {window!r}, must be >= 1 {why}")
-    floor = cfg.min_loss_scale
-    if not _is_auto(floor) and floor <= 0:
-        _fail(f"{prefix}.min_loss_scale", f"got {floor!r}, must be > 0 {why}")
-    hysteresis = cfg.hysteresis
-    if not _is_auto(hysteresis) and hysteresis < 1:
-        _fail(f"{prefix}.hysteresis", f"got {hysteresis!r}, must be >= 1 {why}")
+# ----------------------------------------------------------------------------- one section's values
 
 
 # [Note: numbers in range]
@@ -389,7 +344,7 @@ def _check_scheduler(cfg: SchedulerConfig, prefix: str) -> None:
 
 
 def _check_top(cfg: ZeroConfig, prefix: str) -> None:
-    check_rules(cfg, Facts(), "load")  # the cross-section rules: rules.py
+    check_rules(cfg, Facts(), "load")  # every rule across keys and sections: rules.py
 
 
 def _check_tensor_parallel(cfg: TensorParallelConfig, prefix: str) -> None:
@@ -405,8 +360,6 @@ def _check_tensor_parallel(cfg: TensorParallelConfig, prefix: str) -> None:
 
 
 def _check_quantization(cfg: QuantizationConfig, prefix: str) -> None:
-    if cfg.qat is True and cfg.bits is None:
-        _fail(f"{prefix}.bits", "qat trains with fake-quantized weights: set bits to 8 or 4")
     for i, pattern in enumerate(cfg.modules_to_not_convert):
         try:
             re.compile(pattern)
@@ -417,11 +370,9 @@ def _check_quantization(cfg: QuantizationConfig, prefix: str) -> None:
             )
 
 
-# Sections without an entry need no rule beyond their per-leaf specs.
+# Checks of one section's own values that a leaf's spec cannot say (free mappings, regular
+# expressions); a rule across keys or sections is a Rule in rules.py, run by _check_top.
 _CHECKS: dict[type, Callable[[Any, str], None]] = {
-    OffloadConfig: _check_offload,
-    ZeroOptimizationConfig: _check_zero,
-    FP16Config: _check_fp16,
     SchedulerConfig: _check_scheduler,
     OptimizerConfig: _check_optimizer,
     TensorParallelConfig: _check_tensor_parallel,

@@ -1,13 +1,25 @@
-"""Which features combine: one table of rules over a resolved config and the facts of the job
-it runs in, each refusal a :class:`ConfigError` naming the key, the reason and the fix.
+"""Which features combine: one table of rules over a config and the facts of the job it runs
+in, each refusal a :class:`ConfigError` naming the key, the reason and the fix.
 
 [Note: the rule table]
-A rule is a named check of one feature (its ``key``) against the others; it returns what it
-refuses (empty: nothing). :func:`check_rules` runs the rules that apply at one point of
-building an engine (the config as it is read; then resolved; later the data-parallel ranks,
-the optimizer, whether the engine is a pipeline stage) and raises the first refusal. The engine
-runs them inside its agreement points, so every rank raises the same error. Rules whose
-checks need only the config run when the engine starts; the rest once their facts exist.
+A rule is a named check of one feature (its ``key``) against the others, or of one key's
+meaning against another's; it returns what it refuses (None: nothing). :func:`check_rules` runs
+the rules of one point and raises the first refusal. The points, in the order they come:
+
+- ``"load"``: the config as it is read, where ``"auto"`` values may remain (each rule skips
+  what is still ``"auto"``); the walker runs them, so they run again on the resolved config.
+- ``"engine"``: a ZeroEngine takes a config (before resolving: it decides the ranks).
+- ``"config"``: a training engine's resolved config alone.
+- ``"ranks"``: with the data-parallel ranks; ``"optimizer"``: with the optimizer;
+  ``"compression"``: the top-k exchange is built (a trainable model, ranks to exchange with).
+- ``"quantization"``: the layers are converted for quantization-aware training.
+- ``"pipeline"``: a pipeline's resolved config; ``"stages"``: with its stages' shared weights.
+- ``"inference"``: an inference engine's resolved config.
+
+A rule may run at several points (``when`` a tuple). Engines run them inside their agreement
+points, so every rank raises the same error. Checks of one key's own value (types, bounds,
+regular expressions) stay with the loader (``_load._CHECKS``); what needs a model's layers or
+a file (a plan, a checkpoint) stays where the model or the file is.
 """
 
 from __future__ import annotations
@@ -15,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._schema import ConfigError, ZeroConfig
+from ._leaves import _is_auto
+from ._schema import ConfigError, OffloadConfig, ZeroConfig
 
-__all__ = ["Facts", "RULES", "Rule", "check_rules"]
+__all__ = ["Facts", "RULES", "Refusal", "Rule", "check_rules"]
 
 
 @dataclass(frozen=True)
@@ -28,25 +41,41 @@ class Facts:
         world_size: the data-parallel ranks ZeRO shards over.
         ranks_per_machine: from the topology, for the fixes that name it.
         in_pipeline: the engine is one pipeline stage's.
+        sub_group: the engine runs on a process sub-group, not the default group.
         tensor_parallel: layers split over tensor-parallel ranks.
         offload: an offload tier is on (optimizer state or parameters).
         optimizer: the optimizer's class name (``""`` before it is known).
+        sgd: the optimizer is a ``torch.optim.SGD``.
+        momenta: the momentum values of the optimizer's parameter groups.
         compressed_optimizer: it exchanges compressed momenta or updates (1-bit Adam/LAMB,
             0/1 Adam).
         local_steps: it steps locally between synchronisations (0/1 Adam).
+        tied_stages: the pipeline stages sharing a weight (empty: none shares one).
     """
 
     world_size: int = 1
     ranks_per_machine: int = 1
     in_pipeline: bool = False
+    sub_group: bool = False
     tensor_parallel: bool = False
     offload: bool = False
     optimizer: str = ""
+    sgd: bool = False
+    momenta: tuple[float, ...] = ()
     compressed_optimizer: bool = False
     local_steps: bool = False
+    tied_stages: tuple[int, ...] = ()
 
 
-Check = Callable[[ZeroConfig, Facts], str | None]
+@dataclass(frozen=True)
+class Refusal:
+    """A refusal about another key than its rule's (e.g. one of two sections the rule reads)."""
+
+    key: str
+    message: str
+
+
+Check = Callable[[ZeroConfig, Facts], "str | Refusal | None"]
 
 
 @dataclass(frozen=True)
@@ -55,10 +84,90 @@ class Rule:
 
     name: str
     key: str
-    # "load": as the config is read ("auto" values may remain); "config": the resolved config
-    # alone; "ranks": with the ranks; "optimizer": with the optimizer
-    when: str
+    when: str | tuple[str, ...]  # the point(s) it runs at: see the note above
     check: Check
+
+    @property
+    def points(self) -> tuple[str, ...]:
+        return (self.when,) if isinstance(self.when, str) else self.when
+
+
+def _known(value: object) -> bool:
+    return value is not None and not _is_auto(value)
+
+
+def _offloads(cfg: ZeroConfig) -> tuple[tuple[str, OffloadConfig], ...]:
+    zc = cfg.zero_optimization
+    prefix = "zero_optimization"
+    return (
+        (f"{prefix}.offload_optimizer", zc.offload_optimizer),
+        (f"{prefix}.offload_param", zc.offload_param),
+    )
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _nvme_needs_a_path(cfg: ZeroConfig, facts: Facts) -> Refusal | None:
+    for prefix, section in _offloads(cfg):
+        if section.device == "nvme" and not section.nvme_path:
+            key = f"{prefix}.nvme_path"
+            return Refusal(
+                key,
+                f"{key}: required when device is 'nvme'; set it to a directory on a local "
+                "NVMe drive, or use device 'cpu'",
+            )
+    return None
+
+
+def _offload_param_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
+    # DeepSpeed ignores offload_param below stage 3; so does the lenient loader (with a
+    # warning, _load._ignore_param_offload_below_stage3): what reaches here was asked strictly
+    zc = cfg.zero_optimization
+    device = zc.offload_param.device
+    if device in ("none", "auto") or not _known(zc.stage) or zc.stage == 3:
+        return None
+    return (
+        f"zero_optimization.offload_param: device {device!r} needs ZeRO stage 3 (only stage 3 "
+        f"partitions parameters), but stage is {zc.stage}; set zero_optimization.stage to 3 "
+        "or remove offload_param"
+    )
+
+
+def _partial_offload_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
+    zc = cfg.zero_optimization
+    ratio = zc.offload_optimizer.ratio
+    if not _known(ratio) or ratio >= 1.0 or not _known(zc.stage) or zc.stage == 3:
+        return None
+    return (
+        f"zero_optimization.offload_optimizer.ratio: partial optimizer offload (ratio {ratio}) "
+        f"needs ZeRO stage 3, but stage is {zc.stage}; set zero_optimization.stage to 3 or "
+        "ratio to 1.0"
+    )
+
+
+def _dynamic_loss_scaling(cfg: ZeroConfig, facts: Facts) -> Refusal | None:
+    # as DeepSpeed: the scaler's window and floor only matter with dynamic scaling, so a
+    # disabled or statically scaled fp16 section may hold anything there
+    fp16 = cfg.fp16
+    if fp16.enabled is not True or not _known(fp16.loss_scale) or fp16.loss_scale != 0:
+        return None
+    why = "when fp16 is enabled with dynamic loss scaling (loss_scale 0)"
+    for name, value, bound in (
+        ("loss_scale_window", fp16.loss_scale_window, ">= 1"),
+        ("min_loss_scale", fp16.min_loss_scale, "> 0"),
+        ("hysteresis", fp16.hysteresis, ">= 1"),
+    ):
+        if _known(value) and (value <= 0 if bound == "> 0" else value < 1):
+            key = f"fp16.{name}"
+            return Refusal(key, f"{key}: got {value!r}, must be {bound} {why}")
+    return None
+
+
+def _qat_needs_bits(cfg: ZeroConfig, facts: Facts) -> str | None:
+    if cfg.quantization.qat is True and cfg.quantization.bits is None:
+        return "quantization.bits: qat trains with fake-quantized weights: set bits to 8 or 4"
+    return None
 
 
 def _offload_optimizer_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
@@ -72,13 +181,37 @@ def _offload_optimizer_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
     return None
 
 
-def _offload_param_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
-    zc = cfg.zero_optimization
-    if zc.offload_param.device != "none" and zc.stage != 3:
+def _one_nvme_directory(cfg: ZeroConfig, facts: Facts) -> str | None:
+    paths = {c.nvme_path for _, c in _offloads(cfg) if c.device == "nvme"}
+    if len(paths) > 1:
         return (
-            f"zero_optimization.offload_param: device {zc.offload_param.device!r} needs ZeRO "
-            f"stage 3 (only stage 3 partitions parameters), but stage is {zc.stage}; set "
-            "zero_optimization.stage to 3 or offload_param.device to 'none'"
+            "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path differ "
+            f"({sorted(paths)}); use one directory for both"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------- a ZeroEngine
+
+
+def _zero_engine_is_no_pipeline(cfg: ZeroConfig, facts: Facts) -> str | None:
+    stages = cfg.pipeline.stages
+    if _known(stages) and stages > 1:
+        return (
+            f"pipeline.stages={stages}: a pipeline is built by "
+            "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
+            "nn.Sequential and trained with engine.train_batch; this front end drives "
+            "a ZeroEngine, so set pipeline.stages to 1 here"
+        )
+    return None
+
+
+def _tensor_parallel_on_a_sub_group(cfg: ZeroConfig, facts: Facts) -> str | None:
+    tp = cfg.tensor_parallel.autotp_size
+    if facts.sub_group and not facts.in_pipeline and _known(tp) and tp > 1:
+        return (
+            f"tensor_parallel.autotp_size={tp} with an engine on a process sub-group is not "
+            "supported; build the engine on the default group (its mesh splits the ranks)"
         )
     return None
 
@@ -174,7 +307,7 @@ def _fp16_and_bf16(cfg: ZeroConfig, facts: Facts) -> str | None:
 
 
 def _compression_layouts(cfg: ZeroConfig, facts: Facts) -> str | None:
-    if cfg.gradient_compression.method == "none":
+    if cfg.gradient_compression.method in ("none", "auto"):
         return None
     key = "gradient_compression.method"
     if cfg.zero_optimization.stage == 3:
@@ -183,12 +316,12 @@ def _compression_layouts(cfg: ZeroConfig, facts: Facts) -> str | None:
             "each layer's gradients as backward produces them); set zero_optimization.stage "
             "to 2 or lower, or method to 'none'"
         )
-    if cfg.tensor_parallel.autotp_size != 1:
+    if cfg.tensor_parallel.autotp_size not in (1, "auto"):
         return (
             f"{key}: gradient compression with tensor_parallel is not available yet; set "
             "tensor_parallel.autotp_size to 1 or method to 'none'"
         )
-    if cfg.pipeline.stages > 1:
+    if _known(cfg.pipeline.stages) and cfg.pipeline.stages > 1:
         return (
             f"{key}: gradient compression is not available with pipeline stages; remove the "
             "pipeline section or set method to 'none'"
@@ -196,31 +329,158 @@ def _compression_layouts(cfg: ZeroConfig, facts: Facts) -> str | None:
     return None
 
 
+def _momentum_correction_needs_sgd(cfg: ZeroConfig, facts: Facts) -> str | None:
+    if not cfg.gradient_compression.momentum_correction:
+        return None
+    momenta = sorted(set(facts.momenta))
+    if facts.sgd and len(momenta) == 1 and momenta[0] > 0:
+        return None
+    return (
+        "gradient_compression.momentum_correction: the correction accumulates SGD's "
+        "momentum locally before compression (Deep Gradient Compression), so it needs "
+        f"torch.optim.SGD with one momentum > 0 for all groups (got {facts.optimizer}, "
+        f"momentum {momenta}); use SGD(momentum=...) or set momentum_correction to false"
+    )
+
+
+def _qat_with_tensor_parallel(cfg: ZeroConfig, facts: Facts) -> str | None:
+    if facts.tensor_parallel:
+        return (
+            "quantization.qat with tensor_parallel.autotp_size > 1 is not supported: the fake "
+            "quantization rounds whole rows of each weight, which tensor parallelism splits; "
+            "train with qat at autotp_size 1"
+        )
+    return None
+
+
+def _chunks_need_interleaving(cfg: ZeroConfig, facts: Facts) -> str | None:
+    pc = cfg.pipeline
+    chunks = pc.stages_per_rank
+    if chunks is not None and chunks > 1 and pc.schedule != "interleaved_1f1b":
+        return (
+            f"pipeline.stages_per_rank: {chunks} chunks per rank need schedule "
+            "'interleaved_1f1b'; set stages_per_rank to 1 or change the schedule"
+        )
+    return None
+
+
+def _interleaved_micro_batches(cfg: ZeroConfig, facts: Facts) -> str | None:
+    pp_size, micro_batches = cfg.pipeline.stages, cfg.gradient_accumulation_steps
+    if cfg.pipeline.schedule == "interleaved_1f1b" and micro_batches % pp_size:
+        return (
+            f"gradient_accumulation_steps: the interleaved 1F1B schedule needs a number "
+            f"of micro-batches divisible by pipeline.stages ({pp_size}), got "
+            f"{micro_batches}; change gradient_accumulation_steps or use schedule '1f1b'"
+        )
+    return None
+
+
+def _tied_weights_below_stage_3(cfg: ZeroConfig, facts: Facts) -> str | None:
+    if facts.tied_stages and cfg.zero_optimization.stage == 3:
+        return (
+            f"zero_optimization.stage 3: a weight is shared by pipeline stages "
+            f"{list(facts.tied_stages)} (tied across stages, e.g. an embedding and its output "
+            "head); under ZeRO-3 each stage reduce-scatters its gradients as backward runs, so "
+            "the copies cannot be summed. Use stage 1 or 2, or keep the layers that share it "
+            "on one stage (pipeline.partition_method)"
+        )
+    return None
+
+
+def _inference_shards_one_way(cfg: ZeroConfig, facts: Facts) -> str | None:
+    tp = cfg.tensor_parallel.autotp_size
+    if tp > 1 and cfg.zero_optimization.stage == 3:
+        return (
+            f"tensor_parallel.autotp_size={tp} with zero_optimization.stage 3: inference "
+            "shards the weights one way at a time; keep tensor parallelism (each rank holds "
+            "1/T of every split layer) or ZeRO-Inference (each rank 1/N of every layer, "
+            "gathered per layer)"
+        )
+    return None
+
+
+def _inference_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
+    stage = cfg.zero_optimization.stage
+    if stage in (1, 2):
+        return (
+            f"zero_optimization.stage {stage}: inference has no optimizer state or "
+            "gradients to shard; use stage 3 (ZeRO-Inference: sharded weights) or 0"
+        )
+    return None
+
+
+def _inference_without_qat(cfg: ZeroConfig, facts: Facts) -> str | None:
+    if cfg.quantization.qat:
+        return (
+            "quantization.qat trains with fake-quantized weights (a training config); for "
+            "inference, set bits and leave qat false: the weights are quantized on load"
+        )
+    return None
+
+
+_ZO = "zero_optimization"
+_ANY_ENGINE = ("config", "inference")  # the resolved config of a training or inference engine
+
 RULES: tuple[Rule, ...] = (
+    # load
     Rule("fp16 or bf16", "fp16.enabled", "load", _fp16_and_bf16),
     Rule("gradient compression's layouts", "gradient_compression.method", "load",
          _compression_layouts),
-    Rule("offload_optimizer needs a sharding stage", "zero_optimization.offload_optimizer",
-         "config", _offload_optimizer_stage),
-    Rule("offload_param needs stage 3", "zero_optimization.offload_param", "config",
-         _offload_param_stage),
-    Rule("MiCS with other features", "zero_optimization.mics_shard_size", "ranks",
-         _mics_combinations),
-    Rule("MiCS shard groups divide the ranks", "zero_optimization.mics_shard_size", "ranks",
+    Rule("NVMe offload needs a directory", f"{_ZO}.offload_optimizer.nvme_path", "load",
+         _nvme_needs_a_path),
+    Rule("offload_param needs stage 3", f"{_ZO}.offload_param", "load", _offload_param_stage),
+    Rule("partial optimizer offload needs stage 3", f"{_ZO}.offload_optimizer.ratio", "load",
+         _partial_offload_stage),
+    Rule("dynamic loss scaling's window, floor and hysteresis", "fp16.loss_scale_window",
+         "load", _dynamic_loss_scaling),
+    Rule("quantization-aware training needs bits", "quantization.bits", "load",
+         _qat_needs_bits),
+    # a ZeroEngine takes the config
+    Rule("a ZeroEngine is no pipeline", "pipeline.stages", "engine",
+         _zero_engine_is_no_pipeline),
+    Rule("tensor parallelism on the default group", "tensor_parallel.autotp_size", "engine",
+         _tensor_parallel_on_a_sub_group),
+    # an engine's resolved config
+    Rule("offload_optimizer needs a sharding stage", f"{_ZO}.offload_optimizer", _ANY_ENGINE,
+         _offload_optimizer_stage),
+    Rule("one NVMe directory", f"{_ZO}.offload_param.nvme_path", _ANY_ENGINE,
+         _one_nvme_directory),
+    # with the ranks, then the optimizer
+    Rule("MiCS with other features", f"{_ZO}.mics_shard_size", "ranks", _mics_combinations),
+    Rule("MiCS shard groups divide the ranks", f"{_ZO}.mics_shard_size", "ranks",
          _mics_divides),
-    Rule("gradient compression with MiCS", "zero_optimization.mics_shard_size", "optimizer",
+    Rule("gradient compression with MiCS", f"{_ZO}.mics_shard_size", "optimizer",
          _compression_with_mics),
     Rule("1-bit and 0/1 optimizers with other features", "optimizer", "optimizer",
          _compressed_optimizer),
+    Rule("momentum correction replaces SGD's momentum", "gradient_compression.momentum_correction",
+         "compression", _momentum_correction_needs_sgd),
+    Rule("quantization-aware training without tensor parallelism", "quantization.qat",
+         "quantization", _qat_with_tensor_parallel),
+    # a pipeline
+    Rule("chunks per rank need the interleaved schedule", "pipeline.stages_per_rank",
+         "pipeline", _chunks_need_interleaving),
+    Rule("interleaved 1F1B's micro-batches", "gradient_accumulation_steps", "pipeline",
+         _interleaved_micro_batches),
+    Rule("weights tied across stages below stage 3", f"{_ZO}.stage", "stages",
+         _tied_weights_below_stage_3),
+    # an inference engine
+    Rule("inference shards one way", "tensor_parallel.autotp_size", "inference",
+         _inference_shards_one_way),
+    Rule("inference has nothing for stages 1 and 2", f"{_ZO}.stage", "inference",
+         _inference_stage),
+    Rule("inference without quantization-aware training", "quantization.qat", "inference",
+         _inference_without_qat),
 )  # fmt: skip
 
 
 def check_rules(cfg: ZeroConfig, facts: Facts, when: str) -> None:
-    """Run the rules of one point (``"load"``, then building an engine: ``"config"``,
-    ``"ranks"``, ``"optimizer"``); raise the first refusal as a :class:`ConfigError` naming
-    its key."""
+    """Run the rules of one point (see the note above) in the table's order; raise the first
+    refusal as a :class:`ConfigError` naming its key."""
     for rule in RULES:
-        if rule.when == when:
-            message = rule.check(cfg, facts)
-            if message is not None:
-                raise ConfigError(message, key=rule.key)
+        if when in rule.points:
+            refusal = rule.check(cfg, facts)
+            if isinstance(refusal, Refusal):
+                raise ConfigError(refusal.message, key=refusal.key)
+            if refusal is not None:
+                raise ConfigError(refusal, key=rule.key)

@@ -243,15 +243,10 @@ class EngineBuilder:
         tensor-parallel size."""
         with together(self.comm):
             loaded = load_config(config)
-            if loaded.pipeline.stages > 1:
-                raise ValueError(
-                    f"pipeline.stages={loaded.pipeline.stages}: a pipeline is built by "
-                    "ds_strategy.initialize(model, optimizer, config, loss_fn=...) with an "
-                    "nn.Sequential and trained with engine.train_batch; this front end drives "
-                    "a ZeroEngine, so set pipeline.stages to 1 here"
-                )
+            facts = Facts(in_pipeline=self.stage is not None, sub_group=process_group is not None)
+            check_rules(loaded, facts, "engine")  # see config/rules.py
             mesh = self.stage.mesh if self.stage is not None else None
-            tp = _tensor_parallel_size(loaded, self.comm, process_group, mesh)
+            tp = _tensor_parallel_size(loaded, self.comm, mesh)
             # batch sizes count data-parallel ranks: tensor-parallel ones share each batch
             resolved = loaded.resolve(world_size=self.comm.world_size // tp)
             world = Comm()  # the topology is the job's, whatever group this engine runs on
@@ -456,6 +451,7 @@ class EngineBuilder:
         if isinstance(optimizer, CompressedExchange):
             compression = self._onebit(ranks, plan, opt)
         elif gc.method != "none" and opt.trainable and plan.reducer is not None:
+            check_rules(self.config, facts, "compression")  # see config/rules.py
             momentum = _take_sgd_momentum(optimizer) if gc.momentum_correction else 0.0
             compression = TopKReduction(
                 plan.groups,
@@ -504,6 +500,10 @@ class EngineBuilder:
             tensor_parallel=tensor_parallel is not None,
             offload=offload is not None,
             optimizer=type(optimizer).__name__ if optimizer is not None else "",
+            sgd=isinstance(optimizer, torch.optim.SGD),
+            momenta=tuple(
+                float(g.get("momentum", 0.0)) for g in getattr(optimizer, "param_groups", ())
+            ),
             compressed_optimizer=isinstance(optimizer, CompressedExchange),
             local_steps=isinstance(optimizer, ZeroOneAdam),
         )
@@ -539,12 +539,7 @@ def _link_zero_plus_plus(plan: ShardingPlan, comm: Comm, topology: Topology) -> 
 def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str]:
     """``quantization.qat``: the layers the quantization converts train fake-quantized."""
     qc = config.quantization
-    if tp > 1:
-        raise ValueError(
-            "quantization.qat with tensor_parallel.autotp_size > 1 is not supported: the fake "
-            "quantization rounds whole rows of each weight, which tensor parallelism splits; "
-            "train with qat at autotp_size 1"
-        )
+    check_rules(config, Facts(tensor_parallel=tp > 1), "quantization")  # see config/rules.py
     scheme = QuantScheme(qc.bits, qc.group_size, qc.symmetric)
     return prepare_qat(
         model,
@@ -570,16 +565,9 @@ def _tied_aliases(part: nn.Module, whole: nn.Module) -> dict[str, str]:
 
 def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:
     """Momentum correction accumulates the velocity before compression, so it replaces the
-    optimizer's momentum: SGD's (one value for all groups) is taken and set to 0 here."""
+    optimizer's momentum: SGD's (one value for all groups; the rule table has checked it) is
+    taken and set to 0 here."""
     momenta = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
-    if not isinstance(optimizer, torch.optim.SGD) or len(momenta) != 1 or not min(momenta) > 0:
-        raise ValueError(
-            "gradient_compression.momentum_correction: the correction accumulates SGD's "
-            "momentum locally before compression (Deep Gradient Compression), so it needs "
-            f"torch.optim.SGD with one momentum > 0 for all groups (got "
-            f"{type(optimizer).__name__}, momentum {sorted(momenta)}); use SGD(momentum=...) "
-            "or set momentum_correction to false"
-        )
     for g in optimizer.param_groups:
         g["momentum"], g["nesterov"] = 0.0, False
     return momenta.pop()
@@ -588,7 +576,6 @@ def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:
 def _tensor_parallel_size(
     cfg: ZeroConfig,
     comm: Comm,
-    process_group: torch.distributed.ProcessGroup | None,
     mesh: ParallelMesh | None,
 ) -> int:
     tp = cfg.tensor_parallel.autotp_size
@@ -597,11 +584,6 @@ def _tensor_parallel_size(
     if mesh is not None:  # a pipeline stage: the pipeline built the mesh
         assert mesh.tp == tp and mesh.dp * tp == comm.world_size, (mesh, comm.world_size)
         return tp
-    if process_group is not None:
-        raise ValueError(
-            f"tensor_parallel.autotp_size={tp} with an engine on a process sub-group is not "
-            "supported; build the engine on the default group (its mesh splits the ranks)"
-        )
     ParallelMesh.data_parallel_size(comm.world_size, tp)  # an error unless T divides it
     return tp
 

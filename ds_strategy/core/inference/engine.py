@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...config import ZeroConfig, load_config
+from ...config.rules import Facts, check_rules
 from ..checkpoint.validate import META_FILE
 from ..collectives import Comm, init_process_group_from_env
 from ..faults import together
@@ -130,26 +131,9 @@ class InferenceEngine(nn.Module):
         return source
 
     def _check_layout(self, tp: int) -> None:
-        zc = self.config.zero_optimization
-        if tp > 1 and self.sharded:
-            raise ValueError(
-                f"tensor_parallel.autotp_size={tp} with zero_optimization.stage 3: inference "
-                "shards the weights one way at a time; keep tensor parallelism (each rank holds "
-                "1/T of every split layer) or ZeRO-Inference (each rank 1/N of every layer, "
-                "gathered per layer)"
-            )
-        if zc.stage in (1, 2):
-            raise ValueError(
-                f"zero_optimization.stage {zc.stage}: inference has no optimizer state or "
-                "gradients to shard; use stage 3 (ZeRO-Inference: sharded weights) or 0"
-            )
+        check_rules(self.config, Facts(), "inference")  # see config/rules.py
         if tp > 1:
             ParallelMesh.data_parallel_size(self.comm.world_size, tp)
-        if self.config.quantization.qat:
-            raise ValueError(
-                "quantization.qat trains with fake-quantized weights (a training config); for "
-                "inference, set bits and leave qat false: the weights are quantized on load"
-            )
 
     def _prepare(self, source: WeightSource, tp: int) -> QuantPlan | None:
         """Tensor-parallel split, quantized layers, and each parameter's origin."""

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...config import UnsupportedConfigWarning, ZeroConfig
-from ...config.rules import Facts, check_rules
 from ..progress import Progress
 from .cpu import place_on_host
 from .stepper import BucketedStep, StateSwaps
@@ -190,7 +189,6 @@ class Offload:
         """The offload tier of ``config`` (None when nothing is offloaded). ``comm``: the
         engine's ranks, asked for their swap space when the directory's room is checked
         (ranks of one machine may share its drive); collective then."""
-        check_rules(config, Facts(), "config")  # offload x stage: config/rules.py
         zc = config.zero_optimization
         if zc.offload_optimizer.device == "none" and zc.offload_param.device == "none":
             return None
@@ -322,12 +320,7 @@ class Offload:
         return self.param_cfg, "zero_optimization.offload_param.nvme_path"
 
     def _open(self, needed: int, checkpoint_marker: str) -> None:
-        paths = {c.nvme_path for c in (self.opt_cfg, self.param_cfg) if c.device == "nvme"}
-        if len(paths) > 1:
-            raise ValueError(
-                "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path differ "
-                f"({sorted(paths)}); use one directory for both"
-            )
+        # one directory for both tiers: a rule of config/rules.py
         cfg, key = self._key()
         sharing = self._sharing(cfg.nvme_path, needed)
         self.swap_dir = SwapDir(

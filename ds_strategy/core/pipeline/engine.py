@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ...config import ZeroConfig, load_config
+from ...config.rules import Facts, check_rules
 from ..assembly import pick_device
 from ..checkpoint.manager import write_latest
 from ..checkpoint.validate import CheckpointError
@@ -142,14 +143,9 @@ class PipelineEngine:
         device = pick_device(nn.Sequential(*layers))  # a model all on meta: cuda, else cpu
         self.mesh = Mesh.build(int(pc.stages), int(raw.tensor_parallel.autotp_size), device)
         self.config = raw.resolve(world_size=self.mesh.dp_size)
+        check_rules(self.config, Facts(), "pipeline")  # see config/rules.py
         self.schedule_name: str = pc.schedule
-        chunks = pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1)
-        if chunks > 1 and pc.schedule != "interleaved_1f1b":
-            raise ValueError(
-                f"pipeline.stages_per_rank: {chunks} chunks per rank need schedule "
-                "'interleaved_1f1b'; set stages_per_rank to 1 or change the schedule"
-            )
-        self.chunks = chunks
+        self.chunks = chunks = pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1)
         self.micro_batches: int = self.config.gradient_accumulation_steps
         self.micro_batch_size: int | None = self.config.train_micro_batch_size_per_gpu
         n_chunks = self.mesh.pp_size * chunks
@@ -201,15 +197,8 @@ class PipelineEngine:
         chunk_of_layer = [c for c in range(n_chunks) for _ in range(bounds[c], bounds[c + 1])]
         rank_of_layer = [c % self.mesh.pp_size for c in chunk_of_layer]
         self.tied = find_tied(layers, rank_of_layer, self.mesh)
-        if self.tied and self.config.zero_optimization.stage == 3:
-            t = self.tied[0]
-            raise ValueError(
-                f"zero_optimization.stage 3: a weight is shared by pipeline stages {t.stages} "
-                "(tied across stages, e.g. an embedding and its output head); under ZeRO-3 each "
-                "stage reduce-scatters its gradients as backward runs, so the copies cannot be "
-                "summed. Use stage 1 or 2, or keep the layers that share it on one stage "
-                "(pipeline.partition_method)"
-            )
+        tied_stages = tuple(self.tied[0].stages) if self.tied else ()
+        check_rules(self.config, Facts(tied_stages=tied_stages), "stages")  # config/rules.py
         own = stage_layers(bounds, self.stage_id, self.mesh.pp_size, self.chunks)
         with together(Comm()):  # building a layer may fail on one rank (memory, a builder)
             replaced = _build_own(layers, builders, own, device, self.config, param_init_fn)

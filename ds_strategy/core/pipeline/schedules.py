@@ -59,14 +59,10 @@ def make_schedule(
     loss_fn: Callable[..., Any] | None,
     pp_size: int,
 ) -> Any:
-    """A schedule object; gradients are not rescaled by it (``loss_fn`` averages already)."""
+    """A schedule object; gradients are not rescaled by it (``loss_fn`` averages already).
+    The interleaved schedule's micro-batches divide among the stages: a rule of
+    ``config/rules.py``."""
     if name == "interleaved_1f1b":
-        if micro_batches % pp_size:
-            raise ValueError(
-                f"gradient_accumulation_steps: the interleaved 1F1B schedule needs a number "
-                f"of micro-batches divisible by pipeline.stages ({pp_size}), got "
-                f"{micro_batches}; change gradient_accumulation_steps or use schedule '1f1b'"
-            )
         return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
     return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
