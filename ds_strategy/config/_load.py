@@ -4,9 +4,8 @@ One generic walker (:func:`_build`) turns a nested mapping into the dataclasses 
 ``_schema.py``: it reads DeepSpeed's deprecated spellings, maps aliases, sorts out unknown keys
 (see the note below), warns about DeepSpeed keys listed in ``UNSUPPORTED_KEYS``, coerces every
 leaf against its ``LeafSpec``, checks a section's own values and runs the load-time rules of
-``rules.py``. ``to_dict``, ``replace``
-and ``resolve`` (in ``_resolve.py``) go through plain dicts and that same walker, so every way
-of making a config validates alike.
+``rules.py``. ``to_dict``, ``replace`` and ``resolve`` (in ``_resolve.py``) go through plain
+dicts and that same walker, so every way of making a config validates alike.
 
 [Note: unknown keys]
 DeepSpeed ignores a top-level key it does not read (several of its examples carry a stray

@@ -160,7 +160,11 @@ def _dynamic_loss_scaling(cfg: ZeroConfig, facts: Facts) -> Refusal | None:
     ):
         if _known(value) and (value <= 0 if bound == "> 0" else value < 1):
             key = f"fp16.{name}"
-            return Refusal(key, f"{key}: got {value!r}, must be {bound} {why}")
+            return Refusal(
+                key,
+                f"{key}: got {value!r}, must be {bound} {why}; set it {bound}, or give a "
+                "static fp16.loss_scale > 0",
+            )
     return None
 
 
