@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from ..config._auto import fill_auto
 from ..core import ZeroEngine
-from ..core.several import engines_reached
+from ..core.several import engines_reached, holds_gradients
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
 from ._front import EngineOptimizer, Front, prepared, torch_optimizer
 from ._private import track
@@ -275,7 +275,7 @@ class EngineFront(Front):
         lead = trained[0] if len(trained) == 1 else _lead(loss, trained)
         lead.engine.backward(loss, retain_graph=bool(kwargs.get("retain_graph", False)))
         for slot in trained:
-            reached = slot is lead or any(g.holds_grads() for g in slot.engine.plan.groups)
+            reached = slot is lead or holds_gradients(slot.engine)
             if boundary and reached:
                 slot.step_pending = True
             elif not boundary and reached and not slot.step_pending:

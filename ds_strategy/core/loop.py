@@ -1,11 +1,12 @@
 """What a training loop does around its engines, whichever framework drives it (Lightning's
 Trainer and Fabric, Accelerate, the Hugging Face Trainer, or a plain PyTorch loop): a clip
-request waiting for the optimizer step, and the engines of one job saved and loaded as one
-checkpoint. Written against the engines' public surface only."""
+request waiting for the optimizer step, the engines of one job saved and loaded as one
+checkpoint, and the full size of their sharded parameters for a loop's model summary."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from .checkpoint.engines import holds_engines, load_engines, save_engines
 from .engine import ZeroEngine
 from .training import TrainingEngine
 
-__all__ = ["PendingClip", "load_all", "save_all"]
+__all__ = ["PendingClip", "full_sizes", "load_all", "save_all"]
 
 
 class PendingClip:
@@ -73,3 +74,14 @@ def load_all(
         load_optimizer=load_optimizer,
         trust_checkpoint=trust_checkpoint,
     )
+
+
+def full_sizes(engines: Iterable[ZeroEngine]) -> dict[int, int]:
+    """The full number of elements of each parameter the engines shard, by ``id`` (under
+    ZeRO-3 a parameter is empty outside its unit's forward), for summaries that count them."""
+    return {
+        id(p): math.prod(shape)
+        for engine in engines
+        for g in engine.plan.groups
+        for p, shape in zip(g.params, g.shapes, strict=True)
+    }

@@ -40,7 +40,7 @@ from .checkpoint.weights_file import write_weights
 from .engine import ZeroEngine
 from .loop import PendingClip, load_all, save_all
 
-__all__ = ["SeveralEngines", "engines_reached", "split_by_optimizer"]
+__all__ = ["SeveralEngines", "engines_reached", "holds_gradients", "split_by_optimizer"]
 
 FROZEN = "frozen"
 
@@ -123,6 +123,12 @@ def engines_reached(loss: Tensor, engines: list[ZeroEngine]) -> list[ZeroEngine]
     return reached
 
 
+def holds_gradients(engine: ZeroEngine) -> bool:
+    """Whether a backward left gradients in ``engine`` (its own, or another engine's that
+    reached its parameters)."""
+    return any(g.holds_grads() for g in engine.plan.groups)
+
+
 def _zeroing(engine: ZeroEngine) -> None:
     """``engine.optimizer.zero_grad()`` (what Lightning's optimizer calls) zeroes the engine's
     gradients too."""
@@ -158,7 +164,8 @@ def _casting(module: nn.Module, engine: ZeroEngine) -> list[Any]:
 
 class SeveralEngines:
     """The engines of one model with several optimizers, in optimizer order (then the frozen
-    part's): backward, step, clipping, toggling, checkpoints and weights."""
+    part's): backward, each trained engine's clip request waiting for its step (``clips``),
+    toggling, checkpoints and weights."""
 
     def __init__(
         self,
@@ -237,13 +244,6 @@ class SeveralEngines:
                 "self.untoggle_optimizer(opt), or train in bf16"
             )
         active[0].backward(loss, *args, **kwargs)  # the others keep what reaches them
-
-    def clip(self, optimizer: Any, max_norm: float) -> None:
-        self.clips[self.engine_of(optimizer)].max_norm = float(max_norm)
-
-    def step(self, optimizer: Any) -> None:
-        engine = self.engine_of(optimizer)
-        self.clips[engine].step(engine)
 
     # -- checkpoints and weights ------------------------------------------------------------
 

@@ -4,7 +4,6 @@ use :class:`ShardedModelSummary`, counting full sizes (as Lightning does for Dee
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -13,6 +12,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch import nn
 
 from ..core.engine import ZeroEngine
+from ..core.loop import full_sizes
 from ..frontends.lightning_private import replace_summary, summary_depth, summary_layer_modules
 
 __all__ = ["ShardedModelSummary", "install_sharded_summary"]
@@ -47,12 +47,7 @@ class ShardedModelSummary(ModelSummary):
 
 def install_sharded_summary(trainer: pl.Trainer, engines: list[ZeroEngine]) -> None:
     """Make the Trainer's summary callbacks report full parameter counts for ``engines``."""
-    sizes = {
-        id(p): math.prod(shape)
-        for engine in engines
-        for g in engine.plan.groups
-        for p, shape in zip(g.params, g.shapes, strict=True)
-    }
+    sizes = full_sizes(engines)
 
     def numel(p: nn.Parameter) -> int:
         return sizes.get(id(p), p.numel())

@@ -33,17 +33,21 @@ class ZeroPrecision(FlagPrecision, Precision):
         assert trainer.strategy.precision_plugin.precision == "32-true"
     """
 
-    engine: ZeroEngine | None = None  # set by ZeroStrategy when it builds the engine
-    several: SeveralEngines | None = None  # set instead with several optimizers
+    several: SeveralEngines | None = None  # set by ZeroStrategy with several optimizers
 
     def __init__(self, precision: str = "32-true") -> None:
         super().__init__(precision)
-        self.clips = PendingClip()  # a clip_gradients request waiting for the step
+        # each engine (set by ZeroStrategy when it builds them) with the clip_gradients
+        # request waiting for its step
+        self.clips: dict[ZeroEngine, PendingClip] = {}
 
-    def _engine(self) -> ZeroEngine:
-        if self.engine is None:
+    def _engine(self, optimizer: Any) -> ZeroEngine:
+        """The engine stepping ``optimizer`` (several optimizers: its own, else the one)."""
+        if self.several is not None:
+            return self.several.engine_of(optimizer)
+        if not self.clips:
             raise RuntimeError("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
-        return self.engine
+        return next(iter(self.clips))
 
     def backward(  # type: ignore[override]
         self,
@@ -65,7 +69,7 @@ class ZeroPrecision(FlagPrecision, Precision):
         if self.several is not None:
             self.several.backward(tensor, *args, **kwargs)
         else:
-            self._engine().backward(tensor, *args, **kwargs)
+            self._engine(optimizer).backward(tensor, *args, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -80,8 +84,7 @@ class ZeroPrecision(FlagPrecision, Precision):
                 "the engine needs backward and step as separate calls"
             )
         closure_result = closure()
-        several = self.several  # several optimizers: the optimizer's own engine steps
-        engine = several.engine_of(optimizer) if several is not None else self._engine()
+        engine = self._engine(optimizer)
         if engine.is_gradient_accumulation_boundary():  # once per real step, as under DDP
             if is_overridden("configure_gradient_clipping", model, LightningModule):
                 _warnings.warn(
@@ -89,10 +92,7 @@ class ZeroPrecision(FlagPrecision, Precision):
                     "self.clip_gradients(...) there clips at the next optimizer step, by norm only"
                 )
             after_closure(self, model, optimizer)
-        if several is not None:
-            several.step(optimizer)
-        else:
-            self.clips.step(engine)
+        self.clips[engine].step(engine)
         return closure_result
 
     def clip_gradients(
@@ -108,7 +108,5 @@ class ZeroPrecision(FlagPrecision, Precision):
                 "ZeroStrategy: ZeRO clips by the global gradient norm; use "
                 "gradient_clip_algorithm='norm'"
             )
-        if clip_val > 0 and self.several is not None:
-            self.several.clip(optimizer, clip_val)
-        elif clip_val > 0:
-            self.clips.max_norm = float(clip_val)
+        if clip_val > 0:
+            self.clips[self._engine(optimizer)].max_norm = float(clip_val)

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from ..core.checkpoint.engines import holds_engines
 from ..core.engine import ZeroEngine
+from ..core.loop import PendingClip
 from ..core.optimizers import evaluation_optimizer
 from ..core.pipeline import PipelineEngine
 from ..core.several import SeveralEngines
@@ -184,6 +185,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         self._several = several = self._build_several(pl_module, optimizers, scheds, 1)
         self._engine = several.trained[0]
         self.precision_plugin.several = several  # type: ignore[attr-defined]
+        self.precision_plugin.clips = several.clips  # type: ignore[attr-defined]
         _wrap_toggles(pl_module, several)
         if self.stage == 3:
             install_sharded_summary(trainer, list(several.engines.values()))
@@ -203,7 +205,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
             engine.timers.add_sink(timing_sink(lambda m, step: _log_metrics(trainer, m, step)))
         self._engine = self.model = engine
-        self.precision_plugin.engine = engine  # type: ignore[attr-defined]
+        self.precision_plugin.clips = {engine: PendingClip()}  # type: ignore[attr-defined]
         if engine.stage == 3:
             install_sharded_summary(trainer, [engine])
 
@@ -235,6 +237,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         engine, owner, several = self._engine, self._engine_module, self._several
         self._engine, self._engine_module, self._several = None, None, None
         self.precision_plugin.several = None  # type: ignore[attr-defined]
+        self.precision_plugin.clips = {}  # type: ignore[attr-defined]
         self._use_steps(None)
         if engine is None or owner is not pl_module:
             return  # another module's engine: that module stays as it is
