@@ -18,10 +18,9 @@ from torch import nn
 
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
 from ds_strategy.config import ConfigError, load_config
-from ds_strategy.config._auto import LoopFacts, fill_auto
 from ds_strategy.config._env import overrides_from_env
+from ds_strategy.config.loop import LoopFacts, apply_mixed_precision, fill_auto
 from ds_strategy.core.checkpoint.trust import UntrustedContentError
-from ds_strategy.frontends.flags import apply_mixed_precision
 
 pytestmark = pytest.mark.usefixtures("clean_accelerate")  # tests/conftest.py
 

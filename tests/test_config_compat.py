@@ -26,7 +26,7 @@ from ds_strategy.config import (
 )
 from ds_strategy.config import _env as env_mod
 from ds_strategy.config import _keywords as keywords_mod
-from ds_strategy.config._auto import LoopFacts, fill_auto
+from ds_strategy.config.loop import LoopFacts, fill_auto
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ from torch import nn
 
 import ds_strategy
 from ds_strategy.config import load_config
-from ds_strategy.config._auto import LoopFacts, fill_auto
+from ds_strategy.config.loop import LoopFacts, fill_auto
 
 # DeepSpeed keys that ds_strategy does not implement warn and are ignored, by design
 pytestmark = pytest.mark.filterwarnings("ignore::ds_strategy.config.UnsupportedConfigWarning")

@@ -156,8 +156,8 @@ def test_front_end_size_budget() -> None:
     3,180 lines. What needs no framework is the core's, shared with plain PyTorch loops (a clip
     waiting for the step and a job's engines saved as one in ``core/loop.py``, an engine per
     optimizer of one model in ``core/several.py``). Issue 38 aims at 2,500; what is over it is
-    Accelerate's own surface (``prepare`` of several models, ``save_state``, the pipeline loop)
-    and the loop-flag policy in ``frontends/flags.py``."""
+    Accelerate's own surface (``prepare`` of several models, ``save_state``, the pipeline loop);
+    the loop-flag policy is the config's (``config/loop.py``)."""
     paths = [PACKAGE / "_lightning_hook.py"]
     paths += [p for d in (*FRONT_ENDS, "frontends") for p in (PACKAGE / d).rglob("*.py")]
     lines = sum(len(p.read_text().splitlines()) for p in paths)

@@ -21,8 +21,8 @@ L = pytest.importorskip("lightning")
 
 import ds_strategy  # noqa: E402,F401  (registers the strategies)
 from ds_strategy.config import ZeroConfig  # noqa: E402
+from ds_strategy.config.loop import apply_loop_flags, base_config  # noqa: E402
 from ds_strategy.fabric import ZeroStrategy as FabricZeroStrategy  # noqa: E402
-from ds_strategy.frontends.flags import apply_loop_flags, base_config  # noqa: E402
 from ds_strategy.lightning import ZeroPrecision, ZeroStrategy  # noqa: E402
 
 NAMES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]

@@ -26,7 +26,7 @@ from accelerate.utils.deepspeed import DummyScheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..config._auto import fill_auto
+from ..config.loop import fill_auto
 from ..core import ZeroEngine
 from ..core.several import engines_reached, holds_gradients
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink

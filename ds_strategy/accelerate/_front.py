@@ -34,7 +34,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from ..config import ZeroConfig
-from ..config._auto import LoopFacts
+from ..config.loop import LoopFacts
 from ..core import ZeroEngine
 from ..core.checkpoint.trust import loads
 from ..core.collectives import Comm

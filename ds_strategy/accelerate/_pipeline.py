@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..config import ZeroConfig
-from ..config._auto import fill_auto
+from ..config.loop import fill_auto
 from ..core.pipeline import PipelineEngine
 from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import track

@@ -17,9 +17,9 @@ from accelerate.utils import DistributedType, DynamoBackend, TorchDynamoPlugin
 from torch import nn
 
 from ..config import ZeroConfig
+from ..config.loop import apply_mixed_precision
 from ..core import ZeroEngine
 from ..frontends.engines import move_real_tensors
-from ..frontends.flags import apply_mixed_precision
 from ._engine import EngineFront
 from ._pipeline import PipelineFront
 from ._private import prepared_objects

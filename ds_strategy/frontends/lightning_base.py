@@ -15,11 +15,11 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 
 from ..config import ZeroConfig
+from ..config.loop import PRESETS, apply_loop_flags, base_config, check_precision
 from ..core.engine import ZeroEngine
 from ..core.several import SeveralEngines
 from ..core.training import TrainingEngine
 from .engines import move_real_tensors, move_schedulers
-from .flags import PRESETS, apply_loop_flags, base_config, check_precision
 
 __all__ = ["FlagPrecision", "LightningZeroBase"]
 

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..config.loop import apply_loop_flags, clipping
 from ..core.checkpoint.engines import holds_engines
 from ..core.engine import ZeroEngine
 from ..core.loop import PendingClip
@@ -44,7 +45,6 @@ from ..frontends.engines import (
     no_optimizer,
     timing_sink,
 )
-from ..frontends.flags import apply_loop_flags, clipping
 from ..frontends.lightning_base import LightningZeroBase
 from ..frontends.lightning_private import is_stand_in_optimizer
 from ._pipeline import LightningPipeline, build_pipeline
