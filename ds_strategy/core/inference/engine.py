@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ...config import ZeroConfig, load_config
+from ...config import ConfigError, ZeroConfig, load_config
 from ...config.rules import Facts, check_rules
 from ..checkpoint.validate import META_FILE
 from ..collectives import Comm, init_process_group_from_env
@@ -160,10 +160,12 @@ class InferenceEngine(nn.Module):
         if saved is not None:  # a quantized export: its scheme and layers
             scheme = QuantScheme(saved["bits"], saved["group_size"], saved["symmetric"])
             if qc.bits is not None and (qc.bits, qc.symmetric) != (scheme.bits, scheme.symmetric):
-                raise ValueError(
+                raise ConfigError(
                     f"quantization.bits={qc.bits}, symmetric={qc.symmetric}: the weights were "
                     f"saved quantized with bits={scheme.bits}, symmetric={scheme.symmetric}; "
-                    "drop the quantization section (or match it), or load full-precision weights"
+                    "drop the quantization section (or match it), or load full-precision "
+                    "weights",
+                    key="quantization.bits",
                 )
             only = set(saved["modules"])
         elif qc.bits is not None:
@@ -217,11 +219,12 @@ class InferenceEngine(nn.Module):
         # each flat group pads to a multiple of the ranks
         slack = len(sizes) * self.comm.world_size
         if root + largest + slack > budget:
-            raise ValueError(
+            raise ConfigError(
                 f"zero_optimization.stage3_max_live_parameters={budget} is below what one "
                 f"forward gathers at once: the root module's {root} elements (embeddings, "
                 f"final norm, head: gathered for the whole forward) plus the largest block's "
-                f"{largest}, and flat groups' padding; set it to at least {root + largest + slack}"
+                f"{largest}, and flat groups' padding; set it to at least {root + largest + slack}",
+                key="zero_optimization.stage3_max_live_parameters",
             )
 
     def _runtime(self) -> Stage3Runtime | None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...config import ConfigError
 from ..collectives import Comm
 from ..tp.plan import FUSED_CHUNKS, is_conv1d
 
@@ -116,9 +117,10 @@ class TensorParallelInference:
             elif isinstance(module, nn.Linear):
                 local = nn.Linear(shape[1], shape[0], bias=has_bias)
             else:
-                raise ValueError(
+                raise ConfigError(
                     f"tensor_parallel: {name!r} is a {type(module).__name__}; inference splits "
-                    "nn.Linear and Conv1D layers"
+                    "nn.Linear and Conv1D layers (leave it out of tensor_parallel.plan)",
+                    key="tensor_parallel.plan",
                 )
         local.weight.requires_grad_(False)
         if has_bias:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ...config import ConfigError
 from ..memory import human_bytes
 
 __all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path", "drive_of", "io_bytes"]
@@ -245,10 +246,11 @@ def check_nvme_path(
         )
     for d in (p, *p.parents):
         if (d / checkpoint_marker).is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"{key}: nvme_path {str(p)!r} is inside the ds_strategy checkpoint {str(d)!r} "
                 f"({checkpoint_marker} found); swap files must not mix with checkpoints, choose "
-                "another directory"
+                "another directory",
+                key=key,
             )
     free = shutil.disk_usage(p).free
     total, ranks = sharing if sharing is not None and sharing[1] > 1 else (needed_bytes, 1)

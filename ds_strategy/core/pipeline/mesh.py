@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...config import ConfigError
 from ..mesh import ParallelMesh
 
 __all__ = ["Mesh"]
@@ -121,10 +122,11 @@ class Mesh:
                 parallel,
             )
         if world % pp_size:
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline.stages: the world size {world} is not divisible by {pp_size} "
                 f"stages; use a number of stages dividing {world}, or launch a multiple of "
-                f"{pp_size} ranks"
+                f"{pp_size} ranks",
+                key="pipeline.stages",
             )
         dp_size = world // pp_size
         pp_group = dp_group = None

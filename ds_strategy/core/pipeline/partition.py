@@ -86,10 +86,11 @@ def partition_layers(layers: Sequence[nn.Module], parts: int, method: str) -> li
     [0, 2, 4]
     """
     if parts > len(layers):
-        raise ValueError(
+        raise ConfigError(
             f"pipeline.stages: {parts} pipeline stages need at least {parts} layers, but the "
             f"model has {len(layers)}; use fewer stages (or stages_per_rank) or split the "
-            "model into more layers"
+            "model into more layers",
+            key="pipeline.stages",
         )
     weights = layer_weights(layers, method)
     if method == "uniform":

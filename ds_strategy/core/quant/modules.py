@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
+from ...config import ConfigError
 from .scheme import QuantizedWeight, QuantScheme, dequantize, quantize
 
 __all__ = [
@@ -85,18 +86,23 @@ def resolve_kernel(requested: str | None, scheme: QuantScheme) -> str:
     if requested is None:
         return "torchao" if int8_sym and torchao_available() else "dequantize"
     if requested in ("torchao", "torch") and not int8_sym:
-        raise ValueError(
+        raise ConfigError(
             f"quantization.kernel={requested!r} computes with 8-bit symmetric weights only "
             f"(bits={scheme.bits}, symmetric={scheme.symmetric} here); leave it unset or "
-            "use 'dequantize'"
+            "use 'dequantize'",
+            key="quantization.kernel",
         )
     if requested == "torchao" and not torchao_available():
-        raise ValueError(
+        raise ConfigError(
             "quantization.kernel='torchao': torchao is not installed (pip install torchao); "
-            "or leave it unset"
+            "or leave it unset",
+            key="quantization.kernel",
         )
     if requested not in KERNELS:
-        raise ValueError(f"quantization.kernel={requested!r}: use one of {', '.join(KERNELS)}")
+        raise ConfigError(
+            f"quantization.kernel={requested!r}: use one of {', '.join(KERNELS)}",
+            key="quantization.kernel",
+        )
     return requested
 
 

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ...config import ConfigError
+
 __all__ = ["FUSED_CHUNKS", "is_conv1d", "resolve_plan"]
 
 # column-wise styles of fused layers: how many equal blocks their outputs are
@@ -78,10 +80,11 @@ def resolve_plan(model: nn.Module, size: int, explicit: Mapping[str, str]) -> di
     if not plan:
         first = next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), None)
         where = f"its first nn.Linear, {first!r}, and every other layer" if first else "no layer"
-        raise ValueError(
+        raise ConfigError(
             f"tensor_parallel.autotp_size={size}: no tensor-parallel plan for "
             f"{type(model).__name__} ({where} matched: the automatic plan knows the demo GPT, "
-            f"GPT-2 and Llama-family models); {PLAN_HELP}"
+            f"GPT-2 and Llama-family models); {PLAN_HELP}",
+            key="tensor_parallel.plan",
         )
     for name, style in plan.items():
         _check_divisible(model.get_submodule(name), name, style, size)
@@ -96,10 +99,11 @@ def _explicit(model: nn.Module, patterns: Mapping[str, str]) -> dict[str, str]:
         if style is None or style == "replicate":
             continue
         if _features(module) is None:
-            raise ValueError(
+            raise ConfigError(
                 f"tensor_parallel.plan: {name!r} is a {type(module).__name__}; column-wise and "
                 "row-wise splits apply to nn.Linear (and GPT-2 Conv1D) layers (leave the "
-                "others replicated)"
+                "others replicated)",
+                key="tensor_parallel.plan",
             )
         plan[name] = style
     return plan
@@ -146,9 +150,10 @@ def _hf_heads(model: nn.Module) -> dict[str, int]:
 def _check_heads(layer: str, heads: Mapping[str, int], size: int) -> None:
     for what, n in heads.items():
         if n % size:
-            raise ValueError(
+            raise ConfigError(
                 f"tensor_parallel.autotp_size={size} does not divide {what}={n} of {layer!r}: "
-                "each rank must hold whole attention heads; choose a size that divides it"
+                "each rank must hold whole attention heads; choose a size that divides it",
+                key="tensor_parallel.autotp_size",
             )
 
 
@@ -159,7 +164,10 @@ def _check_divisible(layer: nn.Module, name: str, style: str, size: int) -> None
     )
     parts = size * FUSED_CHUNKS.get(style, 1)
     if features % parts:
-        raise ValueError(
+        blocks = f" x {parts // size} blocks" if parts > size else ""
+        raise ConfigError(
             f"tensor_parallel: {name!r} ({style}) has {dim}={features}, not divisible by "
-            f"autotp_size={size}" + (f" x {parts // size} blocks" if parts > size else "")
+            f"autotp_size={size}{blocks}; choose an autotp_size dividing it, or leave the "
+            "layer out of tensor_parallel.plan",
+            key="tensor_parallel.autotp_size",
         )
