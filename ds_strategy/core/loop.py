@@ -34,7 +34,7 @@ class PendingClip:
         """``engine.step()``, clipping first unless the engine's clip does it; whether it ran."""
         max_norm, self.max_norm = self.max_norm, None
         stepping = engine.is_gradient_accumulation_boundary()
-        if stepping and max_norm is not None and float(engine.config.gradient_clipping) != max_norm:
+        if stepping and max_norm is not None and engine.config.gradient_clipping != max_norm:
             engine.clip_grad_norm_(max_norm)
         engine.step()
         return stepping
