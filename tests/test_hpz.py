@@ -138,9 +138,9 @@ def test_a_partition_that_does_not_divide_the_ranks_is_refused(
 
 def _reduce(rank: int, world: int, hierarchical: bool) -> Any:
     from ds_strategy.core.collectives import Comm
-    from ds_strategy.core.compression.quantize import quantized_reduce_scatter
     from ds_strategy.core.hierarchical import HierarchicalComm
     from ds_strategy.core.topology import Topology
+    from ds_strategy.core.zero.quantized import quantized_reduce_scatter
 
     comm = HierarchicalComm.build(None, Topology(4, 2)) if hierarchical else Comm()
     gen = torch.Generator().manual_seed(rank)

@@ -1,5 +1,5 @@
 """ZeRO++ qwZ (``zero_optimization.zero_quantized_weights``): stage 3's parameter all-gathers
-in block-quantized int8 (``core/compression/quantize.py``) on 2 gloo ranks: the blocks round
+in block-quantized int8 (``core/zero/quantized.py``) on 2 gloo ranks: the blocks round
 within half a step, the gathers send about a quarter of fp32's bytes (by ``comm_report()``
 and by a counter around ``torch.distributed``), the optimizer's weights stay fp32, and the
 demo GPT trains 300 steps to within 3% of plain stage 3's loss."""
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from ds_strategy.core.compression.quantize import block_dequantize, block_quantize
+from ds_strategy.core.zero.quantized import block_dequantize, block_quantize
 from tests.compression_common import Wire, corpus_losses
 from tests.distributed import run_ranks_each
 from tests.loops import parity_config, train_engine

@@ -46,6 +46,7 @@ from .compression.zeroone_reduce import ZeroOneReduction
 from .faults import together
 from .fingerprint import check_ranks_agree
 from .hierarchical import HierarchicalComm
+from .memory import ModelStateMeter
 from .mesh import ParallelMesh
 from .mics import MiCSComm
 from .offload import Offload
@@ -185,6 +186,8 @@ class EngineBuilder:
         process_group: the user's process group for it (None: the default group).
         pipeline_stage: a pipeline stage's engine: its stage, mesh and the whole model.
         loop: what the parts ask of the running loop.
+        meter: where model state is counted (a new one by default); pass the one ``comm``
+            reports its scratch to (``Comm(on_scratch=meter.scratch)``).
     """
 
     def __init__(
@@ -196,9 +199,13 @@ class EngineBuilder:
         process_group: torch.distributed.ProcessGroup | None,
         pipeline_stage: StageContext | None,
         loop: LoopHooks,
+        meter: ModelStateMeter | None = None,
     ) -> None:
         self.model = model
         self.comm = comm
+        # the plan's meter; the composed collectives' scratch counts in it too (given to each
+        # comm built here, and by the caller to ``comm``)
+        self.meter = meter or ModelStateMeter()
         self.stage = pipeline_stage
         self.loop = loop
         self.config, self.topology, self.tp = self.resolve(config, process_group)
@@ -289,11 +296,13 @@ class EngineBuilder:
             assert mesh.device_mesh is not None
             tp_comm = Comm(mesh.group("tp"))
             tensor_parallel = TensorParallel(model, mesh.device_mesh["tp"], tp_plan, tp_comm)
-            comm = Comm(mesh.group("dp"))
+            comm = Comm(mesh.group("dp"), on_scratch=self.meter.scratch)
         for c in (comm, self.comm, *([tensor_parallel.comm] if tensor_parallel else [])):
             c.link = self.topology.link(c.global_ranks())
         if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
-            comm = HierarchicalComm.build(comm.group, self.topology)
+            comm = HierarchicalComm.build(
+                comm.group, self.topology, on_scratch=self.meter.scratch
+            )
         with together(comm):  # see config/rules.py
             check_rules(self.config, self.facts(comm, tensor_parallel), "ranks")
         shard_comm: Comm = comm
@@ -354,16 +363,16 @@ class EngineBuilder:
             param_init_fn=param_init_fn,
             precision=precision.policy,
             on_groups=offload.adopt if offload is not None else None,
+            meter=self.meter,
+            store=offload.store if offload is not None else None,
+            topology=self.topology,
         )
         # parameters a pipeline materialised before this engine (the optimizer may hold the
         # meta ones they replaced)
         if self.stage is not None:
             plan.replaced.update(self.stage.replaced)
-        _link_zero_plus_plus(plan, ranks.comm, self.topology)
-        meter = plan.meter  # scratch of the composed collectives: in the peak
         if offload is not None:  # what comes back from NVMe: in the peak too
-            offload.set_meter(meter)
-        ranks.comm.on_scratch = lambda n: meter.alloc(n) if n > 0 else meter.free(-n)
+            offload.set_meter(plan.meter)
         return plan
 
     def optimizer(
@@ -517,23 +526,6 @@ def pick_device(model: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _link_zero_plus_plus(plan: ShardingPlan, comm: Comm, topology: Topology) -> None:
-    """ZeRO++'s groups: hpZ's link from the topology; qgZ's reduce-scatters two-level
-    (inside each machine, then across) whenever the ranks span machines, as DeepSpeed's
-    qgZ is, even without ``topology.hierarchical``. Collective."""
-    for c in {id(g.secondary_comm): g.secondary_comm for g in plan.groups}.values():
-        if c is not None:
-            c.link = topology.link(c.global_ranks())
-    quantized = [g for g in plan.groups if g.quantized_reduce]
-    if not quantized or isinstance(comm, HierarchicalComm):
-        return
-    two = HierarchicalComm.build(comm.group, topology)
-    if isinstance(two, HierarchicalComm):
-        two.parent = comm  # its bytes are the engine's
-        for g in quantized:
-            g.reduce_comm = two
 
 
 def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str]:

@@ -26,6 +26,7 @@ from .compiled import CompileWatch, check_compile_kwargs, compile_backend, compi
 from .compression.onebit_reduce import OneBitReduction
 from .compression.zeroone_reduce import ZeroOneReduction
 from .engine_shards import sharded_state
+from .memory import ModelStateMeter
 from .mics import MiCSComm
 from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange
@@ -76,10 +77,11 @@ class ZeroEngine(nn.Module):
         self.pipeline_stage = pipeline_stage
         self._init_loop_state()
         # [Note: engine assembly] in assembly.py: the parts, each from the resolved config
+        meter = ModelStateMeter()  # the plan's; the composed collectives' scratch counts too
         builder = EngineBuilder(
             model,
             config,
-            Comm(process_group),
+            Comm(process_group, on_scratch=meter.scratch),
             process_group=process_group,
             pipeline_stage=pipeline_stage,
             loop=LoopHooks(
@@ -91,6 +93,7 @@ class ZeroEngine(nn.Module):
                 global_steps=lambda: self.global_steps,
                 steps_taken=lambda: self.global_steps - self.skipped_steps,
             ),
+            meter=meter,
         )
         self.module = model
         self._install(builder.build(optimizer, lr_scheduler, param_init_fn))

@@ -26,6 +26,7 @@ includes them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,11 +52,19 @@ class HierarchicalComm(Comm):
     machines: int = 1
 
     @staticmethod
-    def build(group: dist.ProcessGroup | None, topology: Topology) -> Comm:
+    def build(
+        group: dist.ProcessGroup | None,
+        topology: Topology,
+        *,
+        parent: Comm | None = None,
+        on_scratch: Callable[[int], None] | None = None,
+    ) -> Comm:
         """The two-level ``Comm`` over ``group``, or a plain one when the group lies within
         one machine or on one rank per machine (one level would be all there is).
-        Collective over the group's members."""
-        flat = Comm(group)
+        ``parent``: a group whose counts these are too (see ``Comm``); ``on_scratch``: where
+        the scratch of the levels is told (see ``Comm.holding``). Collective over the group's
+        members."""
+        flat = Comm(group, parent=parent, on_scratch=on_scratch)
         ranks = flat.global_ranks()
         by_machine: dict[int, list[int]] = {}
         for r in ranks:
@@ -75,7 +84,9 @@ class HierarchicalComm(Comm):
         mine = by_machine[topology.machine_of(me)]
         local = mine.index(me)
         peers = [v[local] for _, v in sorted(by_machine.items())]
-        comm = HierarchicalComm(group, link="inter", machines=len(by_machine))
+        comm = HierarchicalComm(
+            group, link="inter", machines=len(by_machine), parent=parent, on_scratch=on_scratch
+        )
         comm.intra = Comm(subgroup(mine), link="intra", parent=comm)
         comm.inter = Comm(subgroup(peers), link="inter", parent=comm)
         assert comm.intra.world_size == per

@@ -62,6 +62,14 @@ class ModelStateMeter:
     def free(self, nbytes: int) -> None:
         self.transient -= int(nbytes)
 
+    def scratch(self, nbytes: int) -> None:
+        """A composed collective's scratch (``Comm.holding``): allocated when ``nbytes`` > 0,
+        freed when < 0."""
+        if nbytes > 0:
+            self.alloc(nbytes)
+        else:
+            self.free(-nbytes)
+
     def touch(self, nbytes: int) -> None:
         """A buffer the engine did not allocate but is about to free (a gradient autograd
         just produced): counted at this instant only."""

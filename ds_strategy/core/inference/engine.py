@@ -7,8 +7,8 @@ weights, built without the whole model ever existing on one rank.
   block's flat parameters; each forward gathers a block just before it runs (prefetching the
   next, within ``stage3_prefetch_bucket_size``) and releases it after, so at most
   ``stage3_max_live_parameters`` elements are ever gathered; with ``offload_param`` the slices
-  live on the CPU or in NVMe files between uses (ZeRO-3's own runtime, ``core/zero/stage3.py``,
-  with no gradients);
+  live on the CPU or in NVMe files between uses (ZeRO-3's own units and groups, through its
+  forward-only seam ``core/zero/forward.py``);
 - tensor parallelism (``tensor_parallel.autotp_size``): the training plans split each layer
   over T consecutive ranks (``tp.py``);
 - quantized (``quantization.bits``): the ``nn.Linear`` / ``nn.Embedding`` weights as int8 or
@@ -39,9 +39,7 @@ from ..offload import Offload
 from ..quant.modules import QuantPlan, quantize_modules, resolve_kernel
 from ..quant.scheme import QuantScheme
 from ..tp.plan import resolve_plan
-from ..zero.flat_group import GradScaling
-from ..zero.inflight import ReductionQueue
-from ..zero.stage3 import Stage3Runtime, Unit
+from ..zero.forward import ForwardSharding, Unit
 from ..zero.units import UnitPlan, plan_units
 from .building import CharTokenizer, DirectoryLoader, LoadedModel, load_model
 from .generate import agreed_seed, options_problem, sample_loop
@@ -97,17 +95,26 @@ class InferenceEngine(nn.Module):
             mesh = ParallelMesh.build(self.comm.world_size, tp, self.device)
             self.tp_comm = Comm(mesh.group("tp"))
         self.meter = ModelStateMeter()
-        self.units: list[Unit] = []
         with together(self.comm):
+            # the tier gives each ZeRO group its store as the group is built
+            self._offload = Offload.build(self.config, [], self.comm.rank, self.comm)
+            zc = self.config.zero_optimization
+            self.sharding = ForwardSharding(
+                self.comm,
+                self.device,
+                self.dtype,
+                self.meter,
+                zc.reduce_bucket_size,
+                store=self._offload.store if self._offload is not None else None,
+            )
             self.quant = self._prepare(source, tp)
             self._place(source)
         with together(self.comm):
-            self._offload = Offload.build(
-                self.config, [g for u in self.units for g in u.groups], self.comm.rank, self.comm
-            )
             if self._offload is not None:
+                self._offload.adopt(self.sharding.groups)
                 self._offload.attach(None, META_FILE)
-        self.runtime = self._runtime()
+        if self.sharded:
+            self.sharding.start(zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters)
         source.close()
         self.module.eval()
         self.meter.set_resident(self._resident_bytes())
@@ -200,16 +207,8 @@ class InferenceEngine(nn.Module):
         zc = self.config.zero_optimization
         plan = plan_units(self.module, zc.stage3_param_persistence_threshold)
         self._check_budget(plan)  # before reading anything
-        self.units = place_sharded(
-            self.module,
-            plan,
-            self.origins,
-            reader,
-            self.comm,
-            self.device,
-            self.dtype,
-            zc.reduce_bucket_size,
-            self.meter,
+        place_sharded(
+            self.module, plan, self.origins, reader, self.sharding, self.device, self.dtype
         )
 
     def _check_budget(self, plan: UnitPlan) -> None:
@@ -226,19 +225,6 @@ class InferenceEngine(nn.Module):
                 f"{largest}, and flat groups' padding; set it to at least {root + largest + slack}",
                 key="zero_optimization.stage3_max_live_parameters",
             )
-
-    def _runtime(self) -> Stage3Runtime | None:
-        if not self.sharded:
-            return None
-        zc = self.config.zero_optimization
-        return Stage3Runtime(
-            self.units,
-            GradScaling(1.0, 1.0),
-            should_reduce=lambda: False,
-            prefetch_numel=zc.stage3_prefetch_bucket_size,
-            max_live_numel=zc.stage3_max_live_parameters,
-            queue=ReductionQueue(None),
-        )
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -414,12 +400,18 @@ class InferenceEngine(nn.Module):
 
     # -- reports, export, teardown -----------------------------------------------------------------
 
+    @property
+    def units(self) -> list[Unit]:
+        """ZeRO-Inference's units (``zero/units.py``), root last; none without it."""
+        return self.sharding.units
+
     def _resident_bytes(self) -> int:
-        grouped = {id(p) for u in self.units for g in u.groups for p in g.params}
+        groups = self.sharding.groups
+        grouped = {id(p) for g in groups for p in g.params}
         whole = sum(
             p.untyped_storage().nbytes() for p in self.module.parameters() if id(p) not in grouped
         )
-        shards = sum(g.resident_bytes()["params"] for u in self.units for g in u.groups)
+        shards = sum(g.resident_bytes()["params"] for g in groups)
         return whole + shards
 
     def memory_report(self) -> dict[str, int]:
@@ -429,17 +421,15 @@ class InferenceEngine(nn.Module):
         ``peak_gathered_params`` (of which gathered at once) and, with NVMe offload,
         ``offloaded_nvme`` (the bytes in files, not in ``params``)."""
         report = {"params": self._resident_bytes(), "peak": self.meter.peak}
-        peak_live = self.runtime.peak_live_numel if self.runtime is not None else 0
-        elem = max((g.shard.element_size() for u in self.units for g in u.groups), default=0)
-        report["peak_gathered_params"] = peak_live * elem
+        elem = max((g.shard.element_size() for g in self.sharding.groups), default=0)
+        report["peak_gathered_params"] = self.sharding.peak_live_numel * elem
         if self._offload is not None:  # a slice swapped out to its file holds no storage
             report.update(self._offload.report())
         return report
 
     def reset_peak_memory(self) -> None:
         self.meter.reset_peak()
-        if self.runtime is not None:
-            self.runtime.peak_live_numel = self.runtime.live_numel
+        self.sharding.reset_peak()
 
     def save_quantized(self, path: str | os.PathLike) -> Path:
         """Write the weights as they are held (quantized layers as their int8 / packed int4
@@ -454,11 +444,10 @@ class InferenceEngine(nn.Module):
                 "save_quantized: this engine holds full-precision weights; build it with a "
                 "quantization section (bits 8 or 4) first"
             )
-        groups = [g for u in self.units for g in u.groups]
         write_quantized(
             path,
             self.module,
-            groups,
+            self.sharding.groups,
             self.comm,
             self.quant.scheme,
             self.quant.modules,
@@ -468,8 +457,7 @@ class InferenceEngine(nn.Module):
 
     def destroy(self) -> None:
         """Remove the engine's hooks and its offload swap files."""
-        if self.runtime is not None:
-            self.runtime.remove_hooks()
+        self.sharding.stop()
         if self._offload is not None:
             self._offload.close()
 

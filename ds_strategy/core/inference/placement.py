@@ -20,13 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..collectives import Comm
 from ..materialize import materialize_modules
-from ..memory import ModelStateMeter
-from ..precision.policy import PrecisionPolicy
 from ..quant.scheme import QuantScheme, quantize
 from ..zero.flat_group import FlatParamGroup
-from ..zero.stage3 import Unit, build_groups
+from ..zero.forward import ForwardSharding
 from ..zero.units import UnitPlan
 from .sources import WeightSource
 from .tp import Split
@@ -128,20 +125,17 @@ def place_sharded(
     plan: UnitPlan,
     origins: dict[int, Origin],
     reader: WeightReader,
-    comm: Comm,
+    sharding: ForwardSharding,
     device: torch.device,
     dtype: torch.dtype,
-    bucket_numel: int,
-    meter: ModelStateMeter,
-) -> list[Unit]:
-    """ZeRO-3 over ``plan``'s units (``zero/units.py``, as in training): each unit's
-    parameters materialised empty, flat groups built over them, this rank's slice of each read
-    from the source (nothing is broadcast: every rank reads its own), then released. The
-    plan's persistent parameters stay whole on every rank. Returns the units, root last."""
+) -> None:
+    """ZeRO-3 over ``plan``'s units (``zero/units.py``, as in training), added to
+    ``sharding`` (``zero/forward.py``): each unit's parameters materialised empty, flat
+    groups built over them, this rank's slice of each read from the source (nothing is
+    broadcast: every rank reads its own), then released. The plan's persistent parameters
+    stay whole on every rank."""
     place_whole(plan.persistent, model, origins, reader, device, dtype)  # before the units
-    precision = PrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-    units = []
-    for index, module in enumerate(plan.units):
+    for module in plan.units:
         # real, uninitialised parameters in place of the meta ones (each group binds them to
         # its buffer at once); the origins follow them to the new objects
         replaced: dict[int, nn.Parameter] = {}
@@ -149,12 +143,7 @@ def place_sharded(
         for old, new in replaced.items():
             origins[id(new)] = origins[old]
         params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
-        groups = build_groups(params, comm, device, precision, bucket_numel)
-        for g in groups:
-            _fill(g, origins, reader)
-            g.meter = meter  # after the fill's release: the meter counts gathers from here
-        units.append(Unit(module, groups, index))
-    return units
+        sharding.add_unit(module, params, lambda g: _fill(g, origins, reader))
 
 
 def _fill(g: FlatParamGroup, origins: dict[int, Origin], reader: WeightReader) -> None:

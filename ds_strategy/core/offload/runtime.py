@@ -22,7 +22,7 @@ import torch
 
 from ...config import UnsupportedConfigWarning, ZeroConfig
 from ..progress import Progress
-from .cpu import place_on_host
+from .cpu import HostStore
 from .stepper import BucketedStep, StateSwaps
 from .streaming import SwapFiles
 from .swap import SwapDir, SwappedTensor, SwapState, check_nvme_path, drive_of
@@ -75,8 +75,44 @@ class _GatherOrder:
         self.ahead = following
 
 
+class NvmeStore(HostStore):
+    """The ``ShardStore`` of a group under NVMe offload: in host memory as under CPU offload
+    (``HostStore``) until the tier, once its swap directory is open, attaches the group's
+    files here (``Offload._swap_out``): the partitioned shard's (read for each gather), the
+    master's (brought in for ``sync_from_master``) and the gradient shard's."""
+
+    kind = "nvme"
+
+    def __init__(self, *, pin: bool, params: bool) -> None:
+        super().__init__(pin=pin, params=params)
+        self.params_file: _SwappedParams | None = None
+        self.master_file: functools.partial[None] | None = None
+        self.grads_file: _SwappedGrads | None = None
+
+    @property
+    def grads(self) -> _SwappedGrads | None:  # type: ignore[override]
+        return self.grads_file
+
+    @property
+    def master_in_file(self) -> bool:  # type: ignore[override]
+        return self.master_file is not None
+
+    def for_gather(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self.params_file is None:
+            return super().for_gather(shard, device)
+        return self.params_file.for_gather()
+
+    def after_gather(self) -> None:
+        if self.params_file is not None:
+            self.params_file.after_gather()
+
+    def sync_master(self) -> None:
+        if self.master_file is not None:
+            self.master_file()
+
+
 class _SwappedParams:
-    """``ParamStore`` of a partitioned group whose shard lives in a file between gathers."""
+    """A partitioned group's shard in a file between gathers (its ``NvmeStore``'s)."""
 
     def __init__(self, group: FlatParamGroup, swap: SwappedTensor, order: _GatherOrder) -> None:
         self.group, self.swap, self.order = group, swap, order
@@ -210,17 +246,26 @@ class Offload:
     def nvme_params(self) -> bool:
         return self.param_cfg.device == "nvme"
 
-    def adopt(self, groups: list[FlatParamGroup]) -> None:
-        """Take groups as they are built: their masters (and partitioned shards) move to the
-        host, and once the swap directory is open (:meth:`open_for_build`) what lives on disk
-        is written out at once. See [Note: the streaming build]."""
-        for g in groups:
-            self._index[id(g)] = len(self.groups)
-            self.groups.append(g)
+    def store(self) -> HostStore:
+        """The store of a group about to be built (``FlatParamGroup(store=...)``): its master
+        (and partitioned shard) are allocated in host memory from the start."""
         # Swapped tensors are resized as they come and go: plain host memory, never pinned.
         swapped = self.nvme_optimizer or self.nvme_params
         pin = (self.opt_cfg.pin_memory or self.param_cfg.pin_memory) and not swapped
-        place_on_host(groups, pin, params=self.param_cfg.device != "none")
+        params = self.param_cfg.device != "none"
+        if swapped:
+            return NvmeStore(pin=pin, params=params)
+        return HostStore(pin=pin, params=params)
+
+    def adopt(self, groups: list[FlatParamGroup]) -> None:
+        """Take groups as they are built (each with a store of :meth:`store`), and once the
+        swap directory is open (:meth:`open_for_build`) write out at once what lives on disk.
+        See [Note: the streaming build]."""
+        for g in groups:
+            if not isinstance(g.store, HostStore):
+                raise ValueError("a group given to the offload tier was built without its store")
+            self._index[id(g)] = len(self.groups)
+            self.groups.append(g)
         if self.swap_dir is not None:
             self._swap_out(groups)
 
@@ -280,10 +325,12 @@ class Offload:
             swap = SwappedTensor(t, self.swap_dir.file(name), self.swap_dir.pool)
             swap.meter = self.meter
             self.group_swaps.setdefault(id(g), []).append(swap)
+            store = g.store
+            assert isinstance(store, NvmeStore)
             if name.startswith("param_"):
-                g.param_store = _SwappedParams(g, swap, self._order)
+                store.params_file = _SwappedParams(g, swap, self._order)
             else:
-                g.sync_swapped_master = functools.partial(self._sync_master, g)
+                store.master_file = functools.partial(self._sync_master, g)
             swap.release(dirty=True)
             self._writing.append(swap)
         for g in groups:
@@ -299,7 +346,8 @@ class Offload:
                 swap.drop()  # nothing to write: it starts empty
                 swap.meter = self.meter
                 self.grad_swaps.append(swap)
-                g.grad_store = _SwappedGrads(swap, self._grad_writes)
+                assert isinstance(g.store, NvmeStore)
+                g.store.grads_file = _SwappedGrads(swap, self._grad_writes)
             elif self.nvme_params and not g.transient_grads:
                 g.free_grads()
 
@@ -432,7 +480,7 @@ class Offload:
             return
         self.wait()  # every file holds its tensor's bytes
         if load:  # masters in files are rewritten: their shards follow at sync_from_master
-            self._stale = {id(g) for g in self.groups if g.sync_swapped_master is not None}
+            self._stale = {id(g) for g in self.groups if g.store.master_in_file}
         swaps = [s for ss in self.group_swaps.values() for s in ss]
         swaps += self.state.all() if self.state is not None else []
         files = SwapFiles(swaps, self._new_state)

@@ -15,17 +15,20 @@ import torch
 from torch import nn
 
 from ...config import ZeroConfig
-from ..collectives import Comm, Work, subgroup
+from ..collectives import Comm, Work
 from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from ..progress import Progress
-from .flat_group import FlatParamGroup, GradScaling, GroupPolicy
+from ..topology import Topology
+from .flat_group import FlatParamGroup, GradScaling, GroupMaker, GroupPolicy
 from .inflight import ReductionQueue
 from .layout import split_into_buckets
 from .reducer import GradReducer
 from .stage3 import Stage3Runtime, Unit, build_groups
+from .stores import DeviceStore, ShardStore
+from .transports import Transport, stage3_transport
 from .units import plan_units
 
 __all__ = ["ShardingPlan", "build_plan"]
@@ -62,10 +65,6 @@ class ShardingPlan:
             self.stage3.finish()
         if self.reducer is not None:
             self.reducer.finish()
-
-    def __post_init__(self) -> None:
-        for g in self.groups:
-            g.meter = self.meter
 
     def after_optimizer_step(self) -> None:
         if self.stage3 is not None:
@@ -160,24 +159,6 @@ class ShardingPlan:
         return {"params": params, "grads": grads, "peak_gathered_params": peak}
 
 
-def hpz_comm(comm: Comm, size: int) -> Comm | None:
-    """ZeRO++ hpZ's group: this rank and the ``size - 1`` ranks after or before it that share
-    its block of ``size`` consecutive group ranks (one machine, when ``size`` is the ranks per
-    machine). ``None`` for ``size`` 1 or the whole group (nothing to save). Collective."""
-    world = comm.world_size
-    if size == 1 or size >= world and world % size == 0:
-        return None
-    if world % size:
-        raise ValueError(
-            f"zero_optimization.zero_hpz_partition_size={size} does not divide the "
-            f"{world} data-parallel ranks; use a divisor (usually the ranks per machine)"
-        )
-    ranks = comm.global_ranks()
-    start = comm.rank // size * size
-    mine = ranks[start : start + size]
-    return Comm(subgroup(mine), parent=comm)  # the engine sets its link from the topology
-
-
 def group_numel(config: ZeroConfig, comm: Comm) -> int:
     """Elements per flat group: a reduce bucket (``reduce_bucket_size``), or half of one
     where a reduce-scatter needs a receive buffer as large as its input (gloo), so that a
@@ -242,17 +223,12 @@ def _broadcast_loose(tensors: list[torch.Tensor], comm: Comm, precision: Precisi
 
 
 def _bucketed_groups(
-    params: list[nn.Parameter],
-    comm: Comm,
-    policy: GroupPolicy,
-    bucket_numel: int,
-    device: torch.device,
-    precision: PrecisionPolicy,
+    params: list[nn.Parameter], make: GroupMaker, policy: GroupPolicy, bucket_numel: int
 ) -> list[FlatParamGroup]:
     groups = []
     for bucket in _buckets(params, bucket_numel):  # one flat group per bucket
-        with together(comm):  # an allocation failing on one rank fails all, before broadcast
-            g = FlatParamGroup(bucket, comm, policy, device=device, precision=precision)
+        with together(make.comm):  # an allocation failing on one rank fails all, before broadcast
+            g = make(bucket, policy)
             g.load_from_params()
         g.broadcast_and_bind()
         groups.append(g)
@@ -270,23 +246,32 @@ def build_plan(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     precision: PrecisionPolicy | None = None,
     on_groups: Callable[[list[FlatParamGroup]], None] | None = None,
+    *,
+    meter: ModelStateMeter | None = None,
+    store: Callable[[], ShardStore] | None = None,
+    topology: Topology | None = None,
 ) -> ShardingPlan:
     """The groups, reducer and (stage 3) runtime of ``model``; ``on_groups`` is handed each
     batch of groups as soon as they are built and bound (stage 3: unit by unit, so that
-    the offload tier can write a unit out before the next is built), on every rank together."""
+    the offload tier can write a unit out before the next is built), on every rank together.
+
+    Every group is built with all it uses: the plan's ``meter``, a store from ``store`` (the
+    offload tier's; on the device without one) and, at stage 3, the transport ZeRO++
+    configures (hpZ's and qgZ's groups placed by ``topology``)."""
     zc = config.zero_optimization
+    meter = meter or ModelStateMeter()
     precision = precision or PrecisionPolicy()
+    make = GroupMaker(comm, device, precision, meter, store or DeviceStore)
     if zc.stage == 3:
         return _build_stage3(
             model,
-            comm,
+            make,
             config,
-            device,
             scaling,
             should_reduce_every_backward,
             param_init_fn,
-            precision,
             on_groups,
+            stage3_transport(comm, config, topology),
         )
     replaced: dict[int, nn.Parameter] = {}
     if has_meta(model):
@@ -297,14 +282,15 @@ def build_plan(
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     policy = POLICIES[zc.stage]
-    groups = _bucketed_groups(trainable, comm, policy, group_numel(config, comm), device, precision)
+    groups = _bucketed_groups(trainable, make, policy, group_numel(config, comm))
     _broadcast_loose([*frozen, *model.buffers()], comm, precision)
     if on_groups is not None:
         with together(comm):
             on_groups(groups)
     when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
     queue = ReductionQueue(max_in_flight(config, comm))
-    plan = ShardingPlan(groups, GradReducer(groups, scaling, when, queue), replaced=replaced)
+    reducer = GradReducer(groups, scaling, when, queue)
+    plan = ShardingPlan(groups, reducer, replaced=replaced, meter=meter)
     if zc.overlap_comm and policy.shard_optimizer:
         plan.overlap_gather = True
         plan.install_gather_waits(model)
@@ -313,17 +299,16 @@ def build_plan(
 
 def _build_stage3(
     model: nn.Module,
-    comm: Comm,
+    make: GroupMaker,
     config: ZeroConfig,
-    device: torch.device,
     scaling: GradScaling,
     should_reduce: Callable[[], bool],
     param_init_fn: Callable[[nn.Module], None] | None,
-    precision: PrecisionPolicy,
     on_groups: Callable[[list[FlatParamGroup]], None] | None,
+    transport: Transport,
 ) -> ShardingPlan:
     zc = config.zero_optimization
-    secondary = hpz_comm(comm, zc.zero_hpz_partition_size)
+    comm, device, precision = make.comm, make.device, make.precision
     plan = plan_units(model, zc.stage3_param_persistence_threshold)
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}
@@ -338,14 +323,11 @@ def _build_stage3(
             owned = plan.owned_modules[id(module)]
             materialize_modules(owned, device, replaced, param_init_fn, names)
             params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
-            groups = build_groups(params, comm, device, precision, group_numel(config, comm))
+            groups = build_groups(params, make, group_numel(config, comm), transport)
             for g in groups:
                 g.load_from_params()
         for g in groups:
             g.broadcast_and_bind()
-            g.quantized_gather = zc.zero_quantized_weights  # ZeRO++ qwZ
-            g.secondary_comm = secondary  # ZeRO++ hpZ
-            g.quantized_reduce = zc.zero_quantized_gradients  # ZeRO++ qgZ
         if on_groups is not None:  # e.g. written out before the next unit is built
             with together(comm):
                 on_groups(groups)
@@ -355,9 +337,7 @@ def _build_stage3(
     progress.done()
     persistent = [replaced.get(id(p), p) for p in plan.persistent]
     trainable_small = [p for p in persistent if p.requires_grad]
-    small = _bucketed_groups(
-        trainable_small, comm, POLICIES[2], group_numel(config, comm), device, precision
-    )
+    small = _bucketed_groups(trainable_small, make, POLICIES[2], group_numel(config, comm))
     frozen_small = [p for p in persistent if not p.requires_grad]
     _broadcast_loose([*frozen_small, *model.buffers()], comm, precision)
     if on_groups is not None:
@@ -373,4 +353,4 @@ def _build_stage3(
         queue=queue,
     )
     reducer = GradReducer(small, scaling, should_reduce, queue)
-    return ShardingPlan(all_groups + small, reducer, runtime, replaced)
+    return ShardingPlan(all_groups + small, reducer, runtime, replaced, make.meter)

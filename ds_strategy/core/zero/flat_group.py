@@ -25,50 +25,25 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..collectives import Comm, Work
-from ..compression.quantize import quantized_all_gather, quantized_reduce_scatter
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from .inflight import Fold, Gather, GradScaling, Reduction
 from .layout import FlatLayout
+from .stores import DeviceStore, GradStore, ShardStore
+from .transports import Transport
 
-__all__ = ["FlatParamGroup", "GradScaling", "GroupPolicy", "ShardState"]
+__all__ = ["FlatParamGroup", "GradScaling", "GroupMaker", "GroupPolicy", "ShardState"]
 
 
 class ShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
-
-
-class ParamStore(Protocol):
-    """Where a partitioned shard lives between gathers (``core/offload``): the tensor to send
-    to the all-gather, and a call once the gather has landed."""
-
-    def for_gather(self) -> torch.Tensor: ...
-
-    def after_gather(self) -> None: ...
-
-
-class GradStore(Protocol):
-    """Where a group's gradient shard lives between reductions (``core/offload``, NVMe
-    optimizer offload): see [Note: gradient shards in files]."""
-
-    held: bool  # the shard is in memory, in use
-    sq: torch.Tensor  # float64 squared norm of the shard as last put away (0 while empty)
-
-    def fill(self) -> torch.Tensor: ...
-
-    def prefetch(self) -> None: ...
-
-    def put_away(self, sq: torch.Tensor) -> None: ...
-
-    def discard(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +54,13 @@ class GroupPolicy:
 
 
 class FlatParamGroup:
-    """Parameters of one dtype flattened into one buffer; this rank owns one contiguous slice."""
+    """Parameters of one dtype flattened into one buffer; this rank owns one contiguous slice.
+
+    Built with everything it will use: ``comm`` (its layout, broadcasts and the post-step
+    gathers), ``transport`` (how its gathers and reductions travel, plain over ``comm`` by
+    default: see [Note: a group's transport] in transports.py), ``store`` (where its shard
+    and master live: see [Note: a group's store] in stores.py) and ``meter`` (where its
+    transient buffers are counted; a plan shares one among its groups)."""
 
     def __init__(
         self,
@@ -90,12 +71,17 @@ class FlatParamGroup:
         trainable: bool = True,
         device: torch.device | None = None,
         precision: PrecisionPolicy | None = None,
+        transport: Transport | None = None,
+        store: ShardStore | None = None,
+        meter: ModelStateMeter | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatParamGroup needs at least one parameter")
         self.params = params
         self.comm = comm
         self.policy = policy
+        self.transport = transport or Transport.plain(comm)
+        self.store: ShardStore = store or DeviceStore()
         self.trainable = trainable
         self.precision = precision or PrecisionPolicy()
         self.dtype = (
@@ -110,36 +96,15 @@ class FlatParamGroup:
         self._full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
         self._full_nbytes = self._full.untyped_storage().nbytes()
         self.state = ShardState.GATHERED
+        # the full buffer holds the values it was built from, not a gather's: its release
+        # frees nothing the meter counted, and keeps no hpZ secondary shard
+        self._as_built = True
         self._gather: Gather | None = None
-        # where transient buffers are counted (the plan shares one meter among its groups)
-        self.meter = ModelStateMeter()
-        # ZeRO++ qwZ (stage 3): gathers send int8 blocks (core/compression/quantize.py)
-        self.quantized_gather = False
-        self._gather_scratch = 0
-        self.quantized_reduce = False  # ZeRO++ qgZ (stage 3): reduce-scatters in int8 blocks
-        self.reduce_comm: Comm | None = None  # qgZ's two-level comm, when the engine has one
+        self.meter = meter or ModelStateMeter()
         # ZeRO++ hpZ (stage 3): see [Note: hpZ's secondary shard]
-        self.secondary_comm: Comm | None = None
         self._secondary: torch.Tensor | None = None
-        if not policy.shard_params:
-            self.shard = self._full[lo:hi]
-        else:
-            self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
-        # fp32 master copy of this rank's slice (mixed precision): what the optimizer updates
-        self.master: torch.Tensor | None = None
-        on_host = self.precision.offload_master and self.device.type != "cpu"
-        if trainable and (
-            on_host or (self.precision.master_weights and self.dtype != torch.float32)
-        ):
-            where = torch.device("cpu") if on_host else self.device
-            self.master = torch.zeros(hi - lo, dtype=torch.float32, device=where)
+        self.shard, self.master = self._allocate_slices(lo, hi)
         self._staging: torch.Tensor | None = None
-        # stage 3 with parameter offload: where the shard lives between gathers (core/offload)
-        self.param_store: ParamStore | None = None
-        # NVMe optimizer offload (stages 2/3): where the gradient shard lives between uses
-        self.grad_store: GradStore | None = None
-        # ... and with the fp32 master in a file, how to bring it in for sync_from_master
-        self.sync_swapped_master: Callable[[], None] | None = None
         self._pending_scale: list[float] = []  # see scale_grads_by
         self._step_grad: torch.Tensor | None = None
         # gradients
@@ -147,7 +112,7 @@ class FlatParamGroup:
         self.grad_shard: torch.Tensor | None = None
         if trainable:
             if policy.shard_grads:
-                self.grad_shard = torch.zeros_like(self.shard)
+                self.grad_shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
             else:
                 self.grad_full = torch.zeros_like(self._full)
                 self.grad_shard = self.grad_full[lo:hi]
@@ -161,6 +126,30 @@ class FlatParamGroup:
         self._filled: list[bool] = []
         self._local: torch.Tensor | None = None  # a bucket taken by take_local_grad
 
+    def _allocate_slices(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's slice of the parameters (a view of the full buffer, or at stage 3 its
+        own tensor, in host memory when the store keeps it there) and the fp32 master of it
+        that the optimizer updates (mixed precision, or a store keeping it on the host)."""
+        on_accelerator = self.device.type != "cpu"
+        host = torch.device("cpu")
+        pin = self.store.pin and torch.cuda.is_available()
+        if not self.policy.shard_params:
+            shard = self._full[lo:hi]
+        elif self.store.shard_on_host and on_accelerator:
+            shard = torch.zeros(hi - lo, dtype=self.dtype, device=host, pin_memory=pin)
+        else:
+            shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+        # mixed precision: the master starts from the parameters' exact values (see
+        # load_from_params); a master only the store asks for starts from the shard's
+        self._exact_master = self.precision.master_weights and self.dtype != torch.float32
+        on_host = on_accelerator and (self.precision.offload_master or self.store.master_on_host)
+        if not (self.trainable and (on_host or self._exact_master)):
+            return shard, None
+        self._exact_master = self._exact_master or self.precision.offload_master
+        where = host if on_host else self.device
+        master = torch.zeros(hi - lo, dtype=torch.float32, device=where, pin_memory=pin and on_host)
+        return shard, master
+
     # -- initial values ------------------------------------------------------------------------
 
     def load_from_params(self) -> None:
@@ -168,7 +157,7 @@ class FlatParamGroup:
         an fp32 master they go to an fp32 staging buffer first, so the master starts from the
         exact values rather than their low-precision rounding."""
         dst = self._full
-        if self.master is not None:
+        if self.master is not None and self._exact_master:
             dst = self._staging = torch.zeros(
                 self.layout.padded_total, dtype=torch.float32, device=self.device
             )
@@ -190,6 +179,8 @@ class FlatParamGroup:
             self.comm.broadcast(self._full, src)
         if self.policy.shard_params:
             self.shard.copy_(self._full[lo:hi])
+        if self.master is not None and not self._exact_master:
+            self.master.copy_(self._full[lo:hi])
         self._bind_params()
         self._bind_grads()
         if self.policy.shard_params:
@@ -204,6 +195,8 @@ class FlatParamGroup:
             stop = pc.param_start + pc.length
             piece = read(pc.index, pc.param_start, stop)
             self.shard[pc.shard_start : pc.shard_start + pc.length].copy_(piece)
+        if self.master is not None:
+            self.master.copy_(self.shard)
         self._bind_params()
         self.release()
 
@@ -229,6 +222,12 @@ class FlatParamGroup:
         return self.layout.padded_total
 
     @property
+    def grad_store(self) -> GradStore | None:
+        """Where the gradient shard lives between reductions, when its store keeps it in a
+        file (NVMe optimizer offload, stages 2/3); None while in memory."""
+        return self.store.grads
+
+    @property
     def full_nbytes(self) -> int:
         return self._full_nbytes
 
@@ -249,27 +248,22 @@ class FlatParamGroup:
             return
         self._full.untyped_storage().resize_(self._full_nbytes)
         self.meter.alloc(self._full_nbytes)
-        src = self.shard if self.param_store is None else self.param_store.for_gather()
-        if self._secondary is not None and self.secondary_comm is not None:
-            src = self._secondary
-            work = self.secondary_comm.all_gather(self._full, src, async_op=async_op)
-        elif self.quantized_gather:
-            work, self._gather_scratch = quantized_all_gather(self.comm, self._full, src, async_op)
-            self.meter.alloc(self._gather_scratch)
+        self._as_built = False
+        src = self.store.for_gather(self.shard, self.device)
+        if self._secondary is not None:
+            self._gather = self.transport.gather_secondary(self._full, self._secondary, async_op)
         else:
-            work = self.comm.all_gather(self._full, src, async_op=async_op)
-        self._gather = Gather(work, src)
+            self._gather = self.transport.gather(self._full, src, async_op)
+            self.meter.alloc(self._gather.scratch)
         self.state = ShardState.GATHERING
 
     def wait_gathered(self) -> None:
         if self.state is ShardState.GATHERING:
             assert self._gather is not None
             self._gather.complete()
+            self.meter.free(self._gather.scratch)
             self._gather = None
-            self.meter.free(self._gather_scratch)
-            self._gather_scratch = 0
-            if self.param_store is not None:
-                self.param_store.after_gather()
+            self.store.after_gather()
             self._bind_params()
             self.state = ShardState.GATHERED
         if self.state is not ShardState.GATHERED:
@@ -280,15 +274,18 @@ class FlatParamGroup:
             return
         if self.state is ShardState.GATHERING:
             self.wait_gathered()
-        if self.secondary_comm is not None and self._secondary is None:
-            parts = self._full.view(self.secondary_comm.world_size, -1)
-            self._secondary = parts[self.secondary_comm.rank].clone()
+        secondary = self.transport.secondary
+        if secondary is not None and self._secondary is None and not self._as_built:
+            parts = self._full.view(secondary.world_size, -1)
+            self._secondary = parts[secondary.rank].clone()
             self.meter.alloc(_nbytes(self._secondary))
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
         self._full.untyped_storage().resize_(0)
-        self.meter.free(self._full_nbytes)
+        if not self._as_built:
+            self.meter.free(self._full_nbytes)
+        self._as_built = False
         self.state = ShardState.SHARDED
 
     # -- gradients ------------------------------------------------------------------------------
@@ -358,10 +355,7 @@ class FlatParamGroup:
             self.meter.alloc(_nbytes(out))
             held += _nbytes(out)
             fold = Fold.ADD if self.policy.shard_grads else Fold.REPLACE
-        if self.quantized_reduce:
-            work = quantized_reduce_scatter(self.reduce_comm or self.comm, out, send)
-        else:
-            work = self.comm.reduce_scatter(out, send, async_op=True)
+        work = self.transport.reduce(out, send)
         self.meter.alloc(work.scratch_nbytes)  # gloo's receive buffer
         held += work.scratch_nbytes
         return Reduction(self, work, send, out, self.grad_shard, fold, scaling.post, held)
@@ -616,8 +610,8 @@ class FlatParamGroup:
             return
         if self.master.untyped_storage().nbytes() > 0 or self.master.numel() == 0:
             self.shard.copy_(self.master)
-        elif self.sync_swapped_master is not None:  # a master in its file (NVMe offload)
-            self.sync_swapped_master()
+        elif self.store.master_in_file:  # NVMe offload: brought in, then this again
+            self.store.sync_master()
 
     def consolidated(self, only_rank: int | None = None) -> torch.Tensor | None:
         """The whole flat buffer in fp32 from every rank's master (or shard); collective when
@@ -713,3 +707,36 @@ def _sq_norm_of(t: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class GroupMaker:
+    """What every flat group of one plan is built with: the shard group's ``comm``, the
+    ``device`` and ``precision``, the plan's ``meter``, and ``store``, which gives each new
+    group its own store (the default: on the device)."""
+
+    comm: Comm
+    device: torch.device
+    precision: PrecisionPolicy
+    meter: ModelStateMeter
+    store: Callable[[], ShardStore] = DeviceStore
+
+    def __call__(
+        self,
+        params: list[nn.Parameter],
+        policy: GroupPolicy,
+        *,
+        trainable: bool = True,
+        transport: Transport | None = None,
+    ) -> FlatParamGroup:
+        return FlatParamGroup(
+            params,
+            self.comm,
+            policy,
+            trainable=trainable,
+            device=self.device,
+            precision=self.precision,
+            transport=transport,
+            store=self.store(),
+            meter=self.meter,
+        )

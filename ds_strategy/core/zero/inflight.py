@@ -97,10 +97,12 @@ class Reduction:
 @dataclass(eq=False)
 class Gather:
     """A ZeRO-3 group's all-gather in flight: ``src`` (the shard being sent, or the copy an
-    offload tier handed over) must stay alive until ``work`` has completed."""
+    offload tier handed over) must stay alive until ``work`` has completed; ``scratch``
+    bytes (qwZ's int8 blocks) are held until then."""
 
     work: Work
     src: torch.Tensor
+    scratch: int = 0
 
     def complete(self) -> None:
         self.work.wait()

@@ -13,7 +13,7 @@ gradients, so most buckets still go out while backward is running.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -21,10 +21,19 @@ from torch import nn
 from .flat_group import FlatParamGroup, GradScaling
 from .inflight import ReductionQueue
 
-if TYPE_CHECKING:
-    from ..compression.topk_reduce import TopKReduction
+__all__ = ["CompressedReduction", "GradReducer"]
 
-__all__ = ["GradReducer"]
+
+class CompressedReduction(Protocol):
+    """A reduction that stands in for backward's (top-k gradient compression,
+    ``core/compression/topk_reduce.py``): while ``active``, backward reduces nothing and
+    ``GradReducer.finish`` runs :meth:`reduce`, the compressed exchange of everything
+    accumulated."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def reduce(self) -> None: ...
 
 
 def queue_end_of_backward(fn: Callable[[], None]) -> None:
@@ -58,7 +67,7 @@ class GradReducer:
         self._dirty = False  # gradients accumulated that no reduction has seen yet
         # set by the engine with gradient_compression: while active, backward reduces
         # nothing and finish() runs the compressed exchange instead
-        self.compression: TopKReduction | None = None
+        self.compression: CompressedReduction | None = None
         self._handles = []
         for g in self.groups:
             for i, p in enumerate(g.params):

@@ -32,12 +32,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..collectives import Comm
-from ..precision.policy import PrecisionPolicy
-from .flat_group import FlatParamGroup, GradScaling, GroupPolicy, ShardState
+from .flat_group import FlatParamGroup, GradScaling, GroupMaker, GroupPolicy, ShardState
 from .inflight import ReductionQueue
 from .layout import split_into_buckets
 from .reducer import queue_end_of_backward
+from .transports import Transport
 
 __all__ = ["Stage3Runtime", "Unit"]
 
@@ -83,31 +82,25 @@ class Unit:
 
 def build_groups(
     params: list[nn.Parameter],
-    comm: Comm,
-    device: torch.device,
-    precision: PrecisionPolicy | None = None,
+    make: GroupMaker,
     bucket_numel: int | None = None,
+    transport: Transport | None = None,
 ) -> list[FlatParamGroup]:
     """Flat groups of one (dtype, requires_grad) each (frozen weights get no gradient
     buffers) and at most ``bucket_numel`` elements, so no gradient bucket is larger than a
-    reduce bucket. Like stage 2's buckets they run in reverse registration order, roughly
-    the order backward produces gradients, which is the order a unit launches them in."""
+    reduce bucket, built by ``make`` with ``transport``. Like stage 2's buckets they run in
+    reverse registration order, roughly the order backward produces gradients, which is the
+    order a unit launches them in."""
     by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
     for p in reversed(params):
         by_kind.setdefault((p.dtype, p.requires_grad), []).append(p)
     groups = []
     for (_, trainable), ps in by_kind.items():
         for piece in split_into_buckets([p.numel() for p in ps], bucket_numel or _numel(ps)):
-            groups.append(
-                FlatParamGroup(
-                    [ps[i] for i in piece],
-                    comm,
-                    STAGE3_POLICY,
-                    trainable=trainable,
-                    device=device,
-                    precision=precision,
-                )
+            group = make(
+                [ps[i] for i in piece], STAGE3_POLICY, trainable=trainable, transport=transport
             )
+            groups.append(group)
     return groups
 
 

@@ -1,5 +1,7 @@
-"""Block quantization to int8, and the quantized all-gather of ZeRO++'s qwZ
-(``zero_optimization.zero_quantized_weights``).
+"""Block quantization to int8, and ZeRO++'s quantized collectives: qwZ's all-gather
+(``zero_optimization.zero_quantized_weights``) and qgZ's reduce-scatter
+(``zero_quantized_gradients``). A flat group reaches them through its transport
+(``transports.py``).
 
 [Note: qwZ's all-gather]
 ZeRO-3 gathers every unit's parameters before its forward and again before its backward. With
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import Comm, Work
+from ..hierarchical import HierarchicalComm
 
 __all__ = [
     "BLOCK",
@@ -122,8 +125,6 @@ def _quantized_all_to_all_sum(comm: Comm, rows: torch.Tensor) -> torch.Tensor:
 def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor) -> Work:
     """Sum ``full`` over ``comm``'s ranks, this rank's chunk into ``out``, sent as int8 blocks
     (see the note); two levels when ``comm`` is hierarchical. Completes before it returns."""
-    from ..hierarchical import HierarchicalComm  # the two-level comm builds on this module's
-
     if isinstance(comm, HierarchicalComm):
         m, per = comm.machines, comm.intra.world_size
         blocks = full.view(m, per, -1).transpose(0, 1).reshape(per, -1)  # (L, M*c)
