@@ -30,8 +30,8 @@ from ..config.loop import fill_auto
 from ..core import ZeroEngine
 from ..core.several import engines_reached, holds_gradients
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
-from ._front import EngineOptimizer, Front, prepared, torch_optimizer
-from ._private import track
+from ._front import EngineOptimizer, Front, torch_optimizer
+from ._private import is_prepared, track
 
 __all__ = ["EngineFront", "Slot", "ZeroOptimizerWrapper"]
 
@@ -229,7 +229,7 @@ class EngineFront(Front):
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """Wrap ``scheduler`` as Accelerate does, after moving it onto the engine's optimizer."""
-        if prepared(scheduler):
+        if is_prepared(scheduler):
             return scheduler
         bound = getattr(scheduler, "optimizer", None)
         slot = next(

@@ -44,6 +44,7 @@ from ..core.optimizers import build_optimizer
 from ..core.training import TrainingEngine
 from ._private import (
     custom_objects,
+    is_prepared,
     run_load_hooks,
     run_save_hooks,
     track,
@@ -126,7 +127,7 @@ class Front:
     def prepare(self, args: tuple[Any, ...]) -> list[Any]:
         """Loaders, then the model with its optimizer (and a scheduler the engine builds), then
         the loop's own schedulers; anything else passes through."""
-        fresh = [(i, o) for i, o in enumerate(args) if not prepared(o)]
+        fresh = [(i, o) for i, o in enumerate(args) if not is_prepared(o)]
         out = list(args)
         for i, o in fresh:
             out[i] = self.prepare_loader(o) if isinstance(o, DataLoader) else o
@@ -276,10 +277,6 @@ def torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
             "accelerate.utils.DummyOptim(model.parameters()) to use it"
         )
     return optimizer
-
-
-def prepared(obj: Any) -> bool:
-    return bool(getattr(obj, "_is_accelerate_prepared", False))
 
 
 def _iteration(folder: str) -> int:

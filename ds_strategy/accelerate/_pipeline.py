@@ -26,7 +26,7 @@ from ..config import ZeroConfig
 from ..config.loop import fill_auto
 from ..core.pipeline import PipelineEngine
 from ._front import EngineOptimizer, Front, torch_optimizer
-from ._private import track
+from ._private import mark_prepared, track
 from .plugin import ZeroPlugin
 
 __all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
@@ -196,7 +196,7 @@ class PipelineFront(Front):
             non_blocking=acc.non_blocking,
             use_stateful_dataloader=acc.use_stateful_dataloader,
         )
-        out._is_accelerate_prepared = True
+        mark_prepared(out)
         track(acc, "dataloader", out)
         return out
 

@@ -1,7 +1,7 @@
 """Every use of ``accelerate.Accelerator``'s private state, in one place: the lists of what it
-tracks and the hooks ``save_state``/``load_state`` run. Checked against accelerate 1.16.0
-(and the package's floor, 1.0: these names are the same there). A new accelerate that renames
-them breaks here, and only here.
+tracks, the hooks ``save_state``/``load_state`` run, and the flag ``prepare`` sets on what it
+returned. Checked against accelerate 1.16.0 (and the package's floor, 1.0: these names are the
+same there). A new accelerate that renames them breaks here, and only here.
 
 Accelerate has no public way to register an object it did not prepare itself (the engine and
 its optimizer wrapper stand where its DDP model and ``AcceleratedOptimizer`` would), nor to
@@ -16,6 +16,8 @@ from accelerate import Accelerator
 
 __all__ = [
     "custom_objects",
+    "is_prepared",
+    "mark_prepared",
     "prepared_objects",
     "run_load_hooks",
     "run_save_hooks",
@@ -32,6 +34,16 @@ def track(acc: Accelerator, kind: str, obj: Any) -> None:
     """Add ``obj`` to what ``acc`` tracks as a prepared ``kind`` (model, optimizer, scheduler,
     dataloader): ``save_state``, ``free_memory`` and ``accumulate`` then see it."""
     getattr(acc, _KINDS[kind]).append(obj)
+
+
+def mark_prepared(obj: Any) -> None:
+    """Flag ``obj`` as ``prepare`` flags what it returns, so that a later ``prepare`` passes it
+    through."""
+    obj._is_accelerate_prepared = True
+
+
+def is_prepared(obj: Any) -> bool:
+    return bool(getattr(obj, "_is_accelerate_prepared", False))
 
 
 def prepared_objects(acc: Accelerator) -> tuple[list[Any], ...]:

@@ -22,7 +22,7 @@ from ..core import ZeroEngine
 from ..frontends.engines import move_real_tensors
 from ._engine import EngineFront
 from ._pipeline import PipelineFront
-from ._private import prepared_objects
+from ._private import mark_prepared, prepared_objects
 from .plugin import ZeroPlugin
 
 __all__ = ["ZeroAccelerator"]
@@ -172,7 +172,7 @@ class ZeroAccelerator(Accelerator):
         containers = prepared_objects(self)
         for obj in out:
             if any(obj in c for c in containers):
-                obj._is_accelerate_prepared = True
+                mark_prepared(obj)
         return tuple(out) if len(out) > 1 else out[0]
 
     def prepare_scheduler(self, scheduler: Any) -> Any:

@@ -6,7 +6,7 @@ What they are for: Fabric's strategy base classes for backward-sync control and 
 set-up (no public alias), its strict-loading check and "stateful" type; the Trainer's stand-in
 optimizer when ``configure_optimizers`` returns none; the precision plugin's after-closure
 hook (it runs ``on_before_optimizer_step`` and gradient clipping); the summary callback's
-depth and the summary's layers, to count sharded parameters at full size.
+depth and the summary's model and layers, to count sharded parameters at full size.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ __all__ = [
     "set_backward_sync_control",
     "summary_depth",
     "summary_layer_modules",
+    "summary_model",
 ]
 
 BackwardSyncControl = _BackwardSyncControl
@@ -85,3 +86,8 @@ def replace_summary(callback: Any, summary: Callable[..., Any]) -> None:
 def summary_layer_modules(summary: Any) -> list[nn.Module]:
     """The modules of a ``ModelSummary``'s rows, in order."""
     return [layer._module for layer in summary._layer_summary.values()]
+
+
+def summary_model(summary: Any) -> nn.Module:
+    """The model a ``ModelSummary`` describes."""
+    return summary._model

@@ -13,7 +13,12 @@ from torch import nn
 
 from ..core.engine import ZeroEngine
 from ..core.loop import full_sizes
-from ..frontends.lightning_private import replace_summary, summary_depth, summary_layer_modules
+from ..frontends.lightning_private import (
+    replace_summary,
+    summary_depth,
+    summary_layer_modules,
+    summary_model,
+)
 
 __all__ = ["ShardedModelSummary", "install_sharded_summary"]
 
@@ -38,11 +43,11 @@ class ShardedModelSummary(ModelSummary):
 
     @property
     def total_parameters(self) -> int:
-        return self._count(self._model)
+        return self._count(summary_model(self))
 
     @property
     def trainable_parameters(self) -> int:
-        return self._count(self._model, trainable_only=True)
+        return self._count(summary_model(self), trainable_only=True)
 
 
 def install_sharded_summary(trainer: pl.Trainer, engines: list[ZeroEngine]) -> None:
