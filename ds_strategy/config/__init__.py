@@ -4,7 +4,9 @@ A DeepSpeed JSON loads unchanged. A key that looks like a typo of a known one is
 names it and suggests the closest valid key; any other unknown key warns and is ignored, as
 DeepSpeed ignores it (``load_config(..., strict=True)`` or ``DS_STRATEGY_STRICT_CONFIG=1``:
 an error); DeepSpeed keys that are not implemented warn and are ignored. :func:`zero_config`
-writes a config as keywords. This package is a leaf: it imports only the standard library
+writes a config as keywords. A resolved config's leaves hold their annotated types (a fixed set
+of strings as a :class:`Choice` enum); ``rules`` is the table of which features combine, and
+``loop`` the policy merging a training loop's settings into a config. This package is a leaf: it imports only the standard library
 and omegaconf.
 
 >>> from ds_strategy.config import load_config
@@ -22,12 +24,18 @@ from ._schema import (
     SCHEDULER_REQUIRED_PARAMS,
     UNSUPPORTED_KEYS,
     BF16Config,
+    Choice,
+    CommDataType,
+    CompressionMethod,
     ConfigError,
     DeprecatedConfigWarning,
     FP16Config,
     OffloadConfig,
+    OffloadDevice,
     OptimizerConfig,
+    PipelineSchedule,
     QuantizationConfig,
+    QuantKernel,
     SchedulerConfig,
     TensorParallelConfig,
     UnknownConfigKeyWarning,
@@ -43,11 +51,17 @@ __all__ = [
     "STRICT_ENV",
     "UNSUPPORTED_KEYS",
     "BF16Config",
+    "Choice",
+    "CommDataType",
+    "CompressionMethod",
     "ConfigError",
     "DeprecatedConfigWarning",
     "FP16Config",
     "OffloadConfig",
+    "OffloadDevice",
     "OptimizerConfig",
+    "PipelineSchedule",
+    "QuantKernel",
     "QuantizationConfig",
     "SchedulerConfig",
     "TensorParallelConfig",

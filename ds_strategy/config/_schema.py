@@ -302,10 +302,10 @@ class FP16Config:
     enabled: bool = leaf(bool, False)
     loss_scale: float = leaf(float, 0.0, ge=0.0, le=2.0**64)
     initial_scale_power: int = leaf(int, 16, ge=-64, le=64)
-    loss_scale_window: int = leaf(int, 1000)  # >= 1 when used: see _load._check_fp16
-    hysteresis: int = leaf(int, 2)  # >= 1 when used: see _load._check_fp16
+    loss_scale_window: int = leaf(int, 1000)  # >= 1 when used: see rules._dynamic_loss_scaling
+    hysteresis: int = leaf(int, 2)  # >= 1 when used: see rules._dynamic_loss_scaling
     consecutive_hysteresis: bool = leaf(bool, False)
-    min_loss_scale: float = leaf(float, 1.0)  # > 0 when used: see _load._check_fp16
+    min_loss_scale: float = leaf(float, 1.0)  # > 0 when used: see rules._dynamic_loss_scaling
     auto_cast: bool = leaf(bool, False)
 
 
