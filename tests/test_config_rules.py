@@ -71,6 +71,11 @@ CASES: dict[str, tuple[dict[str, Any], Facts, str, str, str]] = {
         {_ZO: {"stage": 1, "mics_shard_size": 3}},
         Facts(world_size=4), "ranks", f"{_ZO}.mics_shard_size", "does not divide the 4",
     ),
+    "hpZ's secondary groups divide the ranks": (
+        {_ZO: {"stage": 3, "zero_hpz_partition_size": 3}},
+        Facts(world_size=4, ranks_per_machine=2), "ranks",
+        f"{_ZO}.zero_hpz_partition_size", "does not divide the 4 data-parallel ranks",
+    ),
     "gradient compression with MiCS": (
         {_ZO: {"stage": 1, "mics_shard_size": 2}, "gradient_compression": {"method": "topk"}},
         Facts(world_size=4), "optimizer", f"{_ZO}.mics_shard_size", "remove one of them",

@@ -258,6 +258,18 @@ def _mics_divides(cfg: ZeroConfig, facts: Facts) -> str | None:
     return None
 
 
+def _hpz_divides(cfg: ZeroConfig, facts: Facts) -> str | None:
+    zc = cfg.zero_optimization
+    size, n = zc.zero_hpz_partition_size, facts.world_size
+    if zc.stage == 3 and size > 1 and n % size:
+        return (
+            f"zero_optimization.zero_hpz_partition_size={size} does not divide the {n} "
+            "data-parallel ranks; use a divisor (usually the ranks per machine, "
+            f"{facts.ranks_per_machine} here)"
+        )
+    return None
+
+
 def _compression_with_mics(cfg: ZeroConfig, facts: Facts) -> str | None:
     gc = cfg.gradient_compression
     compressed = gc.method != "none" or facts.compressed_optimizer
@@ -453,6 +465,8 @@ RULES: tuple[Rule, ...] = (
     Rule("MiCS with other features", f"{_ZO}.mics_shard_size", "ranks", _mics_combinations),
     Rule("MiCS shard groups divide the ranks", f"{_ZO}.mics_shard_size", "ranks",
          _mics_divides),
+    Rule("hpZ's secondary groups divide the ranks", f"{_ZO}.zero_hpz_partition_size", "ranks",
+         _hpz_divides),
     Rule("gradient compression with MiCS", f"{_ZO}.mics_shard_size", "optimizer",
          _compression_with_mics),
     Rule("1-bit and 0/1 optimizers with other features", "optimizer", "optimizer",

@@ -127,15 +127,10 @@ def hpz_comm(comm: Comm, size: int, topology: Topology | None = None) -> Comm | 
     """ZeRO++ hpZ's group: this rank and the ``size - 1`` ranks after or before it that share
     its block of ``size`` consecutive group ranks (one machine, when ``size`` is the ranks per
     machine), its link from ``topology``. ``None`` for ``size`` 1 or the whole group (nothing
-    to save). Collective."""
+    to save; ``size`` divides the group's ranks: a rule of config/rules.py). Collective."""
     world = comm.world_size
-    if size == 1 or size >= world and world % size == 0:
+    if size == 1 or size >= world:
         return None
-    if world % size:
-        raise ValueError(
-            f"zero_optimization.zero_hpz_partition_size={size} does not divide the "
-            f"{world} data-parallel ranks; use a divisor (usually the ranks per machine)"
-        )
     ranks = comm.global_ranks()
     start = comm.rank // size * size
     mine = ranks[start : start + size]
@@ -156,7 +151,7 @@ def stage3_transport(comm: Comm, config: ZeroConfig, topology: Topology | None) 
     """The transport of stage 3's unit groups over ``comm``: ZeRO++'s paths as
     ``zero_optimization`` configures them (see the note). Collective: hpZ's and qgZ's groups."""
     zc = config.zero_optimization
-    secondary = hpz_comm(comm, int(zc.zero_hpz_partition_size), topology)
+    secondary = hpz_comm(comm, zc.zero_hpz_partition_size, topology)
     gather: GatherPath = QuantizedGather(comm) if zc.zero_quantized_weights else PlainGather(comm)
     reduce: ReducePath = PlainReduceScatter(comm)
     if zc.zero_quantized_gradients:
