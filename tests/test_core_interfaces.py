@@ -1,5 +1,6 @@
 """Single-process tests of the core's public interfaces: building an optimizer from a config
-section, and the engine's step with an outside gradient norm and its checkpoint state."""
+section and moving a loop's schedulers onto an engine, the root an engine wraps for a loop, and
+the engine's step with an outside gradient norm and its checkpoint state."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from torch import nn
 
 import ds_strategy
 from ds_strategy.config import ConfigError, OptimizerConfig, load_config
+from ds_strategy.core.checkpoint.validate import has_optimizer_state
 from ds_strategy.core.optimizers import (
     build_optimizer,
+    move_schedulers,
     optimizer_class,
     optimizer_factory,
     track_optimizer_step,
 )
+from ds_strategy.core.root import SharedRoot
 from tests.seam_reads import ENGINE, engine_members, reads
 
 PACKAGE = Path(ds_strategy.__file__).parent
@@ -81,6 +85,62 @@ def test_track_optimizer_step_is_idempotent_and_silences_the_scheduler() -> None
         rebuilt.step()
         sched.step()
     assert float(p.detach()) == pytest.approx(0.9)
+
+
+def test_move_schedulers_points_them_at_the_engine_optimizer_unless_the_config_schedules() -> None:
+    p = nn.Parameter(torch.ones(1))
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([p], lr=0.1), 1)
+    engine = _engine()
+    move_schedulers(engine, [sched])
+    assert sched.optimizer is engine.optimizer
+    assert engine.optimizer.step._wrapped_by_lr_sched  # type: ignore[attr-defined]
+    scheduled = _engine(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 2}})
+    with pytest.raises(ValueError, match=r"scheduler section \(WarmupLR\).*remove the section"):
+        move_schedulers(scheduled, [sched])
+    move_schedulers(scheduled, [])  # no scheduler of the loop's: nothing to refuse
+
+
+# -- the root an engine wraps when a loop's step runs through the forward -----------------------------
+
+
+class _Stepper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.body = nn.Linear(2, 2)
+        self.register_buffer("seen", torch.zeros(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def test_shared_root_has_the_module_tables_without_a_prefix() -> None:
+    module = _Stepper()
+    root = SharedRoot(module)
+    assert (
+        list(root.state_dict())
+        == list(module.state_dict())
+        == ["scale", "body.weight", "body.bias"]
+    )
+    assert [n for n, _ in root.named_buffers()] == ["seen"]
+    assert list(root.children()) == [module.body]  # the module itself is no child
+    root.scale = nn.Parameter(torch.full((1,), 2.0))  # one table: set on either, seen by both
+    assert module.scale is root.scale
+    x = torch.ones(1, 2)
+    assert torch.equal(root(x), module(x))
+    root.eval()
+    assert not module.training and not module.body.training and not root.training
+    root.train()
+    assert module.training and module.body.training
+
+
+def test_has_optimizer_state_reads_the_checkpoint_metadata(tmp_path: Path) -> None:
+    engine = _engine()
+    engine.save_checkpoint(tmp_path / "full")
+    engine.save_checkpoint(tmp_path / "weights", include_optimizer=False)
+    assert has_optimizer_state(tmp_path / "full")
+    assert not has_optimizer_state(tmp_path / "weights")
+    assert has_optimizer_state(tmp_path / "missing")  # unreadable: the load names the problem
 
 
 # -- the engine's step with an outside norm, and its checkpoint state --------------------------------

@@ -15,7 +15,8 @@ from torch import nn
 import ds_strategy
 from ds_strategy.config import ConfigError
 from ds_strategy.core.activation_checkpointing import checkpointed_modules
-from ds_strategy.core.pipeline import Mesh, bubble_fraction, partition_layers
+from ds_strategy.core.mesh import ParallelMesh
+from ds_strategy.core.pipeline import Mesh, bubble_fraction, partition_layers, split_batch
 from tests.distributed import run_ranks
 
 STEPS, MICRO, ACCUM, CLIP, D_IN = 3, 2, 4, 0.5, 6
@@ -322,6 +323,24 @@ def test_mesh_rank_layout() -> None:
     mesh = Mesh(pp_size=2, dp_size=2, rank=6, pp_group=None, dp_group=None, tp_size=2)
     assert mesh.coordinates == {"pp": 1, "dp": 1, "tp": 0}
     assert (mesh.pp_ranks(), mesh.dp_ranks(), mesh.world_size) == ([2, 6], [4, 6], 8)
+
+
+@pytest.mark.parametrize(("pp", "dp", "tp"), [(1, 4, 1), (2, 3, 1), (2, 2, 2), (1, 2, 3)])
+def test_a_rank_place_without_groups_is_the_mesh_one(pp: int, dp: int, tp: int) -> None:
+    # what a front end's data sampler reads: the data-parallel rank and size
+    for rank in range(pp * dp * tp):
+        mesh = Mesh(pp, dp, rank, None, None, tp_size=tp)
+        place = ParallelMesh.place(rank, pp * dp * tp, tp, pp)
+        assert (place.coordinates, place.dp) == (mesh.coordinates, mesh.dp_size)
+
+
+def test_split_batch_takes_inputs_and_targets_only() -> None:
+    x, y = torch.zeros(2), torch.ones(2)
+    assert split_batch((x, y), "train batch") == (x, y)
+    assert split_batch([x, y], "train batch") == (x, y)
+    for bad in ((x, y, x), {"x": x}, x):
+        with pytest.raises(TypeError, match=r"^val batch: .* must be \(inputs, targets\); got"):
+            split_batch(bad, "val batch")
 
 
 # -- the stage engine's own features under a pipeline (2 ranks: 2 stages x 1) ------------------------

@@ -32,7 +32,19 @@ class ParallelMesh:
     @staticmethod
     def flat(rank: int, world: int) -> ParallelMesh:
         """Data parallelism only: every rank a data-parallel rank."""
-        return ParallelMesh(1, world, 1, {"pp": 0, "dp": rank, "tp": 0})
+        return ParallelMesh.place(rank, world)
+
+    @staticmethod
+    def place(rank: int, world: int, tp: int = 1, pp: int = 1) -> ParallelMesh:
+        """Where ``rank`` sits among ``world`` ranks in ``pp`` stages of ``tp``-way tensor
+        parallel ranks (the order above), without building a mesh: what a data sampler needs.
+
+        >>> ParallelMesh.place(rank=5, world=8, tp=2, pp=2).coordinates
+        {'pp': 1, 'dp': 0, 'tp': 1}
+        """
+        dp = world // (pp * tp)
+        where = {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
+        return ParallelMesh(pp, dp, tp, where)
 
     @staticmethod
     def data_parallel_size(world: int, tp: int, pp: int = 1) -> int:

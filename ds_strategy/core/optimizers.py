@@ -1,5 +1,5 @@
-"""Building an optimizer from a config's ``optimizer`` section, and marking a rebuilt
-optimizer's ``step`` for the lr schedulers bound to it.
+"""Building an optimizer from a config's ``optimizer`` section, and moving a loop's lr
+schedulers onto a rebuilt optimizer (marking its ``step`` for them).
 
 Every front end goes through these functions (the engine when no optimizer is passed,
 Accelerate for a ``DummyOptim``), so a section is checked the same way everywhere: the type
@@ -42,6 +42,7 @@ __all__ = [
     "optimizer_class",
     "optimizer_factory",
     "track_optimizer_step",
+    "move_schedulers",
     "evaluation_optimizer",
 ]
 
@@ -234,6 +235,21 @@ def track_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign,assignment]
+
+
+def move_schedulers(engine: Any, schedulers: list[Any]) -> None:
+    """Point a loop's lr schedulers at ``engine.optimizer``, the one the engine rebuilt over
+    its shards (the groups keep ``initial_lr``); refused when the config schedules the lr."""
+    if schedulers and engine.config.scheduler is not None:
+        raise ValueError(
+            f"the ZeRO config's scheduler section ({engine.config.scheduler.type}) already "
+            "schedules the learning rate (the engine steps it); remove the section or do not "
+            "pass another lr scheduler"
+        )
+    for scheduler in schedulers:
+        scheduler.optimizer = engine.optimizer
+    if schedulers:
+        track_optimizer_step(engine.optimizer)
 
 
 def evaluation_optimizer(params: Any) -> torch.optim.Optimizer:

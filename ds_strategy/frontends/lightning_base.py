@@ -17,9 +17,11 @@ from torch import nn
 from ..config import ZeroConfig
 from ..config.loop import PRESETS, apply_loop_flags, base_config, check_precision
 from ..core.engine import ZeroEngine
+from ..core.mesh import ParallelMesh
+from ..core.optimizers import move_schedulers
 from ..core.several import SeveralEngines
 from ..core.training import TrainingEngine
-from .engines import move_real_tensors, move_schedulers
+from .engines import move_real_tensors
 
 __all__ = ["FlagPrecision", "LightningZeroBase"]
 
@@ -193,12 +195,11 @@ class LightningZeroBase:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # shard by data-parallel rank: a pipeline's ranks are stage * D + dp, tensor
-        # parallelism's dp * T + t (the T ranks of a tensor-parallel group read the same rows)
-        cfg = self._base_config
-        stages, tp = int(cfg.pipeline.stages or 1), int(cfg.tensor_parallel.autotp_size or 1)
-        dp_size = self.num_nodes * self.num_processes // (stages * tp)
-        return {"num_replicas": dp_size, "rank": self.global_rank // tp % dp_size}
+        # by data-parallel rank: every stage and tensor-parallel rank of one reads its rows
+        cfg, world = self._base_config, self.num_nodes * self.num_processes
+        tp, stages = int(cfg.tensor_parallel.autotp_size or 1), int(cfg.pipeline.stages or 1)
+        place = ParallelMesh.place(self.global_rank, world, tp, stages)
+        return {"num_replicas": place.dp, "rank": place.coordinates["dp"]}
 
     def _meta_init(self, empty_init: bool | None) -> bool:
         """Create modules on the meta device under stage 3 (or with ``empty_init=True``), not

@@ -21,8 +21,8 @@ import lightning.pytorch as pl
 import torch
 
 from ..config import ZeroConfig
-from ..core.pipeline import PipelineEngine
-from ..frontends.engines import move_schedulers
+from ..core.optimizers import move_schedulers
+from ..core.pipeline import PipelineEngine, split_batch
 
 __all__ = ["LightningPipeline", "PipelineModule", "build_pipeline"]
 
@@ -58,7 +58,7 @@ class PipelineModule(pl.LightningModule):
         return self.pipeline_layers()(inputs)
 
     def _step_loss(self, batch: Any, name: str) -> torch.Tensor:
-        x, y = _split(batch, f"{name} batch")
+        x, y = split_batch(batch, f"{name} batch")
         loss = self.pipeline_loss(self(x), y)
         self.log(f"{name}_loss", loss, prog_bar=name == "train", sync_dist=name != "train")
         return loss
@@ -84,15 +84,6 @@ def _hook(pl_module: pl.LightningModule, name: str) -> Any:
     return fn
 
 
-def _split(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TypeError(
-        f"{where}: under a pipeline config each batch must be (inputs, targets); got "
-        f"{type(batch).__name__}"
-    )
-
-
 def build_pipeline(
     pl_module: pl.LightningModule, cfg: ZeroConfig, optimizer: Any, schedulers: list[Any]
 ) -> PipelineEngine:
@@ -111,7 +102,7 @@ class LightningPipeline:
         self.engine, self.pl_module = engine, pl_module
 
     def _run(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        x, y = _split(args[0] if args else kwargs["batch"], f"{kind} batch")
+        x, y = split_batch(args[0] if args else kwargs["batch"], f"{kind} batch")
         self.engine.module.train(kind == "train")
         loss = self.engine.train_batch(x, y) if kind == "train" else self.engine.eval_batch(x, y)
         self.pl_module.log(f"{kind}_loss", loss, prog_bar=kind == "train")

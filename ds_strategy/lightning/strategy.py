@@ -1,12 +1,7 @@
 """``ZeroStrategy``: Lightning's ``Trainer`` driving a :class:`~ds_strategy.ZeroEngine` (or a
 pipeline, see ``_pipeline.py``); it maps Lightning's hooks onto the engine, no sharding logic.
-
-[Note: the root wrapper]
-Under ZeRO-3 the root unit is gathered for the whole forward, and Lightning runs a step as
-``training_step`` redirected through the forward. So the engine wraps ``_LightningRoot``, whose
-forward is that step: the module's own parameters stay gathered for the whole step. It shares
-the module's parameter, buffer and submodule tables instead of holding it as a child, so every
-name the engine reports is a key of ``LightningModule.state_dict()``.
+The engine wraps a :class:`~ds_strategy.core.root.SharedRoot` of the LightningModule, as
+Lightning runs ``training_step`` through the forward (see [Note: the root wrapper] there).
 
 [Note: accumulation]
 The engine owns accumulation (``gradient_accumulation_steps = accumulate_grad_batches``) and
@@ -28,23 +23,19 @@ import torch
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
 from ..config.loop import apply_loop_flags, clipping
 from ..core.checkpoint.engines import holds_engines
+from ..core.checkpoint.validate import has_optimizer_state
 from ..core.engine import ZeroEngine
-from ..core.loop import PendingClip
-from ..core.optimizers import evaluation_optimizer
+from ..core.loop import PendingClip, save_all
+from ..core.optimizers import evaluation_optimizer, move_schedulers
 from ..core.pipeline import PipelineEngine
+from ..core.root import SharedRoot
 from ..core.several import SeveralEngines
-from ..frontends.engines import (
-    has_optimizer_state,
-    move_real_tensors,
-    move_schedulers,
-    no_optimizer,
-    timing_sink,
-)
+from ..frontends.engines import move_real_tensors, timing_sink
 from ..frontends.lightning_base import LightningZeroBase
 from ..frontends.lightning_private import is_stand_in_optimizer
 from ._pipeline import LightningPipeline, build_pipeline
@@ -52,26 +43,6 @@ from ._summary import install_sharded_summary
 from .precision import ZeroPrecision
 
 __all__ = ["ZeroStrategy"]
-
-
-class _LightningRoot(nn.Module):
-    """The module the engine wraps (see [Note: the root wrapper])."""
-
-    def __init__(self, module: pl.LightningModule) -> None:
-        super().__init__()
-        object.__setattr__(self, "module", module)  # not a child: its tables are ours
-        self._parameters = module._parameters
-        self._buffers = module._buffers
-        self._non_persistent_buffers_set = module._non_persistent_buffers_set
-        self._modules = module._modules
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> _LightningRoot:
-        self.module.train(mode)  # not a child, so nn.Module.train would miss its own flag
-        self.training = mode
-        return self
 
 
 _STEP_HOOKS = ("training_step", "validation_step", "test_step", "predict_step", "backward")
@@ -195,7 +166,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     ) -> None:
         fitting = optimizer is not None
         engine = self._build_engine(
-            _LightningRoot(pl_module),
+            SharedRoot(pl_module),
             optimizer if fitting else evaluation_optimizer,
             trainer.accumulate_grad_batches if fitting else None,
             clip_val=trainer.gradient_clip_val,
@@ -234,22 +205,14 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         self._use_steps(LightningPipeline(engine, pl_module))
 
     def _drop_engine(self, pl_module: pl.LightningModule) -> None:
-        engine, owner, several = self._engine, self._engine_module, self._several
+        engine, owner = self._engine, self._engine_module
         self._engine, self._engine_module, self._several = None, None, None
         self.precision_plugin.several = None  # type: ignore[attr-defined]
         self.precision_plugin.clips = {}  # type: ignore[attr-defined]
         self._use_steps(None)
         if engine is None or owner is not pl_module:
             return  # another module's engine: that module stays as it is
-        if several is not None:
-            _wrap_toggles(pl_module, None)
-            if engine.stage == 3:
-                raise RuntimeError(
-                    "this LightningModule's ZeRO-3 parameters are sharded by the engines of a "
-                    "fit, so it cannot be set up again; use a new model and Trainer"
-                )
-            several.destroy()
-            return
+        # here the engine was built for evaluation (setup keeps a fit's, one or several)
         if engine.config.zero_optimization.stage == 3:
             raise RuntimeError(
                 "this LightningModule was set up by ZeroStrategy for evaluation and its ZeRO-3 "
@@ -276,9 +239,12 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def _configured_optimizers(self, trainer: pl.Trainer) -> tuple[list[Optimizer], list[Any]]:
         self.setup_optimizers(trainer)
         optimizers = list(self.optimizers)
-        mock = bool(optimizers) and is_stand_in_optimizer(optimizers[0])
-        if mock or not optimizers:
-            no_optimizer("ZeroStrategy (configure_optimizers)")
+        if not optimizers or is_stand_in_optimizer(optimizers[0]):
+            raise ValueError(
+                "ZeroStrategy (configure_optimizers) got no optimizer: the engine shards the "
+                "optimizer's state across the ranks. Return one from configure_optimizers (or "
+                "one per model, e.g. a GAN's generator and discriminator, with manual optimization)"
+            )
         return optimizers, [config.scheduler for config in self.lr_scheduler_configs]
 
     def on_train_start(self) -> None:
@@ -327,12 +293,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         }
         # a weights-only checkpoint (weights_only=True, save_weights_only=True) has none
         include_optimizer = "optimizer_states" in checkpoint
-        if self._several is not None:
-            self._several.save(path, client_state, include_optimizer)
-            return
-        self._active().save_checkpoint(
-            path, client_state=client_state, include_optimizer=include_optimizer
-        )
+        engines = self._several.engines if self._several is not None else {"": self._active()}
+        save_all(engines, path, client_state, include_optimizer)
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
@@ -373,13 +335,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         return client_state
 
 
-def _wrap_toggles(module: pl.LightningModule, several: SeveralEngines | None) -> None:
+def _wrap_toggles(module: pl.LightningModule, several: SeveralEngines) -> None:
     """``toggle_optimizer``/``untoggle_optimizer`` also turn the other engines' parameters
-    off and on (see ``core/several.py``); ``None`` restores the class's methods."""
-    if several is None:
-        module.__dict__.pop("toggle_optimizer", None)
-        module.__dict__.pop("untoggle_optimizer", None)
-        return
+    off and on (see ``core/several.py``)."""
     cls = type(module)
 
     def toggle_optimizer(optimizer: Any) -> None:

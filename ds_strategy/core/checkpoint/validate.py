@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "check_files",
     "check_shapes_within",
+    "has_optimizer_state",
     "merge_checksums",
     "record_checksums",
     "validate",
@@ -155,6 +156,14 @@ def _check(
     if shapes is not None:
         _check_shapes(path / META_FILE, meta.get("shapes") or {}, shapes)
     return md
+
+
+def has_optimizer_state(path: Path) -> bool:
+    """False for a weights-only checkpoint directory (``include_optimizer=False``)."""
+    try:
+        return bool(json.loads((path / META_FILE).read_text()).get("optimizer", True))
+    except (OSError, ValueError):
+        return True  # unreadable metadata: let the engine's load name the problem
 
 
 def read_meta(path: Path) -> dict[str, Any]:
