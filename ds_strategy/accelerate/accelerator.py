@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, DynamoBackend, TorchDynamoPlugin
+from accelerate.utils import DistributedType, TorchDynamoPlugin
 from torch import nn
 
 from ..config import ZeroConfig
-from ..config.loop import apply_mixed_precision
+from ..config.loop import apply_compile, apply_mixed_precision
 from ..core import ZeroEngine
 from ..frontends.engines import move_real_tensors
 from ._engine import EngineFront
@@ -42,26 +42,6 @@ _OTHER_ENGINE_ENV = {
     "ACCELERATE_USE_PARALLELISM_CONFIG": "ParallelismConfig",
 }
 _SUPPORTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-
-
-def _compile_from_dynamo(cfg: ZeroConfig, plugin: Any) -> ZeroConfig:
-    """Accelerate's ``torch.compile`` settings as the config's ``compile`` section."""
-    if plugin.backend == DynamoBackend.NO:
-        return cfg
-    backend = plugin.backend.value.lower()
-    if cfg.compile.enabled and cfg.compile.backend != backend:
-        raise ValueError(
-            f"compile.backend={cfg.compile.backend!r} in the ZeRO config vs Accelerate's "
-            f"dynamo_backend {backend!r}: keep one of them"
-        )
-    options = {k: v for k, v in plugin.to_kwargs().items() if k != "backend" and v is not None}
-    return cfg.replace(
-        **{
-            "compile.enabled": True,
-            "compile.backend": backend,
-            "compile.kwargs": {**options, **cfg.compile.kwargs},
-        }
-    )
 
 
 class ZeroAccelerator(Accelerator):
@@ -111,7 +91,8 @@ class ZeroAccelerator(Accelerator):
             )
         # now, so that a precision conflict fails before any model is built
         cfg = apply_mixed_precision(loaded, str(self.state.mixed_precision))
-        cfg = _compile_from_dynamo(cfg, dynamo if dynamo is not None else self.state.dynamo_plugin)
+        dynamo = dynamo if dynamo is not None else self.state.dynamo_plugin
+        cfg = apply_compile(cfg, dynamo.backend.value, dynamo.to_kwargs())
         self.scaler = None  # the engine owns precision (casting, loss scaling), not torch.amp
         self.native_amp = False
         front = PipelineFront if int(cfg.pipeline.stages) > 1 else EngineFront

@@ -45,6 +45,7 @@ __all__ = [
     "PRESETS",
     "LoopFacts",
     "Said",
+    "apply_compile",
     "apply_loop_flags",
     "apply_mixed_precision",
     "apply_precision",
@@ -350,6 +351,38 @@ def apply_mixed_precision(cfg: ZeroConfig, mixed_precision: str) -> ZeroConfig:
             f"{', '.join(repr(p) for p in _MIXED_PRECISION)}"
         )
     return apply_precision(cfg, _MIXED_PRECISION[mp], f"Accelerate's mixed_precision {mp!r}")
+
+
+def apply_compile(
+    cfg: ZeroConfig,
+    backend: str,
+    options: Mapping[str, Any],
+    said: str = "Accelerate's dynamo_backend",
+) -> ZeroConfig:
+    """A loop's ``torch.compile`` request (``backend``, ``"no"`` for none; ``options``, its
+    other keywords, ``None`` for unset) as the config's ``compile`` section, so the engine
+    compiles block by block; the config's ``compile.kwargs`` win, another backend is refused.
+
+    >>> cfg = apply_compile(ZeroConfig(), "INDUCTOR", {"mode": "default", "dynamic": None})
+    >>> cfg.compile.enabled, cfg.compile.backend, cfg.compile.kwargs
+    (True, 'inductor', {'mode': 'default'})
+    """
+    backend = backend.lower()
+    if backend == "no":
+        return cfg
+    if cfg.compile.enabled and cfg.compile.backend != backend:
+        raise ValueError(
+            f"compile.backend={cfg.compile.backend!r} in the ZeRO config vs {said} "
+            f"{backend!r}: keep one of them"
+        )
+    kwargs = {k: v for k, v in options.items() if k != "backend" and v is not None}
+    return cfg.replace(
+        **{
+            "compile.enabled": True,
+            "compile.backend": backend,
+            "compile.kwargs": {**kwargs, **cfg.compile.kwargs},
+        }
+    )
 
 
 def _check_accumulation(cfg: ZeroConfig, accumulate: int, world_size: int, front: str) -> None:

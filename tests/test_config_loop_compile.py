@@ -1,0 +1,31 @@
+"""A loop's ``torch.compile`` request merged into the config's ``compile`` section
+(``config.loop.apply_compile``), as Accelerate's dynamo settings are."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_strategy.config import load_config
+from ds_strategy.config.loop import apply_compile
+
+
+def test_no_backend_leaves_the_config() -> None:
+    cfg = load_config({})
+    assert apply_compile(cfg, "NO", {"mode": "max-autotune"}) is cfg
+
+
+def test_the_request_enables_compile_and_the_configs_kwargs_win() -> None:
+    cfg = load_config({"compile": {"kwargs": {"mode": "reduce-overhead"}}})
+    options = {"backend": "inductor", "mode": "default", "fullgraph": True, "dynamic": None}
+    out = apply_compile(cfg, "INDUCTOR", options)
+    assert out.compile.enabled is True and out.compile.backend == "inductor"
+    assert out.compile.kwargs == {"mode": "reduce-overhead", "fullgraph": True}
+
+
+def test_another_backend_in_the_config_is_refused_naming_both() -> None:
+    cfg = load_config({"compile": {"enabled": True, "backend": "eager"}})
+    assert apply_compile(cfg, "eager", {}).compile.backend == "eager"
+    with pytest.raises(
+        ValueError, match="'eager' in the ZeRO config vs Fabric's compile 'inductor'"
+    ):
+        apply_compile(cfg, "inductor", {}, said="Fabric's compile")
