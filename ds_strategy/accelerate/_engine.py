@@ -22,13 +22,14 @@ from typing import Any, NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils.deepspeed import DummyScheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
 from ..config.loop import fill_auto
 from ..core import ZeroEngine
-from ..core.several import engines_reached, holds_gradients
+from ..core.loop import clipped_engine
+from ..core.optimizers import engine_schedule
+from ..core.several import engines_reached, holds_gradients, pair_optimizers
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
 from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import is_prepared, track
@@ -145,28 +146,8 @@ class EngineFront(Front):
                 "a DummyScheduler (the engine's own scheduler) goes with one model and its "
                 "optimizer prepared alone; with several models pass torch lr schedulers"
             )
-        owner = {id(p): m for m in models for p in args[m].parameters()}
-        pairs: dict[int, int | None] = dict.fromkeys(models)
-        for o in opts:
-            held = [p for g in _param_groups(args[o]) for p in g["params"]]
-            found = {owner.get(id(p)) for p in held}
-            if len(found) != 1 or None in found:
-                raise ValueError(
-                    "each optimizer passed to prepare() must hold the parameters of one model "
-                    "passed in the same call (optimizer "
-                    f"{type(args[o]).__name__} holds parameters of {len(found - {None})} of "
-                    f"them{' and of none' if None in found else ''})"
-                )
-            m = found.pop()
-            assert m is not None
-            if pairs[m] is not None:
-                raise ValueError(
-                    f"two optimizers over one model ({type(args[m]).__name__}): under "
-                    "ZeroAccelerator each model has one optimizer (param groups may carry "
-                    "different hyper-parameters); prepare each part as its own model"
-                )
-            pairs[m] = o
-        return list(pairs.items())
+        owners = pair_optimizers([args[m] for m in models], [args[o] for o in opts])
+        return [(m, None if k is None else opts[k]) for m, k in zip(models, owners, strict=True)]
 
     def scheduler_alone(self) -> NoReturn:
         raise ValueError(
@@ -190,7 +171,8 @@ class EngineFront(Front):
         return fill_auto(self.cfg, facts)
 
     def build(self, model: nn.Module, user_opt: Any, dummy: Any) -> tuple[Any, Any, Any]:
-        sched = _engine_scheduler(self.cfg, dummy)
+        callable_ = getattr(dummy, "lr_scheduler_callable", None)
+        sched = engine_schedule(self.cfg.scheduler, dummy, callable_, "DummyScheduler")
         resolved = self._resolved(model, user_opt, dummy)
         optimizer = torch_optimizer(resolved, user_opt)
         move_real_tensors(model, self.acc.device)  # meta tensors: the engine materialises them
@@ -303,23 +285,8 @@ class EngineFront(Front):
         trained = self._trained_slots()
         if not trained:
             return Accelerator.clip_grad_norm_(self.acc, parameters, max_norm, norm_type)
-        if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): ZeRO clips by L2 norm only")
-        if not float(max_norm) > 0:
-            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): must be > 0")
-        given = {id(p) for p in parameters}
-        slot = next(
-            (s for s in trained if given <= {id(p) for p in s.engine.module.parameters()}),
-            trained[0],
-        )
-        engine = slot.engine
-        wanted = {id(p) for p in engine.module.parameters() if p.requires_grad}
-        if not given <= {id(p) for p in engine.module.parameters()} or not wanted <= given:
-            raise ValueError(
-                "clip_grad_norm_ clips the global norm of all the model's gradients at once; "
-                "pass model.parameters() of the prepared model (a subset, or parameters of "
-                "another model, cannot be clipped separately under ZeRO)"
-            )
+        engines = [s.engine for s in trained]
+        slot = trained[clipped_engine(engines, parameters, max_norm, norm_type)]
         if not slot.step_pending:
             where = (
                 "before accelerator.backward(loss) or after optimizer.step()"
@@ -332,7 +299,7 @@ class EngineFront(Front):
                 "gradients of an optimizer step: call it under `if accelerator.sync_gradients:` "
                 "between backward and optimizer.step()"
             )
-        return torch.tensor(engine.clip_grad_norm_(float(max_norm)), device=self.acc.device)
+        return torch.tensor(slot.engine.clip_grad_norm_(float(max_norm)), device=self.acc.device)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         if self.trained is None:
@@ -355,14 +322,6 @@ class EngineFront(Front):
         self.slots = []
 
 
-def _param_groups(optimizer: Any) -> list[dict[str, Any]]:
-    """A torch optimizer's param groups, or a ``DummyOptim``'s parameters as one group."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer.param_groups
-    params = list(getattr(optimizer, "params", []))
-    return params if params and isinstance(params[0], dict) else [{"params": params}]
-
-
 def _lead(loss: torch.Tensor, trained: list[Slot]) -> Slot:
     """The slot whose engine runs a backward of several trained models: any under fp32/bf16
     (the loss is divided the same way); under fp16 the one model the loss reaches, whose loss
@@ -378,20 +337,3 @@ def _lead(loss: torch.Tensor, trained: list[Slot]) -> Slot:
             "requires_grad_(False) on the other model around its forward), or train in bf16"
         )
     return next(s for s in trained if s.engine is reached[0])
-
-
-def _engine_scheduler(cfg: Any, dummy: DummyScheduler | None) -> Any:
-    """What the engine builds its scheduler from: None when the config has a ``scheduler``
-    section (a DummyScheduler then only gives its "auto" step counts), else the callable."""
-    callable_ = dummy.lr_scheduler_callable if dummy is not None else None
-    if cfg.scheduler is not None and callable_ is not None:
-        raise ValueError(
-            f"the ZeRO config's scheduler section ({cfg.scheduler.type}) and "
-            "DummyScheduler(lr_scheduler_callable=...) both define the lr schedule; keep one"
-        )
-    if cfg.scheduler is None and dummy is not None and callable_ is None:
-        raise ValueError(
-            "DummyScheduler without lr_scheduler_callable needs a 'scheduler' section in the "
-            "ZeRO config (e.g. WarmupLR); add one or pass lr_scheduler_callable"
-        )
-    return callable_

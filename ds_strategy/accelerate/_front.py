@@ -40,7 +40,7 @@ from ..core.checkpoint.trust import loads
 from ..core.collectives import Comm
 from ..core.faults import together
 from ..core.loop import load_all, save_all
-from ..core.optimizers import build_optimizer
+from ..core.optimizers import optimizer_to_shard
 from ..core.training import TrainingEngine
 from ._private import (
     custom_objects,
@@ -56,6 +56,7 @@ from .plugin import ZeroPlugin
 __all__ = ["ENGINE_DIR", "EngineOptimizer", "EngineSchedulerWrapper", "Front"]
 
 ENGINE_DIR = "zero_checkpoint"
+_DUMMY_OPTIM = "accelerate.utils.DummyOptim"
 
 
 class EngineSchedulerWrapper(AcceleratedScheduler):
@@ -263,20 +264,7 @@ class Front:
 
 def torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
     """The optimizer to shard: the config's for a ``DummyOptim``, else the user's own."""
-    if isinstance(optimizer, DummyOptim):
-        if cfg.optimizer is None:
-            raise ValueError(
-                "optimizer: accelerate.utils.DummyOptim needs an 'optimizer' section in the ZeRO "
-                "config; add one or pass a torch.optim optimizer to prepare()"
-            )
-        return build_optimizer(cfg.optimizer, optimizer.params)
-    if cfg.optimizer is not None:
-        raise ValueError(
-            f"the ZeRO config has an 'optimizer' section ({cfg.optimizer.type}) and a "
-            f"{type(optimizer).__name__} was passed to prepare(); remove the section or pass "
-            "accelerate.utils.DummyOptim(model.parameters()) to use it"
-        )
-    return optimizer
+    return optimizer_to_shard(cfg.optimizer, optimizer, DummyOptim, _DUMMY_OPTIM, "prepare()")
 
 
 def _iteration(folder: str) -> int:

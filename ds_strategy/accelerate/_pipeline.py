@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..config import ZeroConfig
 from ..config.loop import fill_auto
 from ..core.pipeline import PipelineEngine
+from ..core.pipeline.mesh import loader_micro_batch
 from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import mark_prepared, track
 from .plugin import ZeroPlugin
@@ -201,30 +202,16 @@ class PipelineFront(Front):
         return out
 
     def _check_batch(self, size: int) -> None:
-        if self.trained is None:
-            return
-        gas, micro = self.trained.micro_batches, self.trained.micro_batch_size
-        if micro is not None and size != gas * micro:
-            raise ValueError(
-                f"this loader yields {size} samples per data-parallel rank but train_batch "
-                f"takes gradient_accumulation_steps={gas} x train_micro_batch_size_per_gpu="
-                f"{micro} = {gas * micro}; use batch_size={gas * micro} (per data-parallel "
-                "rank) or change those keys"
-            )
+        engine = self.trained
+        if engine is not None and engine.micro_batch_size is not None:
+            loader_micro_batch(size, engine.micro_batches, engine.micro_batch_size)
 
     def _micro_batch(self) -> int | None:
         if not self.batch_sizes:
             return None
         gas_cfg = self.cfg.gradient_accumulation_steps
         gas = gas_cfg if isinstance(gas_cfg, int) else self.acc.gradient_accumulation_steps
-        batch = min(self.batch_sizes)
-        if batch % gas:
-            raise ValueError(
-                f"the loader's batch of {batch} samples per data-parallel rank does not divide "
-                f"into gradient_accumulation_steps={gas} micro-batches; use a batch_size that "
-                f"is a multiple of {gas}"
-            )
-        return batch // gas
+        return loader_micro_batch(min(self.batch_sizes), gas)
 
     def build(
         self, layers: Any, user_optimizer: Any, sched: Any

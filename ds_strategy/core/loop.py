@@ -6,15 +6,47 @@ checkpoint, and the full size of their sharded parameters for a loop's model sum
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from torch import Tensor
 
 from .checkpoint.engines import holds_engines, load_engines, save_engines
 from .engine import ZeroEngine
 from .training import TrainingEngine
 
-__all__ = ["PendingClip", "full_sizes", "load_all", "save_all"]
+__all__ = [
+    "PendingClip",
+    "clipped_engine",
+    "full_sizes",
+    "load_all",
+    "save_all",
+]
+
+
+def clipped_engine(
+    engines: Sequence[ZeroEngine], parameters: Iterable[Tensor], max_norm: float, norm_type: float
+) -> int:
+    """The index in ``engines`` of the engine a ``clip_grad_norm_(parameters, max_norm,
+    norm_type)`` request clips. ZeRO clips the global L2 norm of all of one model's gradients
+    at once, so ``parameters`` must be that model's, its trainable ones all included."""
+    if float(norm_type) != 2.0:
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): ZeRO clips by L2 norm only")
+    if not float(max_norm) > 0:
+        raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): must be > 0")
+    given = {id(p) for p in parameters}
+    for i, engine in enumerate(engines):
+        params = list(engine.module.parameters())
+        if given <= {id(p) for p in params}:
+            if all(id(p) in given for p in params if p.requires_grad):
+                return i
+            break
+    raise ValueError(
+        "clip_grad_norm_ clips the global norm of all the model's gradients at once; "
+        "pass model.parameters() of the prepared model (a subset, or parameters of "
+        "another model, cannot be clipped separately under ZeRO)"
+    )
 
 
 class PendingClip:

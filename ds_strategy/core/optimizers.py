@@ -34,13 +34,15 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, OptimizerConfig
+from ..config import ConfigError, OptimizerConfig, SchedulerConfig
 from .optim import Adam, Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __all__ = [
     "build_optimizer",
+    "engine_schedule",
     "optimizer_class",
     "optimizer_factory",
+    "optimizer_to_shard",
     "track_optimizer_step",
     "move_schedulers",
     "evaluation_optimizer",
@@ -196,6 +198,48 @@ def build_optimizer(
     constructor rejects (``key="optimizer.params"``)."""
     cls, kwargs = _checked(section)
     return _construct(cls, list(params), kwargs)
+
+
+def optimizer_to_shard(
+    section: OptimizerConfig | None, optimizer: Any, stand_in: type, named: str, call: str
+) -> Any:
+    """What a loop's engine shards: the config's ``optimizer`` section built over the params
+    of a ``stand_in`` (Accelerate's ``DummyOptim``, spelt ``named`` in errors), else the loop's
+    own optimizer; a stand-in without a section, or a section beside the loop's own optimizer
+    (passed to ``call``), is refused."""
+    if isinstance(optimizer, stand_in):
+        if section is None:
+            raise ValueError(
+                f"optimizer: {named} needs an 'optimizer' section in the ZeRO config; add one "
+                f"or pass a torch.optim optimizer to {call}"
+            )
+        return build_optimizer(section, optimizer.params)  # type: ignore[attr-defined]
+    if section is not None:
+        raise ValueError(
+            f"the ZeRO config has an 'optimizer' section ({section.type}) and a "
+            f"{type(optimizer).__name__} was passed to {call}; remove the section or pass "
+            f"{named}(model.parameters()) to use it"
+        )
+    return optimizer
+
+
+def engine_schedule(
+    section: SchedulerConfig | None, stand_in: Any, callable_: Any, named: str
+) -> Any:
+    """What the engine builds its lr scheduler from: ``None`` under a ``scheduler`` section
+    (a ``stand_in``, Accelerate's ``DummyScheduler`` spelt ``named``, then only gives its
+    ``"auto"`` step counts), else the stand-in's ``callable_``; one of the two, not both."""
+    if section is not None and callable_ is not None:
+        raise ValueError(
+            f"the ZeRO config's scheduler section ({section.type}) and "
+            f"{named}(lr_scheduler_callable=...) both define the lr schedule; keep one"
+        )
+    if section is None and stand_in is not None and callable_ is None:
+        raise ValueError(
+            f"{named} without lr_scheduler_callable needs a 'scheduler' section in the "
+            "ZeRO config (e.g. WarmupLR); add one or pass lr_scheduler_callable"
+        )
+    return callable_
 
 
 def optimizer_factory(section: OptimizerConfig | None) -> OptimizerFactory:

@@ -1,8 +1,8 @@
 """One model with several optimizers (a GAN whose ``LightningModule`` holds the generator and
 the discriminator, each with its Adam): one :class:`~ds_strategy.ZeroEngine` per optimizer, for
 Lightning's Trainer and Fabric's ``setup(model, opt_g, opt_d)``; and for several models each
-with its own engine (Accelerate's ``prepare(gen, opt_g, disc, opt_d)``), which engines a loss
-reaches. Nothing here touches a framework: front ends map their hooks onto it.
+with its own engine (Accelerate's ``prepare(gen, opt_g, disc, opt_d)``), which optimizer goes
+with which model and which engines a loss reaches. Nothing here touches a framework: front ends map their hooks onto it.
 
 [Note: one engine per optimizer]
 Each optimizer gets an engine over the model's top-level submodules that hold its parameters,
@@ -40,7 +40,14 @@ from .checkpoint.weights_file import write_weights
 from .engine import ZeroEngine
 from .loop import PendingClip, load_all, save_all
 
-__all__ = ["SeveralEngines", "engines_reached", "holds_gradients", "split_by_optimizer"]
+__all__ = [
+    "SeveralEngines",
+    "engines_reached",
+    "holds_gradients",
+    "pair_optimizers",
+    "param_groups",
+    "split_by_optimizer",
+]
 
 FROZEN = "frozen"
 
@@ -102,6 +109,46 @@ def split_by_optimizer(
                 "(torch.optim.Adam(self.generator.parameters()))"
             )
     return parts, frozen
+
+
+def param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """A torch optimizer's param groups, or a stand-in's (Accelerate's ``DummyOptim``: an
+    object with ``params``, parameters or groups) as groups."""
+    if isinstance(optimizer, Optimizer):
+        return optimizer.param_groups
+    params = list(getattr(optimizer, "params", []))
+    return params if params and isinstance(params[0], dict) else [{"params": params}]
+
+
+def pair_optimizers(
+    models: list[nn.Module],
+    optimizers: list[Any],
+    front: str = "ZeroAccelerator",
+    call: str = "prepare()",
+) -> list[int | None]:
+    """For each of several models, the index of the optimizer holding its parameters (``None``:
+    none does); each optimizer must hold one model's, and a model has at most one optimizer.
+    ``front`` and ``call`` name the loop object and the call the models came through."""
+    owner = {id(p): m for m, model in enumerate(models) for p in model.parameters()}
+    pairs: list[int | None] = [None] * len(models)
+    for o, opt in enumerate(optimizers):
+        held = [owner.get(id(p)) for g in param_groups(opt) for p in g["params"]]
+        found = {m for m in held if m is not None}
+        if len(found) != 1 or None in held:
+            raise ValueError(
+                f"each optimizer passed to {call} must hold the parameters of one model passed "
+                f"in the same call (optimizer {type(opt).__name__} holds parameters of "
+                f"{len(found)} of them{' and of none' if None in held else ''})"
+            )
+        m = found.pop()
+        if pairs[m] is not None:
+            raise ValueError(
+                f"two optimizers over one model ({type(models[m]).__name__}): under {front} "
+                "each model has one optimizer (param groups may carry different "
+                "hyper-parameters); pass each part as its own model"
+            )
+        pairs[m] = o
+    return pairs
 
 
 def engines_reached(loss: Tensor, engines: list[ZeroEngine]) -> list[ZeroEngine]:

@@ -20,7 +20,32 @@ import torch.distributed as dist
 from ...config import ConfigError
 from ..mesh import ParallelMesh
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "loader_micro_batch"]
+
+
+def loader_micro_batch(batch: int, accumulation: int, micro: int | None = None) -> int:
+    """The micro-batch size of a loader's ``batch`` per data-parallel rank, which one
+    ``train_batch`` runs as ``accumulation`` micro-batches: ``batch`` must divide into them, or
+    with ``micro`` (a built engine's ``train_micro_batch_size_per_gpu``) equal ``accumulation x
+    micro``; errors give the batch size to use.
+
+    >>> loader_micro_batch(8, 4), loader_micro_batch(8, 4, micro=2)
+    (2, 2)
+    """
+    if micro is not None and batch != accumulation * micro:
+        raise ValueError(
+            f"this loader yields {batch} samples per data-parallel rank but train_batch "
+            f"takes gradient_accumulation_steps={accumulation} x train_micro_batch_size_per_gpu="
+            f"{micro} = {accumulation * micro}; use batch_size={accumulation * micro} (per "
+            "data-parallel rank) or change those keys"
+        )
+    if batch % accumulation:
+        raise ValueError(
+            f"the loader's batch of {batch} samples per data-parallel rank does not divide "
+            f"into gradient_accumulation_steps={accumulation} micro-batches; use a batch_size "
+            f"that is a multiple of {accumulation}"
+        )
+    return batch // accumulation
 
 
 @dataclass(frozen=True)
