@@ -9,8 +9,7 @@
 from __future__ import annotations
 
 from .._lightning_hook import register_strategies
-from .precision import ZeroFabricPrecision
-from .strategy import ZeroStrategy
+from .strategy import ZeroFabricPrecision, ZeroStrategy
 
 register_strategies()  # when this import is what imported Lightning
 

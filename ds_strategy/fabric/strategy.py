@@ -2,8 +2,7 @@
 ``save``/``load`` mapped onto :class:`~ds_strategy.ZeroEngine` s (one per ``fabric.setup``
 call: a GAN's generator and discriminator, a frozen teacher next to a student; one per
 optimizer of ``fabric.setup(model, opt_g, opt_d)``, see ``core/several.py``), with no
-sharding logic. ``fabric.save``/``load`` of a state holding several models writes every
-engine under one commit point (``core/checkpoint/engines.py``)."""
+sharding logic; and its precision plugin, which only carries the flag to the config."""
 
 from __future__ import annotations
 
@@ -13,16 +12,17 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..core.engine import ZeroEngine
 from ..core.loop import PendingClip, load_all, save_all
-from ..core.optimizers import evaluation_optimizer
+from ..core.optimizers import evaluation_optimizer, move_schedulers
 from ..core.several import SeveralEngines
-from ..frontends.engines import move_real_tensors, move_schedulers
-from ..frontends.lightning_base import LightningZeroBase
+from ..frontends.engines import move_real_tensors
+from ..frontends.lightning_base import FlagPrecision, LightningZeroBase
 from ..frontends.lightning_private import (
     BackwardSyncControl,
     Sharded,
@@ -32,9 +32,18 @@ from ..frontends.lightning_private import (
     joint_setup_error,
     set_backward_sync_control,
 )
-from .precision import ZeroFabricPrecision
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["ZeroFabricPrecision", "ZeroStrategy"]
+
+
+class ZeroFabricPrecision(FlagPrecision, Precision):
+    """Carries ``Fabric(precision=...)`` to the ZeRO strategy, which maps it onto its config::
+
+    fabric = Fabric(strategy="zero3", precision="32-true")
+    assert fabric.strategy.precision.precision == "32-true"
+    """
+
+    front = "Fabric"
 
 
 class _EngineSyncControl(BackwardSyncControl):
@@ -74,11 +83,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
 
     def _init_front(self) -> None:
         set_backward_sync_control(self, _EngineSyncControl())
-        # one engine per fabric.setup call, in order, with its clip_gradients request waiting
-        # between accumulation boundaries
-        self._clips: dict[ZeroEngine, PendingClip] = {}
-        # what each fabric.setup call built, in order: an engine, or one per optimizer of
-        # fabric.setup(model, opt_a, opt_b, ...)
+        self._clips: dict[ZeroEngine, PendingClip] = {}  # every engine set up, in order
+        # what each fabric.setup call built: an engine, or one per optimizer (SeveralEngines)
         self._setups: list[ZeroEngine | SeveralEngines] = []
 
     precision_class = ZeroFabricPrecision
@@ -99,10 +105,13 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         """Wrap ``module`` and its optimizer in a :class:`~ds_strategy.ZeroEngine`; with several
         optimizers, one engine each over the submodules holding its parameters (the module
         comes back as it is, its submodules sharded)."""
+        scheds = [scheduler] if scheduler is not None else []
         if len(optimizers) > 1:
-            return self._setup_several(module, optimizers, scheduler)
+            several = self._build_several(module, optimizers, scheds, None)
+            self._add(several, several.clips)
+            return module, [e.optimizer for e in several.trained], scheduler
         engine = self._setup(module, optimizers[0])
-        move_schedulers(engine, [scheduler] if scheduler is not None else [])
+        move_schedulers(engine, scheds)
         return engine, [engine.optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -113,24 +122,17 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         raise ValueError(joint_setup_error(self))
 
     def _setup(self, module: nn.Module, optimizer: Any) -> ZeroEngine:
-        # Fabric loops accumulate as the config (or the user) says
-        engine = self._build_engine(module, optimizer, None)
-        self._clips[engine] = PendingClip()
-        self._setups.append(engine)
-        if self._engine is None:
-            self._engine = engine  # ``strategy.engine``: the first model set up
+        engine = self._build_engine(module, optimizer, None)  # accumulating as the config says
+        self._add(engine, {engine: PendingClip()})
         return engine
 
-    def _setup_several(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None
-    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        scheds = [scheduler] if scheduler is not None else []
-        several = self._build_several(module, optimizers, scheds, None)
-        self._setups.append(several)
-        self._clips.update(several.clips)
+    def _add(
+        self, setup: ZeroEngine | SeveralEngines, clips: dict[ZeroEngine, PendingClip]
+    ) -> None:
+        self._setups.append(setup)
+        self._clips.update(clips)
         if self._engine is None:
-            self._engine = several.trained[0]
-        return module, [e.optimizer for e in several.trained], scheduler
+            self._engine = next(iter(clips))  # ``strategy.engine``: the first model set up
 
     @property
     def engines(self) -> list[ZeroEngine]:
