@@ -1,12 +1,7 @@
-"""Every use of Lightning's private API (the Trainer's and Fabric's), in one place. Checked
-against lightning 2.6.6 (and the package's floor, 2.4: these names are the same there). A
-Lightning that renames them breaks here, and only here.
-
-What they are for: Fabric's strategy base classes for backward-sync control and sharded
-set-up (no public alias), its strict-loading check and "stateful" type; the Trainer's stand-in
-optimizer when ``configure_optimizers`` returns none; the precision plugin's after-closure
-hook (it runs ``on_before_optimizer_step`` and gradient clipping); the summary callback's
-depth and the summary's model and layers, to count sharded parameters at full size.
+"""Every use of Lightning's private API (the Trainer's and Fabric's), in one place, each named
+for what it is for. Checked against lightning 2.6.6 (and the package's floor, 2.4: these names
+are the same there). A Lightning that renames them breaks here, and only here. Fabric's
+strategy base classes for backward-sync control and sharded set-up have no public alias.
 """
 
 from __future__ import annotations

@@ -37,9 +37,7 @@ class ZeroPrecision(FlagPrecision, Precision):
 
     def __init__(self, precision: str = "32-true") -> None:
         super().__init__(precision)
-        # each engine (set by ZeroStrategy when it builds them) with the clip_gradients
-        # request waiting for its step
-        self.clips: dict[ZeroEngine, PendingClip] = {}
+        self.clips: dict[ZeroEngine, PendingClip] = {}  # set by ZeroStrategy: each engine's
 
     def _engine(self, optimizer: Any) -> ZeroEngine:
         """The engine stepping ``optimizer`` (several optimizers: its own, else the one)."""

@@ -127,16 +127,13 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         else:
             self._drop_engine(pl_module)
             optimizers, schedulers = self._configured_optimizers(trainer) if fitting else ([], [])
+            optimizer = optimizers[0] if fitting else None
             if len(optimizers) > 1:
                 self._setup_several(trainer, pl_module, optimizers, schedulers)
             elif int(self._base_config.pipeline.stages or 1) > 1:
-                self._setup_pipeline(
-                    trainer, pl_module, optimizers[0] if fitting else None, schedulers
-                )
+                self._setup_pipeline(trainer, pl_module, optimizer, schedulers)
             else:
-                self._setup_engine(
-                    trainer, pl_module, optimizers[0] if fitting else None, schedulers
-                )
+                self._setup_engine(trainer, pl_module, optimizer, schedulers)
             self._engine_module, self._engine_trains = pl_module, fitting
             self.barrier("ZeroStrategy.setup")
         if fitting and self._several is not None:
@@ -280,7 +277,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         filepath: str | os.PathLike,
         storage_options: Any | None = None,
     ) -> None:
-        """One sharded checkpoint directory (collective); the rest of Lightning's dict travels as
+        """One sharded checkpoint directory (collective); Lightning's other entries travel as
         its ``client_state``."""
         if storage_options is not None:
             raise TypeError(
