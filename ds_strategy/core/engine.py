@@ -33,6 +33,7 @@ from .optim.onebit import CompressedExchange
 from .ownership import claim_parameters, release_parameters
 from .quant.export import write_quantized_state
 from .quant.scheme import QuantScheme
+from .schedulers import load_scheduler_state
 from .stage_context import StageContext
 from .timers import phase
 from .zero.builders import ShardingPlan
@@ -446,7 +447,7 @@ class ZeroEngine(nn.Module):
         self.skipped_steps = int(state.get("skipped_steps", 0))
         sched_state = state.get("lr_scheduler")
         if lr_scheduler and self.lr_scheduler is not None and sched_state is not None:
-            self.lr_scheduler.load_state_dict(sched_state)
+            load_scheduler_state(self.lr_scheduler, sched_state)
         if self._scaler is not None and state.get("loss_scaler") is not None:
             self._scaler.load_state_dict(state["loss_scaler"])
 

@@ -45,6 +45,7 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "build_scheduler",
+    "load_scheduler_state",
 ]
 
 
@@ -402,3 +403,24 @@ def build_scheduler(
         return cls(optimizer, **params)
     except TypeError as e:  # e.g. a value of the wrong type
         raise ValueError(f"scheduler.params ({type_name}): {e}") from e
+
+
+# [Note: DeepSpeed's scheduler position]
+# DeepSpeed's own schedules save ``{"last_batch_iteration": n}`` and the optimizer's param
+# groups keep the learning rate of the next step; ours are torch schedulers indexed by
+# ``last_epoch``. The warm-up schedules run DeepSpeed's value of step ``k - 1`` at step ``k``
+# (see the module note), so ``last_epoch = n`` continues them exactly; ``OneCycle`` and
+# ``LRRangeTest`` match DeepSpeed step for step, so ``last_epoch = n + 1``.
+
+
+def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
+    """``scheduler.load_state_dict(state)``, or for DeepSpeed's ``{"last_batch_iteration": n}``
+    the same position of the schedule (see [Note: DeepSpeed's scheduler position]); the
+    optimizer's param groups already hold the learning rate of the next step."""
+    if set(state) != {"last_batch_iteration"}:
+        scheduler.load_state_dict(state)
+        return
+    n = int(state["last_batch_iteration"])
+    scheduler.last_epoch = n + 1 if isinstance(scheduler, (OneCycle, LRRangeTest)) else n
+    scheduler._step_count = scheduler.last_epoch + 1
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]

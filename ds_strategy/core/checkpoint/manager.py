@@ -48,6 +48,8 @@ from ..collectives import Comm
 from ..faults import together
 from . import reshard, store, swap
 from .collect import collect_state
+from .deepspeed.layout import find_deepspeed, open_deepspeed
+from .deepspeed.load import load_deepspeed
 from .engines import MANIFEST, holds_engines, read_manifest
 from .lock import LOCK_FILE, acquire, release
 from .seam import CheckpointedEngine
@@ -203,7 +205,14 @@ class CheckpointManager:
                     "load_optimizer=False, or resume each engine from its own part "
                     f"({path}/<name>/<tag>, named in {MANIFEST})"
                 )
-            directories = resolve_sources(Path(path), tag)
+            deepspeed = find_deepspeed(Path(path), tag)
+            directories = [] if deepspeed is not None else resolve_sources(Path(path), tag)
+        if deepspeed is not None:  # DeepSpeed's own layout, read by content
+            with together(self.engine.checkpoint_comm, CheckpointError):
+                ckpt = open_deepspeed(deepspeed, trust_checkpoint)
+            client_state = load_deepspeed(self.engine, ckpt, load_optimizer)
+            self._seen_steps = self.engine.global_steps
+            return client_state
         client_state = reshard.load_engine(
             self.engine,
             directories,

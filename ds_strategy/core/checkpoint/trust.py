@@ -120,7 +120,7 @@ def loads(data: bytes, where: str, trusted: bool) -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=not trusted)
     except pickle.UnpicklingError as e:
-        refused = _refused_global(str(e))
+        refused = refused_global(str(e))
         raise UntrustedContentError(
             f"{where}: holds {refused}, which loading does not unpickle unless the checkpoint "
             "is trusted (only tensors and plain data load by default); pass "
@@ -128,6 +128,6 @@ def loads(data: bytes, where: str, trusted: bool) -> Any:
         ) from None
 
 
-def _refused_global(message: str) -> str:
+def refused_global(message: str) -> str:
     found = re.search(r"GLOBAL ([\w.]+)", message)
     return found.group(1) if found else "an object of a type that is not plain data"

@@ -1,0 +1,329 @@
+"""DeepSpeed's checkpoint layout, read by content (see [Note: DeepSpeed's layout]).
+
+[Note: DeepSpeed's layout]
+``save_dir/latest`` names a tag directory; a Lightning ``DeepSpeedStrategy`` checkpoint
+(``x.ckpt/``, tag ``checkpoint``) and a Trainer's ``checkpoint-N/`` (tag ``global_stepN``)
+are the same layout one level down. In the tag directory:
+
+- stages 0-2: ``mp_rank_00_model_states.pt`` (the module's weights in the training dtype,
+  ``param_shapes`` per param group, ``frozen_param_shapes``/``frozen_param_fragments``,
+  ``shared_params``, ``buffer_names``, ``lr_scheduler``, ``global_steps``, ``skipped_steps``
+  and the client state as top-level keys), and per data-parallel rank ``r``
+  ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` whose ``optimizer_state_dict`` holds
+  ``single_partition_of_fp32_groups``: rank ``r``'s slice of each group's fp32 weights
+  flattened one after another in ``param_shapes`` order (plus ``param_alignment_paddings``
+  where saved); the base optimizer's state per group is sliced alike.
+- stage 3: ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank (the same model state;
+  frozen fragments are the rank's) and its optim file, whose ``fp32_flat_groups`` hold rank
+  ``r``'s partition of *each parameter*, ``ceil(numel / world)`` elements (the last rank's
+  padded), one parameter after another over all groups.
+- bf16 prefixes the optim files with ``bf16_``; older versions wrote ``..._00optim_states.pt``.
+
+Each parameter is thus a list of :class:`Segment`: runs of its flattened elements at an offset
+of one rank's groups laid end to end. Tensors are memory-mapped, so reading one parameter
+touches only its bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..validate import CheckpointError
+from .pickles import LossScalerState, load_pickle
+
+__all__ = ["DeepSpeedCheckpoint", "Segment", "find_deepspeed", "open_deepspeed"]
+
+LATEST = "latest"
+_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+_OWN_KEYS = {  # a model-states file's keys that are DeepSpeed's; the rest is client state
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+    "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+}  # fmt: skip
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return path.is_dir() and any(
+        _MODEL.match(p.name) or _MODEL3.match(p.name) for p in path.iterdir()
+    )
+
+
+def find_deepspeed(path: Path, tag: str | None = None) -> Path | None:
+    """The tag directory of the DeepSpeed checkpoint at ``path`` (a save directory with
+    ``latest``, a tag directory itself, or ``tag`` under ``path``); None when ``path`` holds
+    none (it may be one of ours)."""
+    if tag is not None:
+        return path / tag if _is_tag_dir(path / tag) else None
+    if _is_tag_dir(path):
+        return path
+    latest = path / LATEST
+    if latest.is_file():
+        named = path / latest.read_text().strip()
+        if _is_tag_dir(named):
+            return named
+        if not named.exists() and any(_is_tag_dir(p) for p in path.iterdir() if p.is_dir()):
+            raise CheckpointError(
+                f"{path}: a DeepSpeed checkpoint whose latest names {named.name}, which is not "
+                "there; pass tag= (one of "
+                f"{sorted(p.name for p in path.iterdir() if _is_tag_dir(p))}) to load another"
+            )
+    return None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` elements of a flattened parameter from ``start``, at ``offset`` of rank
+    ``rank``'s flat groups laid end to end."""
+
+    rank: int
+    offset: int
+    start: int
+    length: int
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """One tag directory of a DeepSpeed checkpoint (see [Note: DeepSpeed's layout])."""
+
+    directory: Path
+    stage: int
+    world_size: int
+    model_state: dict[str, Any]  # rank 0's model-states file
+    optim: list[dict[str, Any]]  # each rank's ``optimizer_state_dict``
+    model_files: list[dict[str, Any]] = field(repr=False)  # stage 3: every rank's
+    segments: dict[str, tuple[Segment, ...]] = field(default_factory=dict)
+
+    @property
+    def shapes(self) -> dict[str, torch.Size]:
+        """The trained parameters' full shapes, in DeepSpeed's order."""
+        return {k: torch.Size(v) for g in self.model_state["param_shapes"] for k, v in g.items()}
+
+    @property
+    def groups(self) -> list[list[str]]:
+        return [list(g) for g in self.model_state["param_shapes"]]
+
+    @property
+    def shared(self) -> dict[str, str]:
+        """A tied weight's other names: ``{alias: the name it is saved under}``."""
+        return dict(self.model_state.get("shared_params") or {})
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        names = set(self.model_state.get("buffer_names") or ())
+        return {k: v for k, v in self.model_state["module"].items() if k in names}
+
+    @cached_property
+    def frozen(self) -> dict[str, torch.Tensor]:
+        """Parameters that did not train, whole (stage 3: joined from every rank's part)."""
+        shapes = self.model_state.get("frozen_param_shapes") or {}
+        out = {}
+        for name, shape in shapes.items():
+            parts = [f["frozen_param_fragments"][name].reshape(-1) for f in self.model_files]
+            n = torch.Size(shape).numel()
+            out[name] = (
+                torch.cat(parts)[:n].view(shape) if self.stage == 3 else parts[0].view(shape)
+            )
+        return out
+
+    @property
+    def client_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_state.items() if k not in _OWN_KEYS}
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.model_state.get("global_steps", 0))
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.model_state.get("skipped_steps", 0))
+
+    @property
+    def ds_config(self) -> dict[str, Any]:
+        return dict(self.model_state.get("ds_config") or {})
+
+    @property
+    def loss_scaler(self) -> LossScalerState | None:
+        scaler = self.optim[0].get("loss_scaler")
+        return scaler if isinstance(scaler, LossScalerState) else None
+
+    def base_optimizer(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s base optimizer ``state_dict()`` (its params: the group indices)."""
+        sd = self.optim[rank]
+        found = sd.get("base_optimizer_state", sd.get("optimizer_state_dict"))
+        if not isinstance(found, dict) or "state" not in found:
+            raise CheckpointError(f"{self.directory}: rank {rank}'s optimizer state is not saved")
+        return found
+
+    def flat(self, rank: int, key: str = "fp32") -> list[torch.Tensor]:
+        """Rank ``rank``'s flat groups: the fp32 weights, or per-element optimizer state
+        ``key`` (``exp_avg``, ...)."""
+        if key == "fp32":
+            sd = self.optim[rank]
+            return list(
+                sd["fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"]
+            )
+        state = self.base_optimizer(rank)["state"]
+        return [state[g][key] for g in sorted(state)]
+
+    def element_keys(self) -> list[str]:
+        """The optimizer's per-element state (tensors the size of a group's partition)."""
+        state = self.base_optimizer(0)["state"]
+        first = state[min(state)] if state else {}
+        fp32 = self.flat(0)[0]
+        return [k for k, v in first.items() if torch.is_tensor(v) and v.shape == fp32.shape]
+
+    def scalar_state(self) -> dict[str, Any]:
+        """The optimizer's other state of group 0 (``step``), the same for every group."""
+        state = self.base_optimizer(0)["state"]
+        first = state[min(state)] if state else {}
+        keys = set(self.element_keys())
+        return {k: v for k, v in first.items() if k not in keys}
+
+    def read(self, name: str, start: int, length: int, key: str = "fp32") -> torch.Tensor:
+        """Elements ``[start, start + length)`` of flattened parameter ``name`` (its fp32
+        weights, or optimizer state ``key``)."""
+        out = torch.empty(length, dtype=torch.float32)
+        flats: dict[int, torch.Tensor] = {}
+        for seg in self.segments[name]:
+            lo, hi = max(start, seg.start), min(start + length, seg.start + seg.length)
+            if lo >= hi:
+                continue
+            if seg.rank not in flats:
+                flats[seg.rank] = _joined(self.flat(seg.rank, key))
+            at = seg.offset + lo - seg.start
+            out[lo - start : hi - start] = flats[seg.rank][at : at + hi - lo]
+        return out
+
+    def full(self, name: str, key: str = "fp32") -> torch.Tensor:
+        if name in self.frozen:
+            return self.frozen[name].float()
+        shape = self.shapes[name]
+        return self.read(name, 0, shape.numel(), key).view(shape)
+
+
+class _Joined:
+    """Flat tensors read as one, without copying them together."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = [p.reshape(-1) for p in parts]
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        lo, hi = where.start, where.stop
+        pieces, base = [], 0
+        for p in self.parts:
+            a, b = max(lo, base), min(hi, base + p.numel())
+            if a < b:
+                pieces.append(p[a - base : b - base])
+            base += p.numel()
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _joined(parts: list[torch.Tensor]) -> _Joined:
+    return _Joined(parts)
+
+
+def open_deepspeed(tag_dir: Path, trust_checkpoint: bool = False) -> DeepSpeedCheckpoint:
+    """Read a DeepSpeed checkpoint's tag directory (no tensor data yet: memory-mapped)."""
+    files = {p.name: p for p in tag_dir.iterdir()}
+    tp = sorted({int(m.group(1)) for n in files if (m := _MODEL.match(n))})
+    tp += sorted({int(m.group(2)) for n in files if (m := _MODEL3.match(n))})
+    if any(t != 0 for t in tp):
+        raise CheckpointError(
+            f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (mp_rank_0{max(tp)}); only "
+            "mp_rank_00 checkpoints are read: consolidate the tensor-parallel ranks with "
+            "DeepSpeed's ds_to_universal.py first"
+        )
+    optim = _rank_files(tag_dir, files, _OPTIM, "optim_states")
+    opt_states = [load_pickle(p, trust_checkpoint)["optimizer_state_dict"] for p in optim]
+    stage = int(opt_states[0]["zero_stage"])
+    if stage == 3:
+        models = _rank_files(tag_dir, files, _MODEL3, "model_states")
+        model_files = [load_pickle(p, trust_checkpoint) for p in models]
+    elif "mp_rank_00_model_states.pt" in files:
+        model_files = [load_pickle(files["mp_rank_00_model_states.pt"], trust_checkpoint)]
+    else:
+        raise CheckpointError(f"{tag_dir}: mp_rank_00_model_states.pt is missing")
+    count = opt_states[0]["partition_count"]
+    world = max(count) if isinstance(count, list) else int(count)
+    if world != len(optim) or (stage == 3 and world != len(model_files)):
+        raise CheckpointError(
+            f"{tag_dir}: written by {world} ranks but {len(optim)} optimizer-state files are "
+            "there: the checkpoint is incomplete (a rank's save did not finish)"
+        )
+    ckpt = DeepSpeedCheckpoint(tag_dir, stage, world, model_files[0], opt_states, model_files)
+    ckpt.segments = _segments3(ckpt) if stage == 3 else _segments12(ckpt)
+    return ckpt
+
+
+def _rank_files(
+    tag_dir: Path, files: dict[str, Path], pattern: re.Pattern, what: str
+) -> list[Path]:
+    by_rank = {int(m.group(1)): p for n, p in files.items() if (m := pattern.match(n))}
+    if not by_rank:
+        raise CheckpointError(f"{tag_dir}: no *_{what}.pt files: not a ZeRO checkpoint")
+    missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
+    if missing:
+        raise CheckpointError(
+            f"{tag_dir}: the {what} files of rank(s) {missing} are missing: the checkpoint is "
+            "incomplete"
+        )
+    return [by_rank[r] for r in range(len(by_rank))]
+
+
+def _segments12(ckpt: DeepSpeedCheckpoint) -> dict[str, tuple[Segment, ...]]:
+    """Stages 0-2: each group is flattened whole, then cut into equal partitions, one per rank."""
+    paddings = ckpt.optim[0].get("param_alignment_paddings")
+    out: dict[str, tuple[Segment, ...]] = {}
+    base = 0  # where group g starts in a rank's groups laid end to end
+    sizes = [t.numel() for t in ckpt.flat(0)]
+    for g, names in enumerate(ckpt.groups):
+        part, offset = sizes[g], 0
+        for i, name in enumerate(names):
+            n = ckpt.shapes[name].numel()
+            segs = []
+            at = offset
+            while at < offset + n:
+                rank, local = divmod(at, part)
+                length = min(part - local, offset + n - at)
+                segs.append(Segment(rank, base + local, at - offset, length))
+                at += length
+            out[name] = tuple(segs)
+            offset += n + (paddings[g][i] if paddings else 0)
+        if offset > part * ckpt.world_size:
+            raise CheckpointError(
+                f"{ckpt.directory}: group {g} holds fewer elements than its shapes"
+            )
+        base += part
+    return out
+
+
+def _segments3(ckpt: DeepSpeedCheckpoint) -> dict[str, tuple[Segment, ...]]:
+    """Stage 3: each parameter is cut into equal partitions, one per rank, one after another."""
+    world, out, offset = ckpt.world_size, {}, 0
+    for name, shape in ckpt.shapes.items():
+        n = shape.numel()
+        part = math.ceil(n / world)
+        out[name] = tuple(
+            Segment(r, offset, r * part, min(part, n - r * part))
+            for r in range(world)
+            if r * part < n
+        )
+        offset += part
+    held = sum(t.numel() for t in ckpt.flat(0))
+    if offset != held:
+        raise CheckpointError(
+            f"{ckpt.directory}: the parameters' partitions take {offset} elements per rank but "
+            f"{held} are saved; the shapes and the saved groups disagree"
+        )
+    return out

@@ -1,0 +1,151 @@
+"""Regenerate the DeepSpeed-written checkpoints the tests read (``tests/test_deepspeed_*``).
+
+Needs DeepSpeed (``pip install deepspeed``; its CPU accelerator and gloo, no GPU)::
+
+    DS_ACCELERATOR=cpu python tests/data/deepspeed_checkpoints/make_fixtures.py
+
+For each case (ZeRO stage x precision) two ranks train a small MLP for 4 steps and save
+(``<case>/ckpt``); DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` of it is
+``<case>/consolidated.safetensors``; a fresh DeepSpeed engine then loads the checkpoint,
+trains 3 more steps on the next batches and its consolidated weights are
+``<case>/continued.safetensors``. ``batches.safetensors`` holds every global batch, and
+``<case>/config.json`` the config each case ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CASES = {
+    "s1_fp32": (1, "fp32"),
+    "s2_fp32": (2, "fp32"),
+    "s3_fp32": (3, "fp32"),
+    "s1_bf16": (1, "bf16"),
+    "s2_bf16": (2, "bf16"),
+    "s3_bf16": (3, "bf16"),
+    "s2_fp16": (2, "fp16"),
+}
+STEPS, MORE, MICRO, WORLD = 4, 3, 2, 2
+SIZES = (7, 13, 13, 3)  # odd sizes: no parameter splits evenly over the ranks
+
+
+def config(stage: int, precision: str) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 5},
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": 64,
+            "allgather_bucket_size": 64,
+        },
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 6, "loss_scale_window": 2}
+    return cfg
+
+
+def model():
+    import torch
+
+    torch.manual_seed(0)
+    a, b, c, d = SIZES
+    return torch.nn.Sequential(
+        torch.nn.Linear(a, b), torch.nn.Tanh(), torch.nn.Linear(b, c), torch.nn.Tanh(),
+        torch.nn.Linear(c, d),
+    )
+
+
+def batches():
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    n = STEPS + MORE
+    return {
+        "inputs": torch.randn(n, WORLD * MICRO, SIZES[0], generator=g),
+        "targets": torch.randn(n, WORLD * MICRO, SIZES[-1], generator=g),
+    }
+
+
+def train(engine, data, steps: range, dtype) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    rows = slice(rank * MICRO, (rank + 1) * MICRO)
+    for i in steps:
+        x, y = data["inputs"][i, rows], data["targets"][i, rows]
+        loss = ((engine(x.to(dtype)).float() - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def run_case(name: str) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    stage, precision = CASES[name]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    cfg = config(stage, precision)
+    data = load_file(HERE / "batches.safetensors")
+    out = HERE / name
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+
+    net = model()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    train(engine, data, range(STEPS), dtype)
+    engine.save_checkpoint(out / "ckpt", client_state={"epoch": 1, "note": "written by DeepSpeed"})
+    dist.barrier()
+    if rank == 0:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(out / "ckpt"))
+        save_file({k: v.contiguous() for k, v in state.items()}, out / "consolidated.safetensors")
+
+    net = model()
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    engine.load_checkpoint(out / "ckpt")
+    train(engine, data, range(STEPS, STEPS + MORE), dtype)
+    engine.save_checkpoint(out / "continued_ckpt")
+    dist.barrier()
+    if rank == 0:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(out / "continued_ckpt"))
+        save_file({k: v.contiguous() for k, v in state.items()}, out / "continued.safetensors")
+        shutil.rmtree(out / "continued_ckpt")
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's copies of its tools
+            (out / "ckpt" / script).unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        print(f"{name}: {engine.optimizer.__class__.__name__} over {type(engine.optimizer.optimizer if hasattr(engine.optimizer, 'optimizer') else engine.optimizer).__name__}")
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--case":
+        run_case(sys.argv[2])
+        return
+    from safetensors.torch import save_file
+
+    save_file(batches(), HERE / "batches.safetensors")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    for name in sys.argv[1:] or CASES:
+        shutil.rmtree(HERE / name, ignore_errors=True)
+        cmd = ["torchrun", f"--nproc_per_node={WORLD}", "--master_port=29613", __file__]
+        subprocess.run([*cmd, "--case", name], check=True, env=env)
+
+
+if __name__ == "__main__":
+    main()
