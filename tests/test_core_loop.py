@@ -1,21 +1,23 @@
 """What a loop asks of its engines, checked in one process without a framework: a
 ``clip_grad_norm_`` request (core.loop), each optimizer paired with its model (core.several),
-the optimizer and lr schedule an engine builds (core.optimizers), and a pipeline loader's batch
-arithmetic (core.pipeline.mesh)."""
+which engines one backward of several models reaches, the optimizer and lr schedule an engine
+builds (core.optimizers), and a pipeline loader's batch arithmetic (core.pipeline.mesh)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import ds_strategy
 from ds_strategy.config import load_config
 from ds_strategy.core.loop import clipped_engine
 from ds_strategy.core.optimizers import engine_schedule, optimizer_to_shard
 from ds_strategy.core.pipeline.mesh import loader_micro_batch
-from ds_strategy.core.several import pair_optimizers, param_groups
+from ds_strategy.core.several import backward_of_models, pair_optimizers, param_groups
 
 
 def _engines(*modules: nn.Module) -> list[SimpleNamespace]:
@@ -107,3 +109,33 @@ def test_a_pipeline_loader_batch_is_accumulation_micro_batches() -> None:
         loader_micro_batch(12, 5)
     with pytest.raises(ValueError, match=r"= 6; use batch_size=6"):
         loader_micro_batch(12, 3, micro=2)
+
+
+def _two_models(config: dict) -> tuple[Any, Any]:
+    engines = []
+    for size in (3, 1):
+        model = nn.Linear(3, size)
+        engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        engine.keep_foreign_grads = True  # as a loop of several models sets it
+        engines.append(engine)
+    return engines[0], engines[1]
+
+
+def test_a_backward_of_several_models_says_which_engines_it_reached() -> None:
+    gen, disc = _two_models({})
+    x = torch.randn(4, 3)
+    loss = disc(gen(x).detach()).square().mean()  # the discriminator's step
+    assert backward_of_models(loss, [disc, gen], boundary=False) == [True, False]
+    assert not disc.is_gradient_accumulation_boundary()
+    loss = disc(gen(x)).square().mean()  # the generator's, through the discriminator
+    assert backward_of_models(loss, [disc, gen], boundary=True) == [True, True]
+    assert gen.is_gradient_accumulation_boundary() and disc.is_gradient_accumulation_boundary()
+
+
+def test_under_fp16_a_backward_must_reach_one_model() -> None:
+    gen, disc = _two_models({"fp16": {"enabled": True}})
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="under fp16 this backward reaches 2 of the prepared"):
+        backward_of_models(disc(gen(x)).float().square().mean(), [gen, disc], boundary=True)
+    loss = disc(gen(x).detach()).float().square().mean()
+    assert backward_of_models(loss, [gen, disc], boundary=True) == [False, True]

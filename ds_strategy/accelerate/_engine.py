@@ -29,7 +29,7 @@ from ..config.loop import fill_auto
 from ..core import ZeroEngine
 from ..core.loop import clipped_engine
 from ..core.optimizers import engine_schedule
-from ..core.several import engines_reached, holds_gradients, pair_optimizers
+from ..core.several import backward_of_models, pair_optimizers
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
 from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import is_prepared, track
@@ -78,6 +78,11 @@ class Slot:
     user_optimizer: weakref.ref[Any] | None = None
     step_pending: bool = False
 
+    def steps(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` is this model's: the user's, its wrapper, or the engine's."""
+        mine = (self.user_optimizer and self.user_optimizer(), self.wrapper, self.engine.optimizer)
+        return optimizer is not None and any(optimizer is o for o in mine)
+
 
 # [Note: several models]
 # ``prepare(model_a, opt_a, model_b, opt_b, ref_model)`` (in one call or several) builds one
@@ -105,7 +110,7 @@ class EngineFront(Front):
     @property
     def several(self) -> bool:
         """Whether more than one trained model was prepared (see [Note: several models])."""
-        return sum(s.wrapper is not None for s in self.slots) > 1
+        return len(self._trained_slots()) > 1
 
     def _trained_slots(self) -> list[Slot]:
         return [s for s in self.slots if s.wrapper is not None]
@@ -214,15 +219,7 @@ class EngineFront(Front):
         if is_prepared(scheduler):
             return scheduler
         bound = getattr(scheduler, "optimizer", None)
-        slot = next(
-            (
-                s
-                for s in self._trained_slots()
-                if bound is not None
-                and any(bound is o for o in (s.user_optimizer(), s.wrapper, s.engine.optimizer))  # type: ignore[misc]
-            ),
-            None,
-        )
+        slot = next((s for s in self._trained_slots() if s.steps(bound)), None)
         if slot is None:
             if not self._trained_slots():
                 raise ValueError(
@@ -253,11 +250,9 @@ class EngineFront(Front):
         for slot in trained:
             # Accelerate's setter may change the steps after prepare(); its value divides the loss
             slot.engine.gradient_accumulation_steps = self.acc.gradient_accumulation_steps
-            slot.engine.set_gradient_accumulation_boundary(boundary)  # stages 0/1 reduce only then
-        lead = trained[0] if len(trained) == 1 else _lead(loss, trained)
-        lead.engine.backward(loss, retain_graph=bool(kwargs.get("retain_graph", False)))
-        for slot in trained:
-            reached = slot is lead or holds_gradients(slot.engine)
+        engines, retain = [s.engine for s in trained], bool(kwargs.get("retain_graph", False))
+        reached_by = backward_of_models(loss, engines, boundary, retain)
+        for slot, reached in zip(trained, reached_by, strict=True):
             if boundary and reached:
                 slot.step_pending = True
             elif not boundary and reached and not slot.step_pending:
@@ -320,20 +315,3 @@ class EngineFront(Front):
     def free(self) -> None:
         super().free()
         self.slots = []
-
-
-def _lead(loss: torch.Tensor, trained: list[Slot]) -> Slot:
-    """The slot whose engine runs a backward of several trained models: any under fp32/bf16
-    (the loss is divided the same way); under fp16 the one model the loss reaches, whose loss
-    scale it takes (see [Note: several models])."""
-    if trained[0].engine.config.fp16.enabled is not True:
-        return trained[0]
-    reached = engines_reached(loss, [s.engine for s in trained])
-    if len(reached) != 1:
-        raise ValueError(
-            f"under fp16 this backward reaches {len(reached)} of the prepared models' "
-            "parameters: each engine scales the loss by its own loss scale, so each backward "
-            "must reach one trained model (detach() what another model produced, or "
-            "requires_grad_(False) on the other model around its forward), or train in bf16"
-        )
-    return next(s for s in trained if s.engine is reached[0])

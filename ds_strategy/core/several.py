@@ -42,6 +42,7 @@ from .loop import PendingClip, load_all, save_all
 
 __all__ = [
     "SeveralEngines",
+    "backward_of_models",
     "engines_reached",
     "holds_gradients",
     "pair_optimizers",
@@ -174,6 +175,33 @@ def holds_gradients(engine: ZeroEngine) -> bool:
     """Whether a backward left gradients in ``engine`` (its own, or another engine's that
     reached its parameters)."""
     return any(g.holds_grads() for g in engine.plan.groups)
+
+
+def backward_of_models(
+    loss: Tensor, engines: list[ZeroEngine], boundary: bool, retain_graph: bool = False
+) -> list[bool]:
+    """One backward of a loop training several models, an engine each (Accelerate's
+    ``prepare(gen, opt_g, disc, opt_d)``): every engine's boundary set to ``boundary``, the
+    backward run by one engine (under fp16 the one whose parameters the loss reaches, as each
+    engine scales the loss by its own loss scale; any under fp32/bf16, which divide the loss
+    alike: the first); returns which engines ran it or hold gradients from it (another
+    engine's backward flowing into their parameters), for the loop to leave their step pending."""
+    for engine in engines:
+        engine.set_gradient_accumulation_boundary(boundary)  # stages 0/1 reduce only then
+    lead = engines[0]
+    if len(engines) > 1 and lead.config.fp16.enabled is True:
+        reached = engines_reached(loss, engines)
+        if len(reached) != 1:
+            raise ValueError(
+                f"under fp16 this backward reaches {len(reached)} of the prepared models' "
+                "parameters: each engine scales the loss by its own loss scale, so each "
+                "backward must reach one trained model (detach() what another model produced, "
+                "or requires_grad_(False) on the other model around its forward), or train in "
+                "bf16"
+            )
+        lead = reached[0]
+    lead.backward(loss, retain_graph=retain_graph)
+    return [e is lead or holds_gradients(e) for e in engines]
 
 
 def _zeroing(engine: ZeroEngine) -> None:
