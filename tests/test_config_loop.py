@@ -1,12 +1,13 @@
 """A loop's ``torch.compile`` request merged into the config's ``compile`` section
-(``config.loop.apply_compile``), as Accelerate's dynamo settings are."""
+(``config.loop.apply_compile``), as Accelerate's dynamo settings are; a config given in code
+or read from the environment (``config.loop.code_or_env_config``), as ``ZeroPlugin``'s is."""
 
 from __future__ import annotations
 
 import pytest
 
 from ds_strategy.config import load_config
-from ds_strategy.config.loop import apply_compile
+from ds_strategy.config.loop import apply_compile, code_or_env_config
 
 
 def test_no_backend_leaves_the_config() -> None:
@@ -29,3 +30,14 @@ def test_another_backend_in_the_config_is_refused_naming_both() -> None:
         ValueError, match="'eager' in the ZeRO config vs Fabric's compile 'inductor'"
     ):
         apply_compile(cfg, "inductor", {}, said="Fabric's compile")
+
+
+def test_a_config_in_code_ignores_the_environment_saying_so() -> None:
+    env = {"DS_STRATEGY_ZERO_STAGE": "3", "OTHER": "1"}
+    assert code_or_env_config(None, env, {}, "Plugin").zero_optimization.stage == 3
+    given = {"zero_optimization": {"stage": 1}}
+    with pytest.warns(UserWarning, match=r"DS_STRATEGY_ZERO_STAGE ignored: Plugin\(config=...\)"):
+        cfg = code_or_env_config(given, env, {"gradient_clipping": 2.0}, "Plugin")
+    assert cfg.zero_optimization.stage == 1 and cfg.gradient_clipping == 2.0
+    with pytest.raises(ValueError, match="Plugin.overrides"):
+        code_or_env_config(given, {}, {"zero_optimization.stag": 2}, "Plugin")

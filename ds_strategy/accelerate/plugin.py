@@ -4,19 +4,18 @@
 ``ZeroPlugin(config=...)`` is the whole story: the environment is not read (a warning names the
 ``DS_STRATEGY_*`` variables ignored). Otherwise the file named by ``DS_STRATEGY_CONFIG`` is
 read, each other ``DS_STRATEGY_*`` variable overrides one key (``ds_strategy.config._env``),
-then the plugin's ``overrides`` win.
+then the plugin's ``overrides`` win (``config.loop.code_or_env_config``).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ZeroConfig, load_config
-from ..config._env import ENV_PREFIX, apply_overrides, config_from_env
+from ..config import ZeroConfig
+from ..config.loop import code_or_env_config
 
 __all__ = ["ZeroPlugin"]
 
@@ -49,16 +48,4 @@ class ZeroPlugin:
         """The validated config, ``"auto"`` values kept (see the note on precedence). Raises
         :class:`~ds_strategy.config.ConfigError` naming the key, file or variable at fault."""
         env = os.environ if environ is None else environ
-        if self.config is None:
-            cfg = config_from_env(env)
-        else:
-            ignored = sorted(n for n in env if n.startswith(ENV_PREFIX))
-            if ignored:
-                warnings.warn(
-                    f"{', '.join(ignored)} ignored: ZeroPlugin(config=...) was given in code; "
-                    "pass config=None to read the config from the environment",
-                    UserWarning,
-                    stacklevel=2,
-                )
-            cfg = load_config(self.config)
-        return apply_overrides(cfg, dict(self.overrides), False, "ZeroPlugin.overrides")
+        return code_or_env_config(self.config, env, self.overrides, "ZeroPlugin")

@@ -33,10 +33,12 @@ DeepSpeed integrations derive from the model's hidden size.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._env import ENV_PREFIX, apply_overrides, config_from_env
 from ._load import load_config
 from ._schema import AUTO, ConfigError, ZeroConfig
 
@@ -51,6 +53,7 @@ __all__ = [
     "apply_precision",
     "base_config",
     "check_precision",
+    "code_or_env_config",
     "clipping",
     "fill_auto",
     "fill_from_arguments",
@@ -300,6 +303,32 @@ def base_config(
     if offload_parameters:
         changes["zero_optimization.offload_param.device"] = "cpu"
     return cfg.replace(**changes) if changes else cfg
+
+
+def code_or_env_config(
+    source: Any, environ: Mapping[str, str], overrides: Mapping[str, Any], said: str
+) -> ZeroConfig:
+    """The config a loop object (``said``: ``ZeroPlugin``) was given in code, or, when
+    ``source`` is ``None``, the environment's (``DS_STRATEGY_CONFIG``, then each other
+    ``DS_STRATEGY_*`` variable); then ``overrides``, dotted keys. A config in code ignores the
+    environment, with a warning naming the variables ignored.
+
+    >>> code_or_env_config(None, {"DS_STRATEGY_ZERO_STAGE": "3"}, {}, "X").zero_optimization.stage
+    3
+    """
+    if source is None:
+        cfg = config_from_env(environ)
+    else:
+        ignored = sorted(n for n in environ if n.startswith(ENV_PREFIX))
+        if ignored:
+            warnings.warn(
+                f"{', '.join(ignored)} ignored: {said}(config=...) was given in code; "
+                "pass config=None to read the config from the environment",
+                UserWarning,
+                stacklevel=3,
+            )
+        cfg = load_config(source)
+    return apply_overrides(cfg, dict(overrides), False, f"{said}.overrides")
 
 
 def check_precision(precision: str, front: str) -> str:
