@@ -48,8 +48,7 @@ from ._private import (
     run_load_hooks,
     run_save_hooks,
     track,
-    tracked_loaders,
-    tracked_schedulers,
+    tracked,
 )
 from .plugin import ZeroPlugin
 
@@ -215,8 +214,8 @@ class Front:
                 path,
                 [],
                 [],
-                tracked_schedulers(acc),
-                tracked_loaders(acc),
+                tracked(acc, "scheduler"),
+                tracked(acc, "dataloader"),
                 acc.state.process_index,
                 acc.step,
                 None,
@@ -240,7 +239,14 @@ class Front:
         with together(world):
             rank, objects = acc.state.process_index, custom_objects(acc)
             restored = load_accelerator_state(
-                path, [], [], tracked_schedulers(acc), tracked_loaders(acc), rank, None, "cpu"
+                path,
+                [],
+                [],
+                tracked(acc, "scheduler"),
+                tracked(acc, "dataloader"),
+                rank,
+                None,
+                "cpu",
             )
             if "step" in restored:
                 acc.step = restored["step"]

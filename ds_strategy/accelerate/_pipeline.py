@@ -33,41 +33,13 @@ from .plugin import ZeroPlugin
 __all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
 
 _LOOP = "loss = model.train_batch(inputs, targets)"
-_REFUSED = {
-    "backward": (
-        "accelerator.backward: under a pipeline config the loss is computed and "
-        f"back-propagated inside the schedule; write `{_LOOP}` (it also steps the optimizer)"
-    ),
-    "clip_grad_norm_": (
-        "clip_grad_norm_: under a pipeline config train_batch clips by the global norm across "
-        "stages; set gradient_clipping in the ZeRO config (or ZeroPlugin(gradient_clipping=...) "
-        "for 'auto'); model.engine.get_global_grad_norm() returns the last norm"
-    ),
-    "clip_grad_value_": (
-        "clip_grad_value_ is not available under a pipeline config; set gradient_clipping "
-        "(global-norm clipping) in the ZeRO config"
-    ),
-    "accumulate": (
-        "accumulate(): under a pipeline config train_batch runs gradient_accumulation_steps "
-        "micro-batches itself; drop accumulate() and feed loader batches of "
-        "gradient_accumulation_steps x train_micro_batch_size_per_gpu samples"
-    ),
-    "no_sync": (
-        "no_sync(): under a pipeline config train_batch reduces gradients once per step "
-        f"itself; drop no_sync() and write `{_LOOP}`"
-    ),
-    "prepare_scheduler": (
-        "under a pipeline config the engine steps the lr scheduler inside train_batch; pass "
-        "the scheduler to the same prepare() call as the model and optimizer"
-    ),
-}
 
 
-def _refusing(what: str) -> Callable[..., NoReturn]:
+def _refusing(call: str, why: str) -> Callable[..., NoReturn]:
     """A :class:`PipelineFront` method for a call that ``train_batch`` makes itself."""
 
     def refuse(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
-        raise RuntimeError(_REFUSED[what])
+        raise RuntimeError(f"{call}: under a pipeline config {why}")
 
     return refuse
 
@@ -131,12 +103,37 @@ class PipelineFront(Front):
     model: PipelineModel | None
     model_kind = "the model (an nn.Sequential or a list of layers)"
     engine_schedulers = (LRScheduler, DummyScheduler)  # stepped inside train_batch
-    backward = _refusing("backward")
-    check_accumulate = _refusing("accumulate")
-    no_sync = _refusing("no_sync")
-    clip_grad_norm_ = _refusing("clip_grad_norm_")
-    clip_grad_value_ = _refusing("clip_grad_value_")
-    prepare_scheduler = scheduler_alone = _refusing("prepare_scheduler")
+    backward = _refusing(
+        "accelerator.backward",
+        f"the loss is computed and back-propagated inside the schedule; write `{_LOOP}` (it "
+        "also steps the optimizer)",
+    )
+    check_accumulate = _refusing(
+        "accumulate()",
+        "train_batch runs gradient_accumulation_steps micro-batches itself; drop accumulate() "
+        "and feed loader batches of gradient_accumulation_steps x "
+        "train_micro_batch_size_per_gpu samples",
+    )
+    no_sync = _refusing(
+        "no_sync()",
+        f"train_batch reduces gradients once per step itself; drop no_sync() and write `{_LOOP}`",
+    )
+    clip_grad_norm_ = _refusing(
+        "clip_grad_norm_",
+        "train_batch clips by the global norm across stages; set gradient_clipping in the ZeRO "
+        "config (or ZeroPlugin(gradient_clipping=...) for 'auto'); "
+        "model.engine.get_global_grad_norm() returns the last norm",
+    )
+    clip_grad_value_ = _refusing(
+        "clip_grad_value_",
+        "train_batch clips by the global norm only; set gradient_clipping (global-norm "
+        "clipping) in the ZeRO config",
+    )
+    prepare_scheduler = scheduler_alone = _refusing(
+        "an lr scheduler prepared alone",
+        "the engine steps the lr scheduler inside train_batch; pass the scheduler to the same "
+        "prepare() call as the model and optimizer",
+    )
 
     def __init__(self, acc: Accelerator, cfg: ZeroConfig, plugin: ZeroPlugin) -> None:
         super().__init__(acc, cfg, plugin)

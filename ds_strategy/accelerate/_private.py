@@ -22,18 +22,25 @@ __all__ = [
     "run_load_hooks",
     "run_save_hooks",
     "track",
-    "tracked_loaders",
-    "tracked_schedulers",
+    "tracked",
 ]
 
-_KINDS = {"model": "_models", "optimizer": "_optimizers", "scheduler": "_schedulers"}
-_KINDS["dataloader"] = "_dataloaders"
+# Accelerator._models, ._optimizers, ._schedulers, ._dataloaders
+_KINDS = {kind: f"_{kind}s" for kind in ("model", "optimizer", "scheduler", "dataloader")}
+
+
+def tracked(acc: Accelerator, kind: str) -> list[Any]:
+    """What ``acc`` tracks as prepared ``kind`` (model, optimizer, scheduler, dataloader):
+    ``save_state``, ``free_memory`` and ``accumulate`` see these."""
+    return getattr(acc, _KINDS[kind])
 
 
 def track(acc: Accelerator, kind: str, obj: Any) -> None:
-    """Add ``obj`` to what ``acc`` tracks as a prepared ``kind`` (model, optimizer, scheduler,
-    dataloader): ``save_state``, ``free_memory`` and ``accumulate`` then see it."""
-    getattr(acc, _KINDS[kind]).append(obj)
+    tracked(acc, kind).append(obj)
+
+
+def prepared_objects(acc: Accelerator) -> tuple[list[Any], ...]:
+    return tuple(tracked(acc, kind) for kind in _KINDS)
 
 
 def mark_prepared(obj: Any) -> None:
@@ -44,19 +51,6 @@ def mark_prepared(obj: Any) -> None:
 
 def is_prepared(obj: Any) -> bool:
     return bool(getattr(obj, "_is_accelerate_prepared", False))
-
-
-def prepared_objects(acc: Accelerator) -> tuple[list[Any], ...]:
-    """The dataloaders, models, optimizers and schedulers ``acc`` tracks."""
-    return acc._dataloaders, acc._models, acc._optimizers, acc._schedulers
-
-
-def tracked_schedulers(acc: Accelerator) -> list[Any]:
-    return acc._schedulers
-
-
-def tracked_loaders(acc: Accelerator) -> list[Any]:
-    return acc._dataloaders
 
 
 def custom_objects(acc: Accelerator) -> list[Any]:
