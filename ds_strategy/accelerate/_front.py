@@ -84,8 +84,7 @@ class EngineOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped (an fp16 overflow, a non-finite
-        gradient norm)."""
+        """Whether the last step was skipped (an fp16 overflow, a non-finite gradient norm)."""
         return self.skipped
 
 
@@ -228,8 +227,7 @@ class Front:
         return path
 
     def load_state(self, input_dir: str | None, trust_checkpoint: bool) -> None:
-        """Collective. Only tensors and plain data are unpickled (the engine's checkpoint, and
-        registered objects, which Accelerate would unpickle in full) unless ``trust_checkpoint``."""
+        """Collective (see ``ZeroAccelerator.load_state`` on ``trust_checkpoint``)."""
         acc = self.acc
         world = Comm()
         with together(world):
@@ -238,16 +236,8 @@ class Front:
         load_all(self.engines(), os.path.join(path, ENGINE_DIR), trust_checkpoint=trust_checkpoint)
         with together(world):
             rank, objects = acc.state.process_index, custom_objects(acc)
-            restored = load_accelerator_state(
-                path,
-                [],
-                [],
-                tracked(acc, "scheduler"),
-                tracked(acc, "dataloader"),
-                rank,
-                None,
-                "cpu",
-            )
+            schedulers, loaders = tracked(acc, "scheduler"), tracked(acc, "dataloader")
+            restored = load_accelerator_state(path, [], [], schedulers, loaders, rank, None, "cpu")
             if "step" in restored:
                 acc.step = restored["step"]
             saved = [f for f in os.listdir(path) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f)]
@@ -278,10 +268,11 @@ def _iteration(folder: str) -> int:
     return int(found[0]) if found else -1
 
 
-def _automatic_dirs(acc: Accelerator) -> list[str]:
+def _automatic_dirs(acc: Accelerator) -> tuple[str, list[str]]:
+    """Accelerate's ``checkpoints`` folder, and its ``checkpoint_<i>`` folders by ``i``."""
     root = os.path.join(acc.project_dir, "checkpoints")
     found = os.listdir(root) if os.path.isdir(root) else []
-    return sorted((os.path.join(root, f) for f in found), key=_iteration)
+    return root, sorted((os.path.join(root, f) for f in found), key=_iteration)
 
 
 def _save_dir(acc: Accelerator, output_dir: str | None) -> str:
@@ -291,12 +282,12 @@ def _save_dir(acc: Accelerator, output_dir: str | None) -> str:
         if output_dir is None:
             raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
         return os.fspath(output_dir)
-    existing = _automatic_dirs(acc)
+    root, existing = _automatic_dirs(acc)
     limit = config.total_limit
     if limit is not None and len(existing) + 1 > limit and acc.is_main_process:
         for folder in existing[: len(existing) + 1 - limit]:
             shutil.rmtree(folder)
-    path = os.path.join(acc.project_dir, "checkpoints", f"checkpoint_{acc.save_iteration}")
+    path = os.path.join(root, f"checkpoint_{acc.save_iteration}")
     if os.path.exists(path):
         raise ValueError(
             f"{path} already exists: set accelerator.project_configuration.iteration to the "
@@ -310,9 +301,9 @@ def _load_dir(acc: Accelerator, input_dir: str | None) -> str:
     if input_dir is not None:
         path = os.path.expanduser(os.fspath(input_dir))
     elif acc.project_configuration.automatic_checkpoint_naming:
-        found = _automatic_dirs(acc)
+        root, found = _automatic_dirs(acc)
         if not found:
-            raise ValueError(f"no checkpoint under {os.path.join(acc.project_dir, 'checkpoints')}")
+            raise ValueError(f"no checkpoint under {root}")
         path = found[-1]
     else:
         raise ValueError("load_state needs input_dir (or automatic_checkpoint_naming)")

@@ -99,8 +99,7 @@ class ZeroAccelerator(Accelerator):
         self._front: EngineFront | PipelineFront = front(self, cfg, self.zero_plugin)
         self._loader_mesh: Any = None  # see _prepare_device_mesh
         self._front.adopt_steps = self._adopt_accumulation_steps
-        if isinstance(cfg.gradient_accumulation_steps, int):
-            self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
+        self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
 
     @staticmethod
     def _launched_on_cpu(kwargs: dict[str, Any]) -> bool:
@@ -115,17 +114,19 @@ class ZeroAccelerator(Accelerator):
             return not probe.is_available()
         return not torch.cuda.is_available()
 
-    def _adopt_accumulation_steps(self, steps: int) -> None:
+    def _adopt_accumulation_steps(self, steps: Any) -> None:
+        """The config's steps, when it gives a number, win over the Accelerator's."""
         current = self.gradient_state.num_steps
-        if steps != current:
-            if current != 1:
-                warnings.warn(
-                    f"gradient_accumulation_steps: the ZeRO config says {steps}, the Accelerator "
-                    f"{current}; using the config's {steps}",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            self.gradient_accumulation_steps = steps  # type: ignore[has-type]
+        if not isinstance(steps, int) or steps == current:
+            return
+        if current != 1:
+            warnings.warn(
+                f"gradient_accumulation_steps: the ZeRO config says {steps}, the Accelerator "
+                f"{current}; using the config's {steps}",
+                UserWarning,
+                stacklevel=3,
+            )
+        self.gradient_accumulation_steps = steps  # type: ignore[has-type]
 
     def _prepare_device_mesh(self) -> Any:
         """The mesh Accelerate's data loaders shard by: with ``tensor_parallel``, the ranks of
@@ -194,8 +195,7 @@ class ZeroAccelerator(Accelerator):
         if self._front.trained is not None:
             raise ValueError("zero_config cannot change after prepare() built the engine")
         self._front.cfg = cfg
-        if isinstance(cfg.gradient_accumulation_steps, int):
-            self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
+        self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``engine.backward``: the loss is divided by ``gradient_accumulation_steps``."""
@@ -258,8 +258,9 @@ class ZeroAccelerator(Accelerator):
         **kwargs: Any,
     ) -> None:
         """Restore what :meth:`save_state` wrote, at any world size or ZeRO stage (a pipeline:
-        the same stages). Collective. Only tensors and plain data are unpickled (engine and
-        registered objects) unless ``trust_checkpoint=True``, for a trusted source."""
+        the same stages). Collective. Only tensors and plain data are unpickled (the engine's
+        checkpoint, and registered objects, which Accelerate would unpickle in full) unless
+        ``trust_checkpoint=True``, for a trusted source."""
         if self._front.trained is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
         if kwargs or load_kwargs:
