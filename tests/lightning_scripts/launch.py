@@ -31,9 +31,10 @@ def run_script(script: str, out: Path, timeout: float = 240, args: tuple[str, ..
     return run_command(cmd, HERE, env, timeout, script)
 
 
-def run_for_results(script: str, out: Path) -> dict:
-    """Run ``script`` and load the ``results.pt`` it wrote into ``out`` (kept as ``out``)."""
-    run_script(script, out)
+def run_for_results(script: str, out: Path, args: tuple[str, ...] = ()) -> dict:
+    """Run ``script`` (with ``args`` after ``out``) and load the ``results.pt`` it wrote into
+    ``out`` (kept as ``out``)."""
+    run_script(script, out, args=args)
     results = torch.load(out / "results.pt", weights_only=False)
     results["out"] = out
     return results

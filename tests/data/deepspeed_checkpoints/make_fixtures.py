@@ -10,6 +10,10 @@ For each case (ZeRO stage x precision) two ranks train a small MLP for 4 steps a
 trains 3 more steps on the next batches and its consolidated weights are
 ``<case>/continued.safetensors``. ``batches.safetensors`` holds every global batch, and
 ``<case>/config.json`` the config each case ran.
+
+``lightning_s2``: the same through Lightning's ``DeepSpeedStrategy`` (a ``.ckpt`` directory,
+tag ``checkpoint``, Lightning's loop state as client state). Lightning allows that strategy on
+CUDA only; here its device check is skipped, everything else is Lightning's and DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -65,7 +69,10 @@ def model():
     torch.manual_seed(0)
     a, b, c, d = SIZES
     return torch.nn.Sequential(
-        torch.nn.Linear(a, b), torch.nn.Tanh(), torch.nn.Linear(b, c), torch.nn.Tanh(),
+        torch.nn.Linear(a, b),
+        torch.nn.Tanh(),
+        torch.nn.Linear(b, c),
+        torch.nn.Tanh(),
         torch.nn.Linear(c, d),
     )
 
@@ -130,18 +137,121 @@ def run_case(name: str) -> None:
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's copies of its tools
             (out / "ckpt" / script).unlink(missing_ok=True)
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        print(f"{name}: {engine.optimizer.__class__.__name__} over {type(engine.optimizer.optimizer if hasattr(engine.optimizer, 'optimizer') else engine.optimizer).__name__}")
+        print(
+            f"{name}: {engine.optimizer.__class__.__name__} over {type(engine.optimizer.optimizer if hasattr(engine.optimizer, 'optimizer') else engine.optimizer).__name__}"
+        )
+
+
+def lightning_parts(data: dict, rank: int, replicas: int):
+    """The LightningModule of the Lightning case and its loaders: ``loader(steps)`` yields, on
+    this rank, its share of each step's global batch (``replicas`` ranks, 1: the whole)."""
+    import lightning.pytorch as pl
+    import torch
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.01)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+            return [opt], [{"scheduler": sched, "interval": "step"}]
+
+    class Rows(torch.utils.data.Dataset):  # the samples of the given steps, in order
+        def __init__(self, steps: range) -> None:
+            self.steps = list(steps)
+
+        def __len__(self) -> int:
+            return len(self.steps) * WORLD * MICRO
+
+        def __getitem__(self, k: int):
+            step, row = self.steps[k // (WORLD * MICRO)], k % (WORLD * MICRO)
+            return data["inputs"][step, row], data["targets"][step, row]
+
+    def loader(steps: range):
+        rows = Rows(steps)
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            rows, num_replicas=replicas, rank=rank, shuffle=False
+        )
+        return torch.utils.data.DataLoader(
+            rows, batch_size=WORLD * MICRO // replicas, sampler=sampler
+        )
+
+    return Net, loader
+
+
+def run_lightning(name: str) -> None:
+    import deepspeed
+    import lightning.pytorch as pl
+    import lightning.pytorch.strategies.deepspeed as lightning_deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+    from safetensors.torch import load_file, save_file
+
+    DeepSpeedStrategy.setup_environment = DDPStrategy.setup_environment  # CPU (see the note)
+    lightning_deepspeed._validate_device_index_selection = lambda devices: None
+    initialize = deepspeed.initialize
+
+    def on_cpu(args=None, **kwargs):  # Lightning passes the CPU's device index, None
+        if args is not None and getattr(args, "device_rank", 0) is None:
+            args.device_rank = -1
+        return initialize(args=args, **kwargs)
+
+    deepspeed.initialize = on_cpu
+    cfg = config(2, "fp32")
+    for key in ("optimizer", "scheduler", "gradient_accumulation_steps", "gradient_clipping"):
+        cfg.pop(key)  # Lightning's configure_optimizers and Trainer flags instead
+    data = load_file(HERE / "batches.safetensors")
+    out = HERE / name
+
+    Net, loader = lightning_parts(data, int(os.environ["RANK"]), WORLD)
+
+    def trainer(steps: int):
+        return pl.Trainer(
+            strategy=DeepSpeedStrategy(config=json.loads(json.dumps(cfg))),  # it fills it in
+            accelerator="cpu",
+            devices=WORLD,
+            max_steps=steps,
+            gradient_clip_val=0.5,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+
+    t = trainer(STEPS)
+    t.fit(Net(), loader(range(STEPS)))
+    t.save_checkpoint(out / "model.ckpt")
+    if t.global_rank == 0:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(out / "model.ckpt"))
+        save_file({k: v.contiguous() for k, v in state.items()}, out / "consolidated.safetensors")
+    t = trainer(STEPS + MORE)
+    t.fit(Net(), loader(range(STEPS + MORE)), ckpt_path=out / "model.ckpt")
+    t.save_checkpoint(out / "continued.ckpt")
+    if t.global_rank == 0:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(out / "continued.ckpt"))
+        save_file({k: v.contiguous() for k, v in state.items()}, out / "continued.safetensors")
+        shutil.rmtree(out / "continued.ckpt")
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (out / "model.ckpt" / script).unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--case":
-        run_case(sys.argv[2])
+        (run_lightning if sys.argv[2].startswith("lightning") else run_case)(sys.argv[2])
         return
     from safetensors.torch import save_file
 
     save_file(batches(), HERE / "batches.safetensors")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    for name in sys.argv[1:] or CASES:
+    for name in sys.argv[1:] or [*CASES, "lightning_s2"]:
         shutil.rmtree(HERE / name, ignore_errors=True)
         cmd = ["torchrun", f"--nproc_per_node={WORLD}", "--master_port=29613", __file__]
         subprocess.run([*cmd, "--case", name], check=True, env=env)
