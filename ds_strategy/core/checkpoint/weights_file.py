@@ -62,10 +62,16 @@ def stream_safetensors(
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for (name, dtype, shape), t in zip(entries, tensors, strict=True):
-            if t.dtype != dtype or list(t.shape) != list(shape):
-                raise ValueError(f"{name}: got {t.dtype}{list(t.shape)}, declared {dtype}{shape}")
+        produced = iter(tensors)
+        for name, dtype, shape in entries:
+            t = next(produced, None)
+            if t is None or t.dtype != dtype or list(t.shape) != list(shape):
+                got = "nothing" if t is None else f"{t.dtype}{list(t.shape)}"
+                raise ValueError(f"{name}: got {got}, declared {dtype}{shape}")
             f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t  # before the next tensor is produced: one in memory at a time
+        if next(produced, None) is not None:
+            raise ValueError(f"{path}: more tensors than the {len(entries)} declared")
     tmp.rename(path)
 
 
