@@ -17,28 +17,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds-strategy", description="ds_strategy tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="write a sharded checkpoint's weights to one file")
-    c.add_argument(
-        "checkpoint_dir",
-        help="a directory written by engine.save_checkpoint, a checkpoint root (its latest), "
-        "or a pipeline checkpoint's root (its stage_<k> together)",
-    )
-    c.add_argument(
-        "output",
-        help="the file to write: .safetensors (streamed, one tensor at a time), or .pt / .pth / "
-        ".bin (torch.save: the whole model in memory at once)",
-    )
-    c.add_argument(
-        "--dtype",
-        choices=sorted(_DTYPES),
-        default="fp32",
-        help="floating-point dtype of the output (keep: as saved)",
-    )
-    c.add_argument(
-        "--no-require-checksums",
-        action="store_true",
-        help="accept a checkpoint that records no checksums (only one you trust)",
-    )
+    _add_consolidate(sub)
     estimate.add_cli_parser(sub)
     generate.add_cli_parser(sub)
     args = parser.parse_args(argv)
@@ -52,9 +31,72 @@ def main(argv: list[str] | None = None) -> int:
             args.output,
             _DTYPES[args.dtype],
             require_checksums=not args.no_require_checksums,
+            tag=args.tag,
+            max_shard_size=args.max_shard_size,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
+            trust_checkpoint=args.trust_checkpoint,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"ds-strategy consolidate: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0
+
+
+def _add_consolidate(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint's weights (ours or DeepSpeed's) to one file or shards",
+        description="Write the weights of a ds_strategy or DeepSpeed checkpoint (told apart by "
+        "content; DeepSpeed need not be installed) to one file, or to Hugging Face shards "
+        "with --max-shard-size, as DeepSpeed's zero_to_fp32.py does.",
+    )
+    c.add_argument(
+        "checkpoint_dir",
+        help="a directory written by engine.save_checkpoint, a checkpoint root (its latest), "
+        "a pipeline checkpoint's root (its stage_<k> together), or a DeepSpeed checkpoint's "
+        "save directory (its latest) or tag directory",
+    )
+    c.add_argument(
+        "output",
+        help="the file to write: .safetensors (streamed, one tensor at a time), or .pt / .pth / "
+        ".bin (torch.save: the whole model, or one shard, in memory at once)",
+    )
+    c.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="fp32",
+        help="floating-point dtype of the output (keep: as saved; DeepSpeed's trained "
+        "parameters are its fp32 master weights)",
+    )
+    c.add_argument(
+        "--tag",
+        default=None,
+        help="the tag directory to export (global_step100) instead of the one latest names",
+    )
+    c.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="write shards of at most SIZE (5GB, 500MB, 10KB, 2GiB, or bytes) as Hugging Face "
+        "does: for dir/model.safetensors, dir/model-00001-of-0000N.safetensors ... and "
+        "dir/model.safetensors.index.json (just the output file when one shard holds all); a "
+        "tensor larger than SIZE gets a shard of its own",
+    )
+    c.add_argument(
+        "--exclude-frozen-parameters",
+        action="store_true",
+        help="leave out parameters that did not train (DeepSpeed's frozen_param_shapes; ours: "
+        "weights without optimizer state)",
+    )
+    c.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="a DeepSpeed checkpoint: unpickle objects other than tensors, plain data and "
+        "DeepSpeed's few records (only for a checkpoint you trust)",
+    )
+    c.add_argument(
+        "--no-require-checksums",
+        action="store_true",
+        help="accept a checkpoint that records no checksums (only one you trust)",
+    )

@@ -1,14 +1,16 @@
-"""Turn a sharded checkpoint into one file the plain model loads with ``load_state_dict``.
+"""Turn a sharded checkpoint, ours or DeepSpeed's, into the weights file(s) the plain model
+loads with ``load_state_dict``: one file, or Hugging Face's shards and index.
 
 [Note: bounded memory]
-The output is written tensor by tensor: each parameter is read from the shards through
-DCP (only the chunks of that one tensor), converted, written and dropped, so peak memory is
-about two copies of the largest single tensor (the chunks DCP reads, then the tensor they
-fill; one more for a dtype conversion), never the whole model. A ``.safetensors`` file is
-written by hand in its documented layout (an 8-byte little-endian header length, a JSON
-header of dtypes, shapes and byte offsets, then the raw tensors back to back), which is what
-allows streaming. A ``.pt`` file is one pickle that ``torch.save`` writes from a dict of
-tensors, so it is built in memory: its peak is the whole model's weights. Prefer
+The output is written tensor by tensor: each parameter is read from the checkpoint (ours:
+through DCP, only the chunks of that one tensor; DeepSpeed's: from its memory-mapped
+partitions, ``deepspeed/weights.py``), converted, written and dropped, so peak memory is about
+two copies of the largest single tensor (the pieces read, then the tensor they fill; one more
+for a dtype conversion), never the whole model. A ``.safetensors`` file is written by hand in
+its documented layout (an 8-byte little-endian header length, a JSON header of dtypes, shapes
+and byte offsets, then the raw tensors back to back), which is what allows streaming. A ``.pt``
+file is one pickle that ``torch.save`` writes from a dict of tensors, so it is built in memory:
+its peak is the whole model's weights, or one shard's under ``max_shard_size``. Prefer
 ``.safetensors`` for large models (``benchmarks/bench_consolidate.py`` measures both).
 """
 
@@ -16,19 +18,20 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .keys import MODEL_KINDS, EntryKey
+from .deepspeed.layout import find_deepspeed, open_deepspeed
+from .deepspeed.weights import DeepSpeedWeights
+from .keys import MODEL_KINDS, OPTIMIZER_KINDS, EntryKey
 from .manager import resolve_sources
 from .store import single_process_ok
 from .trust import SafeReader
-from .validate import META_FILE, check_files
-from .weights_file import stream_safetensors
+from .validate import META_FILE, CheckpointError, check_files, has_optimizer_state
+from .weights_shards import WeightEntry, parse_size, write_weight_files
 
 __all__ = ["consolidate"]
 
@@ -53,70 +56,58 @@ def _by_name(entries: dict[EntryKey, TensorStorageMetadata]) -> list[EntryKey]:
     return sorted(entries, key=lambda entry: entry.text)
 
 
-def _stream(
-    path: Path, dtype: torch.dtype | None, keys: set[EntryKey]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    reader = SafeReader(path)
-    shapes = _shapes(path)
-    entries = _entries(reader)
-    for entry in _by_name(entries):
-        if entry not in keys:
-            continue
-        m = entries[entry]
+def _out_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+class _OwnWeights:
+    """A ds_strategy checkpoint's weights and buffers by name: each of ``sources``' entries
+    that no earlier source holds, in name order, read one at a time through DCP."""
+
+    def __init__(
+        self, sources: list[Path], dtype: torch.dtype | None, exclude_frozen: bool
+    ) -> None:
+        self.dtype = dtype
+        self.entries: list[WeightEntry] = []
+        self._where: dict[str, tuple[Path, EntryKey, TensorStorageMetadata, list[int]]] = {}
+        for src, owned in _owned(sources):
+            shapes = _shapes(src)
+            frozen = _frozen(src) if exclude_frozen else set()
+            for entry in _by_name(owned):
+                if entry.kind == "model" and entry.param in frozen:
+                    continue
+                m = owned[entry]
+                shape = shapes.get(entry.param, list(m.size))
+                self._where[entry.param] = (src, entry, m, shape)
+                out_dtype = _out_dtype(m.properties.dtype, dtype)
+                self.entries.append(WeightEntry(entry.param, out_dtype, tuple(shape)))
+
+    def read(self, name: str) -> torch.Tensor:
+        src, entry, m, shape = self._where[name]
         t = torch.empty(m.size, dtype=m.properties.dtype)
         with single_process_ok(False):
-            dcp.load({entry.text: t}, storage_reader=SafeReader(path), no_dist=True)
-        name = entry.param
-        if name in shapes:
-            t = t.view(shapes[name])
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        yield name, t
-        del t  # before the next tensor is allocated
+            dcp.load({entry.text: t}, storage_reader=SafeReader(src), no_dist=True)
+        return t.view(shape).to(_out_dtype(t.dtype, self.dtype))
 
 
-def consolidate(
-    checkpoint_dir: str | os.PathLike,
-    output_path: str | os.PathLike,
-    dtype: torch.dtype | None = torch.float32,
-    require_checksums: bool = True,
-) -> Path:
-    """Write the weights of a sharded checkpoint to one ``.safetensors`` or ``.pt`` file.
-
-    >>> ds_strategy.consolidate("ckpt/step100", "model.safetensors")  # doctest: +SKIP
-
-    Runs in one process, with no process group, whatever world size wrote the checkpoint.
-    ``checkpoint_dir`` may be a checkpoint root: its ``latest`` checkpoint is exported; or a
-    pipeline checkpoint's root: its stages' layers together, as one model. Every
-    file is checked against the sizes and checksums recorded at save time first.
-    ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype);
-    ``require_checksums=False`` accepts a checkpoint that records no checksums. Tied weights
-    appear once, under their first name; ``load_state_dict(strict=False)`` or re-tying after
-    loading restores the other name.
-    """
-    out = Path(output_path)
-    if out.suffix not in (".safetensors", ".pt", ".pth", ".bin") or out.is_dir():
-        raise ValueError(
-            f"output {str(output_path)!r}: choose a .safetensors, .pt, .pth or .bin file name"
+def _frozen(src: Path) -> set[str]:
+    """The parameters of ``src`` that did not train: weights without optimizer state."""
+    fix = "export without exclude_frozen_parameters (--exclude-frozen-parameters)"
+    if not has_optimizer_state(src):
+        raise CheckpointError(
+            f"{src}: saved without optimizer state (include_optimizer=False), so the "
+            f"checkpoint does not record which parameters were frozen; {fix}"
         )
-    if not str(checkpoint_dir) or not Path(checkpoint_dir).is_dir():
-        raise FileNotFoundError(
-            f"checkpoint {str(checkpoint_dir)!r}: no such directory (give one written by "
-            "save_checkpoint, its root, or a pipeline checkpoint's root)"
+    keys = [EntryKey.parse(k) for k in SafeReader(src).read_metadata().state_dict_metadata]
+    weights = {k.param for k in keys if k is not None and k.kind == "model"}
+    trained = {k.param for k in keys if k is not None and k.kind in OPTIMIZER_KINDS}
+    if weights and not trained:
+        raise CheckpointError(
+            f"{src}: holds optimizer state for no parameter (saved before the first step, or "
+            "by an optimizer that keeps none, such as SGD without momentum), so the "
+            f"checkpoint does not record which parameters were frozen; {fix}"
         )
-    sources = resolve_sources(Path(checkpoint_dir).absolute(), None)
-    for src in sources:
-        if not (src / META_FILE).is_file():
-            raise FileNotFoundError(
-                f"{src}: not a ds_strategy checkpoint directory (no ds_strategy.json)"
-            )
-        # a damaged file is an error naming it, never a silently wrong export
-        check_files(src, require_checksums)
-    if out.suffix == ".safetensors":
-        _write_safetensors(sources, out, dtype)
-    else:
-        torch.save(dict(_stream_all(sources, dtype)), out)
-    return out
+    return weights - trained
 
 
 def _owned(sources: list[Path]) -> list[tuple[Path, dict[EntryKey, TensorStorageMetadata]]]:
@@ -131,21 +122,96 @@ def _owned(sources: list[Path]) -> list[tuple[Path, dict[EntryKey, TensorStorage
     return out
 
 
-def _stream_all(
-    sources: list[Path], dtype: torch.dtype | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for src, entries in _owned(sources):
-        yield from _stream(src, dtype, set(entries))
+def _own_sources(path: Path, tag: str | None, require_checksums: bool) -> list[Path]:
+    sources = resolve_sources(path, tag)
+    for src in sources:
+        if not (src / META_FILE).is_file():
+            raise FileNotFoundError(_neither(path if tag is None else path / tag))
+        # a damaged file is an error naming it, never a silently wrong export
+        check_files(src, require_checksums)
+    return sources
 
 
-def _write_safetensors(sources: list[Path], out: Path, dtype: torch.dtype | None) -> None:
-    entries = []
-    for src, owned in _owned(sources):
-        shapes = _shapes(src)
-        for entry in _by_name(owned):
-            m, name = owned[entry], entry.param
-            t_dtype = m.properties.dtype
-            if dtype is not None and t_dtype.is_floating_point:
-                t_dtype = dtype
-            entries.append((name, t_dtype, shapes.get(name, list(m.size))))
-    stream_safetensors(out, entries, (t for _, t in _stream_all(sources, dtype)))
+def _neither(where: Path) -> str:
+    return (
+        f"checkpoint '{where}': neither a ds_strategy checkpoint (no {META_FILE} in it, nor "
+        "in the directory a 'latest' file there names, nor a pipeline's stage_<k>) nor a "
+        "DeepSpeed checkpoint (no mp_rank_00_model_states.pt or "
+        "zero_pp_rank_<r>_mp_rank_00_model_states.pt in it, nor in the tag directory its "
+        "'latest' names); give the directory save_checkpoint wrote or its root, and --tag / "
+        "tag= for a tag other than the latest"
+    )
+
+
+def _output(output_path: str | os.PathLike) -> Path:
+    out = Path(output_path)
+    if out.suffix not in (".safetensors", ".pt", ".pth", ".bin") or out.is_dir():
+        raise ValueError(
+            f"output {str(output_path)!r}: choose a .safetensors, .pt, .pth or .bin file name"
+        )
+    return out
+
+
+def consolidate(
+    checkpoint_dir: str | os.PathLike,
+    output_path: str | os.PathLike,
+    dtype: torch.dtype | None = torch.float32,
+    require_checksums: bool = True,
+    *,
+    tag: str | None = None,
+    max_shard_size: int | str | None = None,
+    exclude_frozen_parameters: bool = False,
+    trust_checkpoint: bool = False,
+) -> Path:
+    """Write the weights of a sharded checkpoint, ours or DeepSpeed's, to one ``.safetensors``
+    or ``.pt`` file, or to shards of it as Hugging Face writes them.
+
+    >>> ds_strategy.consolidate("ckpt/step100", "model.safetensors")  # doctest: +SKIP
+    >>> ds_strategy.consolidate(  # doctest: +SKIP
+    ...     "ds_run", "out/model.safetensors", tag="global_step500", max_shard_size="5GB"
+    ... )
+
+    Runs in one process, with no process group, whatever world size wrote the checkpoint, and
+    without DeepSpeed installed. ``checkpoint_dir`` may be a checkpoint directory, a checkpoint
+    root (its ``latest``, or ``tag``), a pipeline checkpoint's root (its stages' layers
+    together, as one model), or DeepSpeed's save directory or tag directory; which one is told
+    by content. ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype; a
+    DeepSpeed checkpoint's trained parameters are its fp32 master weights).
+
+    ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"10KB"``) writes shards of at most
+    that size, filled as ``transformers`` fills them, for ``out/model.safetensors``:
+    ``out/model-00001-of-0000N.safetensors`` ... and ``out/model.safetensors.index.json``; a
+    tensor larger than the limit gets a shard of its own; when everything fits in one shard it
+    is just ``output_path``. Returns the file written, or the index of the shards.
+
+    ``exclude_frozen_parameters`` leaves out the parameters that did not train: DeepSpeed's
+    ``frozen_param_shapes``; ours, the weights without optimizer state (a checkpoint saved
+    without optimizer state does not record them, and is refused).
+
+    Our checkpoints: every file is checked against the sizes and checksums recorded at save
+    time first; ``require_checksums=False`` accepts one that records no checksums. Tied weights
+    appear once, under their first name; ``load_state_dict(strict=False)`` or re-tying after
+    loading restores the other name. DeepSpeed's: the file holds what DeepSpeed's
+    ``zero_to_fp32.py`` gives (buffers, frozen and trained parameters, and each tied weight
+    under every name); its pickles load DeepSpeed's few classes as records and refuse any
+    other object unless ``trust_checkpoint=True``.
+    """
+    out = _output(output_path)
+    if max_shard_size is not None:
+        parse_size(max_shard_size)  # a bad size is refused before anything is read
+    path = Path(checkpoint_dir).absolute()
+    if not str(checkpoint_dir) or not path.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint {str(checkpoint_dir)!r}: no such directory (give one written by "
+            "save_checkpoint, its root, a pipeline checkpoint's root, or a DeepSpeed "
+            "checkpoint's save or tag directory)"
+        )
+    tag_dir = find_deepspeed(path, tag)
+    weights: DeepSpeedWeights | _OwnWeights
+    if tag_dir is not None:
+        ckpt = open_deepspeed(tag_dir, trust_checkpoint)
+        weights = DeepSpeedWeights(ckpt, dtype, exclude_frozen_parameters)
+    else:
+        sources = _own_sources(path, tag, require_checksums)
+        weights = _OwnWeights(sources, dtype, exclude_frozen_parameters)
+    return write_weight_files(out, weights.entries, weights.read, max_shard_size)[-1]
