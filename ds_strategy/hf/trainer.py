@@ -20,7 +20,8 @@ loadable by ``from_pretrained``, trainer state, RNG states, the Trainer's lr sch
 instead of ``optimizer.pt``, the engine's sharded checkpoint under ``zero_checkpoint/``:
 weights in fp32, optimizer state, a config scheduler, counters. It resumes at any world size
 or ZeRO stage (``train(resume_from_checkpoint=...)``), and ``load_best_model_at_end`` loads its
-weights.
+weights. A ``checkpoint-<N>/`` that a Trainer wrote with DeepSpeed (``global_step<N>/`` and
+``latest``) resumes too: the engine reads DeepSpeed's layout.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,8 @@ from transformers.trainer import SCHEDULER_NAME
 from ..accelerate import ZeroAccelerator, ZeroPlugin
 from ..accelerate._front import ENGINE_DIR, EngineSchedulerWrapper
 from ..config import ZeroConfig
+from ..core.checkpoint.deepspeed.layout import find_deepspeed, open_deepspeed
+from ..core.schedulers import load_scheduler_state
 from ..frontends.engines import move_schedulers
 from ._args import fill_from_training_args
 from ._private import TrainerHooks, save_pretrained_state, scheduler_is_rebuilt
@@ -175,9 +179,16 @@ class ZeroTrainer(TrainerHooks, Trainer):
         engine = self.accelerator.zero_engine
         if engine is None or checkpoint is None:
             return False
-        engine.load_checkpoint(os.path.join(checkpoint, ENGINE_DIR))  # collective, any layout
+        deepspeed = find_deepspeed(Path(checkpoint))  # a checkpoint DeepSpeed's Trainer wrote
+        engine.load_checkpoint(deepspeed or os.path.join(checkpoint, ENGINE_DIR))  # collective
+        if engine.config.scheduler is not None:
+            return True
         saved = os.path.join(checkpoint, SCHEDULER_NAME)
-        if engine.config.scheduler is None and os.path.isfile(saved):
+        if deepspeed is not None:  # there, the Trainer's scheduler is saved by DeepSpeed
+            state = open_deepspeed(deepspeed).model_state.get("lr_scheduler")
+            if state:
+                load_scheduler_state(self.lr_scheduler, state)
+        elif os.path.isfile(saved):
             self.lr_scheduler.load_state_dict(torch.load(saved, weights_only=True))
         return True
 

@@ -14,6 +14,12 @@ trains 3 more steps on the next batches and its consolidated weights are
 ``lightning_s2``: the same through Lightning's ``DeepSpeedStrategy`` (a ``.ckpt`` directory,
 tag ``checkpoint``, Lightning's loop state as client state). Lightning allows that strategy on
 CUDA only; here its device check is skipped, everything else is Lightning's and DeepSpeed's.
+``hf_s2``: Hugging Face's ``Trainer`` with a DeepSpeed config (ZeRO-2) on a tiny GPT-2 whose
+head is tied to its embedding, checkpointing at step 4 of 7 (``checkpoint-4/global_step4``);
+``continued.safetensors`` holds the weights of a Trainer resumed from it at step 7. On CPU the
+Trainer's data loader is not sharded over DeepSpeed's two ranks (Accelerate sees one process),
+so both ranks train on the same batch of 2 each step: a one-process run with that batch size
+takes the same steps.
 """
 
 from __future__ import annotations
@@ -243,15 +249,86 @@ def run_lightning(name: str) -> None:
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+HF_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 2},
+}
+
+
+def hf_parts(out: str, resume: bool = False):
+    """The Hugging Face case's model, data and arguments."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    net = GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 32, (7 * WORLD * MICRO, 8), generator=g)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(ids)
+
+        def __getitem__(self, i: int):
+            return {"input_ids": ids[i], "labels": ids[i]}
+
+    args = dict(
+        output_dir=out,
+        per_device_train_batch_size=MICRO,
+        max_steps=STEPS + MORE,
+        save_steps=STEPS,
+        learning_rate=0.01,
+        weight_decay=0.01,
+        max_grad_norm=0.5,
+        report_to=[],
+        logging_steps=100,
+        seed=7,
+        disable_tqdm=True,
+    )
+    return net, Tokens(), lambda **more: TrainingArguments(**{**args, **more})
+
+
+def run_hf(name: str) -> None:
+    import torch.distributed as dist
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
+    from transformers import Trainer
+
+    out = HERE / name
+    net, data, args = hf_parts(str(out / "run"))
+    Trainer(model=net, args=args(deepspeed=dict(HF_CONFIG)), train_dataset=data).train()
+    net, data, args = hf_parts(str(out / "resumed"))
+    trainer = Trainer(model=net, args=args(deepspeed=dict(HF_CONFIG)), train_dataset=data)
+    trainer.train(resume_from_checkpoint=str(out / "run" / f"checkpoint-{STEPS}"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        ckpt = out / "checkpoint"
+        shutil.move(out / "run" / f"checkpoint-{STEPS}", ckpt)
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+        save_file({k: v.clone() for k, v in state.items()}, out / "consolidated.safetensors")
+        final = trainer.model.state_dict()
+        save_file({k: v.detach().clone() for k, v in final.items()}, out / "continued.safetensors")
+        for extra in ("zero_to_fp32.py", "zero_to_torch.py", "training_args.bin"):
+            (ckpt / extra).unlink(missing_ok=True)
+        shutil.rmtree(out / "run")
+        shutil.rmtree(out / "resumed")
+        (out / "config.json").write_text(json.dumps(HF_CONFIG, indent=2) + "\n")
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--case":
-        (run_lightning if sys.argv[2].startswith("lightning") else run_case)(sys.argv[2])
+        kinds = {"lightning": run_lightning, "hf": run_hf}
+        kinds.get(sys.argv[2].split("_")[0], run_case)(sys.argv[2])
         return
     from safetensors.torch import save_file
 
     save_file(batches(), HERE / "batches.safetensors")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    for name in sys.argv[1:] or [*CASES, "lightning_s2"]:
+    for name in sys.argv[1:] or [*CASES, "lightning_s2", "hf_s2"]:
         shutil.rmtree(HERE / name, ignore_errors=True)
         cmd = ["torchrun", f"--nproc_per_node={WORLD}", "--master_port=29613", __file__]
         subprocess.run([*cmd, "--case", name], check=True, env=env)
