@@ -20,6 +20,19 @@ head is tied to its embedding, checkpointing at step 4 of 7 (``checkpoint-4/glob
 Trainer's data loader is not sharded over DeepSpeed's two ranks (Accelerate sees one process),
 so both ranks train on the same batch of 2 each step: a one-process run with that batch size
 takes the same steps.
+``accelerate_s2``: Accelerate's DeepSpeed integration (``Accelerator(deepspeed_plugin=...)``,
+ZeRO-2) with the loop's AdamW, a LambdaLR (Accelerate's, ``scheduler.bin``: DeepSpeed takes
+only its own scheduler classes) and an object registered for checkpointing;
+``state/`` is ``accelerator.save_state``: DeepSpeed's ``pytorch_model/`` and ``latest`` beside
+Accelerate's files. As with ``hf_s2``, Accelerate counts one process on CPU: its loader is not
+sharded and it writes only ``random_states_0.pkl``; each rank reads the whole global batch of
+each step (the loader's batch is a rank's share of it, ``WORLD * MICRO // num_processes``), so
+DeepSpeed's ranks average equal gradients and a one-process run on the global batch takes the
+same steps.
+``fabric_s2``: Lightning Fabric's ``DeepSpeedStrategy`` (``fabric.save`` of the model, its
+optimizer, a LambdaLR and a step count: a ``.ckpt`` directory, tag ``checkpoint``, the last
+two as client state); each rank its half of the global batch. Its CUDA-only device check is
+skipped as for ``lightning_s2``.
 """
 
 from __future__ import annotations
@@ -249,6 +262,172 @@ def run_lightning(name: str) -> None:
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def mlp_rows(data: dict, steps: range):
+    """The samples of the given steps' global batches, in order, as a dataset."""
+    import torch
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(steps) * WORLD * MICRO
+
+        def __getitem__(self, k: int):
+            step, row = steps[k // (WORLD * MICRO)], k % (WORLD * MICRO)
+            return data["inputs"][step, row], data["targets"][step, row]
+
+    return Rows()
+
+
+def lambda_lr(optimizer):
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
+
+
+class Counter:
+    """An object registered for Accelerate's checkpointing: its state is Accelerate's to save."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def front_config() -> dict:
+    """The DeepSpeed config of the Accelerate and Fabric cases: the loop brings its optimizer
+    and lr scheduler."""
+    cfg = config(2, "fp32")
+    del cfg["optimizer"], cfg["scheduler"]
+    return cfg
+
+
+def save_consolidated(ckpt: Path, out: Path) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import save_file
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    save_file({k: v.contiguous() for k, v in state.items()}, out)
+
+
+def run_accelerate(name: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_file
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what accelerate launch sets
+    data = load_file(HERE / "batches.safetensors")
+    out = HERE / name
+    cfg = front_config()
+
+    def run(steps: range, resume: Path | None = None):
+        AcceleratorState._reset_state()  # a fresh Accelerator, as in a new job
+        acc = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(cfg)))
+        )
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+        # each rank's share of a global batch, were the loader sharded over DeepSpeed's ranks
+        share = WORLD * MICRO // acc.num_processes
+        loader = torch.utils.data.DataLoader(mlp_rows(data, steps), batch_size=share)
+        counter = Counter()
+        acc.register_for_checkpointing(counter)
+        net, opt, loader, sched = acc.prepare(net, opt, loader, lambda_lr(opt))
+        if resume is not None:
+            acc.load_state(str(resume))
+        seen = []
+        for x, y in loader:
+            if len(seen) == len(steps):
+                break
+            seen.append(x[:, 0].tolist())
+            acc.backward(((net(x) - y) ** 2).mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            counter.seen += len(x)
+        print(f"rank {dist.get_rank()} of {acc.num_processes} read {seen}", flush=True)
+        return acc
+
+    acc = run(range(STEPS))
+    acc.save_state(str(out / "state"))
+    dist.barrier()
+    if dist.get_rank() == 0:  # Accelerate may count one process (see the note)
+        save_consolidated(out / "state", out / "consolidated.safetensors")
+    acc = run(range(STEPS, STEPS + MORE), out / "state")
+    acc.save_state(str(out / "continued_state"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        save_consolidated(out / "continued_state", out / "continued.safetensors")
+        shutil.rmtree(out / "continued_state")
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (out / "state" / script).unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def run_fabric(name: str) -> None:
+    import deepspeed
+    import lightning.fabric.strategies.deepspeed as fabric_deepspeed
+    import torch
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
+    from safetensors.torch import load_file
+
+    DeepSpeedStrategy.setup_environment = DDPStrategy.setup_environment  # CPU (see the note)
+    fabric_deepspeed._validate_device_index_selection = lambda devices: None
+    initialize = deepspeed.initialize
+
+    def on_cpu(args=None, **kwargs):  # Lightning passes the CPU's device index, None
+        if args is not None and getattr(args, "device_rank", 0) is None:
+            args.device_rank = -1
+        return initialize(args=args, **kwargs)
+
+    deepspeed.initialize = on_cpu
+    data = load_file(HERE / "batches.safetensors")
+    out = HERE / name
+    cfg = front_config()
+
+    def run(steps: range, resume: Path | None = None):
+        strategy = DeepSpeedStrategy(config=json.loads(json.dumps(cfg)))  # it fills it in
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=WORLD)
+        fabric.launch()
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+        sched = lambda_lr(opt)
+        net, opt = fabric.setup(net, opt)
+        state = {"model": net, "optimizer": opt, "scheduler": sched, "step": 0}
+        if resume is not None:
+            fabric.load(resume, state)
+        rows = slice(dist.get_rank() * MICRO, (dist.get_rank() + 1) * MICRO)
+        for i in steps:
+            x, y = data["inputs"][i, rows], data["targets"][i, rows]
+            fabric.backward(((net(x) - y) ** 2).mean(), model=net)
+            opt.step()
+            sched.step()
+            state["step"] += 1
+        return fabric, state
+
+    fabric, state = run(range(STEPS))
+    fabric.save(out / "model.ckpt", state)
+    fabric.barrier()
+    if fabric.global_rank == 0:
+        save_consolidated(out / "model.ckpt", out / "consolidated.safetensors")
+    fabric, state = run(range(STEPS, STEPS + MORE), out / "model.ckpt")
+    assert state["step"] == STEPS + MORE, state["step"]
+    fabric.save(out / "continued.ckpt", state)
+    fabric.barrier()
+    if fabric.global_rank == 0:
+        save_consolidated(out / "continued.ckpt", out / "continued.safetensors")
+        shutil.rmtree(out / "continued.ckpt")
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (out / "model.ckpt" / script).unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 HF_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
@@ -321,14 +500,20 @@ def run_hf(name: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--case":
-        kinds = {"lightning": run_lightning, "hf": run_hf}
+        kinds = {
+            "lightning": run_lightning,
+            "hf": run_hf,
+            "accelerate": run_accelerate,
+            "fabric": run_fabric,
+        }
         kinds.get(sys.argv[2].split("_")[0], run_case)(sys.argv[2])
         return
     from safetensors.torch import save_file
 
     save_file(batches(), HERE / "batches.safetensors")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    for name in sys.argv[1:] or [*CASES, "lightning_s2", "hf_s2"]:
+    fronts = ["lightning_s2", "hf_s2", "accelerate_s2", "fabric_s2"]
+    for name in sys.argv[1:] or [*CASES, *fronts]:
         shutil.rmtree(HERE / name, ignore_errors=True)
         cmd = ["torchrun", f"--nproc_per_node={WORLD}", "--master_port=29613", __file__]
         subprocess.run([*cmd, "--case", name], check=True, env=env)
