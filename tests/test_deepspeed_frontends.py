@@ -3,11 +3,17 @@ ending where the framework and DeepSpeed's own continuation ended: Lightning's o
 ``DeepSpeedStrategy`` checkpoint (a ``.ckpt`` directory, Lightning's loop state as DeepSpeed's
 client state) with ``Trainer.fit(ckpt_path=...)`` at one and two processes; a Hugging Face
 Trainer's ``checkpoint-N/global_stepN`` (a GPT-2 whose head is tied to its embedding) with
-``ZeroTrainer.train(resume_from_checkpoint=...)`` in one process."""
+``ZeroTrainer.train(resume_from_checkpoint=...)`` in one process; Accelerate's ``save_state``
+with DeepSpeed (``pytorch_model/`` and ``latest`` beside Accelerate's own files) with
+``ZeroAccelerator.load_state``."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from safetensors.torch import load_file
@@ -15,6 +21,21 @@ from safetensors.torch import load_file
 from tests.lightning_scripts.launch import max_diff, run_for_results
 
 DATA = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
+
+
+def _fixtures() -> ModuleType:
+    """``make_fixtures.py``: the models, data and loops that wrote the fixtures."""
+    sys.path.insert(0, str(DATA))
+    try:
+        return importlib.import_module("make_fixtures")
+    finally:
+        sys.path.remove(str(DATA))
+
+
+def _config(case: str, stage: int) -> dict:
+    config = json.loads((DATA / case / "config.json").read_text())
+    config["zero_optimization"]["stage"] = stage
+    return config
 
 
 @pytest.mark.launcher
@@ -54,3 +75,39 @@ def test_hf_trainer_deepspeed_checkpoint_resumes_in_zero_trainer(tmp_path: Path)
     reference = load_file(DATA / "hf_s2" / "continued.safetensors")
     diff = max_diff({k: got[k] for k in reference}, reference)
     assert diff <= 2e-5, f"max |w - DeepSpeed's continuation| = {diff:.3g}"
+
+
+@pytest.mark.usefixtures("clean_accelerate")
+def test_accelerate_deepspeed_state_resumes_in_zero_accelerator() -> None:
+    import torch
+
+    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+
+    fx = _fixtures()
+    # one process: Accelerate counted one on CPU, so each of the fixture's two ranks read the
+    # whole global batch (see make_fixtures.py); one process on it takes the same steps
+    batch = fx.WORLD * fx.MICRO
+    config = {**_config("accelerate_s2", 3), "train_micro_batch_size_per_gpu": batch}
+    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=config))
+    net = fx.model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+    data = load_file(DATA / "batches.safetensors")
+    steps = range(fx.STEPS, fx.STEPS + fx.MORE)
+    loader = torch.utils.data.DataLoader(fx.mlp_rows(data, steps), batch_size=batch)
+    counter = fx.Counter()
+    accelerator.register_for_checkpointing(counter)
+    net, opt, loader, sched = accelerator.prepare(net, opt, loader, fx.lambda_lr(opt))
+    accelerator.load_state(str(DATA / "accelerate_s2" / "state"))
+    assert counter.seen == fx.STEPS * batch  # Accelerate's custom object came back
+    assert sched.scheduler.last_epoch == fx.STEPS  # and its scheduler.bin
+    for x, y in loader:
+        accelerator.backward(((net(x) - y) ** 2).mean())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert accelerator.zero_engine.global_steps == fx.STEPS + fx.MORE
+    got = accelerator.get_state_dict(net)
+    reference = load_file(DATA / "accelerate_s2" / "continued.safetensors")
+    diff = max_diff({k: got[k] for k in reference}, reference)
+    assert diff <= 2e-5, f"max |w - DeepSpeed's continuation| = {diff:.3g}"
+

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from ..config import ZeroConfig
 from ..config.loop import LoopFacts
 from ..core import ZeroEngine
+from ..core.checkpoint.deepspeed.layout import engine_dir
 from ..core.checkpoint.trust import loads
 from ..core.collectives import Comm
 from ..core.faults import together
@@ -231,9 +232,9 @@ class Front:
         acc = self.acc
         world = Comm()
         with together(world):
-            path = _load_dir(acc, input_dir)
+            path, engine_path = _load_dir(acc, input_dir)
             run_load_hooks(acc, path)
-        load_all(self.engines(), os.path.join(path, ENGINE_DIR), trust_checkpoint=trust_checkpoint)
+        load_all(self.engines(), engine_path, trust_checkpoint=trust_checkpoint)
         with together(world):
             rank, objects = acc.state.process_index, custom_objects(acc)
             schedulers, loaders = tracked(acc, "scheduler"), tracked(acc, "dataloader")
@@ -297,7 +298,9 @@ def _save_dir(acc: Accelerator, output_dir: str | None) -> str:
     return path
 
 
-def _load_dir(acc: Accelerator, input_dir: str | None) -> str:
+def _load_dir(acc: Accelerator, input_dir: str | None) -> tuple[str, Path]:
+    """The directory to load, and the engine's checkpoint in it: ours, or DeepSpeed's where
+    Accelerate saved with DeepSpeed (its own files beside it are the same)."""
     if input_dir is not None:
         path = os.path.expanduser(os.fspath(input_dir))
     elif acc.project_configuration.automatic_checkpoint_naming:
@@ -307,8 +310,11 @@ def _load_dir(acc: Accelerator, input_dir: str | None) -> str:
         path = found[-1]
     else:
         raise ValueError("load_state needs input_dir (or automatic_checkpoint_naming)")
-    if not os.path.isdir(os.path.join(path, ENGINE_DIR)):
+    engine_path = engine_dir(Path(path), ENGINE_DIR)
+    if engine_path is None:
         raise FileNotFoundError(
-            f"{path}: no {ENGINE_DIR}/ here; pass a directory written by ZeroAccelerator.save_state"
+            f"{path}: no {ENGINE_DIR}/ here, nor a DeepSpeed checkpoint (latest and its tag "
+            "directory); pass a directory written by save_state (ZeroAccelerator's, or "
+            "Accelerate's with DeepSpeed)"
         )
-    return path
+    return path, engine_path

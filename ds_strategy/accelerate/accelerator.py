@@ -257,8 +257,8 @@ class ZeroAccelerator(Accelerator):
         trust_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
-        """Restore what :meth:`save_state` wrote, at any world size or ZeRO stage (a pipeline:
-        the same stages). Collective. Only tensors and plain data are unpickled (the engine's
+        """Restore what :meth:`save_state` wrote (or Accelerate's ``save_state`` with DeepSpeed),
+        at any world size or ZeRO stage (a pipeline: the same stages). Collective. Only tensors and plain data are unpickled (the engine's
         checkpoint, and registered objects, which Accelerate would unpickle in full) unless
         ``trust_checkpoint=True``, for a trusted source."""
         if self._front.trained is None:

@@ -38,7 +38,7 @@ import torch
 from ..validate import CheckpointError
 from .pickles import LossScalerState, load_pickle
 
-__all__ = ["DeepSpeedCheckpoint", "Segment", "find_deepspeed", "open_deepspeed"]
+__all__ = ["DeepSpeedCheckpoint", "Segment", "engine_dir", "find_deepspeed", "open_deepspeed"]
 
 LATEST = "latest"
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -79,6 +79,16 @@ def find_deepspeed(path: Path, tag: str | None = None) -> Path | None:
                 f"{sorted(p.name for p in path.iterdir() if _is_tag_dir(p))}) to load another"
             )
     return None
+
+
+def engine_dir(path: Path, ours: str) -> Path | None:
+    """The engine's checkpoint in a front end's save directory ``path``: ``path/ours`` (the
+    front end's own layout), else ``path`` itself where DeepSpeed's engine saved there beside
+    the front end's files (Accelerate's ``save_state`` under DeepSpeed: ``latest`` naming
+    ``pytorch_model/``); None where it holds neither."""
+    if (path / ours).is_dir():
+        return path / ours
+    return path if find_deepspeed(path) is not None else None
 
 
 @dataclass(frozen=True)
