@@ -5,7 +5,8 @@ client state) with ``Trainer.fit(ckpt_path=...)`` at one and two processes; a Hu
 Trainer's ``checkpoint-N/global_stepN`` (a GPT-2 whose head is tied to its embedding) with
 ``ZeroTrainer.train(resume_from_checkpoint=...)`` in one process; Accelerate's ``save_state``
 with DeepSpeed (``pytorch_model/`` and ``latest`` beside Accelerate's own files) with
-``ZeroAccelerator.load_state``."""
+``ZeroAccelerator.load_state``; Lightning Fabric's ``DeepSpeedStrategy`` checkpoint with
+``fabric.load``."""
 
 from __future__ import annotations
 
@@ -111,3 +112,13 @@ def test_accelerate_deepspeed_state_resumes_in_zero_accelerator() -> None:
     diff = max_diff({k: got[k] for k in reference}, reference)
     assert diff <= 2e-5, f"max |w - DeepSpeed's continuation| = {diff:.3g}"
 
+
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_fabric_deepspeed_checkpoint_resumes_with_fabric_load(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    out = run_for_results("fabric_deepspeed_resume.py", tmp_path, args=("3",))
+    assert out["loaded"] == {"step": 4, "last_epoch": 4}  # Fabric's entries, as client state
+    reference = load_file(DATA / "fabric_s2" / "continued.safetensors")
+    diff = max_diff(out["weights"], reference)
+    assert diff <= 2e-5, f"max |w - Fabric and DeepSpeed's continuation| = {diff:.3g}"

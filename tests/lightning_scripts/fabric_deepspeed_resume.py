@@ -1,0 +1,47 @@
+"""Resume a checkpoint written by Lightning Fabric's own ``DeepSpeedStrategy`` (the fixture
+``tests/data/deepspeed_checkpoints/fabric_s2``: ZeRO-2 on 2 ranks, 4 steps, the lr scheduler and
+step count as DeepSpeed's client state) with ``fabric.load`` under ``ZeroStrategy`` at another
+stage in one process, and train to step 7 on the same global batches as Fabric's own
+continuation. Writes ``OUT/results.pt``.
+
+Usage: ``MASTER_PORT=... python fabric_deepspeed_resume.py OUT STAGE``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from _common import out_dir
+from safetensors.torch import load_file
+
+from ds_strategy.fabric import ZeroStrategy
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed_checkpoints"
+sys.path.insert(0, str(DATA))
+from make_fixtures import MICRO, MORE, STEPS, WORLD, lambda_lr, model  # noqa: E402
+
+ROOT = out_dir()
+config = json.loads((DATA / "fabric_s2" / "config.json").read_text())
+config["zero_optimization"]["stage"] = int(sys.argv[2])
+config["train_micro_batch_size_per_gpu"] = WORLD * MICRO  # one process: the global batch
+fabric = L.Fabric(strategy=ZeroStrategy(config=config), accelerator="cpu", devices=1)
+fabric.launch()
+net = model()
+opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+sched = lambda_lr(opt)
+net, opt = fabric.setup(net, opt)
+state = {"model": net, "optimizer": opt, "scheduler": sched, "step": 0}
+fabric.load(DATA / "fabric_s2" / "model.ckpt", state)
+loaded = {"step": state["step"], "last_epoch": sched.last_epoch}
+data = load_file(DATA / "batches.safetensors")
+for i in range(STEPS, STEPS + MORE):
+    x, y = data["inputs"][i], data["targets"][i]
+    fabric.backward(((net(x) - y) ** 2).mean(), model=net)
+    opt.step()
+    sched.step()
+weights = fabric.strategy.engine.full_state_dict()
+torch.save({"weights": weights, "loaded": loaded}, ROOT / "results.pt")
