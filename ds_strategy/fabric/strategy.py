@@ -18,9 +18,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..core.engine import ZeroEngine
-from ..core.loop import PendingClip, load_all, save_all
+from ..core.loop import load_all, save_all
 from ..core.optimizers import evaluation_optimizer, move_schedulers
-from ..core.several import SeveralEngines
 from ..frontends.engines import move_real_tensors
 from ..frontends.lightning_base import FlagPrecision, LightningZeroBase
 from ..frontends.lightning_private import (
@@ -81,11 +80,10 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
     precision_attr = "precision"
     not_set_up = "the ZeRO engine exists once fabric.setup(model, ...) has run"
 
+    say_which = "say which, fabric.backward(loss, model=model) (the model fabric.setup returned)"
+
     def _init_front(self) -> None:
         set_backward_sync_control(self, _EngineSyncControl())
-        self._clips: dict[ZeroEngine, PendingClip] = {}  # every engine set up, in order
-        # what each fabric.setup call built: an engine, or one per optimizer (SeveralEngines)
-        self._setups: list[ZeroEngine | SeveralEngines] = []
 
     precision_class = ZeroFabricPrecision
     precision = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
@@ -107,8 +105,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         comes back as it is, its submodules sharded)."""
         scheds = [scheduler] if scheduler is not None else []
         if len(optimizers) > 1:
-            several = self._build_several(module, optimizers, scheds, None)
-            self._add(several, several.clips)
+            several = self._add(self._build_several(module, optimizers, scheds, None))
             return module, [e.optimizer for e in several.trained], scheduler
         engine = self._setup(module, optimizers[0])
         move_schedulers(engine, scheds)
@@ -122,69 +119,30 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         raise ValueError(joint_setup_error(self))
 
     def _setup(self, module: nn.Module, optimizer: Any) -> ZeroEngine:
-        engine = self._build_engine(module, optimizer, None)  # accumulating as the config says
-        self._add(engine, {engine: PendingClip()})
-        return engine
+        return self._add(self._build_engine(module, optimizer, None))  # accumulating as configured
 
-    def _add(
-        self, setup: ZeroEngine | SeveralEngines, clips: dict[ZeroEngine, PendingClip]
-    ) -> None:
-        self._setups.append(setup)
-        self._clips.update(clips)
+    def _add(self, setup: Any) -> Any:
+        self._job.add(setup)
         if self._engine is None:
-            self._engine = next(iter(clips))  # ``strategy.engine``: the first model set up
+            self._engine = self._job.trained[0]  # ``strategy.engine``: the first model set up
+        return setup
 
     @property
     def engines(self) -> list[ZeroEngine]:
         """The engines of every ``fabric.setup`` call, in order (one per optimizer where a
         model was set up with several, then its frozen submodules' one)."""
-        found: list[ZeroEngine] = []
-        for setup in self._setups:
-            found += setup.engines.values() if isinstance(setup, SeveralEngines) else [setup]
-        return found
-
-    def _several_of(self, module: nn.Module | None) -> SeveralEngines | None:
-        """The engines of a model set up with several optimizers (``module`` None: the only
-        model set up)."""
-        module = getattr(module, "_orig_mod", module)
-        for setup in self._setups:
-            alone = module is None and len(self._setups) == 1
-            if isinstance(setup, SeveralEngines) and (alone or module is setup.module):
-                return setup
-        return None
-
-    def _engine_of(self, module: nn.Module | None, optimizer: Any = None) -> ZeroEngine:
-        """The engine ``module`` (a compiled one: the engine it wraps) or ``optimizer``
-        belongs to; the only one when one model is set up."""
-        engines = list(self._clips)
-        if not engines:
-            raise RuntimeError(self.not_set_up)
-        if len(engines) == 1:
-            return engines[0]
-        module = getattr(module, "_orig_mod", module)  # fabric.setup(torch.compile(model))
-        for engine in engines:
-            if module is engine or (optimizer is not None and optimizer is engine.optimizer):
-                return engine
-        raise ValueError(
-            f"{len(engines)} models are set up under the ZeRO strategy: say which one "
-            "this is for, fabric.backward(loss, model=model) (the model fabric.setup returned)"
-        )
+        return self._job.engines
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         self.precision.pre_backward(tensor, module)
-        several = self._several_of(module)
-        if several is not None:
-            several.backward(tensor, *args, **kwargs)
-        else:
-            self._engine_of(module).backward(tensor, *args, **kwargs)
+        self._job.backward(tensor, *args, module=module, **kwargs)
         self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The engine's step (at accumulation boundaries, clipping as configured or asked)."""
         if kwargs.get("closure") is not None:
             raise ValueError("the ZeRO strategy cannot run optimizer.step(closure)")
-        engine = self._engine_of(None, optimizer)
-        self._clips[engine].step(engine)
+        self._job.step(optimizer)
 
     def clip_gradients_norm(  # type: ignore[override]
         self,
@@ -200,8 +158,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
             raise ValueError(
                 f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
             )
-        engine = self._engine_of(module, optimizer)
-        norm = self._clips[engine].clip(engine, float(max_norm))
+        norm = self._job.clip(float(max_norm), module, optimizer)
         return None if norm is None else torch.tensor(norm)
 
     def clip_gradients_value(
@@ -212,29 +169,15 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
             "by the global gradient norm; use fabric.clip_gradients(model, optimizer, max_norm=...)"
         )
 
-    def _engines_in(self, state: dict[str, Any]) -> dict[str, ZeroEngine]:
-        """Every model of ``state`` set up here: an engine under its key, the engines of a
-        model set up with several optimizers under ``key.optimizer_<i>`` (and ``key.frozen``)."""
-        found: dict[str, ZeroEngine] = {}
-        for key, value in state.items():
-            several = self._several_of(value) if isinstance(value, nn.Module) else None
-            if isinstance(value, ZeroEngine):
-                found[key] = value
-            elif several is not None:
-                found.update({f"{key}.{name}": e for name, e in several.engines.items()})
-        if not found:
+    def _named(self, state: dict[str, Any]) -> tuple[dict[str, ZeroEngine], list[str]]:
+        """The engines of the models in ``state`` by name, and the other entries' keys."""
+        engines, rest = self._job.named(state)
+        if not engines:
             raise ValueError(
                 "the state must hold the model set up by fabric.setup under the ZeRO "
                 "strategy: pass state={'model': model, ...}"
             )
-        return found
-
-    def _rest(self, state: dict[str, Any], engines: dict[str, ZeroEngine]) -> list[str]:
-        """The keys of ``state`` that are not a model set up here or an optimizer the engines
-        hold."""
-        held = {id(e) for e in engines.values()} | {id(e.optimizer) for e in engines.values()}
-        held |= {id(s.module) for s in self._setups if isinstance(s, SeveralEngines)}
-        return [k for k, v in state.items() if id(v) not in held]
+        return engines, rest
 
     def save_checkpoint(
         self,
@@ -251,9 +194,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
                 "fabric.save(..., storage_options/filter) is not supported by the ZeRO strategy: "
                 "the engine writes the sharded state itself"
             )
-        engines = self._engines_in(state)
-        rest = {k: state[k] for k in self._rest(state, engines)}
-        client_state = convert_stateful(self, rest)
+        engines, rest = self._named(state)
+        client_state = convert_stateful(self, {k: state[k] for k in rest})
         save_all(engines, self._checkpoint_path(path), client_state)
 
     def load_checkpoint(
@@ -273,10 +215,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
                 "loading a ZeRO checkpoint directory needs the set-up model in the state: "
                 "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
             )
-        engines = self._engines_in(state)
+        engines, wanted = self._named(state)
         trust = weights_only is False  # the file is trusted
         saved = load_all(engines, path, trust_checkpoint=trust) or {}
-        wanted = self._rest(state, engines)
         check_strict_keys(wanted, saved.keys(), strict=strict)
         for name in [k for k in wanted if k in saved]:
             if isinstance(state[name], Stateful):

@@ -17,6 +17,7 @@ from torch import nn
 from ..config import ZeroConfig
 from ..config.loop import PRESETS, apply_loop_flags, base_config, check_precision
 from ..core.engine import ZeroEngine
+from ..core.job import JobEngines
 from ..core.mesh import ParallelMesh
 from ..core.optimizers import move_schedulers
 from ..core.several import SeveralEngines
@@ -68,6 +69,7 @@ class LightningZeroBase:
     precision_attr = "precision_plugin"  # the framework's name for its precision plugin
     precision_class: Any = FlagPrecision  # the front end's plugin (a FlagPrecision)
     not_set_up = "the ZeRO engine exists once the strategy has set the model up"
+    say_which = "pass the model or optimizer the strategy returned"  # when several are set up
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class LightningZeroBase:
         self._base_config = base_config(config, stage, offload_optimizer, offload_parameters)
         self._param_init_fn = param_init_fn
         self._engine: TrainingEngine | None = None  # a ZeroEngine, or a pipeline's
+        self._job = JobEngines(self.not_set_up, self.say_which)  # its ZeroEngines, see core/job.py
         self._init_front()
 
     def _init_front(self) -> None:

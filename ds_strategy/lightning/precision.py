@@ -14,9 +14,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
-from ..core.engine import ZeroEngine
-from ..core.loop import PendingClip
-from ..core.several import SeveralEngines
+from ..core.job import JobEngines
 from ..frontends.lightning_base import FlagPrecision
 from ..frontends.lightning_private import after_closure
 
@@ -33,19 +31,10 @@ class ZeroPrecision(FlagPrecision, Precision):
         assert trainer.strategy.precision_plugin.precision == "32-true"
     """
 
-    several: SeveralEngines | None = None  # set by ZeroStrategy with several optimizers
-
     def __init__(self, precision: str = "32-true") -> None:
         super().__init__(precision)
-        self.clips: dict[ZeroEngine, PendingClip] = {}  # set by ZeroStrategy: each engine's
-
-    def _engine(self, optimizer: Any) -> ZeroEngine:
-        """The engine stepping ``optimizer`` (several optimizers: its own, else the one)."""
-        if self.several is not None:
-            return self.several.engine_of(optimizer)
-        if not self.clips:
-            raise RuntimeError("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
-        return next(iter(self.clips))
+        # ZeroStrategy's engines, once it sets the model up
+        self.job = JobEngines("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
 
     def backward(  # type: ignore[override]
         self,
@@ -64,10 +53,7 @@ class ZeroPrecision(FlagPrecision, Precision):
         if model.automatic_optimization and trainer.accumulate_grad_batches > 1:
             # the engine divides by accumulate_grad_batches too: undo Lightning's division
             tensor = tensor * trainer.accumulate_grad_batches
-        if self.several is not None:
-            self.several.backward(tensor, *args, **kwargs)
-        else:
-            self._engine(optimizer).backward(tensor, *args, **kwargs)
+        self.job.backward(tensor, *args, optimizer=optimizer, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -82,7 +68,7 @@ class ZeroPrecision(FlagPrecision, Precision):
                 "the engine needs backward and step as separate calls"
             )
         closure_result = closure()
-        engine = self._engine(optimizer)
+        engine = self.job.engine_of(optimizer=optimizer)
         if engine.is_gradient_accumulation_boundary():  # once per real step, as under DDP
             if is_overridden("configure_gradient_clipping", model, LightningModule):
                 _warnings.warn(
@@ -90,7 +76,7 @@ class ZeroPrecision(FlagPrecision, Precision):
                     "self.clip_gradients(...) there clips at the next optimizer step, by norm only"
                 )
             after_closure(self, model, optimizer)
-        self.clips[engine].step(engine)
+        self.job.step(optimizer)
         return closure_result
 
     def clip_gradients(
@@ -106,5 +92,5 @@ class ZeroPrecision(FlagPrecision, Precision):
                 "ZeroStrategy: ZeRO clips by the global gradient norm; use "
                 "gradient_clip_algorithm='norm'"
             )
-        if clip_val > 0:
-            self.clips[self._engine(optimizer)].max_norm = float(clip_val)
+        if clip_val > 0:  # at the step, where the engine's configured clip may be this one
+            self.job.clip(clip_val, optimizer=optimizer, wait=True)

@@ -30,7 +30,8 @@ from ..config.loop import apply_loop_flags, clipping
 from ..core.checkpoint.engines import holds_engines
 from ..core.checkpoint.validate import has_optimizer_state
 from ..core.engine import ZeroEngine
-from ..core.loop import PendingClip, save_all
+from ..core.job import JobEngines
+from ..core.loop import save_all
 from ..core.optimizers import evaluation_optimizer, move_schedulers
 from ..core.pipeline import PipelineEngine
 from ..core.root import SharedRoot
@@ -68,19 +69,21 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         "trainer.strategy.engine exists once the Trainer has set the strategy up (inside "
         "fit/validate/test/predict, or after them) with a config without a pipeline section"
     )
+    say_which = "use the optimizers the strategy returned (self.optimizers() in a LightningModule)"
 
     def _init_front(self) -> None:
         self._engine_module: pl.LightningModule | None = None  # the module it was built for
         self._engine_trains = False  # built with the LightningModule's optimizer (not for eval)
-        self._several: SeveralEngines | None = None  # several optimizers: an engine each
 
     @property
     def engines(self) -> list[ZeroEngine]:
         """Every engine: one per optimizer of ``configure_optimizers`` (then one for the
         frozen submodules) when it returns several, see ``core/several.py``; else the one."""
-        if self._several is not None:
-            return list(self._several.engines.values())
-        return [self.engine]
+        return self._job.engines or [self.engine]
+
+    @property
+    def _several(self) -> SeveralEngines | None:
+        return self._job.several_of()  # several optimizers: an engine each
 
     @property
     def pipeline(self) -> PipelineEngine:
@@ -136,10 +139,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 self._setup_engine(trainer, pl_module, optimizer, schedulers)
             self._engine_module, self._engine_trains = pl_module, fitting
             self.barrier("ZeroStrategy.setup")
-        if fitting and self._several is not None:
-            self.optimizers = [e.optimizer for e in self._several.trained]
-        elif fitting:
-            self.optimizers = [self._engine.optimizer]  # type: ignore[union-attr]
+        if fitting:  # the job's engines, or the pipeline
+            trained = self._job.trained or [self._engine]
+            self.optimizers = [e.optimizer for e in trained]  # type: ignore[union-attr]
 
     def _setup_several(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list, scheds: list
@@ -150,10 +152,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 f"configure_optimizers returned {len(optimizers)} optimizers with a pipeline "
                 "config: a pipeline trains one model with one optimizer"
             )
-        self._several = several = self._build_several(pl_module, optimizers, scheds, 1)
+        several = self._job.add(self._build_several(pl_module, optimizers, scheds, 1))
         self._engine = several.trained[0]
-        self.precision_plugin.several = several  # type: ignore[attr-defined]
-        self.precision_plugin.clips = several.clips  # type: ignore[attr-defined]
         _wrap_toggles(pl_module, several)
         if self.stage == 3:
             install_sharded_summary(trainer, list(several.engines.values()))
@@ -172,8 +172,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         move_schedulers(engine, scheds)  # Lightning steps them (intervals, ReduceLROnPlateau)
         if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
             engine.timers.add_sink(timing_sink(lambda m, step: _log_metrics(trainer, m, step)))
-        self._engine = self.model = engine
-        self.precision_plugin.clips = {engine: PendingClip()}  # type: ignore[attr-defined]
+        self._engine = self.model = self._job.add(engine)
         if engine.stage == 3:
             install_sharded_summary(trainer, [engine])
 
@@ -203,9 +202,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
 
     def _drop_engine(self, pl_module: pl.LightningModule) -> None:
         engine, owner = self._engine, self._engine_module
-        self._engine, self._engine_module, self._several = None, None, None
-        self.precision_plugin.several = None  # type: ignore[attr-defined]
-        self.precision_plugin.clips = {}  # type: ignore[attr-defined]
+        self._engine, self._engine_module = None, None
+        self._job = JobEngines(self.not_set_up, self.say_which)
+        self.precision_plugin.job = self._job  # type: ignore[attr-defined]
         self._use_steps(None)
         if engine is None or owner is not pl_module:
             return  # another module's engine: that module stays as it is
