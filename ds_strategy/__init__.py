@@ -19,6 +19,7 @@ from torch import nn
 
 from .config import ConfigError, ZeroConfig, load_config, zero_config
 from .core.checkpoint.consolidate import consolidate
+from .core.checkpoint.deepspeed.export import convert
 from .core.checkpoint.lock import CheckpointBusyError
 from .core.checkpoint.sharded import CheckpointWriteError
 from .core.checkpoint.trust import UntrustedContentError
@@ -45,6 +46,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroEngine",
     "consolidate",
+    "convert",
     "init_inference",
     "initialize",
     "load_config",

@@ -1,5 +1,6 @@
-"""The ``ds-strategy`` command: ``consolidate`` (here), ``estimate`` (``estimate.py``) and
-``generate`` (``generate.py``); ``python -m ds_strategy.cli`` runs it too."""
+"""The ``ds-strategy`` command: ``consolidate`` (here), ``convert`` (``convert.py``),
+``estimate`` (``estimate.py``) and ``generate`` (``generate.py``); ``python -m
+ds_strategy.cli`` runs it too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import torch
 
 from ..core.checkpoint.consolidate import consolidate
-from . import estimate, generate
+from . import convert, estimate, generate
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
 
@@ -18,9 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds-strategy", description="ds_strategy tools")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_consolidate(sub)
+    convert.add_cli_parser(sub)
     estimate.add_cli_parser(sub)
     generate.add_cli_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return convert.run_cli(args)
     if args.command == "estimate":
         return estimate.run_cli(args)
     if args.command == "generate":

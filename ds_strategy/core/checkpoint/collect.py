@@ -114,6 +114,17 @@ def extra_entries(shards: ShardedState, comm: Comm) -> dict[EntryKey, FlatPiece]
     return out
 
 
+def _param_groups(optimizer: Any, shards: ShardedState) -> list[dict[str, Any]]:
+    """The optimizer's param groups: their hyper-parameters, and the names of the parameters
+    each holds (``param_names``; an export to another layout needs the grouping)."""
+    names = {id(slot.tensor): slot.placement.name for slot in shards.optimizer}
+    out = []
+    for g in optimizer.param_groups:
+        held = dict.fromkeys(names[id(p)] for p in g["params"] if id(p) in names)
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": list(held)})
+    return out
+
+
 def _layout(shards: ShardedState) -> dict[str, Any]:
     return {
         "format": FORMAT,
@@ -148,12 +159,11 @@ def collect_state(
     singles: dict[str, Any] = {}
     if comm.rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
         if include_optimizer:
-            groups = [
-                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
-            ]
-            singles[OPTIMIZER_GROUPS] = pack(groups)
-        # counters, lr scheduler and loss scaler: engine.restore_checkpoint_state takes them back
-        singles[ENGINE] = pack({**_layout(shards), **engine.checkpoint_state()})
+            singles[OPTIMIZER_GROUPS] = pack(_param_groups(engine.optimizer, shards))
+        # counters, lr scheduler and loss scaler: engine.restore_checkpoint_state takes them back,
+        # and the resolved config, which an export to DeepSpeed's layout writes as its ds_config
+        state = {**_layout(shards), **engine.checkpoint_state(), "config": engine.config.to_dict()}
+        singles[ENGINE] = pack(state)
         singles[CLIENT_STATE] = pack(client_state)
     singles[rng_key(comm.rank)] = pack(_rng_state())
     meta = {

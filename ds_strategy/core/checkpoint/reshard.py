@@ -225,7 +225,7 @@ def _install_optimizer_state(
             f"{len(opt.param_groups)}; build the optimizer with the same param groups"
         )
     for live, saved in zip(opt.param_groups, groups, strict=True):
-        live.update(saved)
+        live.update({k: v for k, v in dict(saved).items() if k != "param_names"})
 
 
 def _loaded_as_is(state: dict[str, Any]) -> None:

@@ -1,0 +1,100 @@
+"""One of our checkpoints read in one process, without a process group or an engine: each
+parameter's weights and per-element optimizer state whole (DCP reads only that tensor's
+chunks), the packed entries (counters, param groups, client state), and the saved shapes. What
+an export to another layout reads (``export.py``)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, EntryKey
+from ..store import single_process_ok
+from ..trust import SafeReader, unpack
+from ..validate import CheckpointError, check_files, read_meta
+
+__all__ = ["SavedCheckpoint"]
+
+
+class SavedCheckpoint:
+    """The checkpoint directory ``path`` (one of ours, checked against its checksums)."""
+
+    def __init__(
+        self, path: Path, trust_checkpoint: bool = False, require_checksums: bool = True
+    ) -> None:
+        check_files(path, require_checksums)
+        self.path, self.trust = path, trust_checkpoint
+        self.meta = read_meta(path)
+        md = SafeReader(path).read_metadata().state_dict_metadata
+        self.tensors = {k: m for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
+
+    @property
+    def shapes(self) -> dict[str, torch.Size]:
+        """Every parameter's full shape, in the model's order."""
+        return {k: torch.Size(v) for k, v in self.meta["shapes"].items()}
+
+    def read(self, key: EntryKey | str) -> torch.Tensor:
+        text = key.text if isinstance(key, EntryKey) else key
+        m = self.tensors[text]
+        out = torch.empty(m.size, dtype=m.properties.dtype)
+        with single_process_ok(False):
+            dcp.load({text: out}, storage_reader=SafeReader(self.path), no_dist=True)
+        return out
+
+    def packed(self, name: str) -> Any:
+        return unpack(self.read(name), f"{self.path}: '{name}'", self.trust)
+
+    @cached_property
+    def engine_state(self) -> dict[str, Any]:
+        return self.packed(ENGINE)
+
+    @cached_property
+    def client_state(self) -> Any:
+        return self.packed(CLIENT_STATE)
+
+    @cached_property
+    def param_groups(self) -> list[dict[str, Any]]:
+        if OPTIMIZER_GROUPS not in self.tensors:
+            raise CheckpointError(
+                f"{self.path}: saved without optimizer state (include_optimizer=False), which "
+                "a resumable export needs"
+            )
+        groups = self.packed(OPTIMIZER_GROUPS)
+        names = list(self.shapes)
+        if len(groups) == 1 and "param_names" not in groups[0]:  # saved before groups were named
+            groups[0]["param_names"] = [n for n in names if self.has_optimizer_state(n)]
+        if any("param_names" not in g for g in groups):
+            raise CheckpointError(
+                f"{self.path}: {len(groups)} optimizer param groups whose parameters this "
+                "checkpoint does not name (written by an older ds_strategy); save it again"
+            )
+        return groups
+
+    def has_optimizer_state(self, name: str) -> bool:
+        return any(
+            (e := EntryKey.parse(k)) is not None and e.param == name and e.kind == "optim"
+            for k in self.tensors
+        )
+
+    def weight(self, name: str) -> torch.Tensor:
+        return self.read(EntryKey("model", name)).reshape(self.shapes[name]).float()
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        found = [
+            e for k in self.tensors if (e := EntryKey.parse(k)) is not None and e.kind == "buffer"
+        ]
+        return {e.param: self.read(e) for e in found}
+
+    def optimizer_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Parameter ``name``'s per-element state (flattened) and its scalar tensors."""
+        out = {}
+        for k in self.tensors:
+            e = EntryKey.parse(k)
+            if e is not None and e.param == name and e.kind in ("optim", "optim_scalar"):
+                out[e.state] = self.read(e)
+        return out
