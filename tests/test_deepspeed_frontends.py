@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.lightning_scripts.launch import max_diff, run_for_results
@@ -80,8 +81,6 @@ def test_hf_trainer_deepspeed_checkpoint_resumes_in_zero_trainer(tmp_path: Path)
 
 @pytest.mark.usefixtures("clean_accelerate")
 def test_accelerate_deepspeed_state_resumes_in_zero_accelerator() -> None:
-    import torch
-
     from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
 
     fx = _fixtures()
@@ -110,6 +109,21 @@ def test_accelerate_deepspeed_state_resumes_in_zero_accelerator() -> None:
     got = accelerator.get_state_dict(net)
     reference = load_file(DATA / "accelerate_s2" / "continued.safetensors")
     diff = max_diff({k: got[k] for k in reference}, reference)
+    assert diff <= 2e-5, f"max |w - DeepSpeed's continuation| = {diff:.3g}"
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_accelerate_deepspeed_state_resumes_on_two_processes(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from tests.accelerate_scripts.launch import launch
+
+    launch("deepspeed_resume.py", str(tmp_path / "out.pt"), "1")
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert (out["world"], out["global_steps"]) == (2, 7)
+    assert out["loaded"] == {"seen": 16, "last_epoch": 4}
+    reference = load_file(DATA / "accelerate_s2" / "continued.safetensors")
+    diff = max_diff({k: out["weights"][k] for k in reference}, reference)
     assert diff <= 2e-5, f"max |w - DeepSpeed's continuation| = {diff:.3g}"
 
 
