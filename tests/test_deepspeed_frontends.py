@@ -80,26 +80,39 @@ def test_hf_trainer_deepspeed_checkpoint_resumes_in_zero_trainer(tmp_path: Path)
 
 
 @pytest.mark.usefixtures("clean_accelerate")
-def test_accelerate_deepspeed_state_resumes_in_zero_accelerator() -> None:
+@pytest.mark.parametrize("case", ["accelerate_s2", "accelerate_s2_config"])
+def test_accelerate_deepspeed_state_resumes_in_zero_accelerator(case: str) -> None:
+    """The loop's AdamW and LambdaLR (Accelerate saved the scheduler), or the config's AdamW
+    and WarmupLR through DummyOptim/DummyScheduler (DeepSpeed saved the scheduler)."""
+    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+
     from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
 
     fx = _fixtures()
     # one process: Accelerate counted one on CPU, so each of the fixture's two ranks read the
     # whole global batch (see make_fixtures.py); one process on it takes the same steps
     batch = fx.WORLD * fx.MICRO
-    config = {**_config("accelerate_s2", 3), "train_micro_batch_size_per_gpu": batch}
+    config = {**_config(case, 3), "train_micro_batch_size_per_gpu": batch}
     accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=config))
     net = fx.model()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+    owned = case.endswith("_config")  # DeepSpeed's optimizer and scheduler, from the config
+    if owned:
+        opt = DummyOptim(net.parameters())
+        sched = DummyScheduler(opt)
+    else:
+        opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+        sched = fx.lambda_lr(opt)
     data = load_file(DATA / "batches.safetensors")
     steps = range(fx.STEPS, fx.STEPS + fx.MORE)
     loader = torch.utils.data.DataLoader(fx.mlp_rows(data, steps), batch_size=batch)
     counter = fx.Counter()
     accelerator.register_for_checkpointing(counter)
-    net, opt, loader, sched = accelerator.prepare(net, opt, loader, fx.lambda_lr(opt))
-    accelerator.load_state(str(DATA / "accelerate_s2" / "state"))
+    net, opt, loader, sched = accelerator.prepare(net, opt, loader, sched)
+    accelerator.load_state(str(DATA / case / "state"))
     assert counter.seen == fx.STEPS * batch  # Accelerate's custom object came back
-    assert sched.scheduler.last_epoch == fx.STEPS  # and its scheduler.bin
+    # the position came back: the LambdaLR's from scheduler.bin, the WarmupLR's from DeepSpeed's
+    # model state (its last_batch_iteration, n - 1 after n steps)
+    assert sched.scheduler.last_epoch == fx.STEPS - owned
     for x, y in loader:
         accelerator.backward(((net(x) - y) ** 2).mean())
         opt.step()
@@ -107,7 +120,7 @@ def test_accelerate_deepspeed_state_resumes_in_zero_accelerator() -> None:
         opt.zero_grad()
     assert accelerator.zero_engine.global_steps == fx.STEPS + fx.MORE
     got = accelerator.get_state_dict(net)
-    reference = load_file(DATA / "accelerate_s2" / "continued.safetensors")
+    reference = load_file(DATA / case / "continued.safetensors")
     diff = max_diff({k: got[k] for k in reference}, reference)
     assert diff <= 2e-5, f"max |w - DeepSpeed's continuation| = {diff:.3g}"
 

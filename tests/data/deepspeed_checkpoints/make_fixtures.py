@@ -28,7 +28,9 @@ Accelerate's files. As with ``hf_s2``, Accelerate counts one process on CPU: its
 sharded and it writes only ``random_states_0.pkl``; each rank reads the whole global batch of
 each step (the loader's batch is a rank's share of it, ``WORLD * MICRO // num_processes``), so
 DeepSpeed's ranks average equal gradients and a one-process run on the global batch takes the
-same steps.
+same steps. ``accelerate_s2_config``: the same with ``DummyOptim`` and ``DummyScheduler``, so
+DeepSpeed builds the config's AdamW and WarmupLR and saves the scheduler's position itself
+(Accelerate writes no ``scheduler.bin``).
 ``fabric_s2``: Lightning Fabric's ``DeepSpeedStrategy`` (``fabric.save`` of the model, its
 optimizer, a LambdaLR and a step count: a ``.ckpt`` directory, tag ``checkpoint``, the last
 two as client state); each rank its half of the global batch. Its CUDA-only device check is
@@ -317,12 +319,14 @@ def run_accelerate(name: str) -> None:
     import torch.distributed as dist
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.state import AcceleratorState
+    from accelerate.utils import DummyOptim, DummyScheduler
     from safetensors.torch import load_file
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what accelerate launch sets
     data = load_file(HERE / "batches.safetensors")
     out = HERE / name
-    cfg = front_config()
+    owned = name.endswith("_config")  # DeepSpeed's optimizer and scheduler, from the config
+    cfg = config(2, "fp32") if owned else front_config()
 
     def run(steps: range, resume: Path | None = None):
         AcceleratorState._reset_state()  # a fresh Accelerator, as in a new job
@@ -330,13 +334,18 @@ def run_accelerate(name: str) -> None:
             deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(cfg)))
         )
         net = model()
-        opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+        if owned:
+            opt = DummyOptim(net.parameters())
+            sched = DummyScheduler(opt)
+        else:
+            opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)
+            sched = lambda_lr(opt)
         # each rank's share of a global batch, were the loader sharded over DeepSpeed's ranks
         share = WORLD * MICRO // acc.num_processes
         loader = torch.utils.data.DataLoader(mlp_rows(data, steps), batch_size=share)
         counter = Counter()
         acc.register_for_checkpointing(counter)
-        net, opt, loader, sched = acc.prepare(net, opt, loader, lambda_lr(opt))
+        net, opt, loader, sched = acc.prepare(net, opt, loader, sched)
         if resume is not None:
             acc.load_state(str(resume))
         seen = []
@@ -512,7 +521,7 @@ def main() -> None:
 
     save_file(batches(), HERE / "batches.safetensors")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    fronts = ["lightning_s2", "hf_s2", "accelerate_s2", "fabric_s2"]
+    fronts = ["lightning_s2", "hf_s2", "accelerate_s2", "accelerate_s2_config", "fabric_s2"]
     for name in sys.argv[1:] or [*CASES, *fronts]:
         shutil.rmtree(HERE / name, ignore_errors=True)
         cmd = ["torchrun", f"--nproc_per_node={WORLD}", "--master_port=29613", __file__]
