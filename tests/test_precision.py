@@ -32,11 +32,16 @@ def test_dynamic_scale_halves_on_overflow_and_grows_after_a_clean_window() -> No
     assert s.scale == 16 and s.dynamic
     s.update(overflow=True)
     assert s.scale == 8
-    for _ in range(2):
+    for _ in range(3):
         s.update(overflow=False)
     assert s.scale == 8
-    s.update(overflow=False)  # third clean step since the overflow
+    s.update(overflow=False)  # the clean step after a window of 3 clean steps, as DeepSpeed
     assert s.scale == 16
+    for _ in range(2):
+        s.update(overflow=False)
+    assert s.scale == 16
+    s.update(overflow=False)  # then every third clean step
+    assert s.scale == 32
 
 
 def test_hysteresis_delays_the_decrease() -> None:

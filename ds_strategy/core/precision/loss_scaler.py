@@ -4,8 +4,10 @@
 Dynamic scaling starts at ``2 ** initial_scale_power``. An overflow (an inf/nan gradient on
 any rank) skips the step; the scale is halved once ``hysteresis`` overflows have been seen
 (with ``consecutive_hysteresis`` the allowance refills after every clean step, otherwise
-only when the scale grows). After ``loss_scale_window`` clean steps since the last overflow
-the scale doubles. At ``min_loss_scale`` an overflow is an error: halving is impossible and
+only when the scale grows). A clean step that follows a multiple of ``loss_scale_window``
+clean steps since the last overflow (or the start) doubles the scale, as DeepSpeed's
+``DynamicLossScaler`` does (0.19: a window of 2 from the start doubles at the third step, then
+every second), so a run resumed from a DeepSpeed checkpoint scales as DeepSpeed would have. At ``min_loss_scale`` an overflow is an error: halving is impossible and
 skipping forever would silently stop training.
 """
 
@@ -68,7 +70,8 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.iteration - self.last_overflow) % self.window == 0:
+            stable = self.iteration - self.last_overflow - 1  # clean steps before this one
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= 2
