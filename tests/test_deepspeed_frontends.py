@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -149,3 +150,19 @@ def test_fabric_deepspeed_checkpoint_resumes_with_fabric_load(tmp_path: Path) ->
     reference = load_file(DATA / "fabric_s2" / "continued.safetensors")
     diff = max_diff(out["weights"], reference)
     assert diff <= 2e-5, f"max |w - Fabric and DeepSpeed's continuation| = {diff:.3g}"
+
+
+@pytest.mark.usefixtures("clean_accelerate")
+def test_accelerate_load_state_refuses_a_directory_without_the_engines_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+
+    fx = _fixtures()
+    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=_config("accelerate_s2", 2)))
+    net = fx.model()
+    accelerator.prepare(net, torch.optim.AdamW(net.parameters()))
+    shutil.copytree(DATA / "accelerate_s2" / "state", tmp_path / "state")
+    shutil.rmtree(tmp_path / "state" / "pytorch_model")  # Accelerate's files, no engine's
+    with pytest.raises(FileNotFoundError, match="no zero_checkpoint/ here, nor a DeepSpeed"):
+        accelerator.load_state(str(tmp_path / "state"))
