@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from ..config.loop import fill_auto
 from ..core import ZeroEngine
-from ..core.loop import clipped_engine
+from ..core.loop import clipped_engine, norm_only
 from ..core.optimizers import engine_schedule
 from ..core.several import backward_of_models, pair_optimizers
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
@@ -299,10 +299,7 @@ class EngineFront(Front):
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         if self.trained is None:
             return Accelerator.clip_grad_value_(self.acc, parameters, clip_value)
-        raise RuntimeError(
-            "clip_grad_value_ is not supported by ZeroAccelerator (gradients are sharded and "
-            "clipped inside the engine's step); use clip_grad_norm_"
-        )
+        raise RuntimeError(norm_only("clip_grad_value_", "accelerator.clip_grad_norm_"))
 
     def engines(self) -> dict[str, ZeroEngine]:  # type: ignore[override]
         return {f"model_{i}": s.engine for i, s in enumerate(self.slots)}

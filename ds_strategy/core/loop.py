@@ -21,8 +21,17 @@ __all__ = [
     "clipped_engine",
     "full_sizes",
     "load_all",
+    "norm_only",
     "save_all",
 ]
+
+
+def norm_only(call: str, use: str) -> str:
+    """The error of a clip ZeRO cannot do (by value, or by a norm other than L2)."""
+    return (
+        f"{call} is not supported under ZeRO, which clips by the global L2 norm only (of all "
+        f"of a model's gradients at once, inside the step that reduces the shards); use {use}"
+    )
 
 
 def clipped_engine(
@@ -32,7 +41,7 @@ def clipped_engine(
     norm_type)`` request clips. ZeRO clips the global L2 norm of all of one model's gradients
     at once, so ``parameters`` must be that model's, its trainable ones all included."""
     if float(norm_type) != 2.0:
-        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): ZeRO clips by L2 norm only")
+        raise ValueError(norm_only(f"clip_grad_norm_(norm_type={norm_type})", "norm_type=2"))
     if not float(max_norm) > 0:
         raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): must be > 0")
     given = {id(p) for p in parameters}

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..core.engine import ZeroEngine
-from ..core.loop import load_all, save_all
+from ..core.loop import load_all, norm_only, save_all
 from ..core.optimizers import evaluation_optimizer, move_schedulers
 from ..frontends.engines import move_real_tensors
 from ..frontends.lightning_base import FlagPrecision, LightningZeroBase
@@ -121,12 +121,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
     def _setup(self, module: nn.Module, optimizer: Any) -> ZeroEngine:
         return self._add(self._build_engine(module, optimizer, None))  # accumulating as configured
 
-    def _add(self, setup: Any) -> Any:
-        self._job.add(setup)
-        if self._engine is None:
-            self._engine = self._job.trained[0]  # ``strategy.engine``: the first model set up
-        return setup
-
     @property
     def engines(self) -> list[ZeroEngine]:
         """The engines of every ``fabric.setup`` call, in order (one per optimizer where a
@@ -155,19 +149,15 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         """Clip the global L2 norm and return it before clipping, as ``clip_grad_norm_`` (an fp16
         overflow's non-finite norm is returned, not raised); None before a boundary."""
         if float(norm_type) != 2.0:
-            raise ValueError(
-                f"the ZeRO strategy clips by the global L2 norm only, got norm_type={norm_type}"
-            )
+            raise ValueError(norm_only(f"norm_type={norm_type}", "norm_type=2"))
         norm = self._job.clip(float(max_norm), module, optimizer)
         return None if norm is None else torch.tensor(norm)
 
     def clip_gradients_value(
         self, module: nn.Module, optimizer: Optimizer, clip_val: float | int
     ) -> None:
-        raise ValueError(
-            "fabric.clip_gradients(clip_val=...) is not supported by the ZeRO strategy: it clips "
-            "by the global gradient norm; use fabric.clip_gradients(model, optimizer, max_norm=...)"
-        )
+        use = "fabric.clip_gradients(model, optimizer, max_norm=...)"
+        raise ValueError(norm_only("fabric.clip_gradients(clip_val=...)", use))
 
     def _named(self, state: dict[str, Any]) -> tuple[dict[str, ZeroEngine], list[str]]:
         """The engines of the models in ``state`` by name, and the other entries' keys."""

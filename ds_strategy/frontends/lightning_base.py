@@ -131,6 +131,13 @@ class LightningZeroBase:
         """
         return self._active().save_weights(path)
 
+    def _add(self, setup: Any) -> Any:
+        """Record what one set-up built (see ``core/job.py``); the first engine is ``engine``."""
+        self._job.add(setup)
+        if self._engine is None:
+            self._engine = self._job.trained[0]
+        return setup
+
     def _checkpoint_path(self, path: str | os.PathLike) -> Path:
         """Rank 0's path on every rank, once an asynchronous save has finished renaming."""
         if self._engine is not None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
 from ..core.job import JobEngines
+from ..core.loop import norm_only
 from ..frontends.lightning_base import FlagPrecision
 from ..frontends.lightning_private import after_closure
 
@@ -87,10 +88,7 @@ class ZeroPrecision(FlagPrecision, Precision):
     ) -> None:
         """Remember a clip-by-norm request for the next step, where the global norm exists."""
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise ValueError(
-                "clip_gradients(gradient_clip_algorithm='value') is not supported by "
-                "ZeroStrategy: ZeRO clips by the global gradient norm; use "
-                "gradient_clip_algorithm='norm'"
-            )
+            call = "clip_gradients(gradient_clip_algorithm='value')"
+            raise ValueError(norm_only(call, "gradient_clip_algorithm='norm'"))
         if clip_val > 0:  # at the step, where the engine's configured clip may be this one
             self.job.clip(clip_val, optimizer=optimizer, wait=True)

@@ -137,11 +137,13 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 self._setup_pipeline(trainer, pl_module, optimizer, schedulers)
             else:
                 self._setup_engine(trainer, pl_module, optimizer, schedulers)
+            if self.stage == 3 and self._job.engines:  # parameters empty outside their forward
+                install_sharded_summary(trainer, self._job.engines)
             self._engine_module, self._engine_trains = pl_module, fitting
             self.barrier("ZeroStrategy.setup")
         if fitting:  # the job's engines, or the pipeline
-            trained = self._job.trained or [self._engine]
-            self.optimizers = [e.optimizer for e in trained]  # type: ignore[union-attr]
+            trained: list[Any] = self._job.trained or [self._engine]
+            self.optimizers = [e.optimizer for e in trained]
 
     def _setup_several(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list, scheds: list
@@ -152,11 +154,8 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 f"configure_optimizers returned {len(optimizers)} optimizers with a pipeline "
                 "config: a pipeline trains one model with one optimizer"
             )
-        several = self._job.add(self._build_several(pl_module, optimizers, scheds, 1))
-        self._engine = several.trained[0]
+        several = self._add(self._build_several(pl_module, optimizers, scheds, 1))
         _wrap_toggles(pl_module, several)
-        if self.stage == 3:
-            install_sharded_summary(trainer, list(several.engines.values()))
 
     def _setup_engine(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, scheds: list[Any]
@@ -172,9 +171,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         move_schedulers(engine, scheds)  # Lightning steps them (intervals, ReduceLROnPlateau)
         if engine.timers is not None:  # wall_clock_breakdown: also to the Trainer's loggers
             engine.timers.add_sink(timing_sink(lambda m, step: _log_metrics(trainer, m, step)))
-        self._engine = self.model = self._job.add(engine)
-        if engine.stage == 3:
-            install_sharded_summary(trainer, [engine])
+        self.model = self._add(engine)
 
     def _setup_pipeline(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, scheds: list[Any]
