@@ -4,10 +4,10 @@ model and a sharded engine differ and leaves the rest to Accelerate."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -201,16 +201,12 @@ class ZeroAccelerator(Accelerator):
         """``engine.backward``: the loss is divided by ``gradient_accumulation_steps``."""
         self._front.backward(loss, **kwargs)
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: Any) -> Iterator[None]:
+    def accumulate(self, *models: Any) -> AbstractContextManager[None]:
         self._front.check_accumulate()
-        with super().accumulate(*models):
-            yield
+        return super().accumulate(*models)
 
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        with self._front.no_sync(model):
-            yield
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
+        return self._front.no_sync(model)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
