@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import ds_strategy
 from ds_strategy.core.checkpoint.deepspeed.layout import find_deepspeed, open_deepspeed
 from ds_strategy.core.checkpoint.validate import CheckpointError
+from ds_strategy.core.offload.streaming import SwapFiles
 from tests.distributed import run_ranks_each
 
 DATA = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
@@ -40,11 +41,12 @@ def _other_stage(case: str) -> int:
     return {1: 3, 2: 0, 3: 1}[CASES[case][0]]
 
 
-def resume(rank: int, world: int, case: str, stage: int) -> float:
-    """Resume ``case`` at ``world`` ranks and ZeRO ``stage``, train DeepSpeed's 3 more steps;
-    the largest difference from DeepSpeed's own continuation."""
+def resume(rank: int, world: int, case: str, stage: int, offload: dict | None = None) -> float:
+    """Resume ``case`` at ``world`` ranks and ZeRO ``stage`` (with ``offload``'s sections),
+    train DeepSpeed's 3 more steps; the largest difference from DeepSpeed's continuation."""
     cfg = json.loads((DATA / case / "config.json").read_text())
     cfg["zero_optimization"]["stage"] = stage
+    cfg["zero_optimization"].update(offload or {})
     per_rank = WORLD * MICRO // world  # the same global batch as DeepSpeed's two ranks
     cfg["train_micro_batch_size_per_gpu"] = MICRO
     cfg["gradient_accumulation_steps"] = per_rank // MICRO
@@ -92,6 +94,22 @@ def test_resume_at_two_ranks_and_another_stage() -> None:
         assert per_rank[0] == per_rank[1]
         tol = TOLERANCE[CASES[case][1]]
         assert per_rank[0] <= tol, f"{case}: max |w - DeepSpeed's continuation| = {per_rank[0]:.3g}"
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_resume_with_offload(tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into an engine whose parameters and optimizer state live in host memory or NVMe files:
+    with NVMe, the load writes the pieces into the swap files."""
+    written = []
+    write = SwapFiles.write
+    monkeypatch.setattr(SwapFiles, "write", staticmethod(lambda *a: written.append(1) or write(*a)))
+    where = (
+        {"device": device, "nvme_path": str(tmp_path)} if device == "nvme" else {"device": "cpu"}
+    )
+    offload = {"offload_optimizer": where, "offload_param": where}
+    diff = resume(0, 1, "s2_fp32", 3, offload)
+    assert diff <= TOLERANCE["fp32"], f"max |w - DeepSpeed's continuation| = {diff:.3g}"
+    assert (len(written) > 0) == (device == "nvme")
 
 
 def test_latest_and_tag_are_found_by_content(tmp_path: Path) -> None:
