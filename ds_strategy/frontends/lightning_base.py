@@ -124,12 +124,14 @@ class LightningZeroBase:
         return self._engine
 
     def save_consolidated(self, path: str | os.PathLike) -> Path:
-        """Collective: rank 0 writes the fp32 weights, keyed like the module's ``state_dict()``,
-        to one file (``.safetensors`` or ``torch.save`` by suffix)::
+        """Collective: rank 0 writes the fp32 weights (a model set up with several optimizers:
+        every engine's), keyed like the module's ``state_dict()``, to one file (``.safetensors``
+        or ``torch.save`` by suffix)::
 
             trainer.strategy.save_consolidated("model.safetensors")
         """
-        return self._active().save_weights(path)
+        several = self._job.several_of()  # the only set-up, an engine per optimizer
+        return (several if several is not None else self._active()).save_weights(Path(path))
 
     def _add(self, setup: Any) -> Any:
         """Record what one set-up built (see ``core/job.py``); the first engine is ``engine``."""

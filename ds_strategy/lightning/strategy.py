@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -221,13 +220,6 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
                 self.__dict__.pop(name, None)
             else:
                 setattr(self, name, getattr(steps, name))
-
-    def save_consolidated(self, path: str | os.PathLike) -> Path:
-        """Collective: rank 0 writes the fp32 weights (every engine's, with several
-        optimizers), keyed like the module's ``state_dict()``, to one file."""
-        if self._several is not None:
-            return self._several.save_weights(path)
-        return super().save_consolidated(path)
 
     def _configured_optimizers(self, trainer: pl.Trainer) -> tuple[list[Optimizer], list[Any]]:
         self.setup_optimizers(trainer)
