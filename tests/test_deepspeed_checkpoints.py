@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 import ds_strategy
-from ds_strategy.core.checkpoint.deepspeed.layout import find_deepspeed, open_deepspeed
+from ds_strategy.core.checkpoint.deepspeed.layout import find_deepspeed
+from ds_strategy.core.checkpoint.deepspeed.opening import open_deepspeed
 from ds_strategy.core.checkpoint.validate import CheckpointError
 from ds_strategy.core.offload.streaming import SwapFiles
 from tests.distributed import run_ranks_each
@@ -154,3 +155,43 @@ def test_a_planted_pickle_is_refused_without_running(tmp_path: Path) -> None:
     with pytest.raises(ds_strategy.UntrustedContentError, match=r"posix.system|os.system"):
         engine.load_checkpoint(tmp_path / "ckpt")
     assert not marker.exists()
+
+
+def resume_tensor_parallel(rank: int, world: int, stage: int, tensor_parallel: int) -> float:
+    """DeepSpeed's AutoTP checkpoint (2 tensor-parallel parts) resumed at ``world`` ranks,
+    ZeRO ``stage`` and our own ``tensor_parallel`` degree (1: none); DeepSpeed's 3 more steps."""
+    sys.path.insert(0, str(DATA))
+    from make_fixtures import TP_CONFIG, tp_parts
+
+    cfg = json.loads(json.dumps(TP_CONFIG))
+    cfg["zero_optimization"]["stage"] = stage
+    cfg["tensor_parallel"] = {"autotp_size": tensor_parallel}
+    net, ids = tp_parts()
+    engine = ds_strategy.initialize(net, None, cfg)
+    assert engine.load_checkpoint(DATA / "tp_s1" / "ckpt") == {"epoch": 1}
+    for i in range(STEPS, STEPS + MORE):  # every rank the same batch: DeepSpeed's was one group
+        engine.backward(engine(input_ids=ids[i], labels=ids[i]).loss)
+        engine.step()
+    got = engine.full_state_dict()
+    engine.destroy()
+    ref = load_file(DATA / "tp_s1" / "continued.safetensors")
+    return max((got[k] - v).abs().max().item() for k, v in ref.items())
+
+
+def test_tensor_parallel_parts_join_like_deepspeeds_universal_checkpoint() -> None:
+    """The parts of DeepSpeed's AutoTP checkpoint joined as its ds_to_universal.py joins them."""
+    pytest.importorskip("transformers")
+    ckpt = open_deepspeed(find_deepspeed(DATA / "tp_s1" / "ckpt"))
+    ref = load_file(DATA / "tp_s1" / "consolidated.safetensors")
+    assert set(ckpt.shapes) == set(ref)
+    assert ckpt.split_dim("model.layers.0.self_attn.o_proj.weight") == 1  # row-parallel
+    assert ckpt.split_dim("model.layers.0.self_attn.q_proj.weight") == 0
+    for name, want in ref.items():
+        assert torch.equal(ckpt.full(name), want), name
+
+
+def test_tensor_parallel_checkpoint_resumes_without_and_with_tensor_parallelism() -> None:
+    pytest.importorskip("transformers")
+    assert resume_tensor_parallel(0, 1, 3, 1) <= TOLERANCE["fp32"]
+    (diff,) = {d for d in run_ranks_each([(resume_tensor_parallel, (1, 2))], 2)[0]}
+    assert diff <= TOLERANCE["fp32"], f"max |w - DeepSpeed's continuation| = {diff:.3g}"

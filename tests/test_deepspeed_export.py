@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 import ds_strategy
 from ds_strategy.cli import main as cli
-from ds_strategy.core.checkpoint.deepspeed.layout import find_deepspeed, open_deepspeed
+from ds_strategy.core.checkpoint.deepspeed.layout import find_deepspeed
+from ds_strategy.core.checkpoint.deepspeed.opening import open_deepspeed
 from ds_strategy.core.checkpoint.validate import CheckpointError
 from tests.distributed import free_port
 

@@ -300,9 +300,7 @@ class EngineBuilder:
         for c in (comm, self.comm, *([tensor_parallel.comm] if tensor_parallel else [])):
             c.link = self.topology.link(c.global_ranks())
         if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
-            comm = HierarchicalComm.build(
-                comm.group, self.topology, on_scratch=self.meter.scratch
-            )
+            comm = HierarchicalComm.build(comm.group, self.topology, on_scratch=self.meter.scratch)
         with together(comm):  # see config/rules.py
             check_rules(self.config, self.facts(comm, tensor_parallel), "ranks")
         shard_comm: Comm = comm

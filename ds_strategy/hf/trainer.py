@@ -40,7 +40,8 @@ from transformers.trainer import SCHEDULER_NAME
 from ..accelerate import ZeroAccelerator, ZeroPlugin
 from ..accelerate._front import ENGINE_DIR, EngineSchedulerWrapper
 from ..config import ZeroConfig
-from ..core.checkpoint.deepspeed.layout import find_deepspeed, open_deepspeed
+from ..core.checkpoint.deepspeed.layout import find_deepspeed
+from ..core.checkpoint.deepspeed.opening import open_deepspeed
 from ..core.schedulers import load_scheduler_state
 from ..frontends.engines import move_schedulers
 from ._args import fill_from_training_args

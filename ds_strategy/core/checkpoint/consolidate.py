@@ -24,7 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .deepspeed.layout import find_deepspeed, open_deepspeed
+from .deepspeed.layout import find_deepspeed
+from .deepspeed.opening import open_deepspeed
 from .deepspeed.weights import DeepSpeedWeights
 from .keys import MODEL_KINDS, OPTIMIZER_KINDS, EntryKey
 from .manager import resolve_sources

@@ -48,8 +48,9 @@ from ..collectives import Comm
 from ..faults import together
 from . import reshard, store, swap
 from .collect import collect_state
-from .deepspeed.layout import find_deepspeed, open_deepspeed
+from .deepspeed.layout import find_deepspeed
 from .deepspeed.load import load_deepspeed
+from .deepspeed.opening import open_deepspeed
 from .engines import MANIFEST, holds_engines, read_manifest
 from .lock import LOCK_FILE, acquire, release
 from .seam import CheckpointedEngine

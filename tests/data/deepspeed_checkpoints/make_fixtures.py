@@ -507,6 +507,96 @@ def run_hf(name: str) -> None:
         (out / "config.json").write_text(json.dumps(HF_CONFIG, indent=2) + "\n")
 
 
+TP_CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.5,
+    "tensor_parallel": {"autotp_size": WORLD},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+    "zero_optimization": {"stage": 1},
+}
+
+
+def tp_parts():
+    """The tensor-parallel case's model (a 1-layer Llama from a config) and token batches."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+    )
+    g = torch.Generator().manual_seed(3)
+    return LlamaForCausalLM(config), torch.randint(0, 32, (STEPS + MORE, MICRO, 8), generator=g)
+
+
+def universal_weights(ckpt: Path, out: Path) -> None:
+    """DeepSpeed's own join of the tensor-parallel parts: ds_to_universal's fp32 per parameter."""
+    import torch
+    from safetensors.torch import save_file
+
+    tag = ckpt / (ckpt / "latest").read_text().strip()
+    universal = ckpt.parent / "universal"
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
+    subprocess.run(
+        [*cmd, "--input_folder", str(tag), "--output_folder", str(universal)], check=True
+    )
+    state = {}
+    for d in sorted((universal / "zero").iterdir()):
+        if d.is_dir():
+            state[d.name] = torch.load(d / "fp32.pt", weights_only=False)["param"].contiguous()
+    save_file(state, out)
+    shutil.rmtree(universal)
+    (ckpt.parent / "latest_universal").unlink(missing_ok=True)  # ds_to_universal's pointer
+
+
+def run_tp(name: str) -> None:
+    """``tp_s1``: DeepSpeed's AutoTP training (tensor_parallel.autotp_size 2, ZeRO-1) on two
+    ranks, one tensor-parallel group: ``mp_rank_00`` and ``mp_rank_01`` files with its
+    ``universal_checkpoint_info``; the references are DeepSpeed's ds_to_universal joins."""
+    import deepspeed
+    import torch.distributed as dist
+
+    out = HERE / name
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def steps(engine, ids, which: range) -> None:
+        for i in which:
+            engine.backward(engine(input_ids=ids[i], labels=ids[i]).loss)
+            engine.step()
+
+    net, ids = tp_parts()
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=TP_CONFIG
+    )
+    steps(engine, ids, range(STEPS))
+    engine.save_checkpoint(out / "ckpt", client_state={"epoch": 1})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        universal_weights(out / "ckpt", out / "consolidated.safetensors")
+    dist.barrier()
+    net, ids = tp_parts()
+    engine, *_ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), config=TP_CONFIG
+    )
+    engine.load_checkpoint(out / "ckpt")
+    steps(engine, ids, range(STEPS, STEPS + MORE))
+    engine.save_checkpoint(out / "continued_ckpt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        universal_weights(out / "continued_ckpt", out / "continued.safetensors")
+        shutil.rmtree(out / "continued_ckpt")
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (out / "ckpt" / script).unlink(missing_ok=True)
+        (out / "config.json").write_text(json.dumps(TP_CONFIG, indent=2) + "\n")
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--case":
         kinds = {
@@ -514,6 +604,7 @@ def main() -> None:
             "hf": run_hf,
             "accelerate": run_accelerate,
             "fabric": run_fabric,
+            "tp": run_tp,
         }
         kinds.get(sys.argv[2].split("_")[0], run_case)(sys.argv[2])
         return
@@ -521,7 +612,14 @@ def main() -> None:
 
     save_file(batches(), HERE / "batches.safetensors")
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    fronts = ["lightning_s2", "hf_s2", "accelerate_s2", "accelerate_s2_config", "fabric_s2"]
+    fronts = [
+        "lightning_s2",
+        "hf_s2",
+        "accelerate_s2",
+        "accelerate_s2_config",
+        "fabric_s2",
+        "tp_s1",
+    ]
     for name in sys.argv[1:] or [*CASES, *fronts]:
         shutil.rmtree(HERE / name, ignore_errors=True)
         cmd = ["torchrun", f"--nproc_per_node={WORLD}", "--master_port=29613", __file__]

@@ -23,7 +23,11 @@ def main() -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file, save_file
 
-    ckpt, config, out = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
+    ckpt, config, out = (
+        Path(sys.argv[1]),
+        json.loads(Path(sys.argv[2]).read_text()),
+        Path(sys.argv[3]),
+    )
     dtype = torch.bfloat16 if (config.get("bf16") or {}).get("enabled") else torch.float32
     dtype = torch.float16 if (config.get("fp16") or {}).get("enabled") else dtype
     deepspeed.init_distributed(dist_backend="gloo")
@@ -36,7 +40,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         state = get_fp32_state_dict_from_zero_checkpoint(str(out.parent / "after"))
         save_file({k: v.contiguous() for k, v in state.items()}, out)
-        (out.parent / "client_state.json").write_text(json.dumps({k: client[k] for k in ("epoch",) if k in client}))
+        (out.parent / "client_state.json").write_text(
+            json.dumps({k: client[k] for k in ("epoch",) if k in client})
+        )
         print("global_steps", engine.global_steps, "client", client.get("epoch"))
 
 

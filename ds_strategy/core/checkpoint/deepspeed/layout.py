@@ -26,7 +26,6 @@ touches only its bytes.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,9 +35,9 @@ from typing import Any
 import torch
 
 from ..validate import CheckpointError
-from .pickles import LossScalerState, load_pickle
+from .pickles import LossScalerState
 
-__all__ = ["DeepSpeedCheckpoint", "Segment", "engine_dir", "find_deepspeed", "open_deepspeed"]
+__all__ = ["DeepSpeedCheckpoint", "Segment", "engine_dir", "find_deepspeed"]
 
 LATEST = "latest"
 _MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -241,99 +240,3 @@ class _Joined:
 
 def _joined(parts: list[torch.Tensor]) -> _Joined:
     return _Joined(parts)
-
-
-def open_deepspeed(tag_dir: Path, trust_checkpoint: bool = False) -> DeepSpeedCheckpoint:
-    """Read a DeepSpeed checkpoint's tag directory (no tensor data yet: memory-mapped)."""
-    files = {p.name: p for p in tag_dir.iterdir()}
-    tp = sorted({int(m.group(1)) for n in files if (m := _MODEL.match(n))})
-    tp += sorted({int(m.group(2)) for n in files if (m := _MODEL3.match(n))})
-    if any(t != 0 for t in tp):
-        raise CheckpointError(
-            f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (mp_rank_0{max(tp)}); only "
-            "mp_rank_00 checkpoints are read: consolidate the tensor-parallel ranks with "
-            "DeepSpeed's ds_to_universal.py first"
-        )
-    optim = _rank_files(tag_dir, files, _OPTIM, "optim_states")
-    opt_states = [load_pickle(p, trust_checkpoint)["optimizer_state_dict"] for p in optim]
-    stage = int(opt_states[0]["zero_stage"])
-    if stage == 3:
-        models = _rank_files(tag_dir, files, _MODEL3, "model_states")
-        model_files = [load_pickle(p, trust_checkpoint) for p in models]
-    elif "mp_rank_00_model_states.pt" in files:
-        model_files = [load_pickle(files["mp_rank_00_model_states.pt"], trust_checkpoint)]
-    else:
-        raise CheckpointError(f"{tag_dir}: mp_rank_00_model_states.pt is missing")
-    count = opt_states[0]["partition_count"]
-    world = max(count) if isinstance(count, list) else int(count)
-    if world != len(optim) or (stage == 3 and world != len(model_files)):
-        raise CheckpointError(
-            f"{tag_dir}: written by {world} ranks but {len(optim)} optimizer-state files are "
-            "there: the checkpoint is incomplete (a rank's save did not finish)"
-        )
-    ckpt = DeepSpeedCheckpoint(tag_dir, stage, world, model_files[0], opt_states, model_files)
-    ckpt.segments = _segments3(ckpt) if stage == 3 else _segments12(ckpt)
-    return ckpt
-
-
-def _rank_files(
-    tag_dir: Path, files: dict[str, Path], pattern: re.Pattern, what: str
-) -> list[Path]:
-    by_rank = {int(m.group(1)): p for n, p in files.items() if (m := pattern.match(n))}
-    if not by_rank:
-        raise CheckpointError(f"{tag_dir}: no *_{what}.pt files: not a ZeRO checkpoint")
-    missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
-    if missing:
-        raise CheckpointError(
-            f"{tag_dir}: the {what} files of rank(s) {missing} are missing: the checkpoint is "
-            "incomplete"
-        )
-    return [by_rank[r] for r in range(len(by_rank))]
-
-
-def _segments12(ckpt: DeepSpeedCheckpoint) -> dict[str, tuple[Segment, ...]]:
-    """Stages 0-2: each group is flattened whole, then cut into equal partitions, one per rank."""
-    paddings = ckpt.optim[0].get("param_alignment_paddings")
-    out: dict[str, tuple[Segment, ...]] = {}
-    base = 0  # where group g starts in a rank's groups laid end to end
-    sizes = [t.numel() for t in ckpt.flat(0)]
-    for g, names in enumerate(ckpt.groups):
-        part, offset = sizes[g], 0
-        for i, name in enumerate(names):
-            n = ckpt.shapes[name].numel()
-            segs = []
-            at = offset
-            while at < offset + n:
-                rank, local = divmod(at, part)
-                length = min(part - local, offset + n - at)
-                segs.append(Segment(rank, base + local, at - offset, length))
-                at += length
-            out[name] = tuple(segs)
-            offset += n + (paddings[g][i] if paddings else 0)
-        if offset > part * ckpt.world_size:
-            raise CheckpointError(
-                f"{ckpt.directory}: group {g} holds fewer elements than its shapes"
-            )
-        base += part
-    return out
-
-
-def _segments3(ckpt: DeepSpeedCheckpoint) -> dict[str, tuple[Segment, ...]]:
-    """Stage 3: each parameter is cut into equal partitions, one per rank, one after another."""
-    world, out, offset = ckpt.world_size, {}, 0
-    for name, shape in ckpt.shapes.items():
-        n = shape.numel()
-        part = math.ceil(n / world)
-        out[name] = tuple(
-            Segment(r, offset, r * part, min(part, n - r * part))
-            for r in range(world)
-            if r * part < n
-        )
-        offset += part
-    held = sum(t.numel() for t in ckpt.flat(0))
-    if offset != held:
-        raise CheckpointError(
-            f"{ckpt.directory}: the parameters' partitions take {offset} elements per rank but "
-            f"{held} are saved; the shapes and the saved groups disagree"
-        )
-    return out
