@@ -68,10 +68,23 @@ def _shard_files(directory: Path, stem: str, suffix: str) -> list[Path]:
     return sorted(directory.glob(f"{stem}-*-of-*{suffix}"))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# each fixture's checkpoint, as its framework wrote it (DeepSpeed's own API, Lightning's
+# DeepSpeedStrategy, Fabric, Accelerate's save_state, the HF Trainer, AutoTP's parts)
+WRITTEN = {case: "ckpt" for case in CASES} | {
+    "lightning_s2": "model.ckpt",
+    "fabric_s2": "model.ckpt",
+    "accelerate_s2": "state",
+    "accelerate_s2_config": "state",
+    "hf_s2": "checkpoint",
+    "tp_s1": "ckpt",
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRITTEN))
 def test_the_cli_writes_what_deepspeed_consolidates(case: str, tmp_path: Path) -> None:
+    """Against get_fp32_state_dict_from_zero_checkpoint (tp_s1: ds_to_universal.py's join)."""
     out = tmp_path / "model.safetensors"
-    assert cli(["consolidate", str(DATA / case / "ckpt"), str(out)]) == 0
+    assert cli(["consolidate", str(DATA / case / WRITTEN[case]), str(out)]) == 0
     got, ref = load_file(out), _reference(case)
     assert set(got) == set(ref)
     for name, want in ref.items():
