@@ -206,24 +206,31 @@ def lightning_parts(data: dict, rank: int, replicas: int):
     return Net, loader
 
 
-def run_lightning(name: str) -> None:
+def _deepspeed_strategy_on_cpu(module, strategy: type, ddp: type) -> None:
+    """Lightning's (or Fabric's) DeepSpeedStrategy on CPU: its CUDA-only checks skipped, and
+    the CPU's device index (None) passed to DeepSpeed as no index."""
     import deepspeed
+
+    strategy.setup_environment = ddp.setup_environment
+    module._validate_device_index_selection = lambda devices: None
+    initialize = deepspeed.initialize
+
+    def on_cpu(args=None, **kwargs):
+        if args is not None and getattr(args, "device_rank", 0) is None:
+            args.device_rank = -1
+        return initialize(args=args, **kwargs)
+
+    deepspeed.initialize = on_cpu
+
+
+def run_lightning(name: str) -> None:
     import lightning.pytorch as pl
     import lightning.pytorch.strategies.deepspeed as lightning_deepspeed
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
     from safetensors.torch import load_file, save_file
 
-    DeepSpeedStrategy.setup_environment = DDPStrategy.setup_environment  # CPU (see the note)
-    lightning_deepspeed._validate_device_index_selection = lambda devices: None
-    initialize = deepspeed.initialize
-
-    def on_cpu(args=None, **kwargs):  # Lightning passes the CPU's device index, None
-        if args is not None and getattr(args, "device_rank", 0) is None:
-            args.device_rank = -1
-        return initialize(args=args, **kwargs)
-
-    deepspeed.initialize = on_cpu
+    _deepspeed_strategy_on_cpu(lightning_deepspeed, DeepSpeedStrategy, DDPStrategy)
     cfg = config(2, "fp32")
     for key in ("optimizer", "scheduler", "gradient_accumulation_steps", "gradient_clipping"):
         cfg.pop(key)  # Lightning's configure_optimizers and Trainer flags instead
@@ -378,7 +385,6 @@ def run_accelerate(name: str) -> None:
 
 
 def run_fabric(name: str) -> None:
-    import deepspeed
     import lightning.fabric.strategies.deepspeed as fabric_deepspeed
     import torch
     import torch.distributed as dist
@@ -386,16 +392,7 @@ def run_fabric(name: str) -> None:
     from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
     from safetensors.torch import load_file
 
-    DeepSpeedStrategy.setup_environment = DDPStrategy.setup_environment  # CPU (see the note)
-    fabric_deepspeed._validate_device_index_selection = lambda devices: None
-    initialize = deepspeed.initialize
-
-    def on_cpu(args=None, **kwargs):  # Lightning passes the CPU's device index, None
-        if args is not None and getattr(args, "device_rank", 0) is None:
-            args.device_rank = -1
-        return initialize(args=args, **kwargs)
-
-    deepspeed.initialize = on_cpu
+    _deepspeed_strategy_on_cpu(fabric_deepspeed, DeepSpeedStrategy, DDPStrategy)
     data = load_file(HERE / "batches.safetensors")
     out = HERE / name
     cfg = front_config()
