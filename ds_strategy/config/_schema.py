@@ -519,6 +519,75 @@ class TopologyConfig:
 
 
 @dataclass(frozen=True)
+class TensorBoardConfig:
+    """``tensorboard`` (DeepSpeed's monitor section): rank 0 writes the training events
+    (``Train/Samples/...``, see ``core/monitor``) to TensorBoard event files in
+    ``output_path/job_name/`` (``output_path`` empty: relative to the working directory).
+    Needs the ``tensorboard`` package (the ``monitor`` extra).
+
+    >>> TensorBoardConfig(enabled=True).job_name
+    'DeepSpeedJobName'
+    """
+
+    enabled: bool = leaf(bool, False)
+    output_path: str = leaf(str, "")
+    job_name: str = leaf(str, "DeepSpeedJobName")
+
+
+@dataclass(frozen=True)
+class CSVMonitorConfig:
+    """``csv_monitor`` (DeepSpeed's monitor section): rank 0 writes one CSV file per event
+    (``Train_Samples_train_loss.csv``, columns ``step`` and the event's last name part) in
+    ``output_path/job_name/``, as DeepSpeed's CSV monitor does.
+
+    >>> CSVMonitorConfig().output_path
+    ''
+    """
+
+    enabled: bool = leaf(bool, False)
+    output_path: str = leaf(str, "")
+    job_name: str = leaf(str, "DeepSpeedJobName")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """``wandb`` (DeepSpeed's monitor section): rank 0 logs the training events to a W&B run
+    (``project``, ``group``, ``team`` as W&B's entity), or to the run already started in this
+    process (a training framework's logger). Needs the ``wandb`` package.
+
+    >>> WandbConfig().project
+    'deepspeed'
+    """
+
+    enabled: bool = leaf(bool, False)
+    group: str | None = leaf(str, None)
+    team: str | None = leaf(str, None)
+    project: str = leaf(str, "deepspeed")
+
+
+@dataclass(frozen=True)
+class CometConfig:
+    """``comet`` (DeepSpeed's monitor section): rank 0 logs the training events to a Comet
+    experiment (``comet_ml.start`` with these keys; unset ones come from Comet's own config
+    file or environment), each event at most once per ``samples_log_interval`` samples.
+    Needs the ``comet_ml`` package.
+
+    >>> CometConfig().samples_log_interval
+    100
+    """
+
+    enabled: bool = leaf(bool, False)
+    samples_log_interval: int = leaf(int, 100, ge=1)
+    project: str | None = leaf(str, None)
+    workspace: str | None = leaf(str, None)
+    api_key: str | None = leaf(str, None)
+    experiment_name: str | None = leaf(str, None)
+    experiment_key: str | None = leaf(str, None)
+    online: bool | None = leaf(bool, None)
+    mode: str | None = leaf(str, None, choices=("get", "create", "get_or_create"))
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: recompute chosen modules' activations in backward
     (non-reentrant ``torch.utils.checkpoint``) instead of keeping them.
@@ -588,6 +657,10 @@ class ZeroConfig:
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+    tensorboard: TensorBoardConfig = section(TensorBoardConfig)
+    csv_monitor: CSVMonitorConfig = section(CSVMonitorConfig)
+    wandb: WandbConfig = section(WandbConfig)
+    comet: CometConfig = section(CometConfig)
 
     @classmethod
     def from_any(cls, source: Any = None, *, strict: bool | None = None) -> ZeroConfig:
@@ -661,8 +734,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
     "": {
         **_ignored(
             "monitoring is left to the training framework's loggers",
-            "tensorboard wandb csv_monitor comet trackio flops_profiler comms_logger timers "
-            "memory_breakdown dump_state",
+            "trackio flops_profiler comms_logger timers memory_breakdown dump_state",
         ),
         **_ignored(
             "not implemented yet",

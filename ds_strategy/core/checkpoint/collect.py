@@ -162,7 +162,10 @@ def collect_state(
             singles[OPTIMIZER_GROUPS] = pack(_param_groups(engine.optimizer, shards))
         # counters, lr scheduler and loss scaler: engine.restore_checkpoint_state takes them back,
         # and the resolved config, which an export to DeepSpeed's layout writes as its ds_config
-        state = {**_layout(shards), **engine.checkpoint_state(), "config": engine.config.to_dict()}
+        config = engine.config
+        if config.comet.api_key is not None:  # a credential stays out of checkpoint files
+            config = config.replace(**{"comet.api_key": None})
+        state = {**_layout(shards), **engine.checkpoint_state(), "config": config.to_dict()}
         singles[ENGINE] = pack(state)
         singles[CLIENT_STATE] = pack(client_state)
     singles[rng_key(comm.rank)] = pack(_rng_state())
