@@ -588,6 +588,33 @@ class CometConfig:
 
 
 @dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """``flops_profiler`` (DeepSpeed's section): at optimizer step ``profile_step`` (counted as
+    DeepSpeed counts it: the steps finished before it) every module's parameters, forward
+    FLOPs / MACs and latency are measured, with the totals, the achieved TFLOPS and the MFU;
+    rank 0 prints them in DeepSpeed's layout (to ``output_file`` when set) and
+    ``engine.flops_report()`` returns them (``core/profiling``). The backward counts
+    ``2 + recompute_fwd_factor`` forwards (``recompute_fwd_factor``: the share of the forward
+    that activation checkpointing runs again). ``module_depth`` (-1: all) and ``top_modules``
+    shape the printed profile; ``detailed`` adds the per-module tree. ``peak_tflops``
+    (ds_strategy's key) is the device's peak for the MFU; unset, it is measured once with a
+    timed matmul in the compute dtype, and the report says so.
+
+    >>> FlopsProfilerConfig(enabled=True).profile_step
+    1
+    """
+
+    enabled: bool = leaf(bool, False)
+    recompute_fwd_factor: float = leaf(float, 0.0, ge=0.0)
+    profile_step: int = leaf(int, 1, ge=0)
+    module_depth: int = leaf(int, -1, ge=-1)
+    top_modules: int = leaf(int, 1, ge=1)
+    detailed: bool = leaf(bool, True)
+    output_file: str | None = leaf(str, None)
+    peak_tflops: float | None = leaf(float, None, gt=0.0)
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: recompute chosen modules' activations in backward
     (non-reentrant ``torch.utils.checkpoint``) instead of keeping them.
@@ -661,6 +688,7 @@ class ZeroConfig:
     csv_monitor: CSVMonitorConfig = section(CSVMonitorConfig)
     wandb: WandbConfig = section(WandbConfig)
     comet: CometConfig = section(CometConfig)
+    flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig)
 
     @classmethod
     def from_any(cls, source: Any = None, *, strict: bool | None = None) -> ZeroConfig:
@@ -734,7 +762,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
     "": {
         **_ignored(
             "monitoring is left to the training framework's loggers",
-            "trackio flops_profiler comms_logger timers memory_breakdown dump_state",
+            "trackio comms_logger timers memory_breakdown dump_state",
         ),
         **_ignored(
             "not implemented yet",
