@@ -17,6 +17,7 @@ from ds_strategy.config import ConfigError
 from ds_strategy.core.activation_checkpointing import checkpointed_modules
 from ds_strategy.core.mesh import ParallelMesh
 from ds_strategy.core.pipeline import Mesh, bubble_fraction, partition_layers, split_batch
+from ds_strategy.core.pipeline.loop import PipelineLoop, refusing, schedule_does
 from tests.distributed import run_ranks
 
 STEPS, MICRO, ACCUM, CLIP, D_IN = 3, 2, 4, 0.5, 6
@@ -341,6 +342,61 @@ def test_split_batch_takes_inputs_and_targets_only() -> None:
     for bad in ((x, y, x), {"x": x}, x):
         with pytest.raises(TypeError, match=r"^val batch: .* must be \(inputs, targets\); got"):
             split_batch(bad, "val batch")
+
+
+class _StandIn:
+    """What PipelineLoop uses of a PipelineEngine: its stage, the two steps, the skip count."""
+
+    def __init__(self) -> None:
+        self.module = nn.Linear(1, 1)
+        self.skipped_steps, self.calls = 0, []
+        self.skip_next = False
+
+    def train_batch(self, x: object, y: object) -> torch.Tensor:
+        self.calls.append(("train", self.module.training, x, y))
+        self.skipped_steps += self.skip_next
+        return torch.tensor(1.0)
+
+    def eval_batch(self, x: object, y: object) -> torch.Tensor:
+        self.calls.append(("eval", self.module.training, x, y))
+        return torch.tensor(2.0)
+
+
+def test_pipeline_loop_runs_each_step_in_its_mode_and_notes_a_skip() -> None:
+    engine = _StandIn()
+    loop = PipelineLoop(engine)
+    assert float(loop.run_batch("val", (1, 2))) == 2.0
+    engine.skip_next = True
+    assert float(loop.run_batch("train", [3, 4])) == 1.0 and loop.step_was_skipped
+    engine.skip_next = False
+    loop.run(True, 5, 6)
+    assert not loop.step_was_skipped
+    loop.run(False, 7, 8)  # an evaluation step leaves the last training step's flag
+    assert engine.calls == [
+        ("eval", False, 1, 2),
+        ("train", True, 3, 4),
+        ("train", True, 5, 6),
+        ("eval", False, 7, 8),
+    ]
+    with pytest.raises(TypeError, match=r"^test batch: .* must be \(inputs, targets\)"):
+        loop.run_batch("test", (1, 2, 3))
+
+
+def test_calls_the_schedule_makes_itself_are_refused_with_the_reason_and_fix() -> None:
+    msg = schedule_does("accumulate()", "accumulate", "drop accumulate()")
+    assert msg == (
+        "accumulate(): under a pipeline config train_batch runs gradient_accumulation_steps "
+        "micro-batches itself; drop accumulate()"
+    )
+    assert schedule_does("optimizer.step(closure)", "step").endswith(
+        "`loss = model.train_batch(inputs, targets)` steps the optimizer"
+    )
+
+    class Front:
+        no_sync = refusing("no_sync()", "no_sync", "write train_batch")
+
+    with pytest.raises(RuntimeError, match=r"^no_sync\(\): .*once per step itself; write"):
+        Front().no_sync(object(), flag=True)
 
 
 # -- the stage engine's own features under a pipeline (2 ranks: 2 stages x 1) ------------------------

@@ -58,10 +58,12 @@ class ZeroOptimizerWrapper(EngineOptimizer):
         if not self.slot.step_pending or not self.front.acc.sync_gradients:
             return  # as Accelerate's optimizer, which steps at a boundary only
         self.engine.set_gradient_accumulation_boundary(True)
+        before = self.engine.skipped_steps
         try:
-            self.stepping(self.engine.step)
+            self.engine.step()
         finally:
             self.slot.step_pending = False
+        self.skipped = self.engine.skipped_steps != before
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.front.several and self.front.acc.sync_gradients:

@@ -75,14 +75,6 @@ class EngineOptimizer(AcceleratedOptimizer):
         self.engine = engine
         self.skipped = False
 
-    def stepping(self, run: Callable[[], Any]) -> Any:
-        """``run()`` (the engine's step, or a pipeline's ``train_batch``), noting whether the
-        engine skipped the step."""
-        before = self.engine.skipped_steps  # type: ignore[attr-defined]
-        out = run()
-        self.skipped = self.engine.skipped_steps != before  # type: ignore[attr-defined]
-        return out
-
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last step was skipped (an fp16 overflow, a non-finite gradient norm)."""

@@ -12,8 +12,7 @@ dp_size``, as in ``core.pipeline.Mesh``). One loader batch is this rank's share 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -25,23 +24,13 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..config import ZeroConfig
 from ..config.loop import fill_auto
 from ..core.pipeline import PipelineEngine
+from ..core.pipeline.loop import LOOP, PipelineLoop, refusing, schedule_does
 from ..core.pipeline.mesh import loader_micro_batch
 from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import mark_prepared, track
 from .plugin import ZeroPlugin
 
 __all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
-
-_LOOP = "loss = model.train_batch(inputs, targets)"
-
-
-def _refusing(call: str, why: str) -> Callable[..., NoReturn]:
-    """A :class:`PipelineFront` method for a call that ``train_batch`` makes itself."""
-
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
-        raise RuntimeError(f"{call}: under a pipeline config {why}")
-
-    return refuse
 
 
 class PipelineModel(nn.Module):
@@ -53,6 +42,7 @@ class PipelineModel(nn.Module):
         super().__init__()
         self.module = engine.module
         self.engine = engine
+        self.loop = PipelineLoop(engine)
         self.wrapper = PipelineOptimizer(engine)  # what prepare returns for the optimizer
 
     def __getattr__(self, name: str) -> Any:
@@ -64,22 +54,22 @@ class PipelineModel(nn.Module):
             return getattr(self.engine, name)
 
     def train_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        self.module.train()
-        return self.wrapper.stepping(lambda: self.engine.train_batch(inputs, targets))
+        loss = self.loop.run(True, inputs, targets)
+        self.wrapper.skipped = self.loop.step_was_skipped
+        return loss
+
+    def eval_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
+        return self.loop.run(False, inputs, targets)
 
     @property
     def step_was_skipped(self) -> bool:
         return self.wrapper.step_was_skipped
 
-    def eval_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        self.module.eval()
-        return self.engine.eval_batch(inputs, targets)
-
-    def forward(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise RuntimeError(
-            "a pipeline model is not called directly: each rank holds one stage; write "
-            f"`{_LOOP}` (or model.eval_batch(inputs, targets) for the loss without training)"
-        )
+    forward = refusing(
+        "model(...)",
+        "forward",
+        f"write `{LOOP}` (or model.eval_batch(inputs, targets) for the loss without training)",
+    )
 
 
 class PipelineOptimizer(EngineOptimizer):
@@ -88,9 +78,7 @@ class PipelineOptimizer(EngineOptimizer):
 
     def step(self, closure: object = None) -> None:
         if closure is not None:
-            raise ValueError(
-                f"optimizer.step(closure): under a pipeline config `{_LOOP}` steps the optimizer"
-            )
+            raise ValueError(schedule_does("optimizer.step(closure)", "step"))
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         pass
@@ -103,36 +91,31 @@ class PipelineFront(Front):
     model: PipelineModel | None
     model_kind = "the model (an nn.Sequential or a list of layers)"
     engine_schedulers = (LRScheduler, DummyScheduler)  # stepped inside train_batch
-    backward = _refusing(
-        "accelerator.backward",
-        f"the loss is computed and back-propagated inside the schedule; write `{_LOOP}` (it "
-        "also steps the optimizer)",
+    backward = refusing(
+        "accelerator.backward", "backward", f"write `{LOOP}` (it also steps the optimizer)"
     )
-    check_accumulate = _refusing(
+    check_accumulate = refusing(
         "accumulate()",
-        "train_batch runs gradient_accumulation_steps micro-batches itself; drop accumulate() "
-        "and feed loader batches of gradient_accumulation_steps x "
+        "accumulate",
+        "drop accumulate() and feed loader batches of gradient_accumulation_steps x "
         "train_micro_batch_size_per_gpu samples",
     )
-    no_sync = _refusing(
-        "no_sync()",
-        f"train_batch reduces gradients once per step itself; drop no_sync() and write `{_LOOP}`",
-    )
-    clip_grad_norm_ = _refusing(
+    no_sync = refusing("no_sync()", "no_sync", f"drop no_sync() and write `{LOOP}`")
+    clip_grad_norm_ = refusing(
         "clip_grad_norm_",
-        "train_batch clips by the global norm across stages; set gradient_clipping in the ZeRO "
-        "config (or ZeroPlugin(gradient_clipping=...) for 'auto'); "
-        "model.engine.get_global_grad_norm() returns the last norm",
+        "clip_grad_norm_",
+        "set gradient_clipping in the ZeRO config (or ZeroPlugin(gradient_clipping=...) for "
+        "'auto'); model.engine.get_global_grad_norm() returns the last norm",
     )
-    clip_grad_value_ = _refusing(
+    clip_grad_value_ = refusing(
         "clip_grad_value_",
-        "train_batch clips by the global norm only; set gradient_clipping (global-norm "
-        "clipping) in the ZeRO config",
+        "clip_grad_value_",
+        "set gradient_clipping (global-norm clipping) in the ZeRO config",
     )
-    prepare_scheduler = scheduler_alone = _refusing(
+    prepare_scheduler = scheduler_alone = refusing(
         "an lr scheduler prepared alone",
-        "the engine steps the lr scheduler inside train_batch; pass the scheduler to the same "
-        "prepare() call as the model and optimizer",
+        "scheduler",
+        "pass the scheduler to the same prepare() call as the model and optimizer",
     )
 
     def __init__(self, acc: Accelerator, cfg: ZeroConfig, plugin: ZeroPlugin) -> None:

@@ -23,6 +23,7 @@ import torch
 from ..config import ZeroConfig
 from ..core.optimizers import move_schedulers
 from ..core.pipeline import PipelineEngine, split_batch
+from ..core.pipeline.loop import PipelineLoop, refusing
 
 __all__ = ["LightningPipeline", "PipelineModule", "build_pipeline"]
 
@@ -99,12 +100,10 @@ class LightningPipeline:
     """The Trainer's step hooks under a pipeline config (see the module note)."""
 
     def __init__(self, engine: PipelineEngine, pl_module: pl.LightningModule) -> None:
-        self.engine, self.pl_module = engine, pl_module
+        self.loop, self.pl_module = PipelineLoop(engine), pl_module
 
     def _run(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        x, y = split_batch(args[0] if args else kwargs["batch"], f"{kind} batch")
-        self.engine.module.train(kind == "train")
-        loss = self.engine.train_batch(x, y) if kind == "train" else self.engine.eval_batch(x, y)
+        loss = self.loop.run_batch(kind, args[0] if args else kwargs["batch"])
         self.pl_module.log(f"{kind}_loss", loss, prog_bar=kind == "train")
         return loss
 
@@ -117,11 +116,11 @@ class LightningPipeline:
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("test", args, kwargs)
 
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "predict is not available with a pipeline config: the pipeline returns losses, "
-            "not outputs; consolidate the weights (save_consolidated) and predict without it"
-        )
+    predict_step = refusing(
+        "predict",
+        "predict",
+        "consolidate the weights (save_consolidated) and predict without it",
+    )
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # train_batch ran the backward of every micro-batch

@@ -33,6 +33,7 @@ from ..core.job import JobEngines
 from ..core.loop import save_all
 from ..core.optimizers import evaluation_optimizer, move_schedulers
 from ..core.pipeline import PipelineEngine
+from ..core.pipeline.loop import schedule_does
 from ..core.root import SharedRoot
 from ..core.several import SeveralEngines
 from ..frontends.engines import move_real_tensors, timing_sink
@@ -183,11 +184,9 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         )
         if optimizer is not None:
             if trainer.accumulate_grad_batches != 1:
-                raise ValueError(
-                    f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with a "
-                    "pipeline config: a pipeline step already runs the config's "
-                    "gradient_accumulation_steps micro-batches; leave accumulate_grad_batches at 1"
-                )
+                call = f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})"
+                fix = "leave accumulate_grad_batches at 1"
+                raise ValueError(schedule_does(call, "accumulate", fix))
             clip = clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             cfg = cfg.replace(gradient_clipping=clip)
         move_real_tensors(pl_module, self.root_device)

@@ -59,23 +59,12 @@ from .partition import partition_layers
 from .schedules import bubble_fraction, make_schedule, stage_indices, stage_layers
 from .ties import broadcast_tied, duplicate_sq_norm, find_tied, sum_tied_grads
 
-__all__ = ["PipelineEngine", "split_batch"]
+__all__ = ["PipelineEngine"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 LayerBuilder = Callable[[], nn.Module]
-
-
-def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
-    """A loop's batch as the ``(inputs, targets)`` that :meth:`PipelineEngine.train_batch`
-    takes, or an error naming ``where`` it came from."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TypeError(
-        f"{where}: under a pipeline config each batch must be (inputs, targets); got "
-        f"{type(batch).__name__}"
-    )
 
 
 def _as_layers(model: Any) -> tuple[list[nn.Module], list[LayerBuilder | None]]:
