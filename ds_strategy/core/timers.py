@@ -8,7 +8,8 @@ optimizer, post-step gather), summed over the micro-steps of one optimizer step.
 (all-reduce / reduce-scatter) and parameter all-gathers: ``Comm`` times every wait on an
 in-flight collective and every synchronous one. Communication that overlapped computation
 costs nothing here, so ``reduce`` and ``gather`` lie inside the other three phases; they
-are the exposed communication, not extra time. ``intra_machine`` and ``inter_machine`` split
+are the exposed communication, not extra time (``backward_reduce``: the part of
+``reduce`` blocked inside ``backward``). ``intra_machine`` and ``inter_machine`` split
 all blocked collective time (and the bytes, ``*_machine_bytes``) by the link of the group it
 ran on (see [Note: byte accounting] in ``collectives.py``). Bytes are what this rank sent, per
 kind, counted by ``Comm``.
@@ -71,6 +72,7 @@ class StepTimers:
         self.steps_per_print = max(1, int(steps_per_print))
         self._sync = device.type == "cuda"
         self._step_times: dict[str, float] = defaultdict(float)
+        self._active: list[str] = []  # the phases running now, innermost last
         self._window: dict[str, float] = defaultdict(float)
         self._window_steps = 0
         self._bytes_seen: dict[str, int] = {}
@@ -101,9 +103,11 @@ class StepTimers:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         start = self._now()
+        self._active.append(name)
         try:
             yield
         finally:
+            self._active.pop()
             self._step_times[name] += self._now() - start
 
     def record_wait(self, kind: str, seconds: float, link: str = "intra") -> None:
@@ -112,6 +116,10 @@ class StepTimers:
         name = WAIT_KIND.get(kind)
         if name is not None:
             self._step_times[name] += seconds
+            if name == "reduce" and "backward" in self._active:
+                # the part of backward spent blocked on reductions: what DeepSpeed's
+                # backward_inner leaves out (the monitor's elapsed_time_ms_backward_inner)
+                self._step_times["backward_reduce"] += seconds
         self._step_times[f"{link}_machine"] += seconds
 
     def _bytes_delta(self) -> dict[str, int]:

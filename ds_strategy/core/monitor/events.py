@@ -1,0 +1,195 @@
+"""The training events an engine writes to the config's monitors, and when.
+
+[Note: which events, measured how]
+Every ``steps_per_print`` optimizer steps, at x = global samples (optimizer steps times
+``train_batch_size``, DeepSpeed's x axis), rank 0 writes:
+
+- ``Train/Samples/train_loss``: the mean of the losses passed to ``engine.backward`` during
+  that step, over its micro-batches and the data-parallel ranks (one all-reduce of two
+  numbers on the engine's group, every rank, at that step only; DeepSpeed logs rank 0's);
+- ``Train/Samples/lr``: the first param group's learning rate after the step;
+- ``Train/Samples/loss_scale``: with fp16, the loss scale after the step;
+- with ``wall_clock_breakdown``, DeepSpeed's ``Train/Samples/elapsed_time_ms_<phase>``
+  family from the engine's timers (``core/timers.py``), per-step means over the window:
+  ``forward``, ``backward``, ``backward_inner`` (backward less the time blocked on gradient
+  reductions inside it), ``backward_allreduce`` (all time blocked on gradient reductions,
+  inside backward or at the step) and ``step``;
+- ours: ``Train/Samples/model_state_bytes`` and ``peak_model_state_bytes`` (rank 0's
+  ``memory_report()`` ``total`` and ``peak``), ``Train/Samples/sent_bytes`` (bytes rank 0
+  sent per step, mean over the steps since the previous write, ``comm_report()``'s count).
+
+A monitor that writes into a run a training framework started (``Monitor.shared``) gets no
+timings when the engine's timers also feed the framework's loggers (a front end's timing
+sink): the same numbers would otherwise reach the same run twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..collectives import Comm
+from .base import Event, Monitor, require_package
+from .comet_monitor import CometMonitor
+from .csv_monitor import CSVMonitor
+from .tensorboard_monitor import INSTALL, TensorBoardMonitor
+from .wandb_monitor import WandbMonitor
+
+__all__ = ["TIMING_EVENTS", "TrainingMonitor", "build_monitors"]
+
+PREFIX = "Train/Samples/"
+# DeepSpeed's timing event (without PREFIX and "elapsed_time_ms_") -> the timers' report key
+TIMING_EVENTS = {
+    "forward": "forward_ms",
+    "backward": "backward_ms",
+    "backward_inner": None,  # backward_ms - backward_reduce_ms
+    "backward_allreduce": "reduce_ms",
+    "step": "step_ms",
+}
+_PACKAGES = {
+    "tensorboard": ("tensorboard", INSTALL),
+    "wandb": ("wandb", "wandb"),
+    "comet": ("comet_ml", "comet_ml"),
+}
+# the comet section's keys that go to comet_ml.start as they are
+_COMET_START = ("api_key", "project", "workspace", "experiment_key", "mode", "online")
+
+
+def _global_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def build_monitors(config: Any, rank: int) -> list[Monitor]:
+    """The writers of the config's enabled monitor sections: on ``rank`` 0 only (the others
+    get ``[]``), after checking on every rank that their packages are installed."""
+    enabled = [s for s in ("tensorboard", "csv_monitor", "wandb", "comet") if _on(config, s)]
+    for section in enabled:
+        if section in _PACKAGES:
+            require_package(section, *_PACKAGES[section])
+    if rank != 0:
+        return []
+    tb, csv_, wb, cm = config.tensorboard, config.csv_monitor, config.wandb, config.comet
+    make = {
+        "tensorboard": lambda: TensorBoardMonitor(tb.output_path, tb.job_name),
+        "csv_monitor": lambda: CSVMonitor(csv_.output_path, csv_.job_name),
+        "wandb": lambda: WandbMonitor(wb.project, wb.group, wb.team),
+        "comet": lambda: CometMonitor(
+            cm.samples_log_interval,
+            cm.experiment_name,
+            **{k: getattr(cm, k) for k in _COMET_START},
+        ),
+    }
+    return [make[section]() for section in enabled]
+
+
+def _on(config: Any, section: str) -> bool:
+    return getattr(config, section).enabled is True
+
+
+class TrainingMonitor:
+    """Collects one optimizer step's losses and writes the step's events to ``monitors``
+    every ``steps_per_print`` steps (see the module note). Exists on every rank, since the
+    loss is averaged over the ranks; only rank 0 holds writers."""
+
+    def __init__(
+        self,
+        monitors: Sequence[Monitor],
+        comm: Comm,
+        device: torch.device,
+        *,
+        steps_per_print: int,
+        train_batch_size: int,
+        fp16: bool,
+    ) -> None:
+        self.monitors = list(monitors)
+        self.comm = comm
+        self.device = device
+        self.steps_per_print = max(1, int(steps_per_print))
+        self.train_batch_size = int(train_batch_size)
+        self.fp16 = fp16
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._sent_seen = (0, 0)  # (bytes sent, global step) at the previous write
+
+    @classmethod
+    def from_config(cls, config: Any, comm: Comm, device: torch.device) -> TrainingMonitor | None:
+        """A monitor when one of the config's monitor sections is enabled, else None."""
+        if not any(_on(config, s) for s in ("tensorboard", "csv_monitor", "wandb", "comet")):
+            return None
+        return cls(
+            build_monitors(config, _global_rank()),
+            comm,
+            device,
+            steps_per_print=config.steps_per_print,
+            train_batch_size=config.train_batch_size,
+            fp16=config.fp16.enabled is True,
+        )
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """A loss passed to ``engine.backward`` (as given, before any scaling)."""
+        value = loss.detach().float().mean()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+
+    def after_step(self, engine: Any) -> None:
+        """An optimizer step finished (``engine.global_steps`` counts it): write when due."""
+        step = engine.global_steps
+        if step % self.steps_per_print == 0:
+            loss = self._reduced_loss()  # collective: every rank, at the same steps
+            if self.monitors:
+                self.write(self.events(engine, step, loss), engine)
+        self._loss_sum, self._loss_count = None, 0
+
+    def _reduced_loss(self) -> float:
+        both = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self._loss_sum is not None:
+            both[0] = self._loss_sum.to(self.device, torch.float64)
+            both[1] = self._loss_count
+        self.comm.all_reduce(both, kind="control")
+        total, count = both.tolist()
+        return total / count if count else math.nan
+
+    def events(self, engine: Any, step: int, loss: float) -> list[Event]:
+        """This step's events (see the module note), read from the engine's public surface."""
+        samples = step * self.train_batch_size
+        values = {"train_loss": loss, "lr": float(engine.get_lr()[0])}
+        if self.fp16:
+            values["loss_scale"] = float(engine.loss_scale)
+        report = engine.timers.last_report if engine.timers is not None else {}
+        if report:
+            for name, key in TIMING_EVENTS.items():
+                ms = report.get(key, 0.0) if key else _backward_inner(report)
+                values[f"elapsed_time_ms_{name}"] = float(ms)
+        memory = engine.memory_report()
+        values["model_state_bytes"] = float(memory["total"])
+        values["peak_model_state_bytes"] = float(memory["peak"])
+        values["sent_bytes"] = self._sent_per_step(engine, step)
+        return [Event(PREFIX + name, value, samples) for name, value in values.items()]
+
+    def _sent_per_step(self, engine: Any, step: int) -> float:
+        comms = [engine.comm]
+        if engine.tensor_parallel is not None:
+            comms.append(engine.tensor_parallel.comm)
+        sent = sum(sum(c.sent_total.values()) for c in comms)
+        last_sent, last_step = self._sent_seen
+        self._sent_seen = (sent, step)
+        return (sent - last_sent) / max(1, step - last_step)
+
+    def write(self, events: list[Event], engine: Any) -> None:
+        """Hand ``events`` to every writer (timings left out where a framework has them)."""
+        timed_elsewhere = engine.timers is not None and bool(engine.timers.sinks)
+        untimed = [e for e in events if "/elapsed_time_ms_" not in e.name]
+        for monitor in self.monitors:
+            monitor.write_events(untimed if monitor.shared and timed_elsewhere else events)
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close()
+
+
+def _backward_inner(report: dict[str, float]) -> float:
+    return max(0.0, report.get("backward_ms", 0.0) - report.get("backward_reduce_ms", 0.0))
