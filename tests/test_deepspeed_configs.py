@@ -92,6 +92,19 @@ def _with_writable_nvme(raw: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
     return raw
 
 
+MONITORS = ("tensorboard", "csv_monitor")
+
+
+def _with_local_monitors(raw: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """An enabled TensorBoard or CSV monitor writes under ``tmp_path/<section>`` instead of
+    the config's ``output_path`` (a place on the machine that wrote the config)."""
+    raw = copy.deepcopy(raw)
+    for section in MONITORS:
+        if isinstance(raw.get(section), dict) and raw[section].get("enabled") is True:
+            raw[section]["output_path"] = str(tmp_path / section)
+    return raw
+
+
 def _facts(raw: dict[str, Any]) -> LoopFacts:
     """What a training loop would pass: its accumulation steps (the config's, else 1), the
     loader's batch size, the optimizer's lr and weight decay, the scheduler's steps and the
@@ -116,7 +129,9 @@ def _model() -> nn.Sequential:
 def _train_two_steps(path: Path, tmp_path: Path) -> tuple[list[float], bool]:
     """Build the engine and run two optimizer steps; the micro-step losses and whether the
     weights changed."""
-    raw = _with_writable_nvme(json.loads(path.read_text()), tmp_path)
+    raw = _with_local_monitors(
+        _with_writable_nvme(json.loads(path.read_text()), tmp_path), tmp_path
+    )
     cfg = fill_auto(load_config(raw), _facts(raw))
     torch.manual_seed(0)
     model = _model()
@@ -166,3 +181,8 @@ def test_trains_two_steps(path: Path, tmp_path: Path) -> None:
     losses, changed = _train_two_steps(path, tmp_path)
     assert losses and all(math.isfinite(v) for v in losses), losses
     assert changed, "two optimizer steps left every weight unchanged"
+    raw = json.loads(path.read_text())
+    if raw.get("steps_per_print", 10) <= 2:  # an enabled monitor wrote the step's events
+        for section in MONITORS:
+            if raw.get(section, {}).get("enabled") is True:
+                assert any(p.is_file() for p in (tmp_path / section).rglob("*")), section

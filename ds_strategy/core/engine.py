@@ -28,6 +28,7 @@ from .compression.zeroone_reduce import ZeroOneReduction
 from .engine_shards import sharded_state
 from .memory import ModelStateMeter
 from .mics import MiCSComm
+from .monitor import TrainingMonitor
 from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange
 from .ownership import claim_parameters, release_parameters
@@ -98,6 +99,11 @@ class ZeroEngine(nn.Module):
         )
         self.module = model
         self._install(builder.build(optimizer, lr_scheduler, param_init_fn))
+        # the config's tensorboard / csv_monitor / wandb / comet sections (a pipeline's stage
+        # engines have none: a stage's backward does not see the loss)
+        self.monitor: TrainingMonitor | None = None
+        if pipeline_stage is None:
+            self.monitor = TrainingMonitor.from_config(self.config, self.comm, self.device)
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
         self._compile_watch = CompileWatch(self.module)
@@ -179,6 +185,8 @@ class ZeroEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps (and multiplied by the fp16
         loss scale); gradients are reduced bucket by bucket while backward runs."""
+        if self.monitor is not None:
+            self.monitor.add_loss(loss)
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if not self.trainable:
@@ -246,6 +254,8 @@ class ZeroEngine(nn.Module):
             self._compile_watch.after_step(self.global_steps)
             if self.timers is not None:
                 self.timers.end_step(self.global_steps)
+            if self.monitor is not None:
+                self.monitor.after_step(self)
         elif grad_norm is not None:
             raise RuntimeError(
                 "step(grad_norm=...) between accumulation boundaries: there is no optimizer "
@@ -720,3 +730,5 @@ class ZeroEngine(nn.Module):
             if self._offload is not None:
                 self._offload.close()
             release_parameters(self._claimed, self)
+            if self.monitor is not None:
+                self.monitor.close()
