@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .profiling.ranges import ranged
+
 __all__ = ["Comm", "init_process_group_from_env", "subgroup", "Work"]
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
@@ -234,6 +236,7 @@ class Comm:
         handle = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
         return self._work(handle, kind, async_op, start)
 
+    @ranged("reduce_scatter")
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
         """Sum ``full`` across ranks; this rank receives chunk ``rank`` of it in ``out``.
         On gloo the work holds a receive buffer as large as ``full`` until it completes
@@ -259,6 +262,7 @@ class Comm:
             Work(handle, "reduce_scatter", timer, then=add_up, scratch=recv), async_op
         )
 
+    @ranged("all_gather")
     def all_gather(
         self,
         full: torch.Tensor,

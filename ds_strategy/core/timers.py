@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .collectives import Comm
+from .profiling.ranges import profiling, range_name, record_function
 
 __all__ = ["OPTIONAL_PHASES", "PHASES", "StepTimers", "format_report", "phase"]
 
@@ -58,8 +59,18 @@ _NULL = contextlib.nullcontext()
 
 
 def phase(timers: StepTimers | None, name: str) -> contextlib.AbstractContextManager[Any]:
-    """``timers.phase(name)``, or a no-op when the breakdown is off."""
+    """``timers.phase(name)``, or a no-op when the breakdown is off; while a profiler records,
+    inside the range ``ds_strategy::<name>`` too (``step``: ``::optimizer_step``; see
+    ``core/profiling/ranges.py``)."""
+    if profiling():
+        return _ranged(timers, name)
     return _NULL if timers is None else timers.phase(name)
+
+
+@contextlib.contextmanager
+def _ranged(timers: StepTimers | None, name: str) -> Iterator[None]:
+    with record_function(range_name(name)), _NULL if timers is None else timers.phase(name):
+        yield
 
 
 class StepTimers:

@@ -46,6 +46,7 @@ from typing import Any
 from ...config import ConfigError
 from ..collectives import Comm
 from ..faults import together
+from ..profiling.ranges import ranged
 from . import reshard, store, swap
 from .collect import collect_state
 from .deepspeed.layout import find_deepspeed
@@ -85,6 +86,7 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------
 
+    @ranged("checkpoint_save")
     def save(
         self,
         path: str | os.PathLike,
@@ -189,6 +191,7 @@ class CheckpointManager:
 
     # -- loading -------------------------------------------------------------------------------
 
+    @ranged("checkpoint_load")
     def load(
         self,
         path: str | os.PathLike,

@@ -31,6 +31,7 @@ import torch
 
 from ...config import ConfigError
 from ..memory import human_bytes
+from ..profiling.ranges import profile_range, ranged
 
 __all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path", "drive_of", "io_bytes"]
 
@@ -127,7 +128,12 @@ class SwappedTensor:
         """Finish a pending read or write (re-raising its error)."""
         if self._future is None:
             return
+        # the range is the caller's wait: the pool's thread is not recorded (profiling/ranges.py)
         future, self._future = self._future, None
+        with profile_range("offload_read" if self.state is SwapState.READING else "offload_write"):
+            self._finish(future)
+
+    def _finish(self, future: Future[None]) -> None:
         if future.done():
             future.result()
         else:
@@ -141,6 +147,7 @@ class SwappedTensor:
         elif self.state is SwapState.READING:
             self.state = SwapState.RESIDENT
 
+    @ranged("offload_read")
     def prefetch(self, read: bool = True) -> None:
         """Start bringing the bytes back (no-op when resident or already coming).
         ``read=False`` only reallocates: the caller overwrites every element."""
@@ -173,6 +180,7 @@ class SwappedTensor:
             return
         self._free_or_write()
 
+    @ranged("offload_write")
     def _free_or_write(self) -> None:
         if self.dirty or not self.path.exists():
             self.state = SwapState.WRITING
