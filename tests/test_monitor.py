@@ -393,3 +393,60 @@ def test_non_finite_loss_is_not_hidden() -> None:
     m.add_loss(torch.tensor([1.0, 3.0]))
     m.add_loss(torch.tensor(4.0))
     assert m._reduced_loss() == 3.0
+
+
+# --------------------------------------------------------------------- under a front end
+
+
+def _lightning_fit(rank: int, world: int, root: str) -> list[float]:
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ds_strategy.lightning import ZeroStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 2)
+            self.losses: list[float] = []
+
+        def training_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
+            loss = self.net(batch).square().mean()
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    monitor = {"enabled": True, "output_path": str(Path(root, "monitor")), "job_name": "job"}
+    config = {"steps_per_print": 2, "wall_clock_breakdown": True, "csv_monitor": monitor}
+    torch.manual_seed(0)
+    module = Module()
+    trainer = L.Trainer(
+        strategy=ZeroStrategy(config=config),
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=CSVLogger(root, name="lightning"),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(torch.randn(16, 8), batch_size=4))
+    return module.losses
+
+
+def test_under_lightning_the_monitor_and_the_trainers_logger_both_get_their_numbers(
+    tmp_path: Path,
+) -> None:
+    [losses] = run_ranks(_lightning_fit, 1, str(tmp_path), timeout=120)
+    # the monitor's files: the steps' losses (x: steps, as the config gives no batch size)
+    _, rows = _csv_rows(tmp_path / "monitor" / "job", "Train/Samples/train_loss")
+    assert rows == [(2, pytest.approx(losses[1])), (4, pytest.approx(losses[3]))]
+    # the Trainer's logger still gets the timings as before, and none of the monitor's events
+    [metrics] = tmp_path.glob("lightning/version_*/metrics.csv")
+    with metrics.open() as f:
+        columns = next(csv.reader(f))
+    assert "wall_clock/backward_ms" in columns
+    assert not [c for c in columns if c.startswith("Train/")]

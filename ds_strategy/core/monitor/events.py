@@ -2,7 +2,8 @@
 
 [Note: which events, measured how]
 Every ``steps_per_print`` optimizer steps, at x = global samples (optimizer steps times
-``train_batch_size``, DeepSpeed's x axis), rank 0 writes:
+``train_batch_size``, DeepSpeed's x axis; the steps alone, with a warning, when the config
+gives no batch size), rank 0 writes:
 
 - ``Train/Samples/train_loss``: the mean of the losses passed to ``engine.backward`` during
   that step, over its micro-batches and the data-parallel ranks (one all-reduce of two
@@ -25,6 +26,7 @@ sink): the same numbers would otherwise reach the same run twice.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +41,8 @@ from .tensorboard_monitor import INSTALL, TensorBoardMonitor
 from .wandb_monitor import WandbMonitor
 
 __all__ = ["TIMING_EVENTS", "TrainingMonitor", "build_monitors"]
+
+log = logging.getLogger("ds_strategy")
 
 PREFIX = "Train/Samples/"
 # DeepSpeed's timing event (without PREFIX and "elapsed_time_ms_") -> the timers' report key
@@ -120,12 +124,19 @@ class TrainingMonitor:
         """A monitor when one of the config's monitor sections is enabled, else None."""
         if not any(_on(config, s) for s in ("tensorboard", "csv_monitor", "wandb", "comet")):
             return None
+        batch = config.train_batch_size
+        if batch is None and _global_rank() == 0:
+            log.warning(
+                "monitor: the config gives no batch size (train_batch_size or "
+                "train_micro_batch_size_per_gpu), so the events' x axis counts optimizer "
+                "steps, not samples"
+            )
         return cls(
             build_monitors(config, _global_rank()),
             comm,
             device,
             steps_per_print=config.steps_per_print,
-            train_batch_size=config.train_batch_size,
+            train_batch_size=1 if batch is None else batch,
             fp16=config.fp16.enabled is True,
         )
 
