@@ -450,3 +450,14 @@ def test_under_lightning_the_monitor_and_the_trainers_logger_both_get_their_numb
         columns = next(csv.reader(f))
     assert "wall_clock/backward_ms" in columns
     assert not [c for c in columns if c.startswith("Train/")]
+
+
+def test_a_comet_api_key_stays_out_of_checkpoints(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 2)
+    config = {"train_micro_batch_size_per_gpu": 4, "comet": {"api_key": "sEcReT-kEy-123"}}
+    engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    assert engine.config.comet.api_key == "sEcReT-kEy-123"
+    _steps(engine, 1)
+    saved = engine.save_checkpoint(tmp_path / "ckpt")
+    files = [p for p in saved.rglob("*") if p.is_file()]
+    assert files and not any(b"sEcReT-kEy-123" in p.read_bytes() for p in files)
