@@ -32,6 +32,7 @@ from .monitor import TrainingMonitor
 from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange
 from .ownership import claim_parameters, release_parameters
+from .profiling.flops import FlopsProfiler
 from .quant.export import write_quantized_state
 from .quant.scheme import QuantScheme
 from .schedulers import load_scheduler_state
@@ -115,6 +116,7 @@ class ZeroEngine(nn.Module):
         # gradients itself (Lightning's optimizer.zero_grad() with several optimizers)
         self.keep_foreign_grads = False
         self._claimed = claim_parameters(self.module, self)
+        self.flops_profiler = self._build_flops_profiler()
         if self.config.compile.enabled:
             self.compile()
 
@@ -164,7 +166,41 @@ class ZeroEngine(nn.Module):
         to the compute dtype and floating-point outputs come back in fp32."""
         with phase(self.timers, "forward"):
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            return self.precision.cast_outputs(self.module(*args, **kwargs))
+            with self._flops("forward", args):
+                out = self.module(*args, **kwargs)
+            return self.precision.cast_outputs(out)
+
+    def _build_flops_profiler(self) -> FlopsProfiler | None:
+        """The config's ``flops_profiler`` (core/profiling/flops.py), when enabled."""
+        if not self.config.flops_profiler.enabled:
+            return None
+        tp = self.config.tensor_parallel.autotp_size
+        return FlopsProfiler(
+            self.config.flops_profiler,
+            self.module,
+            device=self.device,
+            dtype=self.precision.param_dtype,
+            rank=self.rank,
+            world_size=self.world_size * tp,
+            mp_size=tp,
+        )
+
+    def _flops(self, phase_name: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
+        profiler = self.flops_profiler
+        if profiler is None:
+            return contextlib.nullcontext()
+        return getattr(profiler, phase_name)(self.global_steps, *args)
+
+    def flops_report(self) -> dict[str, Any]:
+        """With ``flops_profiler.enabled``, once its ``profile_step`` has run: this rank's
+        profile of that step (``core/profiling/flops.py``): ``params``, ``fwd_flops``,
+        ``fwd_macs``, ``bwd_flops``, ``train_flops``, the latencies (``fwd_latency_s`` ...
+        ``iter_latency_s``), ``fwd_tflops`` ... ``achieved_tflops``, ``peak_tflops`` with
+        ``peak_source``, ``mfu``, ``samples_per_second``, ``batch_size``, ``world_size``,
+        ``dp_size``, ``mp_size``, ``step`` and ``modules`` (per ``named_modules()`` name, the
+        root as ``""``: ``type``, ``depth``, ``params``, ``flops``, ``macs``, ``latency_s``);
+        else ``{}``."""
+        return dict(self.flops_profiler.report) if self.flops_profiler is not None else {}
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next :meth:`step` runs the optimizer: every
@@ -201,7 +237,7 @@ class ZeroEngine(nn.Module):
         ):
             self._drop_foreign_grads()
         scaled = loss * self.loss_scale if self._scaler is not None else loss
-        with phase(self.timers, "backward"):
+        with phase(self.timers, "backward"), self._flops("backward"):
             scaled.backward(retain_graph=retain_graph)
         self._own_grads = True
         return loss
@@ -248,7 +284,7 @@ class ZeroEngine(nn.Module):
         (a pipeline stage) passes the whole model's L2 norm, loss scale included, after
         :meth:`reduced_grad_norm`. It must be the same on every rank of this engine."""
         if self.is_gradient_accumulation_boundary():
-            with phase(self.timers, "step"):
+            with phase(self.timers, "step"), self._flops("step"):
                 self._optimizer_step(grad_norm)
             self.global_steps += 1
             self._compile_watch.after_step(self.global_steps)

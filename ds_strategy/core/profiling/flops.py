@@ -1,0 +1,207 @@
+"""DeepSpeed's flops profiler (``flops_profiler`` in the config) for the training engine.
+
+At optimizer step ``profile_step`` (the steps finished before it, as DeepSpeed counts) the
+forward of the last micro-batch is measured module by module (``counting.py``), its
+backward and the optimizer step are timed, and at the step's end the report is built,
+printed on rank 0 in DeepSpeed's layout (to ``output_file`` when set) and kept for
+``engine.flops_report()``.
+
+[Note: training FLOPs and MFU]
+The backward is not counted but taken as ``2 + recompute_fwd_factor`` forwards (two matmuls
+per forward matmul: the input's gradient and the weight's; plus what activation
+checkpointing recomputes), as DeepSpeed's profiler does, so a step is ``3 + factor``
+forwards. ``achieved_tflops`` is that over the iteration (forward, backward and step); the
+MFU counts the model's FLOPs only (``3 x forward``, no recomputation, as in the PaLM paper)
+over the iteration and the peak. Every rank measures its own step (no collective is added);
+under ZeRO-3 the counts are the full model's, as the parameters are gathered in forward.
+
+[Note: latencies from the step before]
+Counting runs every operator of the profiled forward through a Python dispatch mode, which
+slows a small model's forward several times over. So the forward, backward and step are
+also timed (and nothing else) at the step before ``profile_step``, and the summary's
+latencies, FLOPS, MFU and samples/second come from that step (``latency_step`` in the
+report); with ``profile_step`` 0 there is none, and the profiled step's own times are used.
+The per-module latencies are the profiled forward's, counting overhead included: read them
+as shares of that forward, as DeepSpeed's (measured under its own hooks) are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .counting import ForwardCount
+from .peak import peak_tflops
+from .summary import format_profile
+
+__all__ = ["FlopsProfiler"]
+
+_NULL = contextlib.nullcontext()
+
+
+class FlopsProfiler:
+    """Measures one optimizer step of an engine; see the module docstring.
+
+    ``config`` is the resolved ``flops_profiler`` section; the engine calls :meth:`forward`,
+    :meth:`backward` and :meth:`step` around its phases with its ``global_steps``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        world_size: int,
+        mp_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.device, self.dtype = device, dtype
+        self.rank, self.world_size, self.mp_size = rank, world_size, mp_size
+        self.report: dict[str, Any] = {}
+        self.printed: str | None = None
+        self._count: ForwardCount | None = None
+        self._times: dict[str, float] = {}  # the profiled step's phases
+        self._plain: dict[str, float] = {}  # the step before's
+        self._batch = 0
+
+    def _active(self, step: int) -> bool:
+        return step == self.config.profile_step and not self.report
+
+    def _before(self, step: int) -> bool:
+        """The step before the profiled one, timed without counting (see the note)."""
+        return step == self.config.profile_step - 1 and not self.report
+
+    def forward(self, step: int, args: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around the module's forward; at the profile step it is measured (each micro-step
+        starts over, so the last micro-batch of the step is the one reported)."""
+        if self._before(step):
+            return self._timed(self._plain, "fwd")
+        if not self._active(step):
+            return _NULL
+        return self._forward(args)
+
+    @contextlib.contextmanager
+    def _forward(self, args: Any) -> Iterator[None]:
+        self._times.clear()
+        self._batch = next((a.shape[0] for a in _tensors(args) if a.dim() > 0), 0)
+        self._count = ForwardCount(self.model, sync=self.device.type == "cuda")
+        with self._count, self._timed(self._times, "fwd"):
+            yield
+
+    def backward(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        if self._before(step):
+            return self._timed(self._plain, "bwd")
+        return self._timed(self._times, "bwd") if self._active(step) and self._count else _NULL
+
+    def step(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        """Around the optimizer step; at the profile step's end the report is made."""
+        if self._before(step):
+            return self._timed(self._plain, "step")
+        return self._step() if self._active(step) and self._count else _NULL
+
+    @contextlib.contextmanager
+    def _step(self) -> Iterator[None]:
+        count = self._count
+        with self._timed(self._times, "step"):
+            yield
+        if count is not None:
+            self._finish(count)
+
+    @contextlib.contextmanager
+    def _timed(self, into: dict[str, float], name: str) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        into[name] = time.perf_counter() - start
+
+    def _finish(self, count: ForwardCount) -> None:
+        self.report = self._build(count)
+        self._count = None
+        text = format_profile(
+            self.report, self.config.module_depth, self.config.top_modules, self.config.detailed
+        )
+        if self.rank == 0:
+            self.printed = text
+            if self.config.output_file:
+                Path(self.config.output_file).write_text(text + "\n")
+            else:
+                print(text, flush=True)
+
+    def _build(self, count: ForwardCount) -> dict[str, Any]:
+        modules = {
+            name: {
+                "type": s.type,
+                "depth": s.depth,
+                "params": s.params,
+                "flops": s.flops,
+                "macs": s.macs,
+                "latency_s": s.latency_s,
+            }
+            for name, s in count.stats().items()
+        }
+        fwd_flops = count.total_flops
+        peak, source = peak_tflops(self.config.peak_tflops, self.device, self.dtype)
+        report = {
+            "step": self.config.profile_step,
+            "world_size": self.world_size,
+            "dp_size": self.world_size // self.mp_size,
+            "mp_size": self.mp_size,
+            "batch_size": self._batch,
+            "params": modules[""]["params"],
+            "fwd_flops": fwd_flops,
+            "fwd_macs": fwd_flops // 2,
+            "recompute_fwd_factor": float(self.config.recompute_fwd_factor),
+            "peak_tflops": peak,
+            "peak_source": source,
+            "modules": modules,
+        }
+        report.update(self._rates(fwd_flops, peak))
+        return report
+
+    def _rates(self, fwd_flops: int, peak: float) -> dict[str, Any]:
+        """Latencies, FLOPS and MFU from the phase times (see [Note: training FLOPs and MFU])."""
+        factor = 2 + float(self.config.recompute_fwd_factor)
+        plain = len(self._plain) == 3
+        times = self._plain if plain else self._times
+        fwd, bwd, step = (times.get(k, 0.0) for k in ("fwd", "bwd", "step"))
+        it = fwd + bwd + step
+        tf = lambda flops, s: flops / s / 1e12 if s > 0 else 0.0  # noqa: E731
+        return {
+            "bwd_flops": factor * fwd_flops,
+            "train_flops": (1 + factor) * fwd_flops,
+            "fwd_latency_s": fwd,
+            "bwd_latency_s": bwd,
+            "step_latency_s": step,
+            "iter_latency_s": it,
+            "fwd_tflops": tf(fwd_flops, fwd),
+            "bwd_tflops": tf(factor * fwd_flops, bwd),
+            "fwd_bwd_tflops": tf((1 + factor) * fwd_flops, fwd + bwd),
+            "achieved_tflops": tf((1 + factor) * fwd_flops, it),
+            "mfu": tf(3 * fwd_flops, it) / peak if peak > 0 else 0.0,
+            "samples_per_second": self._batch / it if it > 0 else 0.0,
+            "latency_step": self.config.profile_step - 1 if plain else self.config.profile_step,
+        }
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from _tensors(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from _tensors(t)
