@@ -166,3 +166,23 @@ def test_accelerate_load_state_refuses_a_directory_without_the_engines_checkpoin
     shutil.rmtree(tmp_path / "state" / "pytorch_model")  # Accelerate's files, no engine's
     with pytest.raises(FileNotFoundError, match="no zero_checkpoint/ here, nor a DeepSpeed"):
         accelerator.load_state(str(tmp_path / "state"))
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_hf_trainer_deepspeed_checkpoint_resumes_on_two_processes(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import os
+    import sys
+
+    from tests.distributed import free_port, run_command
+
+    script = Path(__file__).resolve().parent / "hf_scripts" / "deepspeed_resume.py"
+    out = tmp_path / "result.txt"
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    cmd = [*head, f"--master-port={free_port()}", str(script), str(out), "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DS_STRATEGY_", "ACCELERATE_"))}
+    run_command(cmd, tmp_path, {**env, "OMP_NUM_THREADS": "1"}, 240, script.name)
+    steps, diff = out.read_text().split()
+    assert int(steps) == 7
+    assert float(diff) <= 2e-5, f"max |w - DeepSpeed's continuation| = {float(diff):.3g}"

@@ -16,7 +16,8 @@ tag ``checkpoint``, Lightning's loop state as client state). Lightning allows th
 CUDA only; here its device check is skipped, everything else is Lightning's and DeepSpeed's.
 ``hf_s2``: Hugging Face's ``Trainer`` with a DeepSpeed config (ZeRO-2) on a tiny GPT-2 whose
 head is tied to its embedding, checkpointing at step 4 of 7 (``checkpoint-4/global_step4``);
-``continued.safetensors`` holds the weights of a Trainer resumed from it at step 7. On CPU the
+``continued.safetensors`` holds the weights of a Trainer resumed from it at step 7 (no dropout:
+the same steps at any world size). On CPU the
 Trainer's data loader is not sharded over DeepSpeed's two ranks (Accelerate sees one process),
 so both ranks train on the same batch of 2 each step: a one-process run with that batch size
 takes the same steps.
@@ -450,6 +451,7 @@ def hf_parts(out: str, resume: bool = False):
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0  # the same steps at any world
     net = GPT2LMHeadModel(config)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 32, (7 * WORLD * MICRO, 8), generator=g)
