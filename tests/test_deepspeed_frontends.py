@@ -143,9 +143,13 @@ def test_accelerate_deepspeed_state_resumes_on_two_processes(tmp_path: Path) -> 
 
 @pytest.mark.launcher
 @pytest.mark.timeout(300)
-def test_fabric_deepspeed_checkpoint_resumes_with_fabric_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("stage", "devices"), [(3, 1), (1, 2)])
+def test_fabric_deepspeed_checkpoint_resumes_with_fabric_load(
+    tmp_path: Path, stage: int, devices: int
+) -> None:
     pytest.importorskip("lightning")
-    out = run_for_results("fabric_deepspeed_resume.py", tmp_path, args=("3",))
+    args = (str(stage), str(devices))
+    out = run_for_results("fabric_deepspeed_resume.py", tmp_path, args=args)
     assert out["loaded"] == {"step": 4, "last_epoch": 4}  # Fabric's entries, as client state
     reference = load_file(DATA / "fabric_s2" / "continued.safetensors")
     diff = max_diff(out["weights"], reference)
