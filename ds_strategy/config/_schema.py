@@ -615,6 +615,22 @@ class FlopsProfilerConfig:
 
 
 @dataclass(frozen=True)
+class MemoryTimelineConfig:
+    """``memory_timeline`` (ds_strategy's section): the engine's model-state meter records every
+    allocation and free (sequence number, time, phase, bytes held by kind after it) of the
+    latest optimizer step, at most ``max_events`` of them per step; ``engine.memory_timeline()``
+    returns them, and with ``csv_monitor`` on every rank writes them to
+    ``memory_timeline_<rank>.csv`` beside the monitor's files (``ds-strategy plot`` draws them).
+
+    >>> MemoryTimelineConfig().max_events
+    100000
+    """
+
+    enabled: bool = leaf(bool, False)
+    max_events: int = leaf(int, 100_000, ge=1)
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: recompute chosen modules' activations in backward
     (non-reentrant ``torch.utils.checkpoint``) instead of keeping them.
@@ -689,6 +705,7 @@ class ZeroConfig:
     wandb: WandbConfig = section(WandbConfig)
     comet: CometConfig = section(CometConfig)
     flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig)
+    memory_timeline: MemoryTimelineConfig = section(MemoryTimelineConfig)
 
     @classmethod
     def from_any(cls, source: Any = None, *, strict: bool | None = None) -> ZeroConfig:

@@ -27,6 +27,7 @@ from .compression.onebit_reduce import OneBitReduction
 from .compression.zeroone_reduce import ZeroOneReduction
 from .engine_shards import sharded_state
 from .memory import ModelStateMeter
+from .memory_timeline import MemoryTimeline, timeline_path, zero_formula_bytes
 from .mics import MiCSComm
 from .monitor import TrainingMonitor
 from .offload.streaming import SwapFiles
@@ -105,6 +106,7 @@ class ZeroEngine(nn.Module):
         self.monitor: TrainingMonitor | None = None
         if pipeline_stage is None:
             self.monitor = TrainingMonitor.from_config(self.config, self.comm, self.device)
+        self._timeline = self._build_memory_timeline()
         self._checkpoints = CheckpointManager(self)  # roots, latest, periodic and async saves
         self._count_resident()
         self._compile_watch = CompileWatch(self.module)
@@ -164,7 +166,7 @@ class ZeroEngine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward; under mixed precision floating-point inputs are cast
         to the compute dtype and floating-point outputs come back in fp32."""
-        with phase(self.timers, "forward"):
+        with phase(self.timers, "forward"), self._memory_phase("forward"):
             args, kwargs = self.precision.cast_inputs((args, kwargs))
             with self._flops("forward", args):
                 out = self.module(*args, **kwargs)
@@ -237,7 +239,11 @@ class ZeroEngine(nn.Module):
         ):
             self._drop_foreign_grads()
         scaled = loss * self.loss_scale if self._scaler is not None else loss
-        with phase(self.timers, "backward"), self._flops("backward"):
+        with (
+            phase(self.timers, "backward"),
+            self._flops("backward"),
+            self._memory_phase("backward"),
+        ):
             scaled.backward(retain_graph=retain_graph)
         self._own_grads = True
         return loss
@@ -284,9 +290,10 @@ class ZeroEngine(nn.Module):
         (a pipeline stage) passes the whole model's L2 norm, loss scale included, after
         :meth:`reduced_grad_norm`. It must be the same on every rank of this engine."""
         if self.is_gradient_accumulation_boundary():
-            with phase(self.timers, "step"), self._flops("step"):
+            with phase(self.timers, "step"), self._flops("step"), self._memory_phase("step"):
                 self._optimizer_step(grad_norm)
             self.global_steps += 1
+            self._end_memory_step()
             self._compile_watch.after_step(self.global_steps)
             if self.timers is not None:
                 self.timers.end_step(self.global_steps)
@@ -705,6 +712,47 @@ class ZeroEngine(nn.Module):
         report["peak"] = self.plan.meter.peak
         return report
 
+    def memory_timeline(self) -> list[dict[str, Any]]:
+        """With the config's ``memory_timeline.enabled``: the model-state meter's events of
+        the latest finished optimizer step (of the step under way before the first one ends),
+        each a dict of ``seq``, ``time_s``, ``step``, ``phase`` (``forward``, ``backward``,
+        ``step`` or ``idle``), ``event`` (``alloc``, ``free``, ``resident``, ``touch``),
+        ``nbytes`` and the bytes held after it: ``resident``, ``transient``, ``total``, and
+        the ``peak`` so far (see ``core/memory_timeline.py``); else ``[]``. With
+        ``csv_monitor`` on, every rank also writes them to ``memory_timeline_<rank>.csv`` in
+        the monitor's directory every ``steps_per_print`` steps and at :meth:`destroy`."""
+        return self._timeline.events() if self._timeline is not None else []
+
+    def _build_memory_timeline(self) -> MemoryTimeline | None:
+        section = self.config.memory_timeline
+        if not section.enabled:
+            return None
+        timeline = MemoryTimeline(section.max_events)
+        self.plan.meter.timeline = timeline
+        return timeline
+
+    def _memory_phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        timeline = self._timeline
+        return contextlib.nullcontext() if timeline is None else timeline.phase(name)
+
+    def _end_memory_step(self) -> None:
+        if self._timeline is None:
+            return
+        self._timeline.end_step(self.global_steps)
+        if self.global_steps % self.config.steps_per_print == 0:
+            self._write_memory_timeline()
+
+    def _write_memory_timeline(self) -> None:
+        """The timeline to the csv_monitor's directory, when both are on (every rank)."""
+        csv_section = self.config.csv_monitor
+        if self._timeline is None or csv_section.enabled is not True:
+            return
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_initialized() else self.rank
+        path = timeline_path(csv_section.output_path, csv_section.job_name, rank)
+        mixed = self.precision.param_dtype != torch.float32
+        self._timeline.write_csv(path, zero_formula_bytes(self.plan.groups, mixed))
+
     def reset_peak_memory(self) -> None:
         """Start ``memory_report()["peak"]`` and ``["peak_gathered_params"]`` again from the
         bytes held now."""
@@ -768,3 +816,4 @@ class ZeroEngine(nn.Module):
             release_parameters(self._claimed, self)
             if self.monitor is not None:
                 self.monitor.close()
+            self._write_memory_timeline()

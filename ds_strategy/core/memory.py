@@ -21,10 +21,13 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .memory_timeline import MemoryTimeline
 
 __all__ = ["ModelStateMeter", "StepMemoryProbe", "human_bytes", "live_tensor_bytes"]
 
@@ -46,6 +49,8 @@ class ModelStateMeter:
         self.resident = 0
         self.transient = 0
         self.peak = 0
+        # the config's memory_timeline: told of every event below (core/memory_timeline.py)
+        self.timeline: MemoryTimeline | None = None
 
     @property
     def current(self) -> int:
@@ -54,13 +59,19 @@ class ModelStateMeter:
     def set_resident(self, nbytes: int) -> None:
         self.resident = int(nbytes)
         self.peak = max(self.peak, self.current)
+        if self.timeline is not None:
+            self._record("resident", nbytes)
 
     def alloc(self, nbytes: int) -> None:
         self.transient += int(nbytes)
         self.peak = max(self.peak, self.current)
+        if self.timeline is not None:
+            self._record("alloc", nbytes)
 
     def free(self, nbytes: int) -> None:
         self.transient -= int(nbytes)
+        if self.timeline is not None:
+            self._record("free", nbytes)
 
     def scratch(self, nbytes: int) -> None:
         """A composed collective's scratch (``Comm.holding``): allocated when ``nbytes`` > 0,
@@ -74,9 +85,16 @@ class ModelStateMeter:
         """A buffer the engine did not allocate but is about to free (a gradient autograd
         just produced): counted at this instant only."""
         self.peak = max(self.peak, self.current + int(nbytes))
+        if self.timeline is not None:
+            self._record("touch", nbytes, self.transient + int(nbytes))
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+    def _record(self, event: str, nbytes: int, transient: int | None = None) -> None:
+        assert self.timeline is not None
+        held = self.transient if transient is None else transient
+        self.timeline.record(event, nbytes, resident=self.resident, transient=held, peak=self.peak)
 
 
 def live_tensor_bytes(device_type: str | None = None, exclude: set[int] | None = None) -> int:
