@@ -1,5 +1,6 @@
 """The ``ds-strategy`` command: ``consolidate`` (here), ``convert`` (``convert.py``),
-``estimate`` (``estimate.py``) and ``generate`` (``generate.py``); ``python -m
+``estimate`` (``estimate.py``), ``generate`` (``generate.py``) and ``plot``
+(``plot.py``, matplotlib imported only when it draws); ``python -m
 ds_strategy.cli`` runs it too."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 import torch
 
 from ..core.checkpoint.consolidate import consolidate
-from . import convert, estimate, generate
+from . import convert, estimate, generate, plot
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_cli_parser(sub)
     estimate.add_cli_parser(sub)
     generate.add_cli_parser(sub)
+    plot.add_cli_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "convert":
         return convert.run_cli(args)
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         return estimate.run_cli(args)
     if args.command == "generate":
         return generate.run_cli(args)
+    if args.command == "plot":
+        return plot.run_cli(args)
     try:
         out = consolidate(
             args.checkpoint_dir,
