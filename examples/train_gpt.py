@@ -7,6 +7,7 @@
     ds-strategy generate out/gpt --prompt "ZeRO" --bits 4
     torchrun --nproc-per-node=2 examples/train_gpt.py --init out/gpt --qat 4 --steps 100 \
         --lr 1e-3 --save out/gpt-qat                  # quantization-aware fine-tuning
+    torchrun --nproc-per-node=2 examples/train_gpt.py --plot plots   # figures of the run
 
 The corpus is the repository's own README (no download; ``--text`` another file), its last
 tenth held out (``--holdout``). Each rank reads a different slice of every global batch; the
@@ -14,13 +15,17 @@ loss printed is the mean over ranks. At the end: the held-out perplexity, a samp
 generated text, and each rank's model-state memory next to the ZeRO formula and its time.
 ``--save DIR`` writes the weights (``model.safetensors``) and ``ds_model.json``, which
 ``ds_strategy.init_inference(DIR)`` and ``ds-strategy generate DIR`` read; with ``--qat``
-also ``model-int<bits>.safetensors``, the quantized export.
+also ``model-int<bits>.safetensors``, the quantized export. ``--plot DIR`` turns on the CSV
+monitor (files in ``outputs/train_gpt/``), the wall-clock breakdown and the memory timeline,
+and at the end draws ``ds-strategy plot``'s figures into DIR (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--init", type=Path, help="start from a model --save wrote")
     ap.add_argument("--qat", type=int, choices=(4, 8), help="quantization-aware training")
     ap.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    ap.add_argument("--plot", type=Path, help="monitor the run and draw its figures here")
     args = ap.parse_args()
 
     text = args.text.read_text(encoding="utf-8")
@@ -128,9 +134,15 @@ def main() -> None:
         "wall_clock_breakdown": args.breakdown,
         "steps_per_print": 20,
     }
+    if args.plot:  # the files ds-strategy plot draws from
+        config["wall_clock_breakdown"] = True
+        config["csv_monitor"] = {"enabled": True, "output_path": "outputs", "job_name": "train_gpt"}
+        config["memory_timeline"] = {"enabled": True}
     if args.qat:
         config["quantization"] = {"bits": args.qat, "group_size": args.group_size, "qat": True}
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.plot and int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(Path("outputs", "train_gpt"), ignore_errors=True)  # CSV files append
     engine = ds_strategy.initialize(model, opt, config)
     rank, world = engine.rank, engine.world_size
     micro = engine.config.train_micro_batch_size_per_gpu
@@ -186,7 +198,14 @@ def main() -> None:
         lines = [x for part in gathered if part for x in part]
     if rank == 0:
         print("\n".join(lines), flush=True)
-    engine.destroy()
+    engine.destroy()  # writes each rank's memory timeline last
+    if args.plot:
+        if dist.is_initialized():
+            dist.barrier()  # every rank's timeline written
+        if rank == 0:
+            from ds_strategy.cli.plot import plot_run
+
+            plot_run(Path("outputs", "train_gpt"), args.plot)
     if dist.is_initialized():  # a clean shutdown, not the process group's destructor at exit
         dist.destroy_process_group()
 

@@ -615,6 +615,26 @@ class FlopsProfilerConfig:
 
 
 @dataclass(frozen=True)
+class CommsLoggerConfig:
+    """``comms_logger`` (DeepSpeed's section): per collective kind, the count, message sizes,
+    bytes sent, time, algorithmic and bus bandwidth and the straggler gap between ranks,
+    returned by ``engine.comms_report()`` and printed by ``engine.log_summary()`` in
+    DeepSpeed's table (``core/profiling/comms.py``). ``prof_all`` logs every kind; else only
+    the kinds or ops named in ``prof_ops`` (such as ``"all_gather"``). ``verbose``: rank 0
+    prints each collective as it completes; ``debug``: kinds are split by calling function.
+
+    >>> CommsLoggerConfig(enabled=True).prof_all
+    True
+    """
+
+    enabled: bool = leaf(bool, False)
+    verbose: bool = leaf(bool, False)
+    prof_all: bool = leaf(bool, True)
+    prof_ops: list[str] = field(default_factory=list)
+    debug: bool = leaf(bool, False)
+
+
+@dataclass(frozen=True)
 class MemoryTimelineConfig:
     """``memory_timeline`` (ds_strategy's section): the engine's model-state meter records every
     allocation and free (sequence number, time, phase, bytes held by kind after it) of the
@@ -705,6 +725,7 @@ class ZeroConfig:
     wandb: WandbConfig = section(WandbConfig)
     comet: CometConfig = section(CometConfig)
     flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig)
+    comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
     memory_timeline: MemoryTimelineConfig = section(MemoryTimelineConfig)
 
     @classmethod
@@ -779,7 +800,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
     "": {
         **_ignored(
             "monitoring is left to the training framework's loggers",
-            "trackio comms_logger timers memory_breakdown dump_state",
+            "trackio timers memory_breakdown dump_state",
         ),
         **_ignored(
             "not implemented yet",
