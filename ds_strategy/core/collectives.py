@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .profiling.comms import CommsLogger, Timing
 from .profiling.ranges import ranged
 
 __all__ = ["Comm", "init_process_group_from_env", "subgroup", "Work"]
@@ -42,7 +43,8 @@ class Work:
 
     ``then`` runs once every handle has completed (the local half of a collective built from
     several, see [Note: gloo's reduce-scatter and all-gather]); ``scratch`` is a buffer the
-    collective writes into and ``then`` reads, dropped once ``then`` has run."""
+    collective writes into and ``then`` reads, dropped once ``then`` has run. ``timing``
+    (the comms logger's, ``core/profiling/comms.py``) is called once it has all completed."""
 
     def __init__(
         self,
@@ -52,6 +54,7 @@ class Work:
         *,
         then: Callable[[], None] | None = None,
         scratch: torch.Tensor | None = None,
+        timing: Timing | None = None,
     ) -> None:
         handles = handle if isinstance(handle, list) else [handle]
         self._handles = [h for h in handles if h is not None]
@@ -59,6 +62,7 @@ class Work:
         self._timer = timer if self._handles else None
         self._then = then
         self.scratch = scratch
+        self._timing = timing
 
     @property
     def scratch_nbytes(self) -> int:
@@ -76,10 +80,13 @@ class Work:
             then, self._then = self._then, None
             then()
         self.scratch = None
+        if self._timing is not None:
+            timing, self._timing = self._timing, None
+            timing()
 
     @property
     def done(self) -> bool:
-        return not self._handles and self._then is None
+        return not self._handles and self._then is None and self._timing is None
 
 
 @dataclass
@@ -107,6 +114,9 @@ class Comm:
     # told the bytes of scratch a composed collective allocates (> 0) and frees (< 0): the
     # engine's memory meter, for memory_report()["peak"]; a level without one tells its parent
     on_scratch: Callable[[int], None] | None = field(default=None, repr=False)
+    # the config's comms_logger (core/profiling/comms.py), on the engine's group; a level or
+    # sub-group logs into its parent's
+    comms_logger: CommsLogger | None = field(default=None, repr=False)
     _backend: str | None = field(default=None, repr=False)
 
     @property
@@ -149,6 +159,22 @@ class Comm:
         if self.parent is not None:
             self.parent._count(kind, nbytes, link)
 
+    def _issue(self, kind: str, op: str, msg: int, sent: float | None) -> Timing | None:
+        """A collective of ``kind`` (torch's ``op``, ``msg`` bytes of message) is issued: its
+        ``sent`` bytes are counted (None: this rank sends none, a broadcast's receiver) and,
+        under the comms logger here or up the parents, the same bytes logged; the logger's
+        timing comes back (see [Note: what the comms logger measures]), else None at the cost
+        of an attribute test per group."""
+        if sent is not None:
+            self._count(kind, sent)
+        comm: Comm | None = self
+        while comm is not None:
+            if comm.comms_logger is not None:
+                n = self.world_size
+                return comm.comms_logger.issue(kind, op, msg, int(sent or 0), n)
+            comm = comm.parent
+        return None
+
     @contextlib.contextmanager
     def holding(self, *buffers: torch.Tensor) -> Iterator[None]:
         """A collective built from several holds ``buffers`` (its own scratch, not its input
@@ -172,14 +198,25 @@ class Comm:
         receive buffer (see ``_composed``), as a stand-in of its size; nothing elsewhere."""
         return (tensor,) if self.world_size > 1 and self._composed(tensor) else ()
 
-    def _work(self, handle: object | None, kind: str, async_op: bool, start: float) -> Work:
-        """Wrap a collective's handle; a synchronous one under a timer reports its time."""
-        if not self.timed:
-            return Work(handle)
+    def _work(
+        self,
+        handle: object | None,
+        kind: str,
+        async_op: bool,
+        start: float,
+        timing: Timing | None = None,
+    ) -> Work:
+        """Wrap a collective's handle; a synchronous one under a timer reports its time, and
+        under the comms logger its ``timing`` now (an asynchronous one's: at completion)."""
         if not async_op:
-            self._timed(kind, time.perf_counter() - start)
+            if self.timed:
+                self._timed(kind, time.perf_counter() - start)
+            if timing is not None:
+                timing()
             return Work(None)
-        return Work(handle, kind, self._timed)
+        if not self.timed:
+            return Work(handle, timing=timing)
+        return Work(handle, kind, self._timed, timing=timing)
 
     def _timed(self, kind: str, seconds: float, link: str | None = None) -> None:
         if self.parent is not None:
@@ -230,11 +267,12 @@ class Comm:
         n = self.world_size
         if n == 1:
             return Work(None)
-        self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
+        msg = tensor.numel() * tensor.element_size()
+        timing = self._issue(kind, "all_reduce", msg, 2 * (n - 1) / n * msg)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         start = time.perf_counter()
         handle = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
-        return self._work(handle, kind, async_op, start)
+        return self._work(handle, kind, async_op, start, timing)
 
     @ranged("reduce_scatter")
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
@@ -245,11 +283,12 @@ class Comm:
         if n == 1:
             out.copy_(full)
             return Work(None)
-        self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size())
+        msg = full.numel() * full.element_size()
+        timing = self._issue("reduce_scatter", "reduce_scatter", msg, (n - 1) / n * msg)
         start = time.perf_counter()
         if not self._composed(full):
             handle = _reduce_scatter(out, full, group=self.group, async_op=async_op)
-            return self._work(handle, "reduce_scatter", async_op, start)
+            return self._work(handle, "reduce_scatter", async_op, start, timing)
         # every rank sends chunk r of its input to rank r; rank r sums what it received
         recv = torch.empty_like(full)
         handle = dist.all_to_all_single(recv, full, group=self.group, async_op=True)
@@ -259,7 +298,8 @@ class Comm:
 
         timer = self._timed if self.timed else None
         return self._settle(
-            Work(handle, "reduce_scatter", timer, then=add_up, scratch=recv), async_op
+            Work(handle, "reduce_scatter", timer, then=add_up, scratch=recv, timing=timing),
+            async_op,
         )
 
     @ranged("all_gather")
@@ -277,11 +317,12 @@ class Comm:
             if full.data_ptr() != shard.data_ptr():
                 full.copy_(shard)
             return Work(None)
-        self._count(kind, (n - 1) / n * full.numel() * full.element_size())
+        msg = full.numel() * full.element_size()
+        timing = self._issue(kind, "all_gather", msg, (n - 1) / n * msg)
         start = time.perf_counter()
         if not self._composed(full):
             handle = _all_gather(full, shard, group=self.group, async_op=async_op)
-            return self._work(handle, kind, async_op, start)
+            return self._work(handle, kind, async_op, start, timing)
         # each rank broadcasts its own chunk of the output
         chunks = full.view(n, -1)
         mine = chunks[self.rank]
@@ -292,7 +333,7 @@ class Comm:
             for r in range(n)
         ]
         timer = self._timed if self.timed else None
-        return self._settle(Work(handles, kind, timer), async_op)
+        return self._settle(Work(handles, kind, timer, timing=timing), async_op)
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, kind: str = "all_to_all") -> None:
         """Chunk ``r`` of ``tensor`` to rank ``r``; ``out``'s chunk ``r`` from rank ``r``."""
@@ -300,10 +341,11 @@ class Comm:
         if n == 1:
             out.copy_(tensor)
             return
-        self._count(kind, (n - 1) / n * tensor.numel() * tensor.element_size())
+        msg = tensor.numel() * tensor.element_size()
+        timing = self._issue(kind, "all_to_all", msg, (n - 1) / n * msg)
         start = time.perf_counter()
         dist.all_to_all_single(out, tensor, group=self.group)
-        self._work(None, kind, False, start)
+        self._work(None, kind, False, start, timing)
 
     @staticmethod
     def _settle(work: Work, async_op: bool) -> Work:
@@ -359,22 +401,22 @@ class Comm:
         if self.rank == dst:
             assert full is not None
             parts = list(full.view(n, -1).unbind(0))
-        else:
-            self._count("gather", shard.numel() * shard.element_size())
+        msg = shard.numel() * shard.element_size()
+        timing = self._issue("gather", "gather", n * msg, None if self.rank == dst else msg)
         start = time.perf_counter()
         dist.gather(shard, parts, dst=global_dst, group=self.group)
-        self._timed("gather", time.perf_counter() - start)
+        self._work(None, "gather", False, start, timing)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group rank ``src`` (counted on the sender only)."""
         if self.world_size == 1:
             return
-        if self.rank == src:
-            self._count("broadcast", tensor.numel() * tensor.element_size())
+        msg = tensor.numel() * tensor.element_size()
+        timing = self._issue("broadcast", "broadcast", msg, msg if self.rank == src else None)
         global_src = self._global(src)
         start = time.perf_counter()
         dist.broadcast(tensor, src=global_src, group=self.group)
-        self._timed("broadcast", time.perf_counter() - start)
+        self._work(None, "broadcast", False, start, timing)
 
     def barrier(self) -> None:
         if self.world_size > 1:
