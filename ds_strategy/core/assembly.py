@@ -56,6 +56,7 @@ from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer
 from .ownership import check_parameters_free
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
+from .profiling.comms import CommsLogger
 from .quant.qat import prepare_qat
 from .quant.scheme import QuantScheme
 from .schedulers import build_scheduler
@@ -220,6 +221,8 @@ class EngineBuilder:
         """Every part, in the order of [Note: engine assembly]."""
         qat, place = self.adopt()
         ranks = self.lay_out()
+        # from here on every collective of the engine's groups is logged (comms_logger)
+        ranks.comm.comms_logger = CommsLogger.from_config(self.config.comms_logger, Comm().rank)
         self.device = pick_device(self.model)  # after tensor parallelism placed its layers
         precision = self.precision(ranks)
         timers = StepTimers.from_config(self.config, ranks.comm, self.device)  # or None

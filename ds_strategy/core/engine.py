@@ -33,6 +33,7 @@ from .monitor import TrainingMonitor
 from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange
 from .ownership import claim_parameters, release_parameters
+from .profiling.comms import CommsLogger, format_summary
 from .profiling.flops import FlopsProfiler
 from .quant.export import write_quantized_state
 from .quant.scheme import QuantScheme
@@ -793,6 +794,26 @@ class ZeroEngine(nn.Module):
         report.update(self.comm.take_links())
         if self.tensor_parallel is not None:
             self.tensor_parallel.comm.take_into(report, "tp_")
+        return report
+
+    def comms_report(self) -> dict[str, Any]:
+        """With ``comms_logger.enabled``: per collective kind of the engine's data-parallel
+        groups since the engine was built, ``count``, ``msg_bytes``, ``sent_bytes`` (the bytes
+        :meth:`comm_report` counts), ``total_ms``, ``avg_ms``, ``algbw_gbps``, ``busbw_gbps``
+        and the straggler gap ``straggler_ms`` (every rank's total in ``rank_total_ms``), see
+        ``core/profiling/comms.py``; a collective, called on every rank. Disabled:
+        ``{"enabled": False, ...}`` with no ops, and no collective."""
+        logger = self.comm.comms_logger
+        if logger is None:
+            return CommsLogger.disabled_report()
+        return logger.report(self.comm.all_gather_object)
+
+    def log_summary(self, show_straggler: bool = True) -> dict[str, Any]:
+        """:meth:`comms_report`, printed on rank 0 as DeepSpeed's ``comm.log_summary`` prints
+        it (with the straggler breakdown unless ``show_straggler`` is false); a collective."""
+        report = self.comms_report()
+        if report["enabled"] and self.comm.rank == 0:
+            print(format_summary(report, show_straggler), flush=True)
         return report
 
     @property
