@@ -22,6 +22,7 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -97,6 +98,9 @@ def main(cfg: DictConfig) -> None:
         enable_checkpointing=False,
         enable_model_summary=False,
         default_root_dir=HydraConfig.get().runtime.output_dir,
+        # metrics.csv whatever else is installed (Lightning's default turns to TensorBoard
+        # when tensorboard is there)
+        logger=CSVLogger(HydraConfig.get().runtime.output_dir),
     )
     trainer.fit(lm, loader)
     engine = trainer.strategy.engine
