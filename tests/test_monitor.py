@@ -42,6 +42,8 @@ TAGS = {
     "Train/Samples/train_loss",
     "Train/Samples/lr",
     "Train/Samples/sent_bytes",
+    "Train/Samples/sent_bytes_intra_machine",
+    "Train/Samples/sent_bytes_inter_machine",
     *TIMINGS,
     *OURS,
 }
@@ -122,6 +124,9 @@ def test_two_ranks_write_deepspeeds_events_on_rank_0(tmp_path: Path, stage: int)
     expected["Train/Samples/sent_bytes"] = [
         (b - a) / PRINT_EVERY for a, b in zip(sent, sent[1:], strict=False)
     ]
+    # both ranks on one machine: every byte went over the intra-machine link
+    expected["Train/Samples/sent_bytes_intra_machine"] = expected["Train/Samples/sent_bytes"]
+    expected["Train/Samples/sent_bytes_inter_machine"] = [0.0] * len(printed)
     expected[OURS[0]] = [results[0]["memory"][s - 1]["total"] for s in printed]
     expected[OURS[1]] = [results[0]["memory"][s - 1]["peak"] for s in printed]
     assert len(set(expected["Train/Samples/lr"])) == len(printed)  # WarmupLR: lr changes
@@ -461,3 +466,28 @@ def test_a_comet_api_key_stays_out_of_checkpoints(tmp_path: Path) -> None:
     saved = engine.save_checkpoint(tmp_path / "ckpt")
     files = [p for p in saved.rglob("*") if p.is_file()]
     assert files and not any(b"sEcReT-kEy-123" in p.read_bytes() for p in files)
+
+
+def _train_across_machines(rank: int, world: int, root: str) -> None:
+    config = _deepspeed_json(Path(root), 3)
+    config["topology"] = {"ranks_per_machine": 1}  # each rank a machine of its own
+    config["steps_per_print"] = 1
+    del config["tensorboard"]
+    torch.manual_seed(0)
+    engine = ds_strategy.initialize(ToyLM(), None, config)
+    for tokens in batches(2, ACCUMULATION, MICRO * WORLD, seed=1):
+        engine.backward(lm_loss(engine, tokens[rank * MICRO : (rank + 1) * MICRO]))
+        engine.step()
+    engine.destroy()
+
+
+def test_bytes_sent_are_split_by_the_link_they_crossed(tmp_path: Path) -> None:
+    """Two ranks on two machines: every byte of the step crossed the inter-machine link."""
+    run_ranks(_train_across_machines, WORLD, str(tmp_path))
+    job = tmp_path / "csv" / "job"
+    _, total = _csv_rows(job, "Train/Samples/sent_bytes")
+    _, inter = _csv_rows(job, "Train/Samples/sent_bytes_inter_machine")
+    _, intra = _csv_rows(job, "Train/Samples/sent_bytes_intra_machine")
+    assert total and all(v > 0 for _, v in total)
+    assert inter == total
+    assert all(v == 0 for _, v in intra)

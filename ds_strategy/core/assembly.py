@@ -263,6 +263,8 @@ class EngineBuilder:
             topology = Topology.detect(
                 world.world_size, world.rank, resolved.topology.ranks_per_machine
             )
+            # from here on (the checks that ranks agree) its bytes count under their link
+            self.comm.link = topology.link(self.comm.global_ranks())
         return resolved, topology, tp
 
     def adopt(self) -> tuple[dict[str, str], CheckpointPlace]:

@@ -17,7 +17,8 @@ gives no batch size), rank 0 writes:
   inside backward or at the step) and ``step``;
 - ours: ``Train/Samples/model_state_bytes`` and ``peak_model_state_bytes`` (rank 0's
   ``memory_report()`` ``total`` and ``peak``), ``Train/Samples/sent_bytes`` (bytes rank 0
-  sent per step, mean over the steps since the previous write, ``comm_report()``'s count).
+  sent per step, mean over the steps since the previous write, ``comm_report()``'s count) and
+  the same split by link, ``sent_bytes_intra_machine`` and ``sent_bytes_inter_machine``.
 
 A monitor that writes into a run a training framework started (``Monitor.shared``) gets no
 timings when the engine's timers also feed the framework's loggers (a front end's timing
@@ -117,7 +118,7 @@ class TrainingMonitor:
         self.fp16 = fp16
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
-        self._sent_seen = (0, 0)  # (bytes sent, global step) at the previous write
+        self._sent_seen: tuple[dict[str, int], int] = ({}, 0)  # (bytes sent, step) last written
 
     @classmethod
     def from_config(cls, config: Any, comm: Comm, device: torch.device) -> TrainingMonitor | None:
@@ -178,17 +179,22 @@ class TrainingMonitor:
         memory = engine.memory_report()
         values["model_state_bytes"] = float(memory["total"])
         values["peak_model_state_bytes"] = float(memory["peak"])
-        values["sent_bytes"] = self._sent_per_step(engine, step)
+        values.update(self._sent_per_step(engine, step))
         return [Event(PREFIX + name, value, samples) for name, value in values.items()]
 
-    def _sent_per_step(self, engine: Any, step: int) -> float:
+    def _sent_per_step(self, engine: Any, step: int) -> dict[str, float]:
+        """``sent_bytes`` per step since the previous write, and the same by link
+        (``sent_bytes_intra_machine`` / ``_inter_machine``, as ``comm_report()`` splits it)."""
         comms = [engine.comm]
         if engine.tensor_parallel is not None:
             comms.append(engine.tensor_parallel.comm)
-        sent = sum(sum(c.sent_total.values()) for c in comms)
+        sent = {"sent_bytes": sum(sum(c.sent_total.values()) for c in comms)}
+        for link in ("intra", "inter"):
+            sent[f"sent_bytes_{link}_machine"] = sum(c.link_total.get(link, 0) for c in comms)
         last_sent, last_step = self._sent_seen
         self._sent_seen = (sent, step)
-        return (sent - last_sent) / max(1, step - last_step)
+        steps = max(1, step - last_step)
+        return {k: (v - last_sent.get(k, 0)) / steps for k, v in sent.items()}
 
     def write(self, events: list[Event], engine: Any) -> None:
         """Hand ``events`` to every writer (timings left out where a framework has them)."""
