@@ -41,7 +41,7 @@ from ..accelerate import ZeroAccelerator, ZeroPlugin
 from ..accelerate._front import ENGINE_DIR, EngineSchedulerWrapper
 from ..config import ZeroConfig
 from ..core.checkpoint.deepspeed.layout import find_deepspeed
-from ..core.checkpoint.deepspeed.opening import open_deepspeed
+from ..core.checkpoint.deepspeed.opening import model_state
 from ..core.schedulers import load_scheduler_state
 from ..frontends.engines import move_schedulers
 from ._args import fill_from_training_args
@@ -186,7 +186,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
             return True
         saved = os.path.join(checkpoint, SCHEDULER_NAME)
         if deepspeed is not None:  # there, the Trainer's scheduler is saved by DeepSpeed
-            state = open_deepspeed(deepspeed).model_state.get("lr_scheduler")
+            state = model_state(deepspeed).get("lr_scheduler")
             if state:
                 load_scheduler_state(self.lr_scheduler, state)
         elif os.path.isfile(saved):

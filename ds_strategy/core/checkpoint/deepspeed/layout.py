@@ -113,7 +113,7 @@ class DeepSpeedCheckpoint:
     model_files: list[dict[str, Any]] = field(repr=False)  # stage 3: every rank's
     segments: dict[str, tuple[Segment, ...]] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def shapes(self) -> dict[str, torch.Size]:
         """The trained parameters' full shapes, in DeepSpeed's order."""
         return {k: torch.Size(v) for g in self.model_state["param_shapes"] for k, v in g.items()}
@@ -134,16 +134,22 @@ class DeepSpeedCheckpoint:
 
     @cached_property
     def frozen(self) -> dict[str, torch.Tensor]:
-        """Parameters that did not train, whole (stage 3: joined from every rank's part)."""
+        """Parameters that did not train, whole."""
+        return {name: self.frozen_param(name) for name in self.frozen_shapes}
+
+    @property
+    def frozen_shapes(self) -> dict[str, torch.Size]:
         shapes = self.model_state.get("frozen_param_shapes") or {}
-        out = {}
-        for name, shape in shapes.items():
-            parts = [f["frozen_param_fragments"][name].reshape(-1) for f in self.model_files]
-            n = torch.Size(shape).numel()
-            out[name] = (
-                torch.cat(parts)[:n].view(shape) if self.stage == 3 else parts[0].view(shape)
-            )
-        return out
+        return {k: torch.Size(v) for k, v in shapes.items()}
+
+    def frozen_param(self, name: str) -> torch.Tensor:
+        """One frozen parameter, whole (stage 3: joined from every rank's part), in its saved
+        dtype; read from the mapped files now."""
+        shape = self.frozen_shapes[name]
+        parts = [f["frozen_param_fragments"][name].reshape(-1) for f in self.model_files]
+        if self.stage != 3:
+            return parts[0].view(shape)
+        return torch.cat(parts)[: shape.numel()].view(shape)
 
     @property
     def client_state(self) -> dict[str, Any]:
@@ -203,13 +209,13 @@ class DeepSpeedCheckpoint:
         """Elements ``[start, start + length)`` of flattened parameter ``name`` (its fp32
         weights, or optimizer state ``key``)."""
         out = torch.empty(length, dtype=torch.float32)
-        flats: dict[int, torch.Tensor] = {}
+        flats: dict[int, _Joined] = {}
         for seg in self.segments[name]:
             lo, hi = max(start, seg.start), min(start + length, seg.start + seg.length)
             if lo >= hi:
                 continue
             if seg.rank not in flats:
-                flats[seg.rank] = _joined(self.flat(seg.rank, key))
+                flats[seg.rank] = _Joined(self.flat(seg.rank, key))
             at = seg.offset + lo - seg.start
             out[lo - start : hi - start] = flats[seg.rank][at : at + hi - lo]
         return out
@@ -236,7 +242,3 @@ class _Joined:
                 pieces.append(p[a - base : b - base])
             base += p.numel()
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def _joined(parts: list[torch.Tensor]) -> _Joined:
-    return _Joined(parts)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 from ..validate import CheckpointError
 from .layout import _MODEL, _MODEL3, _OPTIM, DeepSpeedCheckpoint, Segment
 from .pickles import load_pickle
 from .tensor_parallel import join_parts
 
-__all__ = ["open_deepspeed"]
+__all__ = ["model_state", "open_deepspeed"]
 
 
 def open_deepspeed(tag_dir: Path, trust_checkpoint: bool = False) -> DeepSpeedCheckpoint:
@@ -26,6 +27,15 @@ def open_deepspeed(tag_dir: Path, trust_checkpoint: bool = False) -> DeepSpeedCh
         raise CheckpointError(f"{tag_dir}: no *_optim_states.pt files: not a ZeRO checkpoint")
     parts = [_open_part(tag_dir, files, k, trust_checkpoint) for k in range(max(mp) + 1)]
     return parts[0] if len(parts) == 1 else join_parts(parts)
+
+
+def model_state(tag_dir: Path, trust_checkpoint: bool = False) -> dict[str, Any]:
+    """The first rank's model-states file alone (counters, lr scheduler, client state), for
+    what needs no partition: no optimizer file is read."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (tag_dir / name).is_file():
+            return load_pickle(tag_dir / name, trust_checkpoint)
+    raise CheckpointError(f"{tag_dir}: no mp_rank_00 model-states file")
 
 
 def _open_part(

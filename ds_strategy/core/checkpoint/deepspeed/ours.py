@@ -33,7 +33,7 @@ class SavedCheckpoint:
         md = SafeReader(path).read_metadata().state_dict_metadata
         self.tensors = {k: m for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
 
-    @property
+    @cached_property
     def shapes(self) -> dict[str, torch.Size]:
         """Every parameter's full shape, in the model's order."""
         return {k: torch.Size(v) for k, v in self.meta["shapes"].items()}
@@ -75,26 +75,28 @@ class SavedCheckpoint:
             )
         return groups
 
+    @cached_property
+    def entries(self) -> dict[str, list[EntryKey]]:
+        """The per-parameter entries (weights, buffers, optimizer state) by parameter name,
+        parsed once."""
+        out: dict[str, list[EntryKey]] = {}
+        for k in self.tensors:
+            e = EntryKey.parse(k)
+            if e is not None:
+                out.setdefault(e.param, []).append(e)
+        return out
+
     def has_optimizer_state(self, name: str) -> bool:
-        return any(
-            (e := EntryKey.parse(k)) is not None and e.param == name and e.kind == "optim"
-            for k in self.tensors
-        )
+        return any(e.kind == "optim" for e in self.entries.get(name, ()))
 
     def weight(self, name: str) -> torch.Tensor:
         return self.read(EntryKey("model", name)).reshape(self.shapes[name]).float()
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        found = [
-            e for k in self.tensors if (e := EntryKey.parse(k)) is not None and e.kind == "buffer"
-        ]
+        found = [e for keys in self.entries.values() for e in keys if e.kind == "buffer"]
         return {e.param: self.read(e) for e in found}
 
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor]:
         """Parameter ``name``'s per-element state (flattened) and its scalar tensors."""
-        out = {}
-        for k in self.tensors:
-            e = EntryKey.parse(k)
-            if e is not None and e.param == name and e.kind in ("optim", "optim_scalar"):
-                out[e.state] = self.read(e)
-        return out
+        kinds = ("optim", "optim_scalar")
+        return {e.state: self.read(e) for e in self.entries.get(name, ()) if e.kind in kinds}

@@ -16,8 +16,7 @@ parameters in fp32).
 The checkpoint's files are memory-mapped (``open_deepspeed``), so listing the entries reads no
 tensor data. ``read`` builds one tensor from the pages that hold it and keeps nothing: a
 trained parameter is copied out of its ranks' partitions, a frozen one out of its fragments
-(the layout's ``frozen`` property joins every frozen parameter at once, so it is not used
-here), a buffer converted from the mapped module state. Peak memory is thus about one tensor
+(``frozen_param``, one at a time: the layout's ``frozen`` property joins every one), a buffer converted from the mapped module state. Peak memory is thus about one tensor
 (two while it changes dtype), whatever the model's size.
 """
 
@@ -44,9 +43,7 @@ class DeepSpeedWeights:
     ) -> None:
         self.ckpt = ckpt
         self.dtype = dtype
-        self._frozen_shapes = {
-            k: torch.Size(v) for k, v in (ckpt.model_state.get("frozen_param_shapes") or {}).items()
-        }
+        self._frozen_shapes = ckpt.frozen_shapes
         self._buffer_names = list(ckpt.buffers)
         self.entries = self._list(exclude_frozen_parameters)
 
@@ -83,7 +80,7 @@ class DeepSpeedWeights:
             t = self.ckpt.read(name, 0, shape.numel()).view(shape)  # a fresh tensor
             return t.to(self._out_dtype(t.dtype))
         if name in self._frozen_shapes:
-            t = self._frozen(name)
+            t = self.ckpt.frozen_param(name)
         elif name in self._buffer_names:
             t = self.ckpt.model_state["module"][name]
         else:
@@ -92,10 +89,3 @@ class DeepSpeedWeights:
         # a mapped tensor may be a view of a storage it shares with others, all of which
         # torch.save would write: the writer gets a tensor of its own
         return out.clone() if out is t else out.contiguous()
-
-    def _frozen(self, name: str) -> torch.Tensor:
-        shape = self._frozen_shapes[name]
-        if self.ckpt.stage != 3:
-            return self.ckpt.model_files[0]["frozen_param_fragments"][name].reshape(shape)
-        parts = [f["frozen_param_fragments"][name].reshape(-1) for f in self.ckpt.model_files]
-        return torch.cat(parts)[: shape.numel()].view(shape)
