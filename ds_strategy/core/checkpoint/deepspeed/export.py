@@ -317,9 +317,10 @@ def _optimizer_state(
         states[g] = {"step": steps, **moments}
         mappings.append(mapping)
     base = {"state": states, "param_groups": _param_groups(job)}
+    scaler = _loss_scaler(job)
     common = {
-        "loss_scaler": _loss_scaler(job),
-        "dynamic_loss_scale": _loss_scaler(job).dynamic,
+        "loss_scaler": scaler,
+        "dynamic_loss_scale": scaler.dynamic,
         "overflow": False,
         "zero_stage": ZeroStageEnum(job.stage),
     }
