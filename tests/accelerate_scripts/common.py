@@ -129,6 +129,9 @@ def save_on_main(accelerator: Accelerator, results: dict[str, Any], path: str) -
         torch.save(results, tmp)
         os.replace(tmp, path)
     accelerator.wait_for_everyone()
+    # the end of the job, as Accelerate's docs end one: the process group destroyed before the
+    # interpreter exits (left to exit-time destructors, gloo rarely aborted a rank at exit)
+    accelerator.end_training()
 
 
 def zero_accelerator(stage: int) -> Any:

@@ -8,7 +8,6 @@ saves the consolidated weights, the engine's ``compile`` section and its compile
 
 from __future__ import annotations
 
-import torch
 from accelerate import Accelerator
 from common import arguments, build, save_on_main, train, zero_accelerator
 
@@ -26,7 +25,6 @@ def main() -> None:
         "report": engine.compile_report(),
     }
     save_on_main(Accelerator(), result, args.out)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

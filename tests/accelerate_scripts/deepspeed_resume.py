@@ -51,3 +51,4 @@ if accelerator.is_main_process:
     results["global_steps"] = accelerator.zero_engine.global_steps
     torch.save(results, out)
 accelerator.wait_for_everyone()
+accelerator.end_training()

@@ -136,7 +136,6 @@ def main() -> None:
     results["plain"] = plain_run(ckpt + "_plain")
     results["plain_resumed"] = plain_run(ckpt + "_plain", resume=True)
     save_on_main(Accelerator(), results, args.out)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import warnings
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils.deepspeed import DummyOptim
 from common import ACCUMULATION, arguments, build, param_groups, save_on_main, train
@@ -62,7 +61,6 @@ def main() -> None:
     args = arguments()
     results = {"zero": zero_run(), "plain": plain_run()}
     save_on_main(Accelerator(), results, args.out)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

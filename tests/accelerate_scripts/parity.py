@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from accelerate import Accelerator
 from common import ACCUMULATION, arguments, build, save_on_main, train, zero_accelerator
 
@@ -59,7 +58,6 @@ def main() -> None:
     # on a machine without GPUs), which a plain Accelerator reuses.
     results["plain"] = plain_run()
     save_on_main(Accelerator(), results, args.out)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from common import ACCUMULATION, arguments, build, save_on_main, train
 
 from ds_strategy.accelerate import ZeroAccelerator
@@ -53,7 +52,6 @@ def main() -> None:
     else:
         results = {"load": run("load", args.ckpt)}
     save_on_main(ZeroAccelerator(), results, args.out)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":
