@@ -146,8 +146,11 @@ class Comm:
 
     def record(self, kind: str, nbytes: float) -> None:
         """Count bytes a collective made outside this class sent on this group (torch's
-        tensor-parallel layers exchange activations through DTensor's own collectives)."""
+        tensor-parallel layers exchange activations through DTensor's own collectives). A
+        comms logger counts it with its bytes but cannot time it: something else waits on it."""
         self._count(kind, nbytes)
+        if self.comms_logger is not None:
+            self.comms_logger.issue(kind, kind, int(nbytes), int(nbytes), self.world_size)
 
     def _count(self, kind: str, nbytes: float, link: str | None = None) -> None:
         link = link or self.link

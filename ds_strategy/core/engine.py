@@ -178,14 +178,18 @@ class ZeroEngine(nn.Module):
         if not self.config.flops_profiler.enabled:
             return None
         tp = self.config.tensor_parallel.autotp_size
+        ctx = self.pipeline_stage  # a stage profiles its own layers (flops.py's note)
+        pp = ctx.stages if ctx is not None else 1
         return FlopsProfiler(
             self.config.flops_profiler,
             self.module,
             device=self.device,
             dtype=self.precision.param_dtype,
             rank=self.rank,
-            world_size=self.world_size * tp,
-            mp_size=tp,
+            world_size=self.world_size * tp * pp,
+            mp_size=tp * pp,
+            stage=None if ctx is None else ctx.stage,
+            micro_batches=self.config.gradient_accumulation_steps if ctx is not None else 1,
         )
 
     def _flops(self, phase_name: str, *args: Any) -> contextlib.AbstractContextManager[Any]:

@@ -25,9 +25,12 @@ class StageContext:
         mesh: the pipeline's mesh, whose tensor-parallel groups the stage uses.
         replaced: ``id(meta parameter) -> parameter`` for the layers the pipeline
             materialised (the optimizer may hold the meta ones).
+        stages: how many stages the pipeline has (a stage's flops profile counts them as
+            model parallel).
     """
 
     stage: int
     whole_model: nn.Module
     mesh: ParallelMesh | None = None
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+    stages: int = 1

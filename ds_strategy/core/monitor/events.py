@@ -20,6 +20,12 @@ gives no batch size), rank 0 writes:
   sent per step, mean over the steps since the previous write, ``comm_report()``'s count) and
   the same split by link, ``sent_bytes_intra_machine`` and ``sent_bytes_inter_machine``.
 
+Under a pipeline (``PipelineEngine``) the loss is the one ``train_batch`` returns (already
+the global batch's mean), the memory is rank 0's stage's, the bytes sent include the
+activations and gradients sent between stages, and the timings are ``elapsed_time_ms_schedule``
+(the forward and backward of every micro-batch, which the schedule interleaves, so there is
+no forward / backward split), ``backward_allreduce`` and ``step``.
+
 A monitor that writes into a run a training framework started (``Monitor.shared``) gets no
 timings when the engine's timers also feed the framework's loggers (a front end's timing
 sink): the same numbers would otherwise reach the same run twice.
@@ -41,7 +47,7 @@ from .csv_monitor import CSVMonitor
 from .tensorboard_monitor import INSTALL, TensorBoardMonitor
 from .wandb_monitor import WandbMonitor
 
-__all__ = ["TIMING_EVENTS", "TrainingMonitor", "build_monitors"]
+__all__ = ["TIMING_EVENTS", "TrainingMonitor", "build_monitors", "engine_comms"]
 
 log = logging.getLogger("ds_strategy")
 
@@ -147,13 +153,20 @@ class TrainingMonitor:
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
 
-    def after_step(self, engine: Any) -> None:
-        """An optimizer step finished (``engine.global_steps`` counts it): write when due."""
+    def after_step(
+        self, engine: Any, loss: float | None = None, comms: Sequence[Comm] | None = None
+    ) -> None:
+        """An optimizer step finished (``engine.global_steps`` counts it): write when due.
+        ``loss``: the step's mean loss over every rank when the caller knows it (a pipeline),
+        else the losses given to :meth:`add_loss` are averaged over the ranks; ``comms``: the
+        groups whose bytes count as sent (default: the engine's, see :func:`engine_comms`)."""
         step = engine.global_steps
         if step % self.steps_per_print == 0:
-            loss = self._reduced_loss()  # collective: every rank, at the same steps
+            if loss is None:
+                loss = self._reduced_loss()  # collective: every rank, at the same steps
             if self.monitors:
-                self.write(self.events(engine, step, loss), engine)
+                sent = self._sent_per_step(engine_comms(engine) if comms is None else comms, step)
+                self.write(self.events(engine, step, loss, sent), engine)
         self._loss_sum, self._loss_count = None, 0
 
     def _reduced_loss(self) -> float:
@@ -165,29 +178,29 @@ class TrainingMonitor:
         total, count = both.tolist()
         return total / count if count else math.nan
 
-    def events(self, engine: Any, step: int, loss: float) -> list[Event]:
-        """This step's events (see the module note), read from the engine's public surface."""
+    def events(
+        self, engine: Any, step: int, loss: float, sent: dict[str, float] | None = None
+    ) -> list[Event]:
+        """This step's events (see the module note), read from the engine's public surface;
+        ``sent``: the bytes-sent events (:meth:`_sent_per_step`), left out when None."""
         samples = step * self.train_batch_size
         values = {"train_loss": loss, "lr": float(engine.get_lr()[0])}
         if self.fp16:
             values["loss_scale"] = float(engine.loss_scale)
         report = engine.timers.last_report if engine.timers is not None else {}
         if report:
-            for name, key in TIMING_EVENTS.items():
+            for name, key in _timing_events(report).items():
                 ms = report.get(key, 0.0) if key else _backward_inner(report)
                 values[f"elapsed_time_ms_{name}"] = float(ms)
         memory = engine.memory_report()
         values["model_state_bytes"] = float(memory["total"])
         values["peak_model_state_bytes"] = float(memory["peak"])
-        values.update(self._sent_per_step(engine, step))
+        values.update(sent or {})
         return [Event(PREFIX + name, value, samples) for name, value in values.items()]
 
-    def _sent_per_step(self, engine: Any, step: int) -> dict[str, float]:
+    def _sent_per_step(self, comms: Sequence[Comm], step: int) -> dict[str, float]:
         """``sent_bytes`` per step since the previous write, and the same by link
         (``sent_bytes_intra_machine`` / ``_inter_machine``, as ``comm_report()`` splits it)."""
-        comms = [engine.comm]
-        if engine.tensor_parallel is not None:
-            comms.append(engine.tensor_parallel.comm)
         sent = {"sent_bytes": sum(sum(c.sent_total.values()) for c in comms)}
         for link in ("intra", "inter"):
             sent[f"sent_bytes_{link}_machine"] = sum(c.link_total.get(link, 0) for c in comms)
@@ -206,6 +219,23 @@ class TrainingMonitor:
     def close(self) -> None:
         for monitor in self.monitors:
             monitor.close()
+
+
+def engine_comms(engine: Any) -> list[Comm]:
+    """The groups a ``ZeroEngine``'s ``comm_report()`` counts: data-parallel and, with tensor
+    parallelism, the tensor-parallel one."""
+    comms = [engine.comm]
+    if engine.tensor_parallel is not None:
+        comms.append(engine.tensor_parallel.comm)
+    return comms
+
+
+def _timing_events(report: dict[str, float]) -> dict[str, str | None]:
+    """The timing events of a timers' report: DeepSpeed's family, or under a pipeline (whose
+    report has ``schedule_ms``) the schedule, the blocked reductions and the step."""
+    if "schedule_ms" not in report:
+        return TIMING_EVENTS
+    return {"schedule": "schedule_ms", "backward_allreduce": "reduce_ms", "step": "step_ms"}
 
 
 def _backward_inner(report: dict[str, float]) -> float:

@@ -50,7 +50,11 @@ from ..collectives import Comm, init_process_group_from_env
 from ..engine import ZeroEngine
 from ..faults import together
 from ..materialize import has_meta, materialize_modules
+from ..monitor import TrainingMonitor
+from ..monitor.events import engine_comms
 from ..precision.policy import PrecisionPolicy
+from ..profiling.comms import CommsLogger, format_summary
+from ..profiling.flops import FlopsProfiler
 from ..stage_context import StageContext
 from ..timers import phase
 from ..zero.stage3 import Stage3Runtime
@@ -157,10 +161,18 @@ class PipelineEngine:
         device = self.engine.device
         self._pp = Comm(self.mesh.pp_group)
         self._pp.link = self.engine.topology.link(self._pp.global_ranks())
+        # comms_logger: the pipeline group's collectives too (the stage engine logs its own)
+        self._pp.comms_logger = CommsLogger.from_config(self.config.comms_logger, Comm().rank)
         self._dp = Comm(self.mesh.dp_group)
         self._stages = [
             _CountingStage(
-                _Chunk(self.module, k, self.engine.precision, last=c == n_chunks - 1),
+                _Chunk(
+                    self.module,
+                    k,
+                    self.engine.precision,
+                    last=c == n_chunks - 1,
+                    profiler=self.engine.flops_profiler,
+                ),
                 c,
                 n_chunks,
                 device,
@@ -180,6 +192,9 @@ class PipelineEngine:
         self._uncommitted: tuple[Path, str] | None = None
         self._saves_seen = self.engine.checkpoint_manager.saves
         self._has_last = n_chunks - 1 in mine
+        # the config's tensorboard / csv_monitor / wandb / comet sections: written here, with
+        # the loss train_batch returns (the stage engines have none, see ZeroEngine)
+        self.monitor = TrainingMonitor.from_config(self.config, self._dp, device)
 
     def _build_stage_engine(
         self,
@@ -223,6 +238,7 @@ class PipelineEngine:
                 nn.Sequential(*layers),  # the optimizer holds every stage's parameters
                 self.mesh.parallel,
                 replaced,
+                self.mesh.pp_size,
             ),
         )
         with together(Comm()):  # only the owning stages can tell
@@ -328,8 +344,10 @@ class PipelineEngine:
             # Stages 0-2 accumulate the micro-batches' gradients locally and reduce once, in
             # _step; ZeRO-3 reduce-scatters each micro-batch's as its backward runs, so no
             # full-size gradient outlives the layer it belongs to.
-            accumulate = self.engine.no_sync() if self.engine.stage < 3 else nullcontext()
-            with accumulate, phase(self.engine.timers, "schedule"):
+            e = self.engine
+            accumulate = e.no_sync() if e.stage < 3 else nullcontext()
+            profiled = e.flops_profiler.schedule(e.global_steps) if e.flops_profiler else None
+            with accumulate, phase(e.timers, "schedule"), profiled or nullcontext():
                 self._schedule.step(*args, **kwargs)
         else:
             with torch.no_grad():
@@ -353,6 +371,9 @@ class PipelineEngine:
         stage, targets on the last)."""
         loss = self._run(inputs, targets, train=True)
         self._step()
+        if self.monitor is not None:
+            comms = [*engine_comms(self.engine), self._pp]  # what comm_report() counts
+            self.monitor.after_step(self.engine, loss=float(loss), comms=comms)
         return loss
 
     def eval_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
@@ -430,6 +451,32 @@ class PipelineEngine:
     def memory_report(self) -> dict[str, int]:
         """This rank's model-state bytes: its stage's (see ``ZeroEngine.memory_report``)."""
         return self.engine.memory_report()
+
+    def comms_report(self) -> dict[str, Any]:
+        """With ``comms_logger.enabled``: the stage engine's report (its data-parallel
+        collectives, see ``ZeroEngine.comms_report``) and, prefixed ``pp_``, the pipeline
+        group's: the loss broadcast and the norm exchange, timed, and ``pp_send``, the
+        activations and gradients sent to the neighbouring stages, counted with their bytes
+        but not timed (the schedule waits on them, inside ``fwd+bwd``). A collective."""
+        report = self.engine.comms_report()
+        logger = self._pp.comms_logger
+        if logger is not None:
+            pipeline = logger.report(self._pp.all_gather_object)["ops"]
+            report["ops"].update({f"pp_{kind}": k for kind, k in pipeline.items()})
+        return report
+
+    def log_summary(self, show_straggler: bool = True) -> dict[str, Any]:
+        """:meth:`comms_report`, printed on global rank 0 as DeepSpeed's ``log_summary``
+        prints it (see ``ZeroEngine.log_summary``); a collective."""
+        report = self.comms_report()
+        if report["enabled"] and Comm().rank == 0:
+            print(format_summary(report, show_straggler), flush=True)
+        return report
+
+    def flops_report(self) -> dict[str, Any]:
+        """With ``flops_profiler.enabled``, once its ``profile_step`` has run: this stage's
+        profile (see [Note: a pipeline stage's profile] in core/profiling/flops.py)."""
+        return self.engine.flops_report()
 
     def compile(self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None) -> None:
         """``torch.compile`` this stage's layers one at a time (see ``ZeroEngine.compile``);
@@ -533,6 +580,8 @@ class PipelineEngine:
         try:
             self._commit(wait=True)
         finally:
+            if self.monitor is not None:
+                self.monitor.close()
             self.engine.destroy()
 
 
@@ -582,17 +631,27 @@ class _Chunk(nn.Module):
     ``ZeroEngine.forward`` runs a model: floating-point inputs in the compute dtype (the first
     chunk's data; later chunks receive activations already in it, and send theirs and their
     gradients in it), the last chunk's outputs back in fp32 for the loss. The stage module
-    is not registered as a child: the schedule sees no parameters of its own."""
+    is not registered as a child: the schedule sees no parameters of its own. With the
+    config's ``flops_profiler`` the stage module's call is measured at the profile step."""
 
     def __init__(
-        self, stage: _StageModule, index: int, precision: PrecisionPolicy, last: bool
+        self,
+        stage: _StageModule,
+        index: int,
+        precision: PrecisionPolicy,
+        last: bool,
+        profiler: FlopsProfiler | None = None,
     ) -> None:
         super().__init__()
         self._stage = [stage]
         self.index, self.precision, self.last = index, precision, last
+        self._profiler = profiler
 
     def forward(self, *args: Any) -> Any:
-        out = self._stage[0](*self.precision.cast_inputs(args), chunk=self.index)
+        args = self.precision.cast_inputs(args)
+        counted = self._profiler.chunk_forward(self.index, args) if self._profiler else None
+        with counted or nullcontext():
+            out = self._stage[0](*args, chunk=self.index)
         return self.precision.cast_outputs(out) if self.last else out
 
 

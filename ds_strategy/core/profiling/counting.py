@@ -59,7 +59,8 @@ class ModuleStats:
 
 
 class ForwardCount:
-    """Context manager measuring the forwards of ``model`` run inside it.
+    """Context manager measuring the forwards of ``model`` run inside it; entered again, it
+    adds the forwards run inside each entry (a pipeline stage counts each of its chunks).
 
     >>> lin = torch.nn.Linear(8, 4)
     >>> with ForwardCount(lin) as count:
@@ -76,21 +77,31 @@ class ForwardCount:
         self._latency: dict[str, float] = dict.fromkeys(self.names.values(), 0.0)
         self._started: dict[nn.Module, list[float]] = {}
         self._hooks: list[Any] = []
-        self._counter = FlopCounterMode(display=False, custom_mapping=_EXTRA)
+        self._counter: FlopCounterMode | None = None
+        self._counts: dict[str, dict[Any, int]] = {}  # the entries' counts, added up
+        self._total = 0
         self._called: set[nn.Module] = set()
 
     def __enter__(self) -> ForwardCount:
         for m in self.names:
             self._hooks.append(m.register_forward_pre_hook(self._pre))
             self._hooks.append(m.register_forward_hook(self._post))
+        self._counter = FlopCounterMode(display=False, custom_mapping=_EXTRA)
         self._counter.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._counter.__exit__(*exc)
+        counter, self._counter = self._counter, None
+        assert counter is not None
+        counter.__exit__(*exc)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for key, ops in counter.get_flop_counts().items():
+            mine = self._counts.setdefault(key, {})
+            for op, n in ops.items():
+                mine[op] = mine.get(op, 0) + n
+        self._total += int(counter.get_total_flops())
 
     def _now(self) -> float:
         if self.sync:
@@ -111,7 +122,7 @@ class ForwardCount:
         """FlopCounterMode's per-module totals under our module names (its names are the
         root's class name, then the attribute path: ``GPT.blocks.0.qkv``)."""
         root = type(self.model).__name__
-        counts = self._counter.get_flop_counts()
+        counts = self._counts
         out = {}
         for name in self.names.values():
             key = f"{root}.{name}" if name else root
@@ -142,4 +153,4 @@ class ForwardCount:
     @property
     def total_flops(self) -> int:
         """Every counted FLOP of the forward, inside a module or not."""
-        return int(self._counter.get_total_flops())
+        return self._total

@@ -23,6 +23,18 @@ latencies, FLOPS, MFU and samples/second come from that step (``latency_step`` i
 report); with ``profile_step`` 0 there is none, and the profiled step's own times are used.
 The per-module latencies are the profiled forward's, counting overhead included: read them
 as shares of that forward, as DeepSpeed's (measured under its own hooks) are.
+
+[Note: a pipeline stage's profile]
+Under a pipeline (``PipelineEngine``) each stage profiles its own layers (DeepSpeed's
+pipeline engine prints no profile). The schedule interleaves the forwards and backwards of
+all micro-batches with the transfers between stages, so they cannot be timed apart: the
+first forward of each of the stage's chunks at ``profile_step`` is counted (one
+micro-batch: ``fwd_flops``, the modules, ``batch_size``), the whole schedule is timed
+(``fwd_bwd_latency_s``) and the step after it, and the rates count the step's
+``micro_batches`` forwards: ``achieved_tflops`` = (3 + factor) x fwd_flops x micro_batches /
+iter latency. ``fwd_latency_s``, ``bwd_latency_s``, ``fwd_tflops`` and ``bwd_tflops`` are
+None there. Each stage's first data-parallel rank prints its profile (stage k > 0 to
+``output_file`` with ``_stage<k>`` before its suffix); ``mp_size`` counts the stages.
 """
 
 from __future__ import annotations
@@ -62,11 +74,15 @@ class FlopsProfiler:
         rank: int,
         world_size: int,
         mp_size: int = 1,
+        stage: int | None = None,
+        micro_batches: int = 1,
     ) -> None:
         self.config = config
         self.model = model
         self.device, self.dtype = device, dtype
         self.rank, self.world_size, self.mp_size = rank, world_size, mp_size
+        self.stage, self.micro_batches = stage, micro_batches  # a pipeline stage's (see note)
+        self._chunks: set[int] | None = None  # the chunks counted so far in a schedule
         self.report: dict[str, Any] = {}
         self.printed: str | None = None
         self._count: ForwardCount | None = None
@@ -97,6 +113,33 @@ class FlopsProfiler:
         self._count = ForwardCount(self.model, sync=self.device.type == "cuda")
         with self._count, self._timed(self._times, "fwd"):
             yield
+
+    def schedule(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        """Around a pipeline stage's schedule (see [Note: a pipeline stage's profile])."""
+        if self._before(step):
+            return self._timed(self._plain, "schedule")
+        return self._schedule() if self._active(step) else _NULL
+
+    @contextlib.contextmanager
+    def _schedule(self) -> Iterator[None]:
+        self._times.clear()
+        self._count = ForwardCount(self.model, sync=self.device.type == "cuda")
+        self._chunks = set()
+        try:
+            with self._timed(self._times, "schedule"):
+                yield
+        finally:
+            self._chunks = None
+
+    def chunk_forward(self, chunk: int, args: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around one forward of a pipeline stage's ``chunk`` (the stage module's call):
+        inside a profiled :meth:`schedule`, each chunk's first forward is counted."""
+        if self._chunks is None or chunk in self._chunks or self._count is None:
+            return _NULL
+        if not self._chunks:
+            self._batch = next((a.shape[0] for a in _tensors(args) if a.dim() > 0), 0)
+        self._chunks.add(chunk)
+        return self._count
 
     def backward(self, step: int) -> contextlib.AbstractContextManager[Any]:
         if self._before(step):
@@ -136,7 +179,10 @@ class FlopsProfiler:
         if self.rank == 0:
             self.printed = text
             if self.config.output_file:
-                Path(self.config.output_file).write_text(text + "\n")
+                path = Path(self.config.output_file)
+                if self.stage:  # stage 0 writes the file named, as a global rank 0 would
+                    path = path.with_name(f"{path.stem}_stage{self.stage}{path.suffix}")
+                path.write_text(text + "\n")
             else:
                 print(text, flush=True)
 
@@ -168,8 +214,38 @@ class FlopsProfiler:
             "peak_source": source,
             "modules": modules,
         }
-        report.update(self._rates(fwd_flops, peak))
+        if self.stage is not None:
+            report.update(pipeline_stage=self.stage, micro_batches=self.micro_batches)
+            report.update(self._schedule_rates(fwd_flops, peak))
+        else:
+            report.update(self._rates(fwd_flops, peak))
         return report
+
+    def _schedule_rates(self, fwd_flops: int, peak: float) -> dict[str, Any]:
+        """A pipeline stage's rates (see [Note: a pipeline stage's profile])."""
+        factor = 2 + float(self.config.recompute_fwd_factor)
+        plain = {"schedule", "step"} <= set(self._plain)
+        times = self._plain if plain else self._times
+        sched, step = times.get("schedule", 0.0), times.get("step", 0.0)
+        it = sched + step
+        per_step = (1 + factor) * fwd_flops * self.micro_batches
+        tf = lambda flops, s: flops / s / 1e12 if s > 0 else 0.0  # noqa: E731
+        return {
+            "bwd_flops": factor * fwd_flops,
+            "train_flops": (1 + factor) * fwd_flops,
+            "fwd_latency_s": None,
+            "bwd_latency_s": None,
+            "fwd_bwd_latency_s": sched,
+            "step_latency_s": step,
+            "iter_latency_s": it,
+            "fwd_tflops": None,
+            "bwd_tflops": None,
+            "fwd_bwd_tflops": tf(per_step, sched),
+            "achieved_tflops": tf(per_step, it),
+            "mfu": tf(3 * fwd_flops * self.micro_batches, it) / peak if peak > 0 else 0.0,
+            "samples_per_second": self._batch * self.micro_batches / it if it > 0 else 0.0,
+            "latency_step": self.config.profile_step - 1 if plain else self.config.profile_step,
+        }
 
     def _rates(self, fwd_flops: int, peak: float) -> dict[str, Any]:
         """Latencies, FLOPS and MFU from the phase times (see [Note: training FLOPs and MFU])."""

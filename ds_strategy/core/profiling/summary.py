@@ -37,28 +37,45 @@ def _summary(r: dict[str, Any]) -> list[str]:
         ("fwd MACs per GPU:", si(r["fwd_macs"], "MACs")),
         ("fwd flops per GPU:", si(r["fwd_flops"])),
         ("fwd flops of model = fwd flops per GPU * mp_size:", si(r["fwd_flops"] * r["mp_size"])),
-        ("fwd latency:", si(r["fwd_latency_s"], "s")),
-        (
-            "fwd FLOPS per GPU = fwd flops per GPU / fwd latency:",
-            si(r["fwd_tflops"] * 1e12, "FLOPS"),
-        ),
-        ("bwd latency:", si(r["bwd_latency_s"], "s")),
-        (
-            f"bwd FLOPS per GPU = {2 + f:g} * fwd flops per GPU / bwd latency:",
-            si(r["bwd_tflops"] * 1e12, "FLOPS"),
-        ),
-        (
-            f"fwd+bwd FLOPS per GPU = {3 + f:g} * fwd flops per GPU / (fwd+bwd latency):",
-            si(r["fwd_bwd_tflops"] * 1e12, "FLOPS"),
-        ),
+    ]
+    if "pipeline_stage" in r:  # forward and backward interleaved: one latency for both
+        m = r["micro_batches"]
+        rows += [
+            ("pipeline stage:", r["pipeline_stage"]),
+            ("micro-batches per step:", m),
+            ("fwd+bwd latency (the schedule, every micro-batch):", si(r["fwd_bwd_latency_s"], "s")),
+            (
+                f"fwd+bwd FLOPS per GPU = {3 + f:g} * fwd flops per GPU * {m} / fwd+bwd latency:",
+                si(r["fwd_bwd_tflops"] * 1e12, "FLOPS"),
+            ),
+        ]
+    else:
+        rows += [
+            ("fwd latency:", si(r["fwd_latency_s"], "s")),
+            (
+                "fwd FLOPS per GPU = fwd flops per GPU / fwd latency:",
+                si(r["fwd_tflops"] * 1e12, "FLOPS"),
+            ),
+            ("bwd latency:", si(r["bwd_latency_s"], "s")),
+            (
+                f"bwd FLOPS per GPU = {2 + f:g} * fwd flops per GPU / bwd latency:",
+                si(r["bwd_tflops"] * 1e12, "FLOPS"),
+            ),
+            (
+                f"fwd+bwd FLOPS per GPU = {3 + f:g} * fwd flops per GPU / (fwd+bwd latency):",
+                si(r["fwd_bwd_tflops"] * 1e12, "FLOPS"),
+            ),
+        ]
+    times = f" * {r['micro_batches']}" if "pipeline_stage" in r else ""  # per micro-batch
+    rows += [
         ("step latency:", si(r["step_latency_s"], "s")),
         ("iter latency:", si(r["iter_latency_s"], "s")),
         (
-            "FLOPS per GPU = train flops per GPU / iter latency:",
+            f"FLOPS per GPU = train flops per GPU{times} / iter latency:",
             si(r["achieved_tflops"] * 1e12, "FLOPS"),
         ),
         (f"peak per GPU ({r['peak_source']}):", si(r["peak_tflops"] * 1e12, "FLOPS")),
-        ("MFU = 3 * fwd flops per GPU / iter latency / peak:", f"{r['mfu']:.2%}"),
+        (f"MFU = 3 * fwd flops per GPU{times} / iter latency / peak:", f"{r['mfu']:.2%}"),
         ("samples/second:", f"{r['samples_per_second']:.2f}"),
     ]
     return [_LINE.format(label, str(value)) for label, value in rows]
