@@ -5,6 +5,7 @@
     python benchmarks/bench_zero.py --steps 8 --layers 4
     python benchmarks/bench_zero.py --engines ddp zero1 zero1-bf16 zero2 zero2-bf16 zero3 zero3-bf16
     python benchmarks/bench_zero.py --world 1 --device cuda   # on a GPU
+    python benchmarks/bench_zero.py --plot docs/images        # and draw the two tables
 
 Prints two tables. Memory: per-rank model state (counted from live tensors, activations
 excluded) after forward, inside backward (the worst of every gradient hook and block
@@ -13,6 +14,9 @@ engine's ZeRO formula, and, for ds_strategy, ``memory_report()["peak"]`` next to
 live reading. Speed: median step time and its ratio to DDP and to FSDP2, bytes sent per
 optimizer step (ours and DDP's counted the same way; FSDP2's are not instrumented).
 DDP keeps its gradient buckets in C++, where the live-tensor count cannot see them.
+``--plot DIR`` also draws both tables (matplotlib): ``bench_zero_memory.png``, each engine's
+model state at each point as a multiple of its formula, and ``bench_zero_speed.png``, step
+time and bytes sent per step beside DDP's and FSDP2's.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -272,7 +277,12 @@ def main() -> None:
         action="store_true",
         help="give DDP and FSDP2 torch's fused AdamW too (isolates the sharding engine)",
     )
+    ap.add_argument("--plot", type=Path, help="also draw the tables as PNGs into this directory")
     args = ap.parse_args()
+    if args.plot is not None:
+        from ds_strategy.cli.plot import new_figure
+
+        new_figure()  # matplotlib's absence fails now, not after the run
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -304,6 +314,9 @@ def main() -> None:
     print_memory(rows, psi, args.world)
     print()
     print_speed(rows)
+    if args.plot is not None:
+        for path in plot_rows(rows, psi, args.world, args.plot):
+            print(f"wrote {path}")
 
 
 def print_memory(rows: list, psi: int, world: int) -> None:
@@ -319,6 +332,43 @@ def print_memory(rows: list, psi: int, world: int) -> None:
             "n/a" if reported is None else f"{reported / 1e6:.1f} ({reported / worst:.3f}x worst)"
         )
         print(f"| {name} | {f / 1e6:.1f} | {' | '.join(cells)} | {worst / f:.2f}x | {rep_cell} |")
+
+
+def plot_rows(rows: list, psi: int, world: int, out: Path) -> list[Path]:
+    """The two tables as figures in ``out`` (see the module docstring)."""
+    from ds_strategy.cli.plot import new_figure, save_figure
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig = new_figure()
+    ax = fig.add_subplot()
+    for name, _, mem, _ in rows:
+        f = formula(name, psi, world)
+        ax.plot(range(len(POINTS)), [mem[p] / f for p in POINTS], marker="o", label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="ZeRO formula")
+    ax.set_xticks(range(len(POINTS)), [p.replace("_", " ") for p in POINTS], fontsize="small")
+    ax.set_ylabel("model state / the engine's formula")
+    ax.set_title(f"Model state per rank through a step ({psi / 1e6:.0f}M params, {world} ranks)")
+    ax.legend(fontsize="small", ncol=3)
+    ax.grid(alpha=0.3)
+    memory = out / "bench_zero_memory.png"
+    save_figure(fig, memory)
+
+    fig = new_figure()
+    names = [name for name, *_ in rows]
+    time_ax, sent_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    time_ax.bar(names, [t for _, t, _, _ in rows], color="tab:blue")
+    time_ax.set_ylabel("median step time (s)")
+    time_ax.set_title("Step time")
+    sent = [(name, s / 1e6) for name, _, _, s in rows if s == s]  # FSDP2's: not counted
+    sent_ax.bar([n for n, _ in sent], [mb for _, mb in sent], color="tab:orange")
+    sent_ax.set_ylabel("MB sent per step, per rank")
+    sent_ax.set_title("Bytes sent")
+    for ax in (time_ax, sent_ax):
+        ax.tick_params(axis="x", labelrotation=30, labelsize="small")
+        ax.grid(alpha=0.3, axis="y")
+    speed = out / "bench_zero_speed.png"
+    save_figure(fig, speed)
+    return [memory, speed]
 
 
 def print_speed(rows: list) -> None:

@@ -175,3 +175,18 @@ def test_comms_log_has_the_pipeline_groups_sends_and_collectives(
         assert ops["pp_send"]["total_ms"] == 0.0
         timed = [k for k, v in ops.items() if k.startswith("pp_") and v["total_ms"] > 0]
         assert timed, ops.keys()  # the loss broadcast and the norm exchange
+
+
+def test_plot_draws_the_pipelines_run(
+    runs: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    from ds_strategy.cli.plot import plot_run
+
+    root, _ = runs
+    lines: list[str] = []
+    written = plot_run(root / "1f1b" / "csv" / "pp", tmp_path, say=lines.append)
+    names = {p.name for p in written}
+    # the phase figure stacks the schedule and the step (no forward / backward split here)
+    assert {"loss_lr.png", "phase_times.png", "sent_bytes.png"} <= names, lines
+    assert all(p.stat().st_size > 5_000 for p in written)

@@ -13,6 +13,7 @@ files are absent:
 - ``phase_times.png``: per step, forward, backward (its compute, then the time blocked on
   gradient reductions inside it) and the optimizer step stacked (``wall_clock_breakdown``'s
   ``elapsed_time_ms_*`` family; the step's own wait for reductions is inside ``step``);
+  under a pipeline, the schedule (every micro-batch's forward and backward) and the step;
 - ``memory_timeline.png``: each rank's model-state bytes through one optimizer step, with
   its ZeRO formula line and its peak marked;
 - ``sent_bytes.png``: bytes rank 0 sent per step, split intra/inter-machine where the files
@@ -31,13 +32,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INSTALL", "add_cli_parser", "plot_run", "run_cli"]
+__all__ = ["INSTALL", "add_cli_parser", "new_figure", "plot_run", "run_cli", "save_figure"]
 
 INSTALL = "pip install 'ds_strategy[plot]' (or matplotlib)"
 DPI = 80
 SIZE = (8.0, 4.5)  # inches: 640 x 360 pixels at DPI
 PREFIX = "Train_Samples_"
 PHASES = (  # (label, how to get the ms from the step's timings)
+    ("forward + backward (pipeline schedule)", lambda t: t.get("schedule")),
     ("forward", lambda t: t.get("forward")),
     ("backward compute", lambda t: t.get("backward_inner")),
     ("backward blocked on reductions", lambda t: _blocked(t)),
@@ -51,7 +53,7 @@ def _blocked(timings: dict[str, float]) -> float | None:
     return max(0.0, timings["backward"] - timings["backward_inner"])
 
 
-def _figure() -> Any:
+def new_figure() -> Any:
     """A matplotlib Figure drawn off-screen (no pyplot, no global state)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -101,7 +103,7 @@ def plot_loss_lr(job_dir: Path, out: Path) -> str | None:
     xs, loss = read_series(job_dir, "train_loss")
     if not xs:
         return f"no {PREFIX}train_loss.csv"
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     ax.plot(xs, loss, color="tab:blue", marker=".", label="train_loss")
     ax.set_xlabel("samples")
@@ -113,7 +115,7 @@ def plot_loss_lr(job_dir: Path, out: Path) -> str | None:
         ax2.set_ylabel("learning rate", color="tab:orange")
     ax.set_title("Training loss and learning rate")
     ax.grid(alpha=0.3)
-    _save(fig, out / "loss_lr.png")
+    save_figure(fig, out / "loss_lr.png")
     return None
 
 
@@ -121,12 +123,12 @@ def plot_phase_times(job_dir: Path, out: Path) -> str | None:
     """``phase_times.png``: the step's phases stacked, per logged step."""
     series = {
         n: dict(zip(*read_series(job_dir, f"elapsed_time_ms_{n}"), strict=True))
-        for n in ("forward", "backward", "backward_inner", "step")
+        for n in ("schedule", "forward", "backward", "backward_inner", "step")
     }
     samples = sorted(set().union(*(s.keys() for s in series.values())))
     if not samples:
         return f"no {PREFIX}elapsed_time_ms_*.csv (wall_clock_breakdown off?)"
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     width = _bar_width(samples)
     bottom = [0.0] * len(samples)
@@ -142,7 +144,7 @@ def plot_phase_times(job_dir: Path, out: Path) -> str | None:
     ax.set_ylim(top=max(bottom) * 1.3)  # room for the legend above the bars
     ax.set_title("Time per step by phase (rank 0)")
     ax.legend(loc="upper center", fontsize="small", ncol=len(PHASES))
-    _save(fig, out / "phase_times.png")
+    save_figure(fig, out / "phase_times.png")
     return None
 
 
@@ -151,7 +153,7 @@ def plot_memory(job_dir: Path, out: Path) -> str | None:
     timelines = read_timelines(job_dir)
     if not timelines:
         return "no memory_timeline_<rank>.csv (memory_timeline off?)"
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     mib = 2.0**20
     for rank, rows in timelines.items():
@@ -172,7 +174,7 @@ def plot_memory(job_dir: Path, out: Path) -> str | None:
     ax.set_title("Model state through one step: held, ZeRO formula (dashed), peak (v)", pad=14)
     ax.legend(loc="lower right", fontsize="small", ncol=2)
     ax.grid(alpha=0.3)
-    _save(fig, out / "memory_timeline.png")
+    save_figure(fig, out / "memory_timeline.png")
     return None
 
 
@@ -214,7 +216,7 @@ def plot_sent_bytes(job_dir: Path, out: Path) -> str | None:
         parts = [("all links", xs, ys)] if xs else []
     if not parts:
         return f"no {PREFIX}sent_bytes.csv"
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     xs = parts[0][1]
     width = _bar_width(xs)
@@ -227,7 +229,7 @@ def plot_sent_bytes(job_dir: Path, out: Path) -> str | None:
     ax.set_ylabel("MB sent per step (rank 0)")
     ax.set_title("Bytes sent per optimizer step")
     ax.legend(loc="lower right", fontsize="small")
-    _save(fig, out / "sent_bytes.png")
+    save_figure(fig, out / "sent_bytes.png")
     return None
 
 
@@ -245,7 +247,7 @@ def _bar_width(xs: list[float]) -> float:
     return 0.8 * (min(gaps) if gaps else 1.0)
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
 
@@ -276,7 +278,7 @@ def plot_run(
             f"memory_timeline_<rank>.csv) in {run_dir} or its job directories; enable "
             f"csv_monitor (and memory_timeline) in the config"
         )
-    _figure()  # matplotlib's absence fails here, before anything is written
+    new_figure()  # matplotlib's absence fails here, before anything is written
     written: list[Path] = []
     for job in jobs:
         target = Path(out) if out is not None else job / "plots"
