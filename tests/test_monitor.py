@@ -374,16 +374,85 @@ def test_comet_monitor_logs_each_event_once_per_interval(monkeypatch: pytest.Mon
     assert logged == [("Train/Samples/train_loss", 1.0, 8), ("Train/Samples/train_loss", 3.0, 24)]
 
 
+def _engine_run(config: dict[str, Any], steps: int = 4) -> list[tuple[int, float]]:
+    """``steps`` optimizer steps of a one-process engine with ``config``'s monitors; returns
+    the ``(samples, loss)`` a monitor should hold (``steps_per_print`` 2, batch 4)."""
+    model = torch.nn.Linear(8, 2)
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 2, **config}
+    engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    losses = _steps(engine, steps)
+    engine.destroy()
+    return [(step * 4, losses[step - 1]) for step in range(2, steps + 1, 2)]
+
+
+def _wandb_history(run_file: Path) -> list[dict[str, Any]]:
+    """The history rows of an offline W&B run file: its records (LevelDB's log format after
+    a 7-byte W&B header: 32 KiB blocks of chunks with a 7-byte header each) parsed with
+    wandb's own protobuf classes."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos = run_file.read_bytes(), 32768, 7
+    records, partial = [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        n, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind == 0:
+            break
+        partial = chunk if kind in (1, 2) else partial + chunk
+        if kind in (1, 4):
+            records.append(partial)
+    rows = []
+    for raw in records:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+    return rows
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed")
-def test_wandb_monitor_offline_with_the_real_package(
+def test_wandb_offline_run_holds_the_losses_at_global_samples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    m = WandbMonitor("ds-strategy-test")
-    m.write_events(EVENTS)
-    m.close()
-    assert any(tmp_path.rglob("*.wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    expected = _engine_run({"wandb": {"enabled": True, "project": "ds-strategy-test"}})
+    (run_file,) = tmp_path.rglob("run-*.wandb")
+    rows = [r for r in _wandb_history(run_file) if "Train/Samples/train_loss" in r]
+    assert [(r["_step"], r["Train/Samples/train_loss"]) for r in rows] == [
+        (x, pytest.approx(v)) for x, v in expected
+    ]
+    assert all(r["Train/Samples/lr"] == pytest.approx(0.1) for r in rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("comet_ml") is None, reason="comet_ml not installed")
+def test_comet_offline_experiment_holds_the_losses_at_global_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zipfile
+
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path))
+    comet = {
+        "enabled": True,
+        "online": False,
+        "project": "ds-strategy-test",
+        "experiment_name": "offline",
+        "samples_log_interval": 1,
+    }
+    expected = _engine_run({"comet": comet})
+    (archive,) = tmp_path.glob("*.zip")
+    with zipfile.ZipFile(archive) as z:
+        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines()]
+    metrics = [m["payload"]["metric"] for m in messages if m["type"] == "metric_msg"]
+    losses = [m for m in metrics if m["metricName"] == "Train/Samples/train_loss"]
+    assert [(m["step"], m["metricValue"]) for m in losses] == [
+        (x, pytest.approx(v)) for x, v in expected
+    ]
 
 
 def test_non_finite_loss_is_not_hidden() -> None:
