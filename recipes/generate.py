@@ -9,7 +9,7 @@ same presets the training recipes use.
     python recipes/generate.py model_path=out/gpt devices=2 strategy.zero_optimization.stage=0 \\
         strategy.tensor_parallel.autotp_size=2                               # tensor parallel
 
-``strategy`` is a ds_strategy config (``configs/*.yaml``; stage 3 shards the weights over the
+``strategy`` is a ds_strategy config (a preset of the package; stage 3 shards the weights over the
 processes, stage 0 keeps them whole), ``precision`` its dtype. With ``devices`` > 1 the recipe
 starts itself under ``torchrun``; rank 0 prints the text.
 """

@@ -1,9 +1,9 @@
 """The recipes' config schema, registered in Hydra's ConfigStore as structured configs.
 
 [Note: why the strategy presets are registered from code]
-The ``strategy`` group's options are the files of ``configs/*.yaml`` and the ``precision``
-group's are ``configs/precision/*.yaml``: the same presets a user passes to
-``ds_strategy.initialize``, not copies that drift. Each strategy preset is merged into
+The ``strategy`` group's options are the package's presets (``ds_strategy.config.presets``:
+``zero1`` ... ``zero3_offload``) and the ``precision`` group's its precision fragments: the same
+presets a user passes by name to ``ds_strategy.initialize``, not copies that drift. Each strategy preset is merged into
 ds_strategy's own schema (``ds_strategy.config.config_schema()``), so every ZeRO key is typed
 and a misspelt override (``strategy.zero_optimization.stgae=3``) fails at composition naming
 the key, exactly as ``trainer.max_stepz=3`` fails against :class:`TrainerConfig`. A precision
@@ -21,9 +21,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from ds_strategy.config import config_schema
+from ds_strategy.config.presets import PRECISIONS, precision_fragment, preset, preset_names
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "configs"
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
@@ -81,23 +81,16 @@ class RecipeConfig:
     seed: int = 0
 
 
-def strategy_presets() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(CONFIGS.glob("*.yaml"))}
-
-
-def precision_presets() -> dict[str, Path]:
-    return {p.stem: p for p in sorted((CONFIGS / "precision").glob("*.yaml"))}
-
-
 def register() -> None:
     """Store the schema and the ``strategy`` / ``precision`` options; idempotent."""
     cs = ConfigStore.instance()
     cs.store(name="recipe_schema", node=RecipeConfig)
-    for name, path in strategy_presets().items():
-        node = OmegaConf.merge(config_schema(), OmegaConf.load(path))
+    for name in preset_names():
+        node = OmegaConf.merge(config_schema(), preset(name))
         cs.store(group="strategy", name=name, node=node)
-    for name, path in precision_presets().items():
-        cs.store(group="precision", name=name, node=OmegaConf.load(path), package="strategy")
+    for name in PRECISIONS:
+        node = OmegaConf.create(precision_fragment(name))
+        cs.store(group="precision", name=name, node=node, package="strategy")
 
 
 def check_keys(cfg: DictConfig) -> None:

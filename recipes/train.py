@@ -5,7 +5,7 @@
     python recipes/train.py strategy=zero2 model=gpt_small trainer.max_steps=300
     python recipes/train.py --cfg job                         # print the composed config
 
-Groups: ``strategy`` (configs/*.yaml), ``precision`` (configs/precision/*.yaml), ``model``,
+Groups: ``strategy`` (the package's presets, ``ds_strategy.config.presets``), ``precision`` (fp32, bf16, fp16), ``model``,
 ``data``, ``trainer`` (recipes/conf/); any ZeRO key is an override too, e.g.
 ``strategy.zero_optimization.reduce_bucket_size=5e7`` or ``strategy.wall_clock_breakdown=true``.
 Lightning starts the other processes itself (``trainer.devices``).

@@ -133,12 +133,12 @@ def test_save_model_writes_consolidated_safetensors(parity: dict[str, Any]) -> N
 
 @pytest.fixture(scope="module")
 def resume(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Config from the environment as `DS_STRATEGY_CONFIG=configs/zero3.yaml accelerate launch`
+    """Config from the environment as `DS_STRATEGY_CONFIG=zero3 accelerate launch` (a preset's name)
     gives it; the second launch (a fresh process group) also switches to stage 2."""
     tmp = tmp_path_factory.mktemp("resume")
     ckpt = tmp / "ckpt"
     env = {
-        "DS_STRATEGY_CONFIG": "configs/zero3.yaml",
+        "DS_STRATEGY_CONFIG": "zero3",
         # a tiny model: shard every parameter, not only those above 1e5 elements
         "DS_STRATEGY_ZERO_OPTIMIZATION__STAGE3_PARAM_PERSISTENCE_THRESHOLD": "0",
     }

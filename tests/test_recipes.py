@@ -22,14 +22,13 @@ from .distributed import run_command
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ds_strategy.config.presets import PRECISIONS, preset_names  # noqa: E402
 from recipes.schema import (  # noqa: E402
     CONF_DIR,
     engine_config,
     lightning_precision,
     precision_name,
-    precision_presets,
     register,
-    strategy_presets,
 )
 
 register()
@@ -47,7 +46,7 @@ def hydra_conf():  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 def test_every_preset_combination_composes(hydra_conf: None) -> None:
-    strategies, precisions = strategy_presets(), precision_presets()
+    strategies, precisions = preset_names(), PRECISIONS
     assert {"zero1", "zero2", "zero3", "zero1_tp2"} <= set(strategies)
     assert set(precisions) == {"fp32", "bf16", "fp16"}
     others = {g: group_options(g) for g in ("model", "data", "trainer")}
@@ -66,7 +65,7 @@ def test_every_preset_combination_composes(hydra_conf: None) -> None:
             overrides=[f"strategy={s}", f"precision={p}"] + [f"{g}={o}" for g, o in pick.items()],
         )
         zero = engine_config(cfg)
-        preset = ds_strategy.load_config(strategies[s])
+        preset = ds_strategy.load_config(s)  # the preset by its name
         assert zero.zero_optimization == preset.zero_optimization, (s, p)
         assert precision_name(zero) == p, (s, p)
         assert cfg.model.d % cfg.model.heads == 0

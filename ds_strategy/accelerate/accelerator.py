@@ -59,7 +59,7 @@ class ZeroAccelerator(Accelerator):
 
     Swap the class in a plain Accelerate loop and launch it with a standard accelerate config::
 
-        DS_STRATEGY_CONFIG=configs/zero3.yaml \\
+        DS_STRATEGY_CONFIG=zero3 \\
             accelerate launch --config_file configs/accelerate/cpu_2proc.yaml train.py
 
     Several models (a GAN, RLHF's actor, critic and frozen reference) go through ``prepare``

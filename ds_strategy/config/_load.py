@@ -69,6 +69,7 @@ from ._schema import (
     ZeroOptimizationConfig,
     register_operations,
 )
+from .presets import preset_names, resolve_preset
 from .rules import Facts, check_rules
 
 STRICT_ENV = "DS_STRATEGY_STRICT_CONFIG"
@@ -483,9 +484,16 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _is_preset(name: str) -> bool:
+    return name in preset_names()
+
+
 def _read_file(path: Path) -> Any:
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory, not a config file", path=str(path))
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found", path=str(path))
+        hint = f" (the preset of that name: pass {path.stem!r})" if _is_preset(path.stem) else ""
+        raise ConfigError(f"{path}: config file not found{hint}", path=str(path))
     suffix = path.suffix.lower()
     if suffix == ".json":
         try:
@@ -527,6 +535,10 @@ def _read_source(source: Any) -> tuple[str | None, Any]:
         return None, source
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
+        if isinstance(source, str) and not path.exists():
+            data = resolve_preset(source)  # a preset's name (config/presets.py)
+            if data is not None:
+                return f"preset {source!r}", data
         try:
             return str(path), _read_file(path)
         except ConfigError as err:
@@ -560,8 +572,9 @@ def load_config(source: Any = None, *, strict: bool | None = None) -> ZeroConfig
     """Load and validate a config from any supported source.
 
     ``source`` is ``None`` (all defaults), a dict keyed like DeepSpeed's JSON, a ``str`` /
-    ``os.PathLike`` path to a ``.json`` / ``.yaml`` / ``.yml`` file, an omegaconf ``DictConfig``
-    or a :class:`ZeroConfig` (returned as is). Bad values raise :class:`ConfigError` naming
+    ``os.PathLike`` path to a ``.json`` / ``.yaml`` / ``.yml`` file, a preset's name
+    (``"zero3_offload"``, see ``config/presets.py``; an existing file of that name wins), an
+    omegaconf ``DictConfig`` or a :class:`ZeroConfig` (returned as is). Bad values raise :class:`ConfigError` naming
     the dotted key (and the file); DeepSpeed keys that are not implemented warn with
     :class:`UnsupportedConfigWarning` and are ignored.
 
@@ -574,6 +587,8 @@ def load_config(source: Any = None, *, strict: bool | None = None) -> ZeroConfig
     ...                    "bf16": {"enabled": True}})
     >>> cfg.zero_optimization.reduce_bucket_size, cfg.bf16.enabled
     (500000000, True)
+    >>> load_config("zero3_offload").zero_optimization.offload_param.device
+    'cpu'
     >>> load_config({"zero_optimization": {"stgae": 2}})
     Traceback (most recent call last):
     ...

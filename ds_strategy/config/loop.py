@@ -44,7 +44,6 @@ from ._schema import AUTO, ConfigError, ZeroConfig
 
 __all__ = [
     "PRECISION_KEYS",
-    "PRESETS",
     "LoopFacts",
     "Said",
     "apply_compile",
@@ -260,14 +259,6 @@ def _lookup(tree: dict[str, Any], dotted: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- Lightning, Fabric
-
-PRESETS: dict[str, dict[str, Any]] = {  # registered strategy name -> constructor arguments
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero2_offload": {"stage": 2, "offload_optimizer": True},
-    "zero3": {"stage": 3},
-    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-}
 
 PRECISION_KEYS: dict[str, dict[str, Any]] = {
     # "-true": no fp32 master weights, but fp16's loss scaling needs them: 16-true is 16-mixed

@@ -15,7 +15,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 
 from ..config import ZeroConfig
-from ..config.loop import PRESETS, apply_loop_flags, base_config, check_precision
+from ..config.loop import apply_loop_flags, base_config, check_precision
+from ..config.presets import describe, preset_names
 from ..core.engine import ZeroEngine
 from ..core.job import JobEngines
 from ..core.mesh import ParallelMesh
@@ -236,8 +237,11 @@ class LightningZeroBase:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, kwargs in PRESETS.items():
-            desc = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        for name in preset_names():  # the package's presets (config/presets.py), by name
             strategy_registry.register(
-                name, cls, description=f"ds_strategy ZeRO ({desc})", override=True, **kwargs
+                name,
+                cls,
+                description=f"ds_strategy: {describe(name)}",
+                override=True,
+                config=name,
             )

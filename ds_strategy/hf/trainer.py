@@ -71,7 +71,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
     Start it as any Trainer script, with ``torchrun`` or ``accelerate launch``::
 
         trainer = ZeroTrainer(model=model, args=TrainingArguments(...),
-                              train_dataset=ds, zero_config="configs/zero3.json")
+                              train_dataset=ds, zero_config="ds_config.json")
         trainer.train()
         trainer.save_model("out")  # model.safetensors, loads with from_pretrained
 
