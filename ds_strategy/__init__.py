@@ -159,12 +159,12 @@ def init_inference(
         checkpoint=checkpoint,
         process_group=process_group,
         require_checksums=require_checksums,
-        loaders=(hf_model_directory,),
+        loaders=(_hf_model_directory,),
         trust_remote_code=trust_remote_code,
     )
 
 
-def hf_model_directory(path: Any) -> Any:
+def _hf_model_directory(path: Any) -> Any:
     """A Hugging Face model directory (``config.json``) as a meta-device model, its weights and
     its tokenizer; ``None`` for any other directory (``ds_strategy.hf`` builds it: the only
     module that imports transformers)."""
@@ -175,6 +175,16 @@ def hf_model_directory(path: Any) -> Any:
     from .hf.models import load_model_directory
 
     return load_model_directory(Path(path))
+
+
+# the public sub-packages, listed by dir() beside __all__ (imported on first use)
+_SUBPACKAGES = ("accelerate", "cli", "config", "fabric", "hf", "lightning")
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``, the lazily imported ones included), the version and the
+    public sub-packages; not the modules and helpers ``__init__`` itself uses."""
+    return sorted({*__all__, "__version__", *_SUBPACKAGES})
 
 
 def __getattr__(name: str) -> Any:

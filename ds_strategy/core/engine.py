@@ -451,6 +451,7 @@ class ZeroEngine(nn.Module):
         return self._global_grad_norm
 
     def get_lr(self) -> list[float]:
+        """Each param group's current learning rate."""
         return [g["lr"] for g in self.optimizer.param_groups]
 
     # -- state ---------------------------------------------------------------------------------
@@ -822,10 +823,12 @@ class ZeroEngine(nn.Module):
 
     @property
     def world_size(self) -> int:
+        """How many ranks the engine's data-parallel group has."""
         return self.comm.world_size
 
     @property
     def rank(self) -> int:
+        """This rank's index in the engine's data-parallel group."""
         return self.comm.rank
 
     def destroy(self) -> None:

@@ -177,6 +177,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         return True
 
     def load_engine_state(self, checkpoint: str | None) -> bool:
+        """Resume the engine from the Trainer checkpoint directory ``checkpoint``; False if none."""
         engine = self.accelerator.zero_engine
         if engine is None or checkpoint is None:
             return False
@@ -194,6 +195,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         return True
 
     def load_best_engine_state(self) -> bool:
+        """Load the best checkpoint's engine state at the end of training; False if none."""
         engine = self.accelerator.zero_engine
         best = self.state.best_model_checkpoint
         if engine is None or best is None:

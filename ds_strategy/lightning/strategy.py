@@ -253,10 +253,10 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         return {}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass
+        """Nothing: :meth:`load_checkpoint` restored the engine's weights already."""
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass
+        """Nothing: :meth:`load_checkpoint` restored the optimizer state already."""
 
     def save_checkpoint(
         self,

@@ -428,6 +428,7 @@ class InferenceEngine(nn.Module):
         return report
 
     def reset_peak_memory(self) -> None:
+        """Start ``memory_report()``'s peaks again from the bytes held now."""
         self.meter.reset_peak()
         self.sharding.reset_peak()
 

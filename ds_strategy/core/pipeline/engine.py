@@ -268,26 +268,32 @@ class PipelineEngine:
 
     @property
     def stage_id(self) -> int:
+        """This rank's pipeline stage (0 is the first)."""
         return self.mesh.stage
 
     @property
     def num_stages(self) -> int:
+        """How many pipeline stages the model is split into."""
         return self.mesh.pp_size
 
     @property
     def data_parallel_rank(self) -> int:
+        """This rank's index among the ranks running its stage."""
         return self.mesh.dp_rank
 
     @property
     def data_parallel_size(self) -> int:
+        """How many ranks run each stage (data parallel)."""
         return self.mesh.dp_size
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        """The stage engine's optimizer, over this rank's shards of its stage."""
         return self.engine.optimizer
 
     @property
     def lr_scheduler(self) -> Any:
+        """The stage engine's lr scheduler (stepped at every ``train_batch``), or None."""
         return self.engine.lr_scheduler
 
     @property
@@ -577,6 +583,8 @@ class PipelineEngine:
         self._commit(wait=True)
 
     def destroy(self) -> None:
+        """Commit a pending checkpoint save, close the monitors, then destroy the stage engine
+        (see ``ZeroEngine.destroy``)."""
         try:
             self._commit(wait=True)
         finally:
