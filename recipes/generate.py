@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import ds_strategy  # noqa: E402
+import recipes  # noqa: E402,F401  (names the extra when a framework is missing)
 from recipes.output import say  # noqa: E402
 from recipes.schema import REPO, register_generate  # noqa: E402
 

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+import recipes  # noqa: E402,F401  (names the extra when a framework is missing)
 from ds_strategy.lightning import ZeroStrategy  # noqa: E402
 from recipes.data import CharCorpus  # noqa: E402
 from recipes.models import build_model, generate, lm_loss  # noqa: E402

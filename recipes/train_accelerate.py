@@ -29,6 +29,7 @@ from omegaconf import DictConfig  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+import recipes  # noqa: E402,F401  (names the extra when a framework is missing)
 from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin  # noqa: E402
 from recipes.data import CharCorpus  # noqa: E402
 from recipes.models import build_model, generate, lm_loss  # noqa: E402

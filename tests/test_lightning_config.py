@@ -93,19 +93,6 @@ def test_names_build_the_right_strategy(
         )
 
 
-@pytest.mark.launcher
-def test_import_works_without_lightning() -> None:
-    code = (
-        "import sys; sys.modules['lightning'] = None\n"
-        "import ds_strategy, ds_strategy.lightning as dl\n"
-        "assert callable(ds_strategy.initialize)\n"
-        "try:\n    dl.ZeroStrategy\nexcept ImportError as e:\n    print('ImportError', e)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "ImportError" in out.stdout and "pip install lightning" in out.stdout
-
-
 @pytest.mark.parametrize("cls", [ZeroStrategy, FabricZeroStrategy])
 def test_constructors_have_explicit_typed_arguments(cls: type) -> None:
     params = inspect.signature(cls.__init__).parameters

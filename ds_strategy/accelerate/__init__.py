@@ -7,7 +7,11 @@ with a standard accelerate config; the ZeRO settings come from a :class:`ZeroPlu
 3
 """
 
-from .accelerator import ZeroAccelerator
-from .plugin import ZeroPlugin
+from .._extras import require_extra
+
+require_extra("ds_strategy.accelerate", "accelerate", "accelerate")
+
+from .accelerator import ZeroAccelerator  # noqa: E402
+from .plugin import ZeroPlugin  # noqa: E402
 
 __all__ = ["ZeroAccelerator", "ZeroPlugin"]

@@ -8,8 +8,12 @@
 
 from __future__ import annotations
 
-from .._lightning_hook import register_strategies
-from .strategy import ZeroFabricPrecision, ZeroStrategy
+from .._extras import require_extra
+
+require_extra("ds_strategy.fabric", "lightning", "lightning")
+
+from .._lightning_hook import register_strategies  # noqa: E402
+from .strategy import ZeroFabricPrecision, ZeroStrategy  # noqa: E402
 
 register_strategies()  # when this import is what imported Lightning
 

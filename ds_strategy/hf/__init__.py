@@ -2,11 +2,10 @@
 that trains through the ZeRO engine. Needs the ``hf`` extra (``pip install
 'ds_strategy[hf]'``); the rest of the package never imports transformers."""
 
-try:
-    import transformers  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("ds_strategy.hf needs transformers: pip install 'ds_strategy[hf]'") from e
+from .._extras import require_extra
 
-from .trainer import ZeroTrainer
+require_extra("ds_strategy.hf", "hf", "transformers", "accelerate")
+
+from .trainer import ZeroTrainer  # noqa: E402
 
 __all__ = ["ZeroTrainer"]

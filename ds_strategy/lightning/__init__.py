@@ -9,25 +9,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from .._extras import require_extra
+
+require_extra("ds_strategy.lightning", "lightning", "lightning")
+
+from .._lightning_hook import register_strategies  # noqa: E402
+from ._pipeline import PipelineModule  # noqa: E402
+from .precision import ZeroPrecision  # noqa: E402
+from .strategy import ZeroStrategy  # noqa: E402
 
 __all__ = ["PipelineModule", "ZeroPrecision", "ZeroStrategy"]
 
-try:
-    import lightning  # noqa: F401  (only this import is optional; errors below are ours)
-except ImportError:
-
-    def __getattr__(name: str) -> Any:
-        if name in __all__:
-            raise ImportError(
-                f"ds_strategy.lightning.{name} needs the 'lightning' package: pip install lightning"
-            )
-        raise AttributeError(f"module 'ds_strategy.lightning' has no attribute {name!r}")
-
-else:
-    from .._lightning_hook import register_strategies
-    from ._pipeline import PipelineModule
-    from .precision import ZeroPrecision
-    from .strategy import ZeroStrategy
-
-    register_strategies()  # when this import is what imported Lightning
+register_strategies()  # when this import is what imported Lightning
