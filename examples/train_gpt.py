@@ -9,9 +9,9 @@
         --lr 1e-3 --save out/gpt-qat                  # quantization-aware fine-tuning
     torchrun --nproc-per-node=2 examples/train_gpt.py --plot plots   # figures of the run
 
-The corpus is the repository's own README (no download; ``--text`` another file), its last
-tenth held out (``--holdout``). Each rank reads a different slice of every global batch; the
-loss printed is the mean over ranks. At the end: the held-out perplexity, a sample of
+The corpus is the project's own documentation, ``docs/**/*.md`` in order (no download;
+``--text`` another file or directory), its last tenth held out (``--holdout``). Each rank
+reads a different slice of every global batch; the loss printed is the mean over ranks. At the end: the held-out perplexity, a sample of
 generated text, and each rank's model-state memory next to the ZeRO formula and its time.
 ``--save DIR`` writes the weights (``model.safetensors``) and ``ds_model.json``, which
 ``ds_strategy.init_inference(DIR)`` and ``ds-strategy generate DIR`` read; with ``--qat``
@@ -98,7 +98,9 @@ def main() -> None:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--breakdown", action="store_true", help="wall_clock_breakdown every 20 steps")
     ap.add_argument("--sample", type=int, default=200, help="characters to generate at the end")
-    ap.add_argument("--text", type=Path, default=ROOT / "README.md", help="the corpus")
+    ap.add_argument(
+        "--text", type=Path, default=ROOT / "docs", help="the corpus: a file, or a directory's .md"
+    )
     ap.add_argument("--holdout", type=float, default=0.1, help="fraction held out at the end")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--save", type=Path, help="write the trained model here")
@@ -108,7 +110,8 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="monitor the run and draw its figures here")
     args = ap.parse_args()
 
-    text = args.text.read_text(encoding="utf-8")
+    files = sorted(args.text.rglob("*.md")) if args.text.is_dir() else [args.text]
+    text = "\n".join(f.read_text(encoding="utf-8") for f in files)
     train_text, held_out = split_text(text, args.holdout)
     card = json.loads((args.init / "ds_model.json").read_text()) if args.init else None
     chars = card["tokenizer"]["chars"] if card else "".join(sorted(set(text)))

@@ -1,5 +1,5 @@
 """The package's layers, read from its source: no import cycle anywhere, and each layer imports
-only what the README's layer table allows (the front ends never import each other)."""
+only what the layer table (docs/concepts/layering.md) allows (the front ends never import each other)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ on their own and are not resolved by :func:`load_config`.
 
 >>> "zero3_offload" in preset_names()
 True
->>> preset("zero2")["zero_optimization"]["stage"]
+>>> preset("zero2")["zero_optimization"].get("stage")
 2
 """
 
