@@ -1,7 +1,8 @@
 """The ``ds-strategy`` command: ``consolidate`` (here), ``convert`` (``convert.py``),
-``estimate`` (``estimate.py``), ``generate`` (``generate.py``) and ``plot``
-(``plot.py``, matplotlib imported only when it draws); ``python -m
-ds_strategy.cli`` runs it too."""
+``env`` (``env.py``, the report for a bug report), ``estimate`` (``estimate.py``),
+``generate`` (``generate.py``) and ``plot`` (``plot.py``, matplotlib imported only when it
+draws); ``--version`` prints the package's version. ``python -m ds_strategy`` and ``python -m
+ds_strategy.cli`` run it too."""
 
 from __future__ import annotations
 
@@ -10,23 +11,30 @@ import sys
 
 import torch
 
+from .. import __version__
 from ..core.checkpoint.consolidate import consolidate
-from . import convert, estimate, generate, plot
+from . import convert, env, estimate, generate, plot
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``ds-strategy`` command on ``argv`` (default: ``sys.argv[1:]``); returns the
+    exit status. ``--version``, ``--help`` and usage errors exit through ``SystemExit``."""
     parser = argparse.ArgumentParser(prog="ds-strategy", description="ds_strategy tools")
+    parser.add_argument("--version", action="version", version=f"ds-strategy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_consolidate(sub)
     convert.add_cli_parser(sub)
+    env.add_cli_parser(sub)
     estimate.add_cli_parser(sub)
     generate.add_cli_parser(sub)
     plot.add_cli_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "convert":
         return convert.run_cli(args)
+    if args.command == "env":
+        return env.run_cli(args)
     if args.command == "estimate":
         return estimate.run_cli(args)
     if args.command == "generate":
