@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ZeroConfig
 from ..config.loop import apply_compile, apply_mixed_precision
 from ..core import ZeroEngine
+from ..core.warnings import FrontEndWarning
 from ..frontends.engines import move_real_tensors
 from ._engine import EngineFront
 from ._pipeline import PipelineFront
@@ -123,7 +124,7 @@ class ZeroAccelerator(Accelerator):
             warnings.warn(
                 f"gradient_accumulation_steps: the ZeRO config says {steps}, the Accelerator "
                 f"{current}; using the config's {steps}",
-                UserWarning,
+                FrontEndWarning,
                 stacklevel=3,
             )
         self.gradient_accumulation_steps = steps  # type: ignore[has-type]

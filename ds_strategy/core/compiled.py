@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from .warnings import PerformanceWarning
 from .zero.units import plan_units
 
 __all__ = [
@@ -143,7 +144,7 @@ def check_skipped_compiles(module: nn.Module) -> None:
             "forward is torch's own (Dynamo does not start in torch's files): they run "
             "eagerly. Compile the model with torch.compile(model), or set the config's "
             "compile.enabled (the engine compiles such units' forward)",
-            RuntimeWarning,
+            PerformanceWarning,
             stacklevel=4,
         )
 
@@ -184,7 +185,7 @@ class CompileWatch:
                     f"torch.compile: {report['compiled_units']} module(s) are compiled but "
                     "the first step compiled no graph: they ran eagerly. Dynamo's reasons: "
                     f"{report['break_reasons']} (engine.compile_report())",
-                    RuntimeWarning,
+                    PerformanceWarning,
                     stacklevel=3,
                 )
 

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .warnings import DsStrategyWarning
+
 __all__ = [
     "LRRangeTest",
     "OneCycle",
@@ -261,6 +263,7 @@ class OneCycle(LRScheduler):
             warnings.warn(
                 f"scheduler.params.cycle_momentum: {type(optimizer).__name__} has no betas, so "
                 "OneCycle leaves its momentum alone (as DeepSpeed does)",
+                DsStrategyWarning,
                 stacklevel=3,
             )
             self.cycle_momentum = False

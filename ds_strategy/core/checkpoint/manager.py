@@ -47,6 +47,7 @@ from ...config import ConfigError
 from ..collectives import Comm
 from ..faults import together
 from ..profiling.ranges import ranged
+from ..warnings import CheckpointWarning
 from . import reshard, store, swap
 from .collect import collect_state
 from .deepspeed.layout import find_deepspeed
@@ -259,7 +260,7 @@ class _BackgroundSave:
                 warnings.warn(
                     f"asynchronous checkpoint save to {final} failed: {e!r}; the previous "
                     "checkpoint (and latest) are unchanged",
-                    RuntimeWarning,
+                    CheckpointWarning,
                     stacklevel=1,
                 )
                 self.error = e.with_traceback(None)  # no frames holding the cloned state
@@ -390,7 +391,7 @@ def _agreeing_stages(root: Path, stages: list[Path], tag: str | None) -> list[Pa
             f"{root}: the pipeline checkpoint is torn ({where}): a save was interrupted before "
             f"every stage committed it; loading {name} (step {step}), the newest checkpoint "
             "complete in every stage",
-            RuntimeWarning,
+            CheckpointWarning,
             stacklevel=4,
         )
         return [resolve_load_dir(d, name) for d in stages]

@@ -26,6 +26,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+from ..warnings import CheckpointWarning
 from .validate import META_FILE
 
 __all__ = ["committed", "old_dir", "put_in_place", "recover", "recover_root", "remove", "tmp_dir"]
@@ -53,7 +54,7 @@ def committed(final: Path) -> Path:
         warnings.warn(
             f"{final}: a save replacing this checkpoint was interrupted; reading the previous "
             f"one from {old.name} (the next save into this directory puts it back)",
-            RuntimeWarning,
+            CheckpointWarning,
             stacklevel=3,
         )
         return old
@@ -126,4 +127,4 @@ def recover_root(root: Path) -> None:
 
 
 def _say(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warnings.warn(message, CheckpointWarning, stacklevel=4)

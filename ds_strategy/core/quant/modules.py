@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
 from ...config import ConfigError
+from ..warnings import PerformanceWarning
 from .scheme import QuantizedWeight, QuantScheme, dequantize, quantize
 
 __all__ = [
@@ -315,6 +316,7 @@ def fitting(
             f"quantization: {len(skipped)} layer(s) kept in full precision, their input "
             f"features not a multiple of group_size={scheme.group_size}: "
             f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}",
+            PerformanceWarning,
             stacklevel=3,
         )
 
