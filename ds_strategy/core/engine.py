@@ -39,13 +39,14 @@ from .quant.export import write_quantized_state
 from .quant.scheme import QuantScheme
 from .schedulers import load_scheduler_state
 from .stage_context import StageContext
+from .start_summary import RankLayout, start_summary
 from .timers import phase
 from .zero.builders import ShardingPlan
 from .zero.optimizer import OptimizerLike, OptimizerPiece
 
 __all__ = ["ZeroEngine"]
 
-log = logging.getLogger("ds_strategy")
+log = logging.getLogger(__name__)
 
 SchedulerLike = Any  # an LRScheduler bound to the user's optimizer, or optimizer -> scheduler
 
@@ -122,6 +123,27 @@ class ZeroEngine(nn.Module):
         self.flops_profiler = self._build_flops_profiler()
         if self.config.compile.enabled:
             self.compile()
+        self._log_start()
+
+    def _log_start(self) -> None:
+        """One INFO line on the job's first rank once the engine is built: stage, ranks,
+        precision, offload and this rank's model state (``core/start_summary.py``); local
+        figures only, no collective."""
+        tp, ctx = self.tensor_parallel, self.pipeline_stage
+        first = self.rank == 0 and (tp is None or tp.comm.rank == 0)
+        if not first or (ctx is not None and ctx.stage != 0) or not log.isEnabledFor(logging.INFO):
+            return
+        ranks = RankLayout(
+            self.world_size,
+            self.shard_comm.world_size,
+            tp.size if tp is not None else 1,
+            ctx.stage if ctx is not None else None,
+            ctx.stages if ctx is not None else 1,
+        )
+        formula = zero_formula_bytes(self.plan.groups, self.precision.mixed)
+        zc, memory = self.config.zero_optimization, self.memory_report()
+        line = start_summary(self.stage, ranks, self.precision, self._scaler, zc, memory, formula)
+        log.info("%s", line)
 
     def _init_loop_state(self) -> None:
         """Step counters and the flags of the accumulation window."""
@@ -258,7 +280,7 @@ class ZeroEngine(nn.Module):
         did not start (another engine's loss through this model: a GAN's generator loss
         through the discriminator) are not this step's: dropped, as the ``zero_grad()`` a
         torch loop calls before its backward drops them (a front end's ``optimizer.zero_grad()``
-        does not reach the engine). Logged once per engine (logger ``ds_strategy``)."""
+        does not reach the engine). Logged once per engine (logger ``ds_strategy.core.engine``)."""
         if not self._logged_foreign:
             self._logged_foreign = True
             log.info(

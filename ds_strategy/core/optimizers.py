@@ -48,7 +48,7 @@ __all__ = [
     "evaluation_optimizer",
 ]
 
-log = logging.getLogger("ds_strategy")
+log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 

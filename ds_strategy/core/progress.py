@@ -1,10 +1,15 @@
 """Progress of long operations, on rank 0: building a large model unit by unit (and writing
 it to NVMe), the first swap-out, a checkpoint save or load of swapped state.
 
-Lines go to the ``ds_strategy`` logger at INFO, at most every ``DS_STRATEGY_PROGRESS_EVERY``
-seconds (default 10) and once at the end of an operation that logged or lasted that long, so
-a short operation says nothing. ``DS_STRATEGY_PROGRESS=0`` silences them. For example,
-``building (offload to NVMe): 17/40 units (42%), 20 s``.
+Lines go to the ``ds_strategy.core.progress`` logger at INFO (shown once the application
+configures logging, see ``ds_strategy/_logging.py``), at most every
+``DS_STRATEGY_PROGRESS_EVERY`` seconds (default 10) and once at the end of an operation that
+logged or lasted that long, so a short operation says nothing. ``DS_STRATEGY_PROGRESS=0``
+silences them, and so does ``TQDM_DISABLE=1``, the switch a job already uses to turn off its
+progress bars. For example, ``building the ZeRO-3 model: 17/40 units (42%), 20 s``.
+
+Used by the ZeRO-3 unit-by-unit build and its NVMe swap-out, streamed checkpoint saves and
+loads, ``ds_strategy.consolidate`` and the inference engine's loading of weights.
 """
 
 from __future__ import annotations
@@ -13,9 +18,21 @@ import logging
 import os
 import time
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "progress_enabled"]
 
-log = logging.getLogger("ds_strategy")
+log = logging.getLogger(__name__)
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def progress_enabled() -> bool:
+    """False when ``DS_STRATEGY_PROGRESS`` is ``0`` (or ``false``, ``no``, ``off``) or
+    ``TQDM_DISABLE`` is ``1`` (or ``true``, ``yes``, ``on``); read at each operation's start,
+    so a job may switch it between operations."""
+    ours = os.environ.get("DS_STRATEGY_PROGRESS", "1").strip().lower()
+    tqdm_off = os.environ.get("TQDM_DISABLE", "").strip().lower()
+    return ours not in _OFF and tqdm_off not in _ON
 
 
 def _every() -> float:
@@ -33,7 +50,7 @@ class Progress:
     ) -> None:
         self.what, self.total, self.unit = what, max(0, int(total)), unit
         self.every = _every() if every is None else every
-        self.on = rank == 0 and os.environ.get("DS_STRATEGY_PROGRESS", "1") != "0"
+        self.on = rank == 0 and progress_enabled()
         self.count = 0
         self.start = self._last = time.monotonic()
         self.logged = False

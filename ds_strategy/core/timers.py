@@ -20,6 +20,11 @@ between stages, so that whole interval is one phase, ``schedule`` (in the report
 measured); ``step`` is then the tied-weight sum, the gradient reduction, the norm exchanged
 between stages and the stage engine's optimizer step.
 
+The line goes to the ``ds_strategy.core.timers`` logger at INFO on rank 0 (shown once the
+application configures logging: ``logging.basicConfig(level=logging.INFO)``); a loop that
+owns the terminal sets ``engine.timers.printer`` instead (``tqdm.write`` keeps a progress bar
+intact), and front ends also receive every report through ``add_sink``.
+
 On CUDA the phase boundaries synchronise the device, so the times are the GPU's; that costs
 a little overlap, which is why the breakdown is off by default. Disabled, the engine holds
 no ``StepTimers`` and a phase is a shared ``nullcontext``.
@@ -28,6 +33,7 @@ no ``StepTimers`` and a phase is a shared ``nullcontext``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -39,6 +45,8 @@ from .collectives import Comm
 from .profiling.ranges import profiling, range_name, record_function
 
 __all__ = ["OPTIONAL_PHASES", "PHASES", "StepTimers", "format_report", "phase"]
+
+log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "reduce", "gather", "step")
 # reported only by the engines that measure them: a pipeline's forward + backward of all
@@ -58,6 +66,11 @@ Sink = Callable[[dict[str, float], int], None]
 _NULL = contextlib.nullcontext()
 
 
+def _log_line(line: str) -> None:
+    """``StepTimers``' default printer: the line as an INFO record of this module's logger."""
+    log.info("%s", line)
+
+
 def phase(timers: StepTimers | None, name: str) -> contextlib.AbstractContextManager[Any]:
     """``timers.phase(name)``, or a no-op when the breakdown is off; while a profiler records,
     inside the range ``ds_strategy::<name>`` too (``step``: ``::optimizer_step``; see
@@ -75,8 +88,10 @@ def _ranged(timers: StepTimers | None, name: str) -> Iterator[None]:
 
 class StepTimers:
     """Accumulates phase times and bytes per optimizer step; every ``steps_per_print`` steps
-    turns the window into a report (per-step means), prints it on rank 0 and hands it to the
-    sinks (front ends log it to Lightning loggers / Accelerate trackers)."""
+    turns the window into a report (per-step means), hands its line to ``printer`` on rank 0
+    (by default an INFO record of the ``ds_strategy.core.timers`` logger; any
+    ``Callable[[str], None]`` may replace it) and the report to the sinks (front ends log it to
+    Lightning loggers / Accelerate trackers)."""
 
     def __init__(self, comm: Comm, steps_per_print: int, device: torch.device) -> None:
         self.comm = comm
@@ -90,7 +105,7 @@ class StepTimers:
         self._last_boundary = time.perf_counter()
         self.last_report: dict[str, float] = {}
         self.sinks: list[Sink] = []
-        self.printer: Callable[[str], None] = lambda line: print(line, flush=True)
+        self.printer: Callable[[str], None] = _log_line
         comm.wait_timer = self.record_wait
 
     @classmethod

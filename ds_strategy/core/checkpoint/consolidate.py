@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..progress import Progress
 from .deepspeed.layout import find_deepspeed
 from .deepspeed.opening import open_deepspeed
 from .deepspeed.weights import DeepSpeedWeights
@@ -196,6 +197,10 @@ def consolidate(
     ``zero_to_fp32.py`` gives (buffers, frozen and trained parameters, and each tied weight
     under every name); its pickles load DeepSpeed's few classes as records and refuse any
     other object unless ``trust_checkpoint=True``.
+
+    A long export logs its progress, tensors written so far, to the
+    ``ds_strategy.core.progress`` logger (see ``core/progress.py``; ``DS_STRATEGY_PROGRESS=0``
+    silences it).
     """
     out = _output(output_path)
     if max_shard_size is not None:
@@ -215,4 +220,14 @@ def consolidate(
     else:
         sources = _own_sources(path, tag, require_checksums)
         weights = _OwnWeights(sources, dtype, exclude_frozen_parameters)
-    return write_weight_files(out, weights.entries, weights.read, max_shard_size)[-1]
+    # one process: it reports as rank 0 (core/progress.py)
+    progress = Progress(f"consolidating {path.name}", len(weights.entries), 0, "tensors")
+
+    def read(name: str) -> torch.Tensor:
+        t = weights.read(name)
+        progress.advance()
+        return t
+
+    written = write_weight_files(out, weights.entries, read, max_shard_size)
+    progress.done()
+    return written[-1]

@@ -36,6 +36,7 @@ from ..faults import together
 from ..memory import ModelStateMeter
 from ..mesh import ParallelMesh
 from ..offload import Offload
+from ..progress import Progress
 from ..quant.modules import QuantPlan, quantize_modules, resolve_kernel
 from ..quant.scheme import QuantScheme
 from ..tp.plan import resolve_plan
@@ -192,24 +193,34 @@ class InferenceEngine(nn.Module):
         )
 
     def _place(self, source: WeightSource) -> None:
+        """The weights read into the model: whole parameters, or ZeRO-3 shards unit by unit;
+        the progress of either on rank 0 (``core/progress.py``)."""
         reader = WeightReader(source)
         _load_buffers(self.module, source, self.device)
+        rank = self.comm.rank
         if not self.sharded:
+            params = list(self.module.parameters())
+            progress = Progress("loading the weights", len(params), rank, "tensors")
             place_whole(
-                list(self.module.parameters()),
-                self.module,
-                self.origins,
-                reader,
-                self.device,
-                self.dtype,
+                params, self.module, self.origins, reader, self.device, self.dtype, progress
             )
+            progress.done()
             return
         zc = self.config.zero_optimization
         plan = plan_units(self.module, zc.stage3_param_persistence_threshold)
         self._check_budget(plan)  # before reading anything
+        progress = Progress("loading the weights (ZeRO-3)", len(plan.units), rank, "units")
         place_sharded(
-            self.module, plan, self.origins, reader, self.sharding, self.device, self.dtype
+            self.module,
+            plan,
+            self.origins,
+            reader,
+            self.sharding,
+            self.device,
+            self.dtype,
+            progress,
         )
+        progress.done()
 
     def _check_budget(self, plan: UnitPlan) -> None:
         budget = self.config.zero_optimization.stage3_max_live_parameters

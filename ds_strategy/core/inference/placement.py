@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..materialize import materialize_modules
+from ..progress import Progress
 from ..quant.scheme import QuantScheme, quantize
 from ..zero.flat_group import FlatParamGroup
 from ..zero.forward import ForwardSharding
@@ -110,14 +111,18 @@ def place_whole(
     reader: WeightReader,
     device: torch.device,
     dtype: torch.dtype,
+    progress: Progress | None = None,
 ) -> None:
-    """Each of ``params`` read whole into a new frozen parameter on ``device``."""
+    """Each of ``params`` read whole into a new frozen parameter on ``device``; each one
+    read advances ``progress``."""
     slots = _slots(model)
     for p in params:
         t = reader.whole(origins[id(p)], p.shape, _dtype_for(p, dtype)).to(device)
         new = nn.Parameter(t.contiguous(), requires_grad=False)
         for m, attr in slots[id(p)]:
             m._parameters[attr] = new
+        if progress is not None:
+            progress.advance()
 
 
 def place_sharded(
@@ -128,12 +133,13 @@ def place_sharded(
     sharding: ForwardSharding,
     device: torch.device,
     dtype: torch.dtype,
+    progress: Progress | None = None,
 ) -> None:
     """ZeRO-3 over ``plan``'s units (``zero/units.py``, as in training), added to
     ``sharding`` (``zero/forward.py``): each unit's parameters materialised empty, flat
     groups built over them, this rank's slice of each read from the source (nothing is
     broadcast: every rank reads its own), then released. The plan's persistent parameters
-    stay whole on every rank."""
+    stay whole on every rank. Each unit placed advances ``progress``."""
     place_whole(plan.persistent, model, origins, reader, device, dtype)  # before the units
     for module in plan.units:
         # real, uninitialised parameters in place of the meta ones (each group binds them to
@@ -144,6 +150,8 @@ def place_sharded(
             origins[id(new)] = origins[old]
         params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
         sharding.add_unit(module, params, lambda g: _fill(g, origins, reader))
+        if progress is not None:
+            progress.advance()
 
 
 def _fill(g: FlatParamGroup, origins: dict[int, Origin], reader: WeightReader) -> None:

@@ -49,7 +49,7 @@ from .wandb_monitor import WandbMonitor
 
 __all__ = ["TIMING_EVENTS", "TrainingMonitor", "build_monitors", "engine_comms"]
 
-log = logging.getLogger("ds_strategy")
+log = logging.getLogger(__name__)
 
 PREFIX = "Train/Samples/"
 # DeepSpeed's timing event (without PREFIX and "elapsed_time_ms_") -> the timers' report key

@@ -42,7 +42,7 @@ from .onebit import CompressedExchange, check_onebit
 
 __all__ = ["ZeroOneAdam", "zero_one_kind"]
 
-log = logging.getLogger("ds_strategy")
+log = logging.getLogger(__name__)
 
 StepKind = Literal["dense", "onebit", "local", "sync"]
 

@@ -1,0 +1,249 @@
+"""Logging, progress and warning categories: the ``ds_strategy`` logger tree (a ``NullHandler``
+on the package logger, one child per module), the summary an engine logs once built, the
+``wall_clock_breakdown`` line as a log record, the progress switches, and the warning kinds."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ds_strategy
+import ds_strategy._logging  # noqa: F401 - the package's NullHandler (imported by the package too)
+from ds_strategy.core.checkpoint import swap
+from ds_strategy.core.schedulers import build_scheduler
+from ds_strategy.core.timers import format_report
+from ds_strategy.core.warnings import (
+    CheckpointWarning,
+    DsStrategyDeprecationWarning,
+    DsStrategyWarning,
+    FrontEndWarning,
+    PerformanceWarning,
+)
+
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+IN, HIDDEN, OUT = 16, 32, 4
+NUMEL = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT  # 676 parameters: KiB figures
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT)
+    )
+
+
+def _engine(config: dict) -> ds_strategy.ZeroEngine:
+    model = _model()
+    engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    assert isinstance(engine, ds_strategy.ZeroEngine)
+    return engine
+
+
+def _messages(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger]
+
+
+def _progress(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The progress lines without their elapsed time (``..., 3 s``)."""
+    lines = _messages(caplog, "ds_strategy.core.progress")
+    assert all(re.search(r", \d+ s$", line) for line in lines), lines
+    return [line.rpartition(", ")[0] for line in lines]
+
+
+# -- the logger tree -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "ds_strategy.core.engine",
+        "ds_strategy.core.progress",
+        "ds_strategy.core.timers",
+        "ds_strategy.core.optimizers",
+        "ds_strategy.core.optim.zeroone",
+        "ds_strategy.core.monitor.events",
+    ],
+)
+def test_each_module_logs_as_a_child_of_the_package_logger(module: str) -> None:
+    package = logging.getLogger("ds_strategy")
+    assert any(isinstance(h, logging.NullHandler) for h in package.handlers), package.handlers
+    log = importlib.import_module(module).log
+    assert log.name == module
+    assert log.parent is package  # no logger configured in between
+
+
+# -- the start summary ---------------------------------------------------------------------------
+
+
+def test_an_engine_logs_one_summary_with_its_memory(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ds_strategy")
+    engine = _engine(ZERO3)
+    built = engine.memory_report()
+    engine.backward(engine(torch.randn(2, IN)).square().mean())
+    engine.step()  # no second summary later
+    stepped = engine.memory_report()
+    engine.destroy()
+    summaries = [m for m in _messages(caplog, "ds_strategy.core.engine") if "ZeRO-" in m]
+    assert len(summaries) == 1, summaries
+    (line,) = summaries
+    assert line.startswith("ds_strategy: ZeRO-3 on 1 rank, fp32, no offload; "), line
+    found = re.search(
+        r"model state per rank ([\d.]+) KiB now \(params ([\d.]+) KiB, grads ([\d.]+) KiB, "
+        r"optimizer 0 bytes until the first step\), ([\d.]+) KiB by the ZeRO-3 formula",
+        line,
+    )
+    assert found, line
+    total, params, grads, formula = (float(x) for x in found.groups())
+    # the figures are memory_report()'s as the engine was built: one rank's fp32 parameters
+    # and gradients of the whole model, no optimizer state before the first step
+    assert (built["params"], built["grads"], built["optimizer_state"]) == (4 * NUMEL, 4 * NUMEL, 0)
+    assert (params, grads) == (round(built["params"] / 1024, 1), round(built["grads"] / 1024, 1))
+    assert total == round(built["total"] / 1024, 1) == round(8 * NUMEL / 1024, 1)
+    # the formula: P + G + K = 4 + 4 + 8 bytes an element with Adam, what the first step
+    # allocates (Adam's two moments, plus its step count, one fp32 scalar per tensor)
+    assert formula == round(16 * NUMEL / 1024, 1)
+    assert stepped["optimizer_state"] == 8 * NUMEL + 4 * 4
+
+
+def test_the_summary_names_mixed_precision_and_offload(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ds_strategy")
+    config = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8},
+    }
+    engine = _engine(config)
+    report = engine.memory_report()
+    engine.destroy()
+    (line,) = [m for m in _messages(caplog, "ds_strategy.core.engine") if "ZeRO-" in m]
+    assert (
+        "ZeRO-2 on 1 rank, fp16 with dynamic loss scaling (scale 256), optimizer offload cpu;"
+        in line
+    )
+    # fp16 parameters and their fp32 master (6 bytes each), fp16 gradients
+    assert report["params"] == 6 * NUMEL and report["grads"] == 2 * NUMEL
+    assert f"(params {6 * NUMEL / 1024:.1f} KiB, grads {2 * NUMEL / 1024:.1f} KiB" in line
+
+
+def test_no_summary_below_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="ds_strategy")
+    _engine(ZERO3).destroy()
+    assert not [r for r in caplog.records if r.name.startswith("ds_strategy")]
+
+
+# -- the timing line -----------------------------------------------------------------------------
+
+
+def test_the_timing_line_is_a_log_record(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.INFO, logger="ds_strategy")
+    engine = _engine({**ZERO3, "wall_clock_breakdown": True, "steps_per_print": 1})
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, IN)).square().mean())
+        engine.step()
+    lines = _messages(caplog, "ds_strategy.core.timers")
+    assert len(lines) == 2, lines
+    assert lines[1] == format_report(engine.timing_report(), 2, 1)
+    assert lines[0].startswith("[wall_clock_breakdown] step 1 (mean of 1): ms/step: forward ")
+    assert "wall_clock_breakdown" not in capsys.readouterr().out
+    # a printer set by the caller (tqdm.write in examples/train_gpt.py) replaces the record
+    printed: list[str] = []
+    engine.timers.printer = printed.append
+    caplog.clear()
+    engine.backward(engine(torch.randn(2, IN)).square().mean())
+    engine.step()
+    engine.destroy()
+    assert printed == [format_report(engine.timing_report(), 3, 1)]
+    assert _messages(caplog, "ds_strategy.core.timers") == []
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    engine = _engine(ZERO3)
+    path = tmp_path_factory.mktemp("progress") / "ckpt"
+    engine.save_checkpoint(path)
+    engine.destroy()
+    return path
+
+
+@pytest.mark.parametrize("off", [None, ("DS_STRATEGY_PROGRESS", "0"), ("TQDM_DISABLE", "1")])
+def test_consolidate_reports_progress_unless_switched_off(
+    off: tuple[str, str] | None,
+    checkpoint: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("DS_STRATEGY_PROGRESS_EVERY", "0")  # a line per tensor
+    monkeypatch.delenv("DS_STRATEGY_PROGRESS", raising=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    if off is not None:
+        monkeypatch.setenv(*off)
+    caplog.set_level(logging.INFO, logger="ds_strategy")
+    out = ds_strategy.consolidate(checkpoint, tmp_path / "model.safetensors")
+    assert set(load_file(out)) == set(_model().state_dict())  # written either way
+    lines = _progress(caplog)
+    if off is not None:
+        assert lines == []
+        return
+    n = len(_model().state_dict())  # two weights, two biases
+    assert lines == [
+        f"consolidating ckpt: {i}/{n} tensors ({100 * i / n:.0f}%)" for i in range(1, n + 1)
+    ] + ["consolidating ckpt: done"]
+
+
+def test_inference_loading_reports_progress(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DS_STRATEGY_PROGRESS_EVERY", "0")
+    monkeypatch.delenv("DS_STRATEGY_PROGRESS", raising=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    caplog.set_level(logging.INFO, logger="ds_strategy")
+    model = _model()
+    expected = model(torch.ones(1, IN))
+    engine = ds_strategy.init_inference(model, ZERO3)
+    torch.testing.assert_close(engine(torch.ones(1, IN)), expected)
+    engine.destroy()
+    units = len(engine.units)
+    lines = _progress(caplog)
+    assert lines == [
+        f"loading the weights (ZeRO-3): {i}/{units} units ({100 * i / units:.0f}%)"
+        for i in range(1, units + 1)
+    ] + ["loading the weights (ZeRO-3): done"]
+
+
+# -- warning categories --------------------------------------------------------------------------
+
+
+def test_warning_categories_and_their_bases() -> None:
+    assert issubclass(DsStrategyWarning, UserWarning)
+    for kind in (PerformanceWarning, CheckpointWarning, FrontEndWarning):
+        # filters written for the warnings before they had kinds still match
+        assert issubclass(kind, DsStrategyWarning) and issubclass(kind, RuntimeWarning)
+        assert not issubclass(kind, DeprecationWarning)
+    assert issubclass(DsStrategyDeprecationWarning, DeprecationWarning)
+    assert not issubclass(DsStrategyDeprecationWarning, UserWarning)
+
+
+def test_warnings_are_given_with_their_kind(tmp_path: Path) -> None:
+    params = {"cycle_min_lr": 0.1, "cycle_max_lr": 0.5, "cycle_first_step_size": 2}
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0, momentum=0.3)
+    with pytest.warns(DsStrategyWarning, match="cycle_momentum: SGD has no betas"):
+        build_scheduler("OneCycle", params, sgd)
+    final = tmp_path / "step1"
+    (tmp_path / "step1.old").mkdir()
+    (tmp_path / "step1.old" / swap.META_FILE).write_text("{}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert swap.committed(final) == tmp_path / "step1.old"
+    assert [w.category for w in caught] == [CheckpointWarning], caught
