@@ -26,11 +26,60 @@ dataclass fields recursively, so no parsing code changes; a cross-field rule, if
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import re
-from collections.abc import Callable, Mapping
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field
 from enum import Enum
 from typing import Any
+
+__all__ = [
+    "AUTO",
+    "SCHEDULER_REQUIRED_PARAMS",
+    "TP_STYLES",
+    "UNSUPPORTED_KEYS",
+    "ActivationCheckpointingConfig",
+    "BF16Config",
+    "CSVMonitorConfig",
+    "CheckpointConfig",
+    "Choice",
+    "CometConfig",
+    "CommDataType",
+    "CommsLoggerConfig",
+    "CompileConfig",
+    "CompressionMethod",
+    "ConfigError",
+    "DeprecatedConfigWarning",
+    "FP16Config",
+    "FlopsProfilerConfig",
+    "GradientCompressionConfig",
+    "KeyDoc",
+    "LeafSpec",
+    "MemoryTimelineConfig",
+    "OffloadConfig",
+    "OffloadDevice",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "PipelineSchedule",
+    "QuantKernel",
+    "QuantizationConfig",
+    "SchedulerConfig",
+    "TensorBoardConfig",
+    "TensorParallelConfig",
+    "TopologyConfig",
+    "UnknownConfigKeyWarning",
+    "UnsupportedConfigWarning",
+    "WandbConfig",
+    "ZeroConfig",
+    "ZeroOptimizationConfig",
+    "config_keys",
+    "leaf",
+    "register_operations",
+    "section",
+    "type_pattern",
+]
 
 AUTO = "auto"
 """Placeholder accepted for any leaf value, kept as is until :meth:`ZeroConfig.resolve`."""
@@ -175,12 +224,17 @@ def leaf(
     le: float | None = None,
     normalize: Callable[[Any], Any] | None = None,
     aliases: tuple[str, ...] = (),
+    doc: str = "",
 ) -> Any:
-    """Declare a scalar field; without ``default`` the key is required (``default=None``: nullable)."""
+    """Declare a scalar field; without ``default`` the key is required (``default=None``: nullable).
+
+    ``doc``: what the key does in this engine, in a sentence (its unit, what 0 / -1 / None
+    mean, where it differs from DeepSpeed); :func:`config_keys` and the docs site read it.
+    """
     if isinstance(kind, type) and issubclass(kind, Choice):
         choices = tuple(member.value for member in kind)
     spec = LeafSpec(kind, choices, ge, gt, le, normalize)
-    return field(default=default, metadata={"leaf": spec, "aliases": aliases})
+    return field(default=default, metadata={"leaf": spec, "aliases": aliases, "doc": doc})
 
 
 def _zero_means_one(size: int) -> int:
@@ -195,9 +249,10 @@ def _negative_means_off(norm: float) -> float:
     return max(0.0, norm)
 
 
-def section(factory: Callable[[], Any], *, aliases: tuple[str, ...] = ()) -> Any:
-    """Declare a nested section; ``factory`` builds its defaults (also what "auto" falls back to)."""
-    return field(default_factory=factory, metadata={"aliases": aliases})
+def section(factory: Callable[[], Any], *, aliases: tuple[str, ...] = (), doc: str = "") -> Any:
+    """Declare a nested section; ``factory`` builds its defaults (also what "auto" falls back to).
+    ``doc``: what the section is for, in a sentence."""
+    return field(default_factory=factory, metadata={"aliases": aliases, "doc": doc})
 
 
 @dataclass(frozen=True)
@@ -214,14 +269,67 @@ class OffloadConfig:
     'cpu'
     """
 
-    device: OffloadDevice = leaf(OffloadDevice, OffloadDevice.NONE)
-    nvme_path: str | None = leaf(str, None)
-    pin_memory: bool = leaf(bool, False)
-    buffer_count: int = leaf(int, 5, ge=0, le=1024)
-    buffer_size: int = leaf(int, 100_000_000, ge=0, le=2**40)
-    max_in_cpu: int = leaf(int, 1_000_000_000, ge=0)
-    fast_init: bool = leaf(bool, False)
-    ratio: float = leaf(float, 1.0, ge=0.0, le=1.0)
+    device: OffloadDevice = leaf(
+        OffloadDevice,
+        OffloadDevice.NONE,
+        doc="Where this tier's state lives: 'none' on the compute device, 'cpu' in host memory, "
+        "'nvme' in host memory swapped to files under nvme_path. offload_optimizer needs ZeRO "
+        "stage 1-3; offload_param needs stage 3 (below it is ignored with a warning, as "
+        "DeepSpeed ignores it, and refused when loading strictly).",
+    )
+    nvme_path: str | None = leaf(
+        str,
+        None,
+        doc="Directory (on a fast local drive) for the swap files when device is 'nvme', "
+        "where it is required; both offload sections must name the same directory. None: unset.",
+    )
+    pin_memory: bool = leaf(
+        bool,
+        False,
+        doc="Allocate the offloaded host tensors in page-locked memory for faster copies to and "
+        "from a GPU; either section's true pins them all (never when swapped to NVMe, and "
+        "without effect on a CPU-only machine).",
+    )
+    buffer_count: int = leaf(
+        int,
+        5,
+        ge=0,
+        le=1024,
+        doc="NVMe only: at most this many buckets of the bucket-by-bucket optimizer step are in "
+        "memory at once (read ahead, stepped, written behind); 0 works like 1. Taken from "
+        "offload_optimizer when it is on NVMe, else from offload_param.",
+    )
+    buffer_size: int = leaf(
+        int,
+        100_000_000,
+        ge=0,
+        le=2**40,
+        doc="NVMe only: elements per bucket of the bucket-by-bucket optimizer step; 0 works "
+        "like 1 element (slow). Taken from offload_optimizer when it is on NVMe, else from "
+        "offload_param (DeepSpeed has this key in offload_param only).",
+    )
+    max_in_cpu: int = leaf(
+        int,
+        1_000_000_000,
+        ge=0,
+        doc="DeepSpeed's count of parameter elements kept in host memory with NVMe parameter "
+        "offload; accepted (any value >= 0) but not used here.",
+    )
+    fast_init: bool = leaf(
+        bool,
+        False,
+        doc="DeepSpeed's faster optimizer initialisation with NVMe offload; accepted but not "
+        "used here.",
+    )
+    ratio: float = leaf(
+        float,
+        1.0,
+        ge=0.0,
+        le=1.0,
+        doc="offload_optimizer only: the share of optimizer state to offload (DeepSpeed's "
+        "partial offload); below 1.0 it is refused below stage 3, and at stage 3 it warns and "
+        "the whole state is offloaded. Not read in offload_param.",
+    )
 
 
 def _optimizer_offload_defaults() -> OffloadConfig:
@@ -256,33 +364,127 @@ class ZeroOptimizationConfig:
     500000000
     """
 
-    stage: int = leaf(int, 0, choices=(0, 1, 2, 3))
-    overlap_comm: bool = leaf(bool, True)
-    contiguous_gradients: bool = leaf(bool, True)
-    reduce_scatter: bool = leaf(bool, True)
-    reduce_bucket_size: int = leaf(int, 500_000_000, ge=0, normalize=_zero_means_one)
-    allgather_partitions: bool = leaf(bool, True)
-    allgather_bucket_size: int = leaf(int, 500_000_000, ge=0)
+    stage: int = leaf(
+        int,
+        0,
+        choices=(0, 1, 2, 3),
+        doc="What is sharded over the data-parallel ranks: 0 nothing (gradients all-reduced, "
+        "like DDP), 1 the optimizer state and fp32 master weights, 2 also the gradients, 3 also "
+        "the parameters (gathered unit by unit for forward and backward).",
+    )
+    overlap_comm: bool = leaf(
+        bool,
+        True,
+        doc="Stages 1-2: the all-gather of the updated parameters after a step runs while the "
+        "next forward starts (each block waits only for its own); false waits for all of it "
+        "at the step. No effect at stages 0 and 3 (gradient reductions overlap backward anyway).",
+    )
+    contiguous_gradients: bool = leaf(
+        bool,
+        True,
+        doc="Accepted but not read: stages 2-3 always move each gradient into its flat bucket "
+        "as backward produces it (DeepSpeed's true).",
+    )
+    reduce_scatter: bool = leaf(
+        bool,
+        True,
+        doc="Accepted but not read: stages 1-3 always reduce-scatter the gradients (stage 0 "
+        "all-reduces them), as DeepSpeed's true does.",
+    )
+    reduce_bucket_size: int = leaf(
+        int,
+        500_000_000,
+        ge=0,
+        normalize=_zero_means_one,
+        doc="Elements per flat parameter group, the unit in which gradients are reduced (and, "
+        "at stages 1-2, updated parameters gathered); half that at stages 1-3 on gloo, whose "
+        "reduce-scatter needs a full-size receive buffer. 0: each gradient on its own (stored "
+        "as 1).",
+    )
+    allgather_partitions: bool = leaf(
+        bool,
+        True,
+        doc="Accepted but not read: updated parameters are always all-gathered (DeepSpeed's "
+        "false uses a series of broadcasts instead).",
+    )
+    allgather_bucket_size: int = leaf(
+        int,
+        500_000_000,
+        ge=0,
+        doc="Accepted (any value >= 0) but not used: updated parameters are gathered per flat "
+        "group, sized by reduce_bucket_size.",
+    )
     stage3_prefetch_bucket_size: int = leaf(
-        int, 50_000_000, ge=0, aliases=("prefetch_bucket_size",)
+        int,
+        50_000_000,
+        ge=0,
+        aliases=("prefetch_bucket_size",),
+        doc="Stage 3: parameter elements of the units gathered ahead of the one running, in "
+        "the order the first step recorded; 0: no prefetch (each unit is gathered when "
+        "reached, so communication no longer overlaps compute).",
     )
     stage3_max_live_parameters: int = leaf(
-        int, 1_000_000_000, ge=0, aliases=("max_live_parameters",)
+        int,
+        1_000_000_000,
+        ge=0,
+        aliases=("max_live_parameters",),
+        doc="Stage 3: prefetching stops where the gathered parameters would exceed this many "
+        "elements (a unit needed now is gathered regardless); 0: no prefetch.",
     )
-    stage3_max_reuse_distance: int = leaf(int, 1_000_000_000, ge=0, aliases=("max_reuse_distance",))
+    stage3_max_reuse_distance: int = leaf(
+        int,
+        1_000_000_000,
+        ge=0,
+        aliases=("max_reuse_distance",),
+        doc="Accepted (any value >= 0) but not used: a stage-3 unit is released as soon as its "
+        "module has run.",
+    )
     stage3_param_persistence_threshold: int = leaf(
-        int, 100_000, ge=0, aliases=("param_persistence_threshold",)
+        int,
+        100_000,
+        ge=0,
+        aliases=("param_persistence_threshold",),
+        doc="Stage 3: parameters of at most this many elements are kept whole on every rank "
+        "instead of sharded (gathering them costs more than it saves); 0: every parameter is "
+        "sharded.",
     )
-    # ZeRO++ qwZ: stage 3's parameter all-gathers in block-quantized int8 (a no-op below 3)
-    zero_quantized_weights: bool = leaf(bool, False)
-    # ZeRO++ hpZ: a secondary copy of stage 3's parameters over this many ranks (1: off)
-    zero_hpz_partition_size: int = leaf(int, 1, ge=1)
-    # ZeRO++ qgZ: stage 3's gradient reduce-scatters in block-quantized int8 (no-op below 3)
-    zero_quantized_gradients: bool = leaf(bool, False)
-    # MiCS: shard over groups of this many ranks, replicate across the groups (-1 or 0: off)
-    mics_shard_size: int = leaf(int, -1, ge=-1)
-    offload_optimizer: OffloadConfig = section(_optimizer_offload_defaults)
-    offload_param: OffloadConfig = section(OffloadConfig)
+    zero_quantized_weights: bool = leaf(
+        bool,
+        False,
+        doc="ZeRO++ qwZ: stage 3's parameter all-gathers send block-quantized int8; no effect "
+        "below stage 3.",
+    )
+    zero_hpz_partition_size: int = leaf(
+        int,
+        1,
+        ge=1,
+        doc="ZeRO++ hpZ: stage 3 keeps a secondary shard of the parameters over groups of "
+        "this many ranks (usually one machine's), which serves every gather after a step's "
+        "first; 1: off. Must divide the data-parallel ranks; no effect below stage 3.",
+    )
+    zero_quantized_gradients: bool = leaf(
+        bool,
+        False,
+        doc="ZeRO++ qgZ: stage 3's gradient reduce-scatters send block-quantized int8; no "
+        "effect below stage 3.",
+    )
+    mics_shard_size: int = leaf(
+        int,
+        -1,
+        ge=-1,
+        doc="MiCS: shard over groups of this many ranks and replicate across the groups "
+        "(stages 1-3; it must divide the data-parallel ranks); -1 or 0: off, shard over all.",
+    )
+    offload_optimizer: OffloadConfig = section(
+        _optimizer_offload_defaults,
+        doc="Where the optimizer state and fp32 master weights live (ZeRO-Offload / "
+        "ZeRO-Infinity): on the compute device, in host memory or on NVMe.",
+    )
+    offload_param: OffloadConfig = section(
+        OffloadConfig,
+        doc="Where stage 3's parameter shards live: on the compute device, in host memory or "
+        "on NVMe (stage 3 only).",
+    )
 
 
 @dataclass(frozen=True)
@@ -299,14 +501,60 @@ class FP16Config:
     1000
     """
 
-    enabled: bool = leaf(bool, False)
-    loss_scale: float = leaf(float, 0.0, ge=0.0, le=2.0**64)
-    initial_scale_power: int = leaf(int, 16, ge=-64, le=64)
-    loss_scale_window: int = leaf(int, 1000)  # >= 1 when used: see rules._dynamic_loss_scaling
-    hysteresis: int = leaf(int, 2)  # >= 1 when used: see rules._dynamic_loss_scaling
-    consecutive_hysteresis: bool = leaf(bool, False)
-    min_loss_scale: float = leaf(float, 1.0)  # > 0 when used: see rules._dynamic_loss_scaling
-    auto_cast: bool = leaf(bool, False)
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Train in fp16: fp16 parameters and gradients, fp32 master weights and a loss "
+        "scale; not together with bf16.",
+    )
+    loss_scale: float = leaf(
+        float,
+        0.0,
+        ge=0.0,
+        le=2.0**64,
+        doc="0: dynamic loss scaling starting at 2 ** initial_scale_power; > 0: this static "
+        "scale for the whole run.",
+    )
+    initial_scale_power: int = leaf(
+        int,
+        16,
+        ge=-64,
+        le=64,
+        doc="Dynamic scaling starts at a loss scale of 2 ** this (a negative power starts "
+        "below 1).",
+    )
+    # no bound in the spec for the next three: they are checked only where dynamic scaling
+    # uses them (rules._dynamic_loss_scaling), as DeepSpeed checks them
+    loss_scale_window: int = leaf(
+        int,
+        1000,
+        doc="Dynamic scaling doubles the scale after this many consecutive steps without an "
+        "overflow; must be >= 1 when fp16 is enabled with dynamic scaling.",
+    )
+    hysteresis: int = leaf(
+        int,
+        2,
+        doc="Overflows (each one skips its step) tolerated before dynamic scaling halves the "
+        "scale; must be >= 1 when fp16 is enabled with dynamic scaling.",
+    )
+    consecutive_hysteresis: bool = leaf(
+        bool,
+        False,
+        doc="true: the hysteresis allowance refills after every step without an overflow; "
+        "false: only when the scale grows.",
+    )
+    min_loss_scale: float = leaf(
+        float,
+        1.0,
+        doc="Floor of the dynamic scale; an overflow at it is an error (training could not "
+        "progress). Must be > 0 when fp16 is enabled with dynamic scaling.",
+    )
+    auto_cast: bool = leaf(
+        bool,
+        False,
+        doc="Accepted but not read: under fp16 (and bf16) the floating-point inputs of forward "
+        "are always cast to the compute dtype, as DeepSpeed's true does.",
+    )
 
 
 @dataclass(frozen=True)
@@ -317,11 +565,24 @@ class BF16Config:
     False
     """
 
-    enabled: bool = leaf(bool, False)
-    immediate_grad_update: bool = leaf(bool, False)
-    # ds_strategy's own key: false trains the bf16 weights directly (no fp32 master copy,
-    # optimizer state in bf16), like Lightning's "bf16-true".
-    master_weights: bool = leaf(bool, True)
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Train in bf16: bf16 parameters and gradients, fp32 master weights (see "
+        "master_weights), no loss scaling; not together with fp16.",
+    )
+    immediate_grad_update: bool = leaf(
+        bool,
+        False,
+        doc="Accepted but not read: gradients are accumulated in bf16 and converted to fp32 "
+        "for the step (DeepSpeed's true adds each one to an fp32 buffer as backward makes it).",
+    )
+    master_weights: bool = leaf(
+        bool,
+        True,
+        doc="ds_strategy's own key: false trains the bf16 weights directly (no fp32 master "
+        "copy, optimizer state in bf16), like Lightning's 'bf16-true'.",
+    )
 
 
 @dataclass(frozen=True)
@@ -335,8 +596,20 @@ class OptimizerConfig:
     0.0001
     """
 
-    type: str = leaf(str)
-    params: dict[str, Any] = field(default_factory=dict)
+    type: str = leaf(
+        str,
+        doc="The optimizer built when none is passed to the engine: a torch.optim class name "
+        "(Adam, AdamW, SGD, ...) or one of DeepSpeed's implemented here (Lamb, OneBitAdam, "
+        "OneBitLamb, ZeroOneAdam); required in this section.",
+    )
+    params: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "The optimizer's keyword arguments, checked against its signature and "
+            "passed as given (Adam and AdamW decouple weight decay, as in DeepSpeed); an "
+            '"auto" entry is filled by a front end or dropped for the optimizer\'s default.'
+        },
+    )
 
 
 SCHEDULER_REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
@@ -362,8 +635,20 @@ class SchedulerConfig:
     {}
     """
 
-    type: str = leaf(str)
-    params: dict[str, Any] = field(default_factory=dict)
+    type: str = leaf(
+        str,
+        doc="The lr schedule, stepped after every optimizer step: one of DeepSpeed's (WarmupLR, "
+        "WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) or any torch.optim.lr_scheduler "
+        "class; required in this section. The warm-up schedules start one step earlier than "
+        "DeepSpeed's.",
+    )
+    params: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "The schedule's keyword arguments, passed as given; those a type cannot do "
+            'without (total_num_steps of WarmupDecayLR, ...) must be given or "auto".'
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -380,16 +665,39 @@ class CheckpointConfig:
     True
     """
 
-    save_dir: str | None = leaf(str, None)
-    save_interval: int | None = leaf(int, None, ge=1)
-    keep_last: int | None = leaf(int, None, ge=1)
-    async_save: bool = leaf(bool, False)
+    save_dir: str | None = leaf(
+        str,
+        None,
+        doc="Root directory of the periodic checkpoints (save_dir/global_step<N>, with "
+        "save_dir/latest naming the newest; a pipeline stage k uses save_dir/stage_<k>); "
+        "required with save_interval. None: unset.",
+    )
+    save_interval: int | None = leaf(
+        int,
+        None,
+        ge=1,
+        doc="engine.step() saves a checkpoint every this many optimizer steps; None: no "
+        "periodic checkpoints.",
+    )
+    keep_last: int | None = leaf(
+        int,
+        None,
+        ge=1,
+        doc="Keep only the newest this many global_step<N> checkpoints of a root (never the "
+        "one latest names, nor other tags); None: keep all.",
+    )
+    async_save: bool = leaf(
+        bool,
+        False,
+        doc="Default of save_checkpoint's async_save: copy the state and write it in the "
+        "background while training continues (engine.wait_for_checkpoint() waits for it).",
+    )
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     """``pipeline``: split an ``nn.Sequential`` into ``stages`` pipeline stages, each trained
-    data-parallel (ZeRO stage 0-2) over ``world_size / stages`` ranks.
+    data-parallel (any ZeRO stage) over ``world_size / stages`` ranks.
 
     ``partition_method`` balances ``"parameters"`` (trainable parameter counts), ``"uniform"``
     (layer counts) or ``"type:<regex>"`` (layers whose class name matches). ``schedule`` is
@@ -401,10 +709,35 @@ class PipelineConfig:
     '1f1b'
     """
 
-    stages: int = leaf(int, 1, ge=1)
-    partition_method: str = leaf(str, "parameters")
-    schedule: PipelineSchedule = leaf(PipelineSchedule, PipelineSchedule.ONE_F_ONE_B)
-    stages_per_rank: int | None = leaf(int, None, ge=1)
+    stages: int = leaf(
+        int,
+        1,
+        ge=1,
+        doc="Pipeline stages the nn.Sequential is split into, each data-parallel over world "
+        "size / stages ranks; 1: no pipeline. Built by ds_strategy.initialize(..., loss_fn=...) "
+        "and the Lightning and Accelerate front ends; a plain ZeroEngine refuses more than 1.",
+    )
+    partition_method: str = leaf(
+        str,
+        "parameters",
+        doc="How layers are balanced over the stages: 'parameters' (trainable parameter "
+        "counts), 'uniform' (layer counts) or 'type:<regex>' (layers whose class name the "
+        "regex finds); DeepSpeed's PipelineModule argument, a config key here.",
+    )
+    schedule: PipelineSchedule = leaf(
+        PipelineSchedule,
+        PipelineSchedule.ONE_F_ONE_B,
+        doc="ds_strategy's key (DeepSpeed always runs 1F1B): torch.distributed.pipelining's "
+        "'gpipe', '1f1b' or 'interleaved_1f1b' (several chunks per rank; micro-batches a "
+        "multiple of stages).",
+    )
+    stages_per_rank: int | None = leaf(
+        int,
+        None,
+        ge=1,
+        doc="ds_strategy's key: model chunks each rank holds, more than 1 only with "
+        "'interleaved_1f1b'; None: 2 for the interleaved schedule, else 1.",
+    )
 
 
 TP_STYLES = ("colwise", "rowwise", "replicate")
@@ -425,8 +758,23 @@ class TensorParallelConfig:
     {}
     """
 
-    autotp_size: int = leaf(int, 1, ge=1, aliases=("tp_size",))  # tp_size: DeepSpeed inference's
-    plan: dict[str, Any] = field(default_factory=dict)
+    autotp_size: int = leaf(
+        int,
+        1,
+        ge=1,
+        aliases=("tp_size",),
+        doc="Ranks each split layer's weights are divided over (DeepSpeed's AutoTP key; also "
+        "read as tp_size, DeepSpeed inference's name); ZeRO shards over world size / "
+        "autotp_size. 1: no tensor parallelism.",
+    )
+    plan: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "ds_strategy's key: regular expression matching whole module names -> "
+            "'colwise', 'rowwise' or 'replicate'; empty: the automatic plan for the models it "
+            "knows (the demo GPT, Hugging Face Llama-family models and GPT-2)."
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -450,13 +798,51 @@ class QuantizationConfig:
     64
     """
 
-    bits: int | None = leaf(int, None, choices=(4, 8))
-    group_size: int = leaf(int, 64, choices=(32, 64, 128))
-    symmetric: bool = leaf(bool, True)
-    modules_to_not_convert: list[str] = field(default_factory=list)
-    embeddings: bool = leaf(bool, True)
-    kernel: QuantKernel | None = leaf(QuantKernel, None)
-    qat: bool = leaf(bool, False)
+    bits: int | None = leaf(
+        int,
+        None,
+        choices=(4, 8),
+        doc="Bits per quantized weight: 8 (one scale per output channel) or 4 (one scale per "
+        "group_size input features, two values per byte); None: no quantization.",
+    )
+    group_size: int = leaf(
+        int,
+        64,
+        choices=(32, 64, 128),
+        doc="4 bits only: input features that share one scale (and zero point); not used at 8 "
+        "bits.",
+    )
+    symmetric: bool = leaf(
+        bool,
+        True,
+        doc="true: signed values and a scale; false: unsigned values with a scale and a zero "
+        "point.",
+    )
+    modules_to_not_convert: list[str] = field(
+        default_factory=list,
+        metadata={
+            "doc": "Regular expressions searched in module names (so 'lm_head' matches it "
+            "anywhere, as in transformers); matching modules keep full-precision weights."
+        },
+    )
+    embeddings: bool = leaf(
+        bool,
+        True,
+        doc="Quantize the nn.Embedding weights too; false keeps them in full precision.",
+    )
+    kernel: QuantKernel | None = leaf(
+        QuantKernel,
+        None,
+        doc="How a quantized layer computes: 'torchao' (torchao's int8 tensors), 'torch' "
+        "(torch's int8 weight-only matmul), both for 8-bit symmetric weights only, or "
+        "'dequantize' (dequantize, then matmul); None: torchao where it can, else dequantize.",
+    )
+    qat: bool = leaf(
+        bool,
+        False,
+        doc="Quantization-aware training: the training engine trains with fake-quantized "
+        "weights; needs bits, refused with tensor parallelism and by inference engines.",
+    )
 
 
 @dataclass(frozen=True)
@@ -475,10 +861,36 @@ class GradientCompressionConfig:
     'none'
     """
 
-    method: CompressionMethod = leaf(CompressionMethod, CompressionMethod.NONE, normalize=str.lower)
-    ratio: float = leaf(float, 0.01, gt=0.0, le=1.0)
-    warmup_steps: int = leaf(int, 0, ge=0)
-    momentum_correction: bool = leaf(bool, False)
+    method: CompressionMethod = leaf(
+        CompressionMethod,
+        CompressionMethod.NONE,
+        normalize=str.lower,
+        doc="'topk': each rank sends only its largest gradient entries with error feedback "
+        "(ZeRO stages 0-2, without tensor or pipeline parallelism); 'none': dense reductions. "
+        "Case-insensitive.",
+    )
+    ratio: float = leaf(
+        float,
+        0.01,
+        gt=0.0,
+        le=1.0,
+        doc="With 'topk': the share of each flat gradient bucket's entries a rank sends per "
+        "step; the rest is kept as a residual for the next step.",
+    )
+    warmup_steps: int = leaf(
+        int,
+        0,
+        ge=0,
+        doc="The first this many optimizer steps reduce dense gradients; 0: compress from the "
+        "first step.",
+    )
+    momentum_correction: bool = leaf(
+        bool,
+        False,
+        doc="Deep Gradient Compression: accumulate a local momentum velocity instead of the "
+        "gradient and clear the sent entries; needs torch.optim.SGD with one momentum > 0, "
+        "which it replaces.",
+    )
 
 
 @dataclass(frozen=True)
@@ -494,9 +906,25 @@ class CompileConfig:
     'inductor'
     """
 
-    enabled: bool = leaf(bool, False)
-    backend: str = leaf(str, "inductor")
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="torch.compile the model one unit at a time at initialize (each block ZeRO-3 "
+        "gathers as one, or the whole model without blocks), as engine.compile() does.",
+    )
+    backend: str = leaf(
+        str,
+        "inductor",
+        doc="torch.compile's backend: a name from torch._dynamo.list_backends() or "
+        "'package.module.function', imported.",
+    )
+    kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "torch.compile's other keyword arguments (mode, dynamic, fullgraph, "
+            "options), passed as given."
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -514,8 +942,20 @@ class TopologyConfig:
     True
     """
 
-    ranks_per_machine: int | None = leaf(int, None, ge=1)
-    hierarchical: bool = leaf(bool, False)
+    ranks_per_machine: int | None = leaf(
+        int,
+        None,
+        ge=1,
+        doc="Ranks per machine, overriding the launcher's (LOCAL_WORLD_SIZE, SLURM's tasks per "
+        "node); it must divide the world size. None: the launcher's, or one machine without "
+        "one.",
+    )
+    hierarchical: bool = leaf(
+        bool,
+        False,
+        doc="Run ZeRO's reduce-scatters, all-gathers and all-reduces in two levels: inside each "
+        "machine, then across machines among ranks with the same local rank; not with MiCS.",
+    )
 
 
 @dataclass(frozen=True)
@@ -529,9 +969,23 @@ class TensorBoardConfig:
     'DeepSpeedJobName'
     """
 
-    enabled: bool = leaf(bool, False)
-    output_path: str = leaf(str, "")
-    job_name: str = leaf(str, "DeepSpeedJobName")
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Rank 0 writes the training events every steps_per_print steps to TensorBoard event "
+        "files (needs the tensorboard package).",
+    )
+    output_path: str = leaf(
+        str,
+        "",
+        doc="Directory the files go under (output_path/job_name/); empty: relative to the "
+        "working directory.",
+    )
+    job_name: str = leaf(
+        str,
+        "DeepSpeedJobName",
+        doc="Subdirectory of output_path for this run's files.",
+    )
 
 
 @dataclass(frozen=True)
@@ -544,9 +998,23 @@ class CSVMonitorConfig:
     ''
     """
 
-    enabled: bool = leaf(bool, False)
-    output_path: str = leaf(str, "")
-    job_name: str = leaf(str, "DeepSpeedJobName")
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Rank 0 writes each training event to its own CSV file every steps_per_print "
+        "steps; with memory_timeline on, every rank also writes its timeline there.",
+    )
+    output_path: str = leaf(
+        str,
+        "",
+        doc="Directory the files go under (output_path/job_name/); empty: relative to the "
+        "working directory.",
+    )
+    job_name: str = leaf(
+        str,
+        "DeepSpeedJobName",
+        doc="Subdirectory of output_path for this run's files.",
+    )
 
 
 @dataclass(frozen=True)
@@ -559,10 +1027,17 @@ class WandbConfig:
     'deepspeed'
     """
 
-    enabled: bool = leaf(bool, False)
-    group: str | None = leaf(str, None)
-    team: str | None = leaf(str, None)
-    project: str = leaf(str, "deepspeed")
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Rank 0 logs the training events to a W&B run, or to the one already started in "
+        "this process (needs the wandb package).",
+    )
+    group: str | None = leaf(str, None, doc="The W&B run's group; None: no group.")
+    team: str | None = leaf(
+        str, None, doc="The W&B entity (team or user) of the run; None: W&B's default."
+    )
+    project: str = leaf(str, "deepspeed", doc="The W&B project of the run.")
 
 
 @dataclass(frozen=True)
@@ -576,15 +1051,46 @@ class CometConfig:
     100
     """
 
-    enabled: bool = leaf(bool, False)
-    samples_log_interval: int = leaf(int, 100, ge=1)
-    project: str | None = leaf(str, None)
-    workspace: str | None = leaf(str, None)
-    api_key: str | None = leaf(str, None)
-    experiment_name: str | None = leaf(str, None)
-    experiment_key: str | None = leaf(str, None)
-    online: bool | None = leaf(bool, None)
-    mode: str | None = leaf(str, None, choices=("get", "create", "get_or_create"))
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Rank 0 logs the training events to a Comet experiment (needs the comet_ml package).",
+    )
+    samples_log_interval: int = leaf(
+        int,
+        100,
+        ge=1,
+        doc="Each event is logged at most once per this many training samples.",
+    )
+    project: str | None = leaf(
+        str, None, doc="Comet project, passed to comet_ml.start; None: Comet's own setting."
+    )
+    workspace: str | None = leaf(
+        str, None, doc="Comet workspace, passed to comet_ml.start; None: Comet's own setting."
+    )
+    api_key: str | None = leaf(
+        str, None, doc="Comet API key, passed to comet_ml.start; None: Comet's own setting."
+    )
+    experiment_name: str | None = leaf(
+        str, None, doc="Name given to the experiment; None: Comet's default name."
+    )
+    experiment_key: str | None = leaf(
+        str,
+        None,
+        doc="Key of the experiment to resume or create, passed to comet_ml.start; None: a new one.",
+    )
+    online: bool | None = leaf(
+        bool,
+        None,
+        doc="false: log offline (to a local archive); None: Comet's own setting.",
+    )
+    mode: str | None = leaf(
+        str,
+        None,
+        choices=("get", "create", "get_or_create"),
+        doc="comet_ml.start's mode: resume the experiment (experiment_key), create one, or "
+        "either; None: Comet's default.",
+    )
 
 
 @dataclass(frozen=True)
@@ -604,14 +1110,57 @@ class FlopsProfilerConfig:
     1
     """
 
-    enabled: bool = leaf(bool, False)
-    recompute_fwd_factor: float = leaf(float, 0.0, ge=0.0)
-    profile_step: int = leaf(int, 1, ge=0)
-    module_depth: int = leaf(int, -1, ge=-1)
-    top_modules: int = leaf(int, 1, ge=1)
-    detailed: bool = leaf(bool, True)
-    output_file: str | None = leaf(str, None)
-    peak_tflops: float | None = leaf(float, None, gt=0.0)
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Profile one optimizer step: per-module parameters, forward FLOPs / MACs and "
+        "latency, the totals, achieved TFLOPS and MFU, printed by rank 0 and returned by "
+        "engine.flops_report().",
+    )
+    recompute_fwd_factor: float = leaf(
+        float,
+        0.0,
+        ge=0.0,
+        doc="The share of the forward that activation checkpointing runs again: the backward "
+        "counts as 2 + this many forwards; 0: no recomputation.",
+    )
+    profile_step: int = leaf(
+        int,
+        1,
+        ge=0,
+        doc="The optimizer step profiled, counted as DeepSpeed counts (the steps finished "
+        "before it); its latencies come from the step before, except at 0.",
+    )
+    module_depth: int = leaf(
+        int,
+        -1,
+        ge=-1,
+        doc="Deepest module level shown in the printed profile; -1: all levels.",
+    )
+    top_modules: int = leaf(
+        int,
+        1,
+        ge=1,
+        doc="Module types listed per depth in the printed profile's top list.",
+    )
+    detailed: bool = leaf(
+        bool,
+        True,
+        doc="Print the per-module tree after the summary.",
+    )
+    output_file: str | None = leaf(
+        str,
+        None,
+        doc="File rank 0 writes the profile to (a pipeline stage k > 0 adds _stage<k> before "
+        "the suffix); None: printed to standard output.",
+    )
+    peak_tflops: float | None = leaf(
+        float,
+        None,
+        gt=0.0,
+        doc="ds_strategy's key: the device's peak TFLOPS the MFU is computed against; None: "
+        "measured once with a timed matmul in the compute dtype (the report says so).",
+    )
 
 
 @dataclass(frozen=True)
@@ -627,11 +1176,34 @@ class CommsLoggerConfig:
     True
     """
 
-    enabled: bool = leaf(bool, False)
-    verbose: bool = leaf(bool, False)
-    prof_all: bool = leaf(bool, True)
-    prof_ops: list[str] = field(default_factory=list)
-    debug: bool = leaf(bool, False)
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Record each collective kind's count, message sizes, bytes, time, bandwidths and "
+        "straggler gap; engine.comms_report() returns them, engine.log_summary() prints them.",
+    )
+    verbose: bool = leaf(
+        bool,
+        False,
+        doc="Rank 0 prints each collective as it completes.",
+    )
+    prof_all: bool = leaf(
+        bool,
+        True,
+        doc="Record every collective kind; false: only the kinds or ops named in prof_ops.",
+    )
+    prof_ops: list[str] = field(
+        default_factory=list,
+        metadata={
+            "doc": "Kinds (such as 'all_gather', 'control') or ops (such as 'all_reduce') "
+            "recorded when prof_all is false."
+        },
+    )
+    debug: bool = leaf(
+        bool,
+        False,
+        doc="Split each kind by the function that issued the collective.",
+    )
 
 
 @dataclass(frozen=True)
@@ -646,8 +1218,18 @@ class MemoryTimelineConfig:
     100000
     """
 
-    enabled: bool = leaf(bool, False)
-    max_events: int = leaf(int, 100_000, ge=1)
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="Record every model-state allocation and free of the latest optimizer step for "
+        "engine.memory_timeline() (and, with csv_monitor, memory_timeline_<rank>.csv).",
+    )
+    max_events: int = leaf(
+        int,
+        100_000,
+        ge=1,
+        doc="Events kept per step at most; later ones are only counted (as dropped).",
+    )
 
 
 @dataclass(frozen=True)
@@ -665,15 +1247,60 @@ class ActivationCheckpointingConfig:
     'blocks'
     """
 
-    enabled: bool = leaf(bool, False)
-    modules: str = leaf(str, "blocks")
-    every: int = leaf(int, 1, ge=1)
-    cpu_checkpointing: bool = leaf(bool, False)
-    partition_activations: bool = leaf(bool, False)
-    contiguous_memory_optimization: bool = leaf(bool, False)
-    number_checkpoints: int | None = leaf(int, None)
-    synchronize_checkpoint_boundary: bool = leaf(bool, False)
-    profile: bool = leaf(bool, False)
+    enabled: bool = leaf(
+        bool,
+        False,
+        doc="ds_strategy's key: checkpoint the modules that modules and every choose (DeepSpeed "
+        "checkpoints what the model code wraps instead).",
+    )
+    modules: str = leaf(
+        str,
+        "blocks",
+        doc="ds_strategy's key: 'blocks' (every element of the model's nn.ModuleList / "
+        "nn.Sequential containers) or 'type:<regex>' (modules whose class name it fully "
+        "matches); choosing no module is an error.",
+    )
+    every: int = leaf(
+        int,
+        1,
+        ge=1,
+        doc="ds_strategy's key: checkpoint one chosen module in this many (1: all of them).",
+    )
+    cpu_checkpointing: bool = leaf(
+        bool,
+        False,
+        doc="Keep the checkpointed modules' inputs as CPU copies between forward and backward "
+        "(moved back for the recompute); no effect on a CPU-only run.",
+    )
+    partition_activations: bool = leaf(
+        bool,
+        False,
+        doc="DeepSpeed's key, not implemented: true warns (when enabled) and activations are not partitioned "
+        "across ranks.",
+    )
+    contiguous_memory_optimization: bool = leaf(
+        bool,
+        False,
+        doc="DeepSpeed's key, not implemented: true warns (when enabled) and checkpointed inputs are not "
+        "copied to one buffer.",
+    )
+    number_checkpoints: int | None = leaf(
+        int,
+        None,
+        doc="DeepSpeed's key, not implemented: a value warns (when enabled); modules and every choose what is "
+        "checkpointed.",
+    )
+    synchronize_checkpoint_boundary: bool = leaf(
+        bool,
+        False,
+        doc="DeepSpeed's key, not implemented: true warns (when enabled); no device synchronisation is done "
+        "at checkpoint boundaries.",
+    )
+    profile: bool = leaf(
+        bool,
+        False,
+        doc="DeepSpeed's key, not implemented: true warns (when enabled); checkpointed forwards are not timed.",
+    )
 
 
 @dataclass(frozen=True)
@@ -694,39 +1321,167 @@ class ZeroConfig:
     8
     """
 
-    train_batch_size: int | None = leaf(int, None, ge=1, le=2**40)
-    train_micro_batch_size_per_gpu: int | None = leaf(int, None, ge=1, le=2**31)
-    gradient_accumulation_steps: int | None = leaf(int, None, ge=1, le=2**31)
-    gradient_clipping: float = leaf(float, 0.0, normalize=_negative_means_off)
-    steps_per_print: int = leaf(int, 10, ge=1)
-    # without fp16 loss scaling a non-finite gradient norm skips the step; this many in a row
-    # is an error (fp16 stops at fp16.min_loss_scale instead). Not a DeepSpeed key.
-    max_consecutive_skipped_steps: int = leaf(int, 20, ge=1)
-    wall_clock_breakdown: bool = leaf(bool, False)
-    gradient_predivide_factor: float = leaf(float, 1.0, gt=0.0)
-    prescale_gradients: bool = leaf(bool, False)
-    communication_data_type: CommDataType | None = leaf(CommDataType, None, normalize=str.lower)
-    seed: int | None = leaf(int, None)
-    zero_optimization: ZeroOptimizationConfig = section(ZeroOptimizationConfig)
-    fp16: FP16Config = section(FP16Config)
-    bf16: BF16Config = section(BF16Config, aliases=("bfloat16",))
-    pipeline: PipelineConfig = section(PipelineConfig)
-    tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
-    activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
-    gradient_compression: GradientCompressionConfig = section(GradientCompressionConfig)
-    quantization: QuantizationConfig = section(QuantizationConfig)
-    topology: TopologyConfig = section(TopologyConfig)
-    compile: CompileConfig = section(CompileConfig)
-    optimizer: OptimizerConfig | None = None
-    scheduler: SchedulerConfig | None = None
-    checkpoint: CheckpointConfig = section(CheckpointConfig)
-    tensorboard: TensorBoardConfig = section(TensorBoardConfig)
-    csv_monitor: CSVMonitorConfig = section(CSVMonitorConfig)
-    wandb: WandbConfig = section(WandbConfig)
-    comet: CometConfig = section(CometConfig)
-    flops_profiler: FlopsProfilerConfig = section(FlopsProfilerConfig)
-    comms_logger: CommsLoggerConfig = section(CommsLoggerConfig)
-    memory_timeline: MemoryTimelineConfig = section(MemoryTimelineConfig)
+    train_batch_size: int | None = leaf(
+        int,
+        None,
+        ge=1,
+        le=2**40,
+        doc="Samples per optimizer step over all data-parallel ranks: micro-batch x "
+        "accumulation steps x ranks; None: derived from the other two when the config is "
+        "resolved.",
+    )
+    train_micro_batch_size_per_gpu: int | None = leaf(
+        int,
+        None,
+        ge=1,
+        le=2**31,
+        doc="Samples each rank feeds to one forward and backward; None: derived from "
+        "train_batch_size and gradient_accumulation_steps when the config is resolved.",
+    )
+    gradient_accumulation_steps: int | None = leaf(
+        int,
+        None,
+        ge=1,
+        le=2**31,
+        doc="Micro-batches per optimizer step (a pipeline's micro-batches per train_batch); "
+        "None: derived from the batch sizes, 1 when only one of them is given.",
+    )
+    gradient_clipping: float = leaf(
+        float,
+        0.0,
+        normalize=_negative_means_off,
+        doc="Scale the gradients so that their global L2 norm (over all ranks) is at most this "
+        "before each step; <= 0: no clipping (a negative value is stored as 0.0).",
+    )
+    steps_per_print: int = leaf(
+        int,
+        10,
+        ge=1,
+        doc="Every this many optimizer steps the monitors write the training events, and "
+        "wall_clock_breakdown and the memory timeline report.",
+    )
+    max_consecutive_skipped_steps: int = leaf(
+        int,
+        20,
+        ge=1,
+        doc="ds_strategy's key: without fp16 loss scaling a non-finite gradient norm skips the "
+        "step, and this many skips in a row are an error (fp16 stops at fp16.min_loss_scale "
+        "instead).",
+    )
+    wall_clock_breakdown: bool = leaf(
+        bool,
+        False,
+        doc="Time forward, backward, gradient reductions, gathers and the step, and count bytes "
+        "per collective; every steps_per_print steps the per-step means go to the log (rank 0), "
+        "the monitors, the front end's loggers and engine.timing_report().",
+    )
+    gradient_predivide_factor: float = leaf(
+        float,
+        1.0,
+        gt=0.0,
+        doc="Divide gradients by this before the reduction and by ranks / this after it "
+        "(together: the mean over ranks), against fp16 overflow in the sum; unused with "
+        "prescale_gradients.",
+    )
+    prescale_gradients: bool = leaf(
+        bool,
+        False,
+        doc="Divide gradients by the number of data-parallel ranks before the reduction "
+        "instead of after it.",
+    )
+    communication_data_type: CommDataType | None = leaf(
+        CommDataType,
+        None,
+        normalize=str.lower,
+        doc="The dtype gradients are reduced in ('fp32', 'fp16' or 'bf16', case-insensitive); "
+        "None: the parameters' dtype, as in DeepSpeed.",
+    )
+    seed: int | None = leaf(
+        int,
+        None,
+        doc="Accepted and kept in the config, but the engine seeds nothing from it (DeepSpeed "
+        "has no such key); seed the job yourself (torch.manual_seed, Lightning's "
+        "seed_everything).",
+    )
+    zero_optimization: ZeroOptimizationConfig = section(
+        ZeroOptimizationConfig,
+        doc="ZeRO: the stage, its buckets, stage-3 prefetching, ZeRO++ / MiCS and the offload "
+        "tiers.",
+    )
+    fp16: FP16Config = section(FP16Config, doc="fp16 mixed precision with loss scaling.")
+    bf16: BF16Config = section(
+        BF16Config,
+        aliases=("bfloat16",),
+        doc="bf16 mixed precision (also read under DeepSpeed's old name bfloat16).",
+    )
+    pipeline: PipelineConfig = section(
+        PipelineConfig,
+        doc="Pipeline parallelism: an nn.Sequential split into stages, each data-parallel.",
+    )
+    tensor_parallel: TensorParallelConfig = section(
+        TensorParallelConfig,
+        doc="Tensor parallelism: layers' weights split across ranks with torch's DTensor.",
+    )
+    activation_checkpointing: ActivationCheckpointingConfig = section(
+        ActivationCheckpointingConfig,
+        doc="Recompute chosen modules' activations in backward instead of keeping them.",
+    )
+    gradient_compression: GradientCompressionConfig = section(
+        GradientCompressionConfig,
+        doc="ds_strategy's section: top-k gradient compression with error feedback.",
+    )
+    quantization: QuantizationConfig = section(
+        QuantizationConfig,
+        doc="ds_strategy's section: weight-only integer quantization, for inference or "
+        "quantization-aware training.",
+    )
+    topology: TopologyConfig = section(
+        TopologyConfig,
+        doc="ds_strategy's section: ranks per machine and two-level collectives.",
+    )
+    compile: CompileConfig = section(
+        CompileConfig, doc="torch.compile of the model, one unit at a time."
+    )
+    optimizer: OptimizerConfig | None = field(
+        default=None,
+        metadata={
+            "doc": "The optimizer the engine builds when none is passed to it; None: the "
+            "caller passes one."
+        },
+    )
+    scheduler: SchedulerConfig | None = field(
+        default=None,
+        metadata={
+            "doc": "The lr schedule the engine builds and steps after every optimizer step (an "
+            "lr_scheduler passed as well is an error); None: none, or the one passed."
+        },
+    )
+    checkpoint: CheckpointConfig = section(
+        CheckpointConfig,
+        doc="Periodic checkpoints written by engine.step(), and save defaults.",
+    )
+    tensorboard: TensorBoardConfig = section(
+        TensorBoardConfig, doc="The training events to TensorBoard (rank 0)."
+    )
+    csv_monitor: CSVMonitorConfig = section(
+        CSVMonitorConfig, doc="The training events to CSV files (rank 0)."
+    )
+    wandb: WandbConfig = section(
+        WandbConfig, doc="The training events to Weights & Biases (rank 0)."
+    )
+    comet: CometConfig = section(CometConfig, doc="The training events to Comet (rank 0).")
+    flops_profiler: FlopsProfilerConfig = section(
+        FlopsProfilerConfig,
+        doc="DeepSpeed's flops profiler: FLOPs, latency, TFLOPS and MFU of one step.",
+    )
+    comms_logger: CommsLoggerConfig = section(
+        CommsLoggerConfig,
+        doc="Per-collective counts, sizes, times and bandwidths (DeepSpeed's comms logger).",
+    )
+    memory_timeline: MemoryTimelineConfig = section(
+        MemoryTimelineConfig,
+        doc="ds_strategy's section: every model-state allocation and free of the latest step.",
+    )
 
     @classmethod
     def from_any(cls, source: Any = None, *, strict: bool | None = None) -> ZeroConfig:
@@ -913,3 +1668,131 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
     },
 }
 """DeepSpeed keys known but not implemented, per section; loading one warns and ignores it."""
+
+
+# ----------------------------------------------------------------------------- the key reference
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key as the reference documents it (see :func:`config_keys`).
+
+    Attributes:
+        path: the dotted key, as DeepSpeed spells it (``"zero_optimization.offload_param.device"``).
+        aliases: the other dotted spellings the loader accepts for it (``"bfloat16.enabled"``).
+        type: the value's type once read: ``"int"``, ``"float"``, ``"bool"``, ``"str"`` (a
+            choice's too), ``" | None"`` added where null is accepted, ``"dict"`` or
+            ``"list[str]"``.
+        default: the default as a DeepSpeed JSON writes it (a choice as its string, null as
+            None, ``{}``); ``"MISSING"`` for a key its section requires.
+        choices: the allowed values, or None where any value of the type is.
+        bounds: the numeric bounds, readable (``">= 0, <= 1024"``), or ``""``.
+        doc: what the key does in this engine.
+        section_doc: the first paragraph of the enclosing section's docstring.
+    """
+
+    path: str
+    aliases: tuple[str, ...]
+    type: str
+    default: Any
+    choices: tuple[Any, ...] | None
+    bounds: str
+    doc: str
+    section_doc: str
+
+
+def config_keys() -> list[KeyDoc]:
+    """Every key of the schema (the leaves, free mappings and lists, not the sections), walking
+    :class:`ZeroConfig`'s sections recursively in declaration order: what the docs site's
+    reference of configuration keys is generated from.
+
+    >>> keys = {k.path: k for k in config_keys()}
+    >>> keys["zero_optimization.stage"].choices
+    (0, 1, 2, 3)
+    >>> keys["zero_optimization.offload_optimizer.buffer_count"].default  # its section's default
+    4
+    >>> keys["bf16.enabled"].aliases
+    ('bfloat16.enabled',)
+    >>> keys["optimizer.type"].default
+    'MISSING'
+    """
+    return list(_key_docs(ZeroConfig, ZeroConfig(), ("",)))
+
+
+def _key_docs(cls: type, defaults: Any, prefixes: tuple[str, ...]) -> Iterator[KeyDoc]:
+    """The keys of section ``cls``; ``defaults``: its default instance (None for a section that
+    is absent by default, whose fields' own defaults then apply); ``prefixes``: the section's
+    dotted spellings, DeepSpeed's first."""
+    hints = typing.get_type_hints(cls)
+    section_doc = _first_paragraph(cls.__doc__ or "")
+    for f in dataclasses.fields(cls):
+        names = (f.name, *f.metadata.get("aliases", ()))
+        paths = tuple(f"{p}.{n}" if p else n for p in prefixes for n in names)
+        value = getattr(defaults, f.name) if defaults is not None else _field_default(f)
+        nested = _section_of(hints[f.name])
+        if nested is not None and "leaf" not in f.metadata:
+            yield from _key_docs(nested, value, paths)
+            continue
+        spec: LeafSpec | None = f.metadata.get("leaf")
+        yield KeyDoc(
+            path=paths[0],
+            aliases=paths[1:],
+            type=_type_name(spec, hints[f.name], nullable=f.default is None),
+            default=_as_json(value),
+            choices=spec.choices if spec is not None else None,
+            bounds=_bounds(spec) if spec is not None else "",
+            doc=f.metadata.get("doc", ""),
+            section_doc=section_doc,
+        )
+
+
+def _section_of(hint: Any) -> type | None:
+    """The section dataclass a field's annotation names (``X`` or ``X | None``), else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if len(args) == 1 and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _type_name(spec: LeafSpec | None, hint: Any, *, nullable: bool) -> str:
+    if spec is None:  # a free mapping or a list of names
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if origin is list and args and isinstance(args[0], type):
+            return f"list[{args[0].__name__}]"
+        return getattr(origin, "__name__", str(hint))
+    name = "str" if issubclass(spec.kind, Choice) else spec.kind.__name__
+    return f"{name} | None" if nullable else name
+
+
+def _as_json(value: Any) -> Any:
+    if value is MISSING:
+        return "MISSING"
+    if isinstance(value, Choice):
+        return value.value
+    return value
+
+
+def _bounds(spec: LeafSpec) -> str:
+    parts = [
+        f"{op} {_number(bound)}"
+        for op, bound in ((">=", spec.ge), (">", spec.gt), ("<=", spec.le))
+        if bound is not None
+    ]
+    return ", ".join(parts)
+
+
+def _number(x: float) -> str:
+    """A bound as written: a large power of two as ``2**n``, else as Python writes it."""
+    if float(x).is_integer() and x >= 2**20 and int(x) & (int(x) - 1) == 0:
+        return f"2**{int(x).bit_length() - 1}"
+    return repr(x)
+
+
+def _first_paragraph(doc: str) -> str:
+    return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
