@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from typing import Any
 
@@ -30,11 +31,17 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def config_reference() -> str:
+def _json(value: Any) -> str:
+    """A default as a DeepSpeed JSON writes it (``true``, ``null``, ``"auto"``, ``5e8`` as an
+    integer)."""
     try:
-        from ds_strategy.config._schema import config_keys
-    except ImportError:
-        return "(pending)"
+        return json.dumps(value)
+    except TypeError:
+        return str(value)
+
+
+def config_reference() -> str:
+    from ds_strategy.config._schema import config_keys
 
     out: list[str] = []
     section = None
@@ -47,12 +54,14 @@ def config_reference() -> str:
                 out += [key.section_doc, ""]
             out += ["| key | type | default | meaning |", "|---|---|---|---|"]
         kind = key.type if not key.choices else " / ".join(f"`{c}`" for c in key.choices)
+        if key.choices and key.default is None:
+            kind += " / `null`"
         if key.bounds:
             kind += f" ({key.bounds})"
         name = f"`{key.path}`"
         if key.aliases:
             name += "<br>also " + ", ".join(f"`{a}`" for a in key.aliases)
-        default = "required" if key.default == "MISSING" else f"`{key.default!r}`"
+        default = "required" if key.default == "MISSING" else f"`{_json(key.default)}`"
         out.append(f"| {name} | {_cell(kind)} | {_cell(default)} | {_cell(key.doc)} |")
     return "\n".join(out).strip() + "\n"
 

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import recipes  # noqa: E402,F401  (names the extra when a framework is missing)
-from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin  # noqa: E402
+from ds_strategy.accelerate import ZeroAccelerator  # noqa: E402
 from recipes.data import CharCorpus  # noqa: E402
 from recipes.models import build_model, generate, lm_loss  # noqa: E402
 from recipes.output import say  # noqa: E402
@@ -74,7 +74,7 @@ def train(cfg: DictConfig) -> None:
     zero = engine_config(cfg)
     t = cfg.trainer
     accelerator = ZeroAccelerator(
-        zero_plugin=ZeroPlugin(config=zero),
+        config=zero,
         mixed_precision=_MIXED[precision_name(zero)],
         gradient_accumulation_steps=t.accumulate_grad_batches,
         cpu=t.accelerator == "cpu",

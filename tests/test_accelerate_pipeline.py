@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState
 from torch import nn
 
 import ds_strategy
-from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+from ds_strategy.accelerate import ZeroAccelerator
 from tests.accelerate_scripts.launch import launch
 
 TOL = 2e-5
@@ -138,13 +138,13 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.usefixtures("clean_accelerate")
 def test_pipeline_config_errors_before_the_model() -> None:
     with pytest.raises(ValueError, match=r"ZeroPlugin\(loss_fn=fn\)"):
-        ZeroAccelerator(zero_plugin=ZeroPlugin(config=PIPE), cpu=True)
+        ZeroAccelerator(config=PIPE, cpu=True)
     AcceleratorState._reset_state(True)
     with pytest.raises(ValueError, match="1 process.*do not divide into 2 stages"):
-        ZeroAccelerator(zero_plugin=ZeroPlugin(config=PIPE, loss_fn=_mse), cpu=True)
+        ZeroAccelerator(config=PIPE, loss_fn=_mse, cpu=True)
     AcceleratorState._reset_state(True)
     # stages: 1 is no pipeline: the ordinary ZeRO path, no loss_fn needed
-    one = ZeroAccelerator(zero_plugin=ZeroPlugin(config={"pipeline": {"stages": 1}}), cpu=True)
+    one = ZeroAccelerator(config={"pipeline": {"stages": 1}}, cpu=True)
     layers = nn.Sequential(nn.Linear(2, 2))
     model, _ = one.prepare(layers, torch.optim.SGD(layers.parameters(), lr=0.1))
     assert isinstance(model, ds_strategy.ZeroEngine) and one.zero_engine is model

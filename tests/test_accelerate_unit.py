@@ -152,7 +152,7 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _accelerator(stage: int = 3, **kwargs: object) -> ZeroAccelerator:
     config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    return ZeroAccelerator(zero_plugin=ZeroPlugin(config=config), **kwargs)
+    return ZeroAccelerator(config=config, **kwargs)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -237,7 +237,7 @@ def test_engine_owned_scheduler_from_dummy_scheduler() -> None:
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
     }
-    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=config))
+    accelerator = ZeroAccelerator(config=config)
     model, optimizer, scheduler = accelerator.prepare(model, dummy, sched)
     for x, y in _batches(2):
         accelerator.backward(nn.functional.mse_loss(model(x), y))
@@ -340,11 +340,11 @@ def test_what_zero_cannot_do_raises_clearly(monkeypatch: pytest.MonkeyPatch) -> 
 def test_config_and_launch_conflicts_raise_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
     with_optimizer = {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
-    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=with_optimizer))
+    accelerator = ZeroAccelerator(config=with_optimizer)
     with pytest.raises(ValueError, match="'optimizer' section.*DummyOptim"):
         accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with_scheduler = {"scheduler": {"type": "WarmupLR", "params": {}}}
-    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=with_scheduler))
+    accelerator = ZeroAccelerator(config=with_scheduler)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     callable_sched = DummyScheduler(opt, lr_scheduler_callable=lambda o: None)
     with pytest.raises(ValueError, match="scheduler section \\(WarmupLR\\).*keep one"):
@@ -366,7 +366,7 @@ def test_config_scheduler_with_auto_values_from_dummy_scheduler() -> None:
         "scheduler": {"type": "WarmupDecayLR", "params": {k: "auto" for k in auto}},
         "zero_optimization": {"stage": 2},
     }
-    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=config))
+    accelerator = ZeroAccelerator(config=config)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = DummyScheduler(opt, total_num_steps=6, warmup_num_steps=3)
     model, opt, sched = accelerator.prepare(model, opt, sched)
@@ -386,9 +386,7 @@ def test_config_scheduler_with_auto_values_from_dummy_scheduler() -> None:
 
 
 def test_zero_config_can_be_replaced_until_prepare_and_inference_needs_no_engine() -> None:
-    accelerator = ZeroAccelerator(
-        zero_plugin=ZeroPlugin(config={"zero_optimization": {"stage": 1}})
-    )
+    accelerator = ZeroAccelerator(config={"zero_optimization": {"stage": 1}})
     accelerator.zero_config = accelerator.zero_config.replace(**{"zero_optimization.stage": 2})
     model = nn.Linear(4, 2)
     # evaluation_mode (inference, as Trainer.evaluate before training asks): placed, not wrapped

@@ -92,3 +92,20 @@ def test_every_public_callable_has_a_docstring(module: str) -> None:
                 ):
                     missing.append(f"{module}.{name}.{attr}")
     assert not missing, missing
+
+
+def test_front_ends_take_config_and_their_old_names_still_work_with_a_warning() -> None:
+    pytest.importorskip("accelerate")
+    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+    from ds_strategy.core.warnings import DsStrategyDeprecationWarning
+
+    assert (
+        ZeroAccelerator(config="zero3", cpu=True).zero_plugin.load({}).zero_optimization.stage == 3
+    )
+    plugin = ZeroPlugin(overrides={"zero_optimization.stage": 1})
+    assert ZeroAccelerator(config=plugin, cpu=True).zero_plugin is plugin
+    with pytest.warns(DsStrategyDeprecationWarning, match=r"zero_plugin=\.\.\.\) is deprecated"):
+        old = ZeroAccelerator(zero_plugin=plugin, cpu=True)
+    assert old.zero_plugin is plugin
+    with pytest.raises(TypeError, match="pass config= only"):
+        ZeroAccelerator(config=plugin, zero_plugin=plugin, cpu=True)

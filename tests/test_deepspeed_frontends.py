@@ -71,7 +71,7 @@ def test_hf_trainer_deepspeed_checkpoint_resumes_in_zero_trainer(tmp_path: Path)
     net, data, args = hf_parts(str(tmp_path), resume=True)
     # one process: the fixture's two ranks each read the whole batch (see make_fixtures.py)
     arguments = args(per_device_train_batch_size=MICRO, use_cpu=True)
-    trainer = ZeroTrainer(model=net, args=arguments, train_dataset=data, zero_config=config)
+    trainer = ZeroTrainer(model=net, args=arguments, train_dataset=data, config=config)
     trainer.train(resume_from_checkpoint=str(DATA / "hf_s2" / "checkpoint"))
     assert trainer.state.global_step == 7
     got = trainer.accelerator.get_state_dict(trainer.model)
@@ -87,14 +87,14 @@ def test_accelerate_deepspeed_state_resumes_in_zero_accelerator(case: str) -> No
     and WarmupLR through DummyOptim/DummyScheduler (DeepSpeed saved the scheduler)."""
     from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 
-    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+    from ds_strategy.accelerate import ZeroAccelerator
 
     fx = _fixtures()
     # one process: Accelerate counted one on CPU, so each of the fixture's two ranks read the
     # whole global batch (see make_fixtures.py); one process on it takes the same steps
     batch = fx.WORLD * fx.MICRO
     config = {**_config(case, 3), "train_micro_batch_size_per_gpu": batch}
-    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=config))
+    accelerator = ZeroAccelerator(config=config)
     net = fx.model()
     owned = case.endswith("_config")  # DeepSpeed's optimizer and scheduler, from the config
     if owned:
@@ -160,10 +160,10 @@ def test_fabric_deepspeed_checkpoint_resumes_with_fabric_load(
 def test_accelerate_load_state_refuses_a_directory_without_the_engines_checkpoint(
     tmp_path: Path,
 ) -> None:
-    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+    from ds_strategy.accelerate import ZeroAccelerator
 
     fx = _fixtures()
-    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=_config("accelerate_s2", 2)))
+    accelerator = ZeroAccelerator(config=_config("accelerate_s2", 2))
     net = fx.model()
     accelerator.prepare(net, torch.optim.AdamW(net.parameters()))
     shutil.copytree(DATA / "accelerate_s2" / "state", tmp_path / "state")

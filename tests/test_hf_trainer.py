@@ -250,7 +250,7 @@ def test_settings_it_cannot_honour_are_refused_by_name(
     tmp_path: Path, change: dict[str, Any], named: str
 ) -> None:
     with pytest.raises(ValueError, match=named):
-        ZeroTrainer(model=model(), args=arguments(str(tmp_path), **change), zero_config={})
+        ZeroTrainer(model=model(), args=arguments(str(tmp_path), **change), config={})
 
 
 def test_an_optimizer_section_and_a_trainer_optimizer_are_one_too_many(tmp_path: Path) -> None:
@@ -260,7 +260,7 @@ def test_an_optimizer_section_and_a_trainer_optimizer_are_one_too_many(tmp_path:
         args=arguments(str(tmp_path), max_steps=1),
         train_dataset=Tokens(8, 1),
         optimizers=(torch.optim.SGD(m.parameters(), lr=0.1), None),
-        zero_config={"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+        config={"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
     )
     with pytest.raises(ValueError, match="optimizer section .*AdamW.* keep one"):
         trainer.train()
@@ -274,7 +274,7 @@ def test_evaluate_and_save_before_training(tmp_path: Path) -> None:
         model=model(),
         args=arguments(str(tmp_path / "z")),
         eval_dataset=data,
-        zero_config={"zero_optimization": {"stage": 3}},
+        config={"zero_optimization": {"stage": 3}},
     )
     loss = zero.evaluate()["eval_loss"]
     plain = Trainer(model=model(), args=arguments(str(tmp_path / "p")), eval_dataset=data)
@@ -289,7 +289,7 @@ def test_bf16_follows_the_arguments_through_transformers_bf16_config(tmp_path: P
         model=model(),
         args=arguments(str(tmp_path), bf16=True, max_steps=3),
         train_dataset=Tokens(16, 1),
-        zero_config=config,
+        config=config,
     )
     trainer.train()
     engine = trainer.accelerator.zero_engine
@@ -317,7 +317,7 @@ def test_load_best_model_at_end_loads_the_best_checkpoints_weights(tmp_path: Pat
         ),
         train_dataset=Tokens(24, 1),
         eval_dataset=Tokens(8, 2),
-        zero_config={"zero_optimization": {"stage": 3}},
+        config={"zero_optimization": {"stage": 3}},
     )
     trainer.train()
     best = Path(trainer.state.best_model_checkpoint)
@@ -332,3 +332,18 @@ def test_load_best_model_at_end_loads_the_best_checkpoints_weights(tmp_path: Pat
     assert max_diff({k: state[k] for k in saved}, saved) == 0.0
     last = load_file(str(tmp_path / "checkpoint-6" / "model.safetensors"))
     assert max_diff({k: state[k] for k in last}, last) > 1e-3  # not the last weights
+
+
+def test_the_config_argument_is_config_and_zero_config_still_works_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    from ds_strategy.core.warnings import DsStrategyDeprecationWarning
+
+    args = arguments(str(tmp_path), max_steps=1)
+    trainer = ZeroTrainer(model=model(), args=args, config="zero2")
+    assert trainer.zero_plugin.load({}).zero_optimization.stage == 2
+    with pytest.warns(DsStrategyDeprecationWarning, match=r"zero_config=\.\.\.\) is deprecated"):
+        old = ZeroTrainer(model=model(), args=args, zero_config="zero1")
+    assert old.zero_plugin.load({}).zero_optimization.stage == 1
+    with pytest.raises(TypeError, match="pass config= only"):
+        ZeroTrainer(model=model(), args=args, config="zero1", zero_config="zero1")

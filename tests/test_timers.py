@@ -93,7 +93,7 @@ def test_disabled_by_default_costs_nothing() -> None:
 def test_accelerate_trackers_receive_the_breakdown() -> None:
     from accelerate.tracking import GeneralTracker
 
-    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+    from ds_strategy.accelerate import ZeroAccelerator
 
     class ListTracker(GeneralTracker):
         name = "list"
@@ -112,9 +112,7 @@ def test_accelerate_trackers_receive_the_breakdown() -> None:
 
     tracker = ListTracker()
     config = {"zero_optimization": {"stage": 2}, "wall_clock_breakdown": True, "steps_per_print": 2}
-    accelerator = ZeroAccelerator(
-        zero_plugin=ZeroPlugin(config=config), log_with=[tracker], cpu=True
-    )
+    accelerator = ZeroAccelerator(config=config, log_with=[tracker], cpu=True)
     accelerator.init_trackers("breakdown")
     m = model()
     m, opt = accelerator.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))

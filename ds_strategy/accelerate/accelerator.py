@@ -19,7 +19,7 @@ from torch import nn
 from ..config import ZeroConfig
 from ..config.loop import apply_compile, apply_mixed_precision
 from ..core import ZeroEngine
-from ..core.warnings import FrontEndWarning
+from ..core.warnings import FrontEndWarning, renamed_argument
 from ..frontends.engines import move_real_tensors
 from ._engine import EngineFront
 from ._pipeline import PipelineFront
@@ -51,7 +51,9 @@ class ZeroAccelerator(Accelerator):
     for ``Accelerator`` runs unchanged, with consolidated weights and sharded checkpoints.
 
     Args:
-        zero_plugin: the ZeRO config; ``None``: ``ZeroPlugin()``, read from the environment.
+        config: the ZeRO config: a :class:`ZeroPlugin`, or what it takes (a preset's name, a
+            dict, a ``.json``/``.yaml`` path, a :class:`~ds_strategy.ZeroConfig`); ``None``:
+            read from the environment (``DS_STRATEGY_CONFIG``). ``zero_plugin=``: its old name.
         **kwargs: ``accelerate.Accelerator``'s. ``mixed_precision`` maps onto the config's
             ``fp16``/``bf16``; Accelerate's ``torch.compile`` settings (``dynamo_backend``,
             ``dynamo_plugin``, the accelerate config file's dynamo section) onto its
@@ -70,11 +72,10 @@ class ZeroAccelerator(Accelerator):
     ``loss = model.train_batch(x, y)`` (see ``ds_strategy.accelerate._pipeline``).
     """
 
-    def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
-        if args:
-            raise TypeError("ZeroAccelerator takes keyword arguments only")
+    def __init__(self, *, config: Any = None, zero_plugin: Any = None, **kwargs: Any) -> None:
         _refuse_other_engines(kwargs)
-        self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
+        config = renamed_argument("ZeroAccelerator", "zero_plugin", "config", zero_plugin, config)
+        self.zero_plugin = config if isinstance(config, ZeroPlugin) else ZeroPlugin(config=config)
         loaded = self.zero_plugin.load()
         if self._launched_on_cpu(kwargs):
             kwargs["cpu"] = True

@@ -19,12 +19,16 @@ by default only in code run as ``__main__`` (and pytest shows always).
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 __all__ = [
     "CheckpointWarning",
     "DsStrategyDeprecationWarning",
     "DsStrategyWarning",
     "FrontEndWarning",
     "PerformanceWarning",
+    "renamed_argument",
 ]
 
 
@@ -53,3 +57,22 @@ class FrontEndWarning(DsStrategyWarning, RuntimeWarning):
 class DsStrategyDeprecationWarning(DeprecationWarning):
     """A ds_strategy name or argument that still works and will be removed; the message says
     what replaces it."""
+
+
+def renamed_argument(owner: str, old: str, new: str, old_value: Any, new_value: Any) -> Any:
+    """The value of argument ``new`` of ``owner``, given under its deprecated name ``old``
+    (warned as :class:`DsStrategyDeprecationWarning`) or its new one; both is an error.
+
+    >>> renamed_argument("ZeroTrainer", "zero_config", "config", None, "zero3")
+    'zero3'
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"{owner}: pass {new}= only ({old}= is its deprecated name)")
+    warnings.warn(
+        f"{owner}({old}=...) is deprecated: pass {new}=... (the same value)",
+        DsStrategyDeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value

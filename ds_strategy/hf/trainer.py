@@ -43,6 +43,7 @@ from ..config import ZeroConfig
 from ..core.checkpoint.deepspeed.layout import find_deepspeed
 from ..core.checkpoint.deepspeed.opening import model_state
 from ..core.schedulers import load_scheduler_state
+from ..core.warnings import renamed_argument
 from ..frontends.engines import move_schedulers
 from ._args import fill_from_training_args
 from ._private import TrainerHooks, save_pretrained_state, scheduler_is_rebuilt
@@ -63,15 +64,16 @@ class ZeroTrainer(TrainerHooks, Trainer):
     Takes every argument ``Trainer`` takes, plus:
 
     Args:
-        zero_config: a DeepSpeed-style config (dict, ``.json``/``.yaml`` path,
-            :class:`~ds_strategy.ZeroConfig`), ``"auto"`` values allowed and filled from
-            ``args`` as transformers fills them for DeepSpeed. ``None``: from
+        config: a DeepSpeed-style config (a preset's name, a dict, a ``.json``/``.yaml``
+            path, a :class:`~ds_strategy.ZeroConfig`), ``"auto"`` values allowed and filled
+            from ``args`` as transformers fills them for DeepSpeed. ``None``: from
             ``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_*`` variables (see ``ZeroPlugin``).
+            ``zero_config=``: its old name.
 
     Start it as any Trainer script, with ``torchrun`` or ``accelerate launch``::
 
         trainer = ZeroTrainer(model=model, args=TrainingArguments(...),
-                              train_dataset=ds, zero_config="ds_config.json")
+                              train_dataset=ds, config="ds_config.json")
         trainer.train()
         trainer.save_model("out")  # model.safetensors, loads with from_pretrained
 
@@ -81,8 +83,11 @@ class ZeroTrainer(TrainerHooks, Trainer):
     without one the Trainer's ``lr_scheduler_type`` applies.
     """
 
-    def __init__(self, *args: Any, zero_config: Any = None, **kwargs: Any) -> None:
-        self.zero_plugin = ZeroPlugin(config=zero_config)
+    def __init__(
+        self, *args: Any, config: Any = None, zero_config: Any = None, **kwargs: Any
+    ) -> None:
+        config = renamed_argument("ZeroTrainer", "zero_config", "config", zero_config, config)
+        self.zero_plugin = ZeroPlugin(config=config)
         self._max_steps: int | None = None
         self.accelerator_args: dict[str, Any] = {}  # what the Trainer builds its Accelerator from
         super().__init__(*args, **kwargs)
@@ -94,7 +99,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         super().create_accelerator_and_postprocess()  # the Trainer's own arguments for it
         settings = dict(self.accelerator_args)
         settings.pop("kwargs_handlers", None)  # DistributedDataParallel's: there is no DDP here
-        self.accelerator = _TrainerAccelerator(zero_plugin=self.zero_plugin, **settings)
+        self.accelerator = _TrainerAccelerator(config=self.zero_plugin, **settings)
         self._loaded_config: ZeroConfig = self.accelerator.zero_config
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:
@@ -207,8 +212,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
 def _refuse_other_engines(args: Any) -> None:
     """Settings that select another engine, or that this one cannot honour, named with the fix."""
     refused = {
-        "deepspeed": "selects DeepSpeed's engine; pass the same config as "
-        "ZeroTrainer(zero_config=...)",
+        "deepspeed": "selects DeepSpeed's engine; pass the same config as ZeroTrainer(config=...)",
         "fsdp": "selects FSDP; ZeRO stage 3 is the equivalent here",
         "parallelism_config": "(tensor/context parallelism) is not supported by ZeroTrainer",
     }

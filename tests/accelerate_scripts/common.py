@@ -137,7 +137,7 @@ def save_on_main(accelerator: Accelerator, results: dict[str, Any], path: str) -
 def zero_accelerator(stage: int) -> Any:
     """A ``ZeroAccelerator`` at ``stage`` (every weight sharded at stage 3) whose batch sizes,
     accumulation and clipping are ``"auto"``: filled from the Accelerator and the loop."""
-    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+    from ds_strategy.accelerate import ZeroAccelerator
 
     config = {
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -146,6 +146,4 @@ def zero_accelerator(stage: int) -> Any:
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
     }
-    return ZeroAccelerator(
-        zero_plugin=ZeroPlugin(config=config), gradient_accumulation_steps=ACCUMULATION
-    )
+    return ZeroAccelerator(config=config, gradient_accumulation_steps=ACCUMULATION)

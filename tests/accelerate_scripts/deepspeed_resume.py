@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+from ds_strategy.accelerate import ZeroAccelerator
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed_checkpoints"
 sys.path.insert(0, str(DATA))
@@ -26,9 +26,7 @@ config = json.loads((DATA / "accelerate_s2" / "config.json").read_text())
 config["zero_optimization"]["stage"] = stage
 # a prepared scheduler steps once per process at each call; the fixture's Accelerate counted
 # one process, so once a step: step_scheduler_with_optimizer=False steps it once a call
-accelerator = ZeroAccelerator(
-    zero_plugin=ZeroPlugin(config=config), step_scheduler_with_optimizer=False
-)
+accelerator = ZeroAccelerator(config=config, step_scheduler_with_optimizer=False)
 share = WORLD * MICRO // accelerator.num_processes  # of each step's global batch
 net = model()
 opt = torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.01)

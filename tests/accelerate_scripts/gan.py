@@ -78,12 +78,10 @@ def weights(acc: Accelerator, objs: tuple[Any, ...]) -> dict[str, torch.Tensor]:
 
 
 def zero(stage: int) -> Any:
-    from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+    from ds_strategy.accelerate import ZeroAccelerator
 
     config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    return ZeroAccelerator(
-        zero_plugin=ZeroPlugin(config=config), gradient_accumulation_steps=ACCUMULATION
-    )
+    return ZeroAccelerator(config=config, gradient_accumulation_steps=ACCUMULATION)
 
 
 def zero_run(stage: int, ckpt: str) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def run(phase: str, ckpt: str, dp_size: int) -> dict:
         AcceleratorState._reset_state()
         precision = "bf16"
     accelerator = ZeroAccelerator(
-        zero_plugin=plugin, gradient_accumulation_steps=ACCUM, mixed_precision=precision
+        config=plugin, gradient_accumulation_steps=ACCUM, mixed_precision=precision
     )
     model, optimizer, loader, scheduler = accelerator.prepare(*build(dp_size, resumed))
     result: dict = {"losses": [], "seen": [], "lrs": []}

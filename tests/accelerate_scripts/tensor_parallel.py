@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+from ds_strategy.accelerate import ZeroAccelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests/
 
@@ -28,9 +28,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     out = parser.parse_args().out
     config = {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}
-    accelerator = ZeroAccelerator(
-        zero_plugin=ZeroPlugin(config=config), gradient_accumulation_steps=2
-    )
+    accelerator = ZeroAccelerator(config=config, gradient_accumulation_steps=2)
     model = gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     loader = DataLoader(TensorDataset(tokens()), batch_size=4, shuffle=False)

@@ -29,7 +29,7 @@ def main() -> None:
     config = {**HF_CONFIG, "zero_optimization": {"stage": stage}}
     net, data, args = hf_parts(tempfile.mkdtemp())
     arguments = args(per_device_train_batch_size=MICRO // world, use_cpu=True)
-    trainer = ZeroTrainer(model=net, args=arguments, train_dataset=data, zero_config=config)
+    trainer = ZeroTrainer(model=net, args=arguments, train_dataset=data, config=config)
     trainer.train(resume_from_checkpoint=str(DATA / "hf_s2" / "checkpoint"))
     got = trainer.accelerator.get_state_dict(trainer.model)
     if trainer.accelerator.is_main_process:

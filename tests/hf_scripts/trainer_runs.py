@@ -124,13 +124,9 @@ def parity(out: Path) -> dict[str, Any]:
     zero3 = json.loads((CONFIGS / "transformers__tests_zero3.json").read_text())
     _, results["plain_sections"] = run(Trainer, str(out / "p1"), all_decay=True)
     _, results["plain"] = run(Trainer, str(out / "p2"), all_decay=False)
-    t2, results["zero2_sections"] = run(
-        ZeroTrainer, str(out / "z2"), all_decay=True, zero_config=zero2
-    )
+    t2, results["zero2_sections"] = run(ZeroTrainer, str(out / "z2"), all_decay=True, config=zero2)
     results["zero2_config"] = _resolved(t2)
-    t3, results["zero3_sections"] = run(
-        ZeroTrainer, str(out / "z3"), all_decay=True, zero_config=zero3
-    )
+    t3, results["zero3_sections"] = run(ZeroTrainer, str(out / "z3"), all_decay=True, config=zero3)
     results["zero3_config"] = _resolved(t3)
     bare = {"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}
     compiled = {
@@ -139,7 +135,7 @@ def parity(out: Path) -> dict[str, Any]:
         "torch_compile_mode": "max-autotune-no-cudagraphs",  # reaches torch.compile's kwargs
     }
     tc, results["zero3_compiled"] = run(
-        ZeroTrainer, str(out / "z3c"), all_decay=False, zero_config=bare, args=compiled
+        ZeroTrainer, str(out / "z3c"), all_decay=False, config=bare, args=compiled
     )
     engine = tc.accelerator.zero_engine
     results["zero3_compiled"]["compile"] = (
@@ -148,7 +144,7 @@ def parity(out: Path) -> dict[str, Any]:
         engine.config.compile.kwargs.get("mode"),
     )
     results["zero3_compiled"]["report"] = engine.compile_report()
-    t, results["zero3"] = run(ZeroTrainer, str(out / "z3b"), all_decay=False, zero_config=bare)
+    t, results["zero3"] = run(ZeroTrainer, str(out / "z3b"), all_decay=False, config=bare)
     # the trained ZeRO-3 model: predictions through the Trainer, then saved and reloaded
     held_out = Tokens(8, 3)
     results["predicted"] = torch.as_tensor(t.predict(held_out).predictions)
@@ -201,7 +197,7 @@ def resume(out: Path, stage: int) -> dict[str, Any]:
             model=model(),
             args=arguments(folder, **saving),
             train_dataset=Tokens(SAMPLES, 1),
-            zero_config=config,
+            config=config,
         )
 
     whole = trainer(str(out / "whole"))
@@ -226,7 +222,7 @@ def tensor_parallel(out: Path) -> dict[str, Any]:
         args=arguments(str(out / "tp")),
         train_dataset=Tokens(SAMPLES, 1),
         eval_dataset=Tokens(8, 2),
-        zero_config=config,
+        config=config,
     )
     trainer.train()
     return {
