@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import time
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
     ap.add_argument("--plot", type=Path, help="monitor the run and draw its figures here")
     args = ap.parse_args()
+    # the engine's start summary and the package's warnings (a library leaves logging to you)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     files = sorted(args.text.rglob("*.md")) if args.text.is_dir() else [args.text]
     text = "\n".join(f.read_text(encoding="utf-8") for f in files)

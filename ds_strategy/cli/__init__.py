@@ -7,6 +7,7 @@ ds_strategy.cli`` run it too."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import torch
@@ -21,6 +22,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 def main(argv: list[str] | None = None) -> int:
     """Run the ``ds-strategy`` command on ``argv`` (default: ``sys.argv[1:]``); returns the
     exit status. ``--version``, ``--help`` and usage errors exit through ``SystemExit``."""
+    if not logging.getLogger().handlers:  # an application: show the package's INFO lines
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser(prog="ds-strategy", description="ds_strategy tools")
     parser.add_argument("--version", action="version", version=f"ds-strategy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
