@@ -13,7 +13,7 @@ from accelerate.state import AcceleratorState
 from torch import nn
 
 import ds_strategy
-from ds_strategy.accelerate import ZeroAccelerator
+from ds_strategy.accelerate import ZeroAccelerator, ZeroPlugin
 from tests.accelerate_scripts.launch import launch
 
 TOL = 2e-5
@@ -141,7 +141,7 @@ def test_pipeline_config_errors_before_the_model() -> None:
         ZeroAccelerator(config=PIPE, cpu=True)
     AcceleratorState._reset_state(True)
     with pytest.raises(ValueError, match="1 process.*do not divide into 2 stages"):
-        ZeroAccelerator(config=PIPE, loss_fn=_mse, cpu=True)
+        ZeroAccelerator(config=ZeroPlugin(config=PIPE, loss_fn=_mse), cpu=True)
     AcceleratorState._reset_state(True)
     # stages: 1 is no pipeline: the ordinary ZeRO path, no loss_fn needed
     one = ZeroAccelerator(config={"pipeline": {"stages": 1}}, cpu=True)

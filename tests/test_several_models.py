@@ -109,7 +109,8 @@ def gan_worker(rank: int, world: int, stage: int, zero_grad: bool) -> dict[str, 
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("ds_strategy")
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel: clears the children's cached levels
     try:
         gan_steps(g, d, step(d), step(g), slice(rank * ROWS, (rank + 1) * ROWS))
     finally:

@@ -40,3 +40,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    import torch
+
+    if torch.distributed.is_initialized():  # destroyed before exit (else gloo can abort)
+        torch.distributed.destroy_process_group()

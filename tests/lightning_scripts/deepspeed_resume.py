@@ -53,3 +53,6 @@ if trainer.global_rank == 0:
         "world": int(os.environ.get("WORLD_SIZE", devices)),
     }
     torch.save(results, ROOT / "results.pt")
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)

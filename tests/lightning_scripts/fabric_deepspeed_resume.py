@@ -49,3 +49,6 @@ for i in range(STEPS, STEPS + MORE):
 weights = fabric.strategy.engine.full_state_dict()
 if fabric.global_rank == 0:
     torch.save({"weights": weights, "loaded": loaded}, ROOT / "results.pt")
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)

@@ -122,3 +122,6 @@ for stage in (1, 2, 3):
 
 if rank() == 0:
     torch.save(results, ROOT / "results.pt")
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)

@@ -126,3 +126,6 @@ if rank() == 0:
 
     results["init_module_weights"] = load_file(str(ROOT / "init_module.safetensors"))
     torch.save(results, ROOT / "results.pt")
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)

@@ -150,3 +150,6 @@ if rank() == 0:
         k: v.detach().clone() for k, v in plain.layers.state_dict().items()
     }
     torch.save(results, ROOT / "results.pt")
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)

@@ -141,3 +141,6 @@ expect(
     lambda: L.Fabric(accelerator="cpu", devices=1, strategy="zero2", precision="64-true"),
 )
 (ROOT / "results.json").write_text(json.dumps({"precision": precision, "errors": errors}, indent=1))
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)

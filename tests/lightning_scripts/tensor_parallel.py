@@ -74,3 +74,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # destroyed before exit (else gloo can abort)
+        torch.distributed.destroy_process_group()

@@ -181,3 +181,6 @@ results["zero2_fp16"] = fit("zero2_fp16_toggled", ZeroStrategy(stage=2, config=F
 
 if rank() == 0:
     torch.save(results, ROOT / "results.pt")
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)

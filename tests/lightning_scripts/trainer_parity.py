@@ -165,3 +165,6 @@ if rank() == 0:
     results["rot_dirs"] = sorted(p.name for p in (ROOT / "z3_rot").iterdir())
     results["epoch0_is_dir"] = Path(epoch0).is_dir()
     torch.save(results, ROOT / "results.pt")
+
+if torch.distributed.is_initialized():  # the end of the job: destroyed before the interpreter
+    torch.distributed.destroy_process_group()  # exits (left to its destructors, gloo can abort)
