@@ -30,8 +30,8 @@ from .distributed import run_ranks
 KEYS = {
     "step", "world_size", "dp_size", "mp_size", "batch_size", "params", "fwd_flops",
     "fwd_macs", "bwd_flops", "train_flops", "recompute_fwd_factor", "fwd_latency_s",
-    "bwd_latency_s", "step_latency_s", "iter_latency_s", "latency_step", "fwd_tflops",
-    "bwd_tflops", "fwd_bwd_tflops", "achieved_tflops", "peak_tflops", "peak_source", "mfu",
+    "bwd_latency_s", "fwd_bwd_latency_s", "step_latency_s", "iter_latency_s", "latency_step",
+    "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "achieved_tflops", "peak_tflops", "peak_source", "mfu",
     "samples_per_second", "modules",
 }  # fmt: skip
 GPT_SHAPE = GPTConfig(vocab=256, d=32, layers=2, heads=4, seq=16)
@@ -61,6 +61,7 @@ def test_linear_flops_are_exact_and_the_profile_is_written(tmp_path: Path) -> No
     assert (r["step"], r["latency_step"], r["batch_size"]) == (1, 0, 5)
     assert r["peak_source"].startswith("measured") and 0 < r["mfu"] < 1
     assert r["fwd_latency_s"] > 0 and r["iter_latency_s"] >= r["fwd_latency_s"]
+    assert r["fwd_bwd_latency_s"] == pytest.approx(r["fwd_latency_s"] + r["bwd_latency_s"])
     text = out.read_text()
     assert "DeepSpeed Flops Profiler" in text and "Profile Summary at step 1:" in text
     assert "(0): Linear(" in text and "fwd MACs per GPU:" in text

@@ -216,58 +216,36 @@ class FlopsProfiler:
         }
         if self.stage is not None:
             report.update(pipeline_stage=self.stage, micro_batches=self.micro_batches)
-            report.update(self._schedule_rates(fwd_flops, peak))
-        else:
-            report.update(self._rates(fwd_flops, peak))
+        report.update(self._rates(fwd_flops, peak))
         return report
 
-    def _schedule_rates(self, fwd_flops: int, peak: float) -> dict[str, Any]:
-        """A pipeline stage's rates (see [Note: a pipeline stage's profile])."""
-        factor = 2 + float(self.config.recompute_fwd_factor)
-        plain = {"schedule", "step"} <= set(self._plain)
-        times = self._plain if plain else self._times
-        sched, step = times.get("schedule", 0.0), times.get("step", 0.0)
-        it = sched + step
-        per_step = (1 + factor) * fwd_flops * self.micro_batches
-        tf = lambda flops, s: flops / s / 1e12 if s > 0 else 0.0  # noqa: E731
-        return {
-            "bwd_flops": factor * fwd_flops,
-            "train_flops": (1 + factor) * fwd_flops,
-            "fwd_latency_s": None,
-            "bwd_latency_s": None,
-            "fwd_bwd_latency_s": sched,
-            "step_latency_s": step,
-            "iter_latency_s": it,
-            "fwd_tflops": None,
-            "bwd_tflops": None,
-            "fwd_bwd_tflops": tf(per_step, sched),
-            "achieved_tflops": tf(per_step, it),
-            "mfu": tf(3 * fwd_flops * self.micro_batches, it) / peak if peak > 0 else 0.0,
-            "samples_per_second": self._batch * self.micro_batches / it if it > 0 else 0.0,
-            "latency_step": self.config.profile_step - 1 if plain else self.config.profile_step,
-        }
-
     def _rates(self, fwd_flops: int, peak: float) -> dict[str, Any]:
-        """Latencies, FLOPS and MFU from the phase times (see [Note: training FLOPs and MFU])."""
+        """Latencies, FLOPS and MFU from the phase times (see [Note: training FLOPs and MFU]);
+        a pipeline stage's from its schedule and step (see [Note: a pipeline stage's
+        profile]), over its ``micro_batches`` forwards (1 outside a pipeline)."""
         factor = 2 + float(self.config.recompute_fwd_factor)
-        plain = len(self._plain) == 3
-        times = self._plain if plain else self._times
-        fwd, bwd, step = (times.get(k, 0.0) for k in ("fwd", "bwd", "step"))
-        it = fwd + bwd + step
+        split = self.stage is None  # forward and backward timed apart
+        phases = ("fwd", "bwd", "step") if split else ("schedule", "step")
+        plain = set(phases) <= set(self._plain)
+        t = {k: (self._plain if plain else self._times).get(k, 0.0) for k in phases}
+        fwd_bwd = t["fwd"] + t["bwd"] if split else t["schedule"]
+        it = fwd_bwd + t["step"]
+        m = self.micro_batches
         tf = lambda flops, s: flops / s / 1e12 if s > 0 else 0.0  # noqa: E731
         return {
             "bwd_flops": factor * fwd_flops,
             "train_flops": (1 + factor) * fwd_flops,
-            "fwd_latency_s": fwd,
-            "bwd_latency_s": bwd,
-            "step_latency_s": step,
+            "fwd_latency_s": t["fwd"] if split else None,
+            "bwd_latency_s": t["bwd"] if split else None,
+            "fwd_bwd_latency_s": fwd_bwd,
+            "step_latency_s": t["step"],
             "iter_latency_s": it,
-            "fwd_tflops": tf(fwd_flops, fwd),
-            "bwd_tflops": tf(factor * fwd_flops, bwd),
-            "fwd_bwd_tflops": tf((1 + factor) * fwd_flops, fwd + bwd),
-            "achieved_tflops": tf((1 + factor) * fwd_flops, it),
-            "mfu": tf(3 * fwd_flops, it) / peak if peak > 0 else 0.0,
-            "samples_per_second": self._batch / it if it > 0 else 0.0,
+            "fwd_tflops": tf(fwd_flops, t["fwd"]) if split else None,
+            "bwd_tflops": tf(factor * fwd_flops, t["bwd"]) if split else None,
+            "fwd_bwd_tflops": tf((1 + factor) * fwd_flops * m, fwd_bwd),
+            "achieved_tflops": tf((1 + factor) * fwd_flops * m, it),
+            "mfu": tf(3 * fwd_flops * m, it) / peak if peak > 0 else 0.0,
+            "samples_per_second": self._batch * m / it if it > 0 else 0.0,
             "latency_step": self.config.profile_step - 1 if plain else self.config.profile_step,
         }
 
