@@ -5,8 +5,10 @@ on the package logger, one child per module), the summary an engine logs once bu
 from __future__ import annotations
 
 import importlib
+import io
 import logging
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -247,3 +249,28 @@ def test_warnings_are_given_with_their_kind(tmp_path: Path) -> None:
         warnings.simplefilter("always")
         assert swap.committed(final) == tmp_path / "step1.old"
     assert [w.category for w in caught] == [CheckpointWarning], caught
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("off", [False, True])
+def test_on_a_terminal_progress_is_a_tqdm_bar(off: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds_strategy.core.progress import Progress
+
+    monkeypatch.setenv("DS_STRATEGY_PROGRESS", "0" if off else "1")
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    progress = Progress("building the ZeRO-3 model", 4, rank=0, unit="units", every=0)
+    for _ in range(4):
+        progress.advance()
+    progress.done()
+    shown = terminal.getvalue()
+    if off:
+        assert progress.bar is None and shown == ""
+        return
+    assert "building the ZeRO-3 model" in shown and "4/4" in shown and "units" in shown
+    assert Progress("x", 4, rank=1, every=0).bar is None  # rank 0 only

@@ -1,8 +1,10 @@
 """Progress of long operations, on rank 0: building a large model unit by unit (and writing
 it to NVMe), the first swap-out, a checkpoint save or load of swapped state.
 
-Lines go to the ``ds_strategy.core.progress`` logger at INFO (shown once the application
-configures logging, see ``ds_strategy/_logging.py``), at most every
+On a terminal (rank 0's stderr is a TTY) the progress is a ``tqdm`` bar, shown once an
+operation has lasted ``DS_STRATEGY_PROGRESS_EVERY`` seconds (default 10). Elsewhere (a log
+file, a batch job) it is lines to the ``ds_strategy.core.progress`` logger at INFO (shown once
+the application configures logging, see ``ds_strategy/_logging.py``), at most every
 ``DS_STRATEGY_PROGRESS_EVERY`` seconds (default 10) and once at the end of an operation that
 logged or lasted that long, so a short operation says nothing. ``DS_STRATEGY_PROGRESS=0``
 silences them, and so does ``TQDM_DISABLE=1``, the switch a job already uses to turn off its
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
+from typing import Any
 
 __all__ = ["Progress", "progress_enabled"]
 
@@ -54,9 +58,27 @@ class Progress:
         self.count = 0
         self.start = self._last = time.monotonic()
         self.logged = False
+        self.bar = self._bar() if self.on else None
+
+    def _bar(self) -> Any:
+        """A tqdm bar when rank 0 writes to a terminal, else None (log lines)."""
+        if not sys.stderr.isatty():
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=self.total or None,
+            desc=self.what,
+            unit=f" {self.unit}" if self.unit else "it",
+            delay=self.every,
+            dynamic_ncols=True,
+        )
 
     def advance(self, n: int = 1) -> None:
         self.count += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
         if not self.on:
             return
         now = time.monotonic()
@@ -65,6 +87,9 @@ class Progress:
             self._log(now)
 
     def done(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            return
         if self.on and (self.logged or time.monotonic() - self.start >= self.every):
             self._log(time.monotonic(), end=True)
 
