@@ -63,3 +63,29 @@ def test_the_example_of_each_front_end_trains(front_end: str, tmp_path: Path) ->
     assert found, out[-3000:]
     assert int(found.group(1)) == STEPS
     assert float(found.group(2)) < _uniform_loss()
+
+
+@pytest.mark.launcher
+def test_the_tutorials_script_trains_saves_and_resumes_elsewhere(tmp_path: Path) -> None:
+    """docs/tutorials/first-steps.md: 2 processes at ZeRO-3 save; 1 process at ZeRO-1 resumes."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DS_STRATEGY_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1")
+    script = str(EXAMPLES / "first_steps.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    first = run_command(
+        [*torchrun, f"--master-port={free_port()}", script, "--stage", "3", "--steps", "10",
+         "--save", "ckpt"],
+        tmp_path, env, 240, "first_steps.py",
+    )  # fmt: skip
+    assert "ZeRO-3 on 2 rank(s)" in first and "saved ckpt at step 10" in first
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+    second = run_command(
+        [sys.executable, script, "--stage", "1", "--resume", "ckpt", "--steps", "10"],
+        tmp_path, env, 240, "first_steps.py --resume",
+    )  # fmt: skip
+    assert "resumed ckpt at step 10" in second and "step 20  loss" in second
+    half, whole = (
+        float(re.search(rf"ZeRO-{s} on {n} rank\(s\): ([\d.]+) MiB", out).group(1))
+        for s, n, out in ((3, 2, first), (1, 1, second))
+    )
+    assert half == pytest.approx(whole / 2, rel=0.02)  # every parameter sharded over 2 ranks

@@ -16,6 +16,7 @@ topology-aware collectives split a collective into groups that lie wholly on one
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -475,7 +476,19 @@ def init_process_group_from_env(timeout_s: float | None = None) -> bool:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     kwargs.update(_restart_store(env, kwargs.get("timeout")))
     dist.init_process_group(backend=backend, **kwargs)
+    atexit.register(_destroy_at_exit)
     return True
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the default group this package created, at interpreter exit, while Python is
+    still whole, unless the program did. Left to exit-time destructors, gloo's worker threads can
+    still hold work whose tensors then need the interpreter being torn down, and the process
+    aborts ("terminate called without an active exception"), failing a run that had finished
+    its work. Destroying a group is local to the process (no collective)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # exiting: a failure here must not mask the exit
+            dist.destroy_process_group()
 
 
 def _restart_store(env: os._Environ, timeout: datetime.timedelta | None) -> dict:
