@@ -476,6 +476,7 @@ def init_process_group_from_env(timeout_s: float | None = None) -> bool:
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
     kwargs.update(_restart_store(env, kwargs.get("timeout")))
     dist.init_process_group(backend=backend, **kwargs)
+    atexit.unregister(_destroy_at_exit)  # once, however many groups a process creates
     atexit.register(_destroy_at_exit)
     return True
 
