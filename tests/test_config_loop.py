@@ -1,13 +1,14 @@
 """A loop's ``torch.compile`` request merged into the config's ``compile`` section
 (``config.loop.apply_compile``), as Accelerate's dynamo settings are; a config given in code
-or read from the environment (``config.loop.code_or_env_config``), as ``ZeroPlugin``'s is."""
+or read from the environment (``config.loop.code_or_env_config``), as ``ZeroPlugin``'s is; an
+engine's rejection of the precision section a loop flag enabled names the flag."""
 
 from __future__ import annotations
 
 import pytest
 
 from ds_strategy.config import load_config
-from ds_strategy.config.loop import apply_compile, code_or_env_config
+from ds_strategy.config.loop import apply_compile, blaming_precision_flag, code_or_env_config
 
 
 def test_no_backend_leaves_the_config() -> None:
@@ -41,3 +42,22 @@ def test_a_config_in_code_ignores_the_environment_saying_so() -> None:
     assert cfg.zero_optimization.stage == 1 and cfg.gradient_clipping == 2.0
     with pytest.raises(ValueError, match="Plugin.overrides"):
         code_or_env_config(given, {}, {"zero_optimization.stag": 2}, "Plugin")
+
+
+def test_an_engine_error_names_the_precision_flag_that_enabled_the_section() -> None:
+    cfg = load_config({"bf16": {"enabled": True}})
+    flag = r"^Fabric\(precision='bf16-mixed'\) sets bf16.enabled"
+    with (
+        pytest.raises(ValueError, match=flag) as e,
+        blaming_precision_flag(cfg, "Fabric", "bf16-mixed"),
+    ):
+        raise ValueError("bf16 needs X")
+    assert str(e.value).endswith("which the engine rejected: bf16 needs X")
+    plain = load_config({})  # no precision section enabled: the error as it is
+    with (
+        pytest.raises(ValueError, match="^stage 9$"),
+        blaming_precision_flag(plain, "Trainer", "32-true"),
+    ):
+        raise ValueError("stage 9")
+    with pytest.raises(TypeError), blaming_precision_flag(cfg, "Fabric", "bf16-mixed"):
+        raise TypeError("bad call")  # not a rejection of the config

@@ -17,7 +17,12 @@ from ds_strategy.config import load_config
 from ds_strategy.core.loop import clipped_engine
 from ds_strategy.core.optimizers import engine_schedule, optimizer_to_shard
 from ds_strategy.core.pipeline.mesh import loader_micro_batch
-from ds_strategy.core.several import backward_of_models, pair_optimizers, param_groups
+from ds_strategy.core.several import (
+    PendingSteps,
+    backward_of_models,
+    pair_optimizers,
+    param_groups,
+)
 
 
 def _engines(*modules: nn.Module) -> list[SimpleNamespace]:
@@ -139,3 +144,25 @@ def test_under_fp16_a_backward_must_reach_one_model() -> None:
         backward_of_models(disc(gen(x)).float().square().mean(), [gen, disc], boundary=True)
     loss = disc(gen(x).detach()).float().square().mean()
     assert backward_of_models(loss, [gen, disc], boundary=True) == [False, True]
+
+
+def test_a_loop_deciding_its_boundaries_steps_the_engines_it_reached() -> None:
+    gen, disc = _two_models({})
+    steps = PendingSteps([disc, gen])
+    x = torch.randn(4, 3)
+    steps.backward(disc(gen(x).detach()).square().mean(), boundary=False, accumulation_steps=2)
+    assert steps.step(disc, boundary=False) is None and disc.global_steps == 0  # a micro-step
+    with pytest.raises(RuntimeError, match="^not reduced yet$"):
+        steps.clip(disc.module.parameters(), 1.0, 2, "not reduced yet")
+    steps.backward(disc(gen(x)).square().mean(), boundary=True, accumulation_steps=2)
+    assert steps.pending == {disc: True, gen: True}  # the generator's loss reached both
+    before = [p.detach().clone() for p in gen.module.parameters()]
+    norm = steps.clip(gen.module.parameters(), 1e-3, 2, "not reduced yet")
+    assert norm > 1e-3
+    assert steps.step(gen, boundary=True) is False and gen.global_steps == 1
+    assert gen.get_global_grad_norm() == pytest.approx(norm)
+    assert any(not torch.equal(b, p) for b, p in zip(before, gen.module.parameters(), strict=True))
+    assert steps.step(gen, boundary=True) is None  # its step ran: nothing pending
+    assert steps.pending == {disc: True, gen: False}
+    steps.forget()
+    assert steps.step(disc, boundary=True) is None and disc.global_steps == 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -25,16 +24,16 @@ from accelerate.scheduler import AcceleratedScheduler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..config.loop import fill_auto
+from ..config.loop import fill_auto, model_hidden_size
 from ..core import ZeroEngine
-from ..core.loop import clipped_engine, norm_only
+from ..core.loop import norm_only
 from ..core.optimizers import engine_schedule
-from ..core.several import backward_of_models, pair_optimizers
+from ..core.several import PendingSteps, pair_optimizers
 from ..frontends.engines import move_real_tensors, move_schedulers, timing_sink
 from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import is_prepared, track
 
-__all__ = ["EngineFront", "Slot", "ZeroOptimizerWrapper"]
+__all__ = ["EngineFront", "ZeroOptimizerWrapper"]
 
 
 class ZeroOptimizerWrapper(EngineOptimizer):
@@ -44,10 +43,15 @@ class ZeroOptimizerWrapper(EngineOptimizer):
 
     engine: ZeroEngine
 
-    def __init__(self, slot: Slot, front: EngineFront) -> None:
-        super().__init__(slot.engine)
-        self.slot = slot
+    def __init__(self, engine: ZeroEngine, front: EngineFront, user_optimizer: Any) -> None:
+        super().__init__(engine)
         self.front = front
+        self.user_optimizer = weakref.ref(user_optimizer)
+
+    def owns(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` is this model's: the user's, this wrapper, or the engine's."""
+        mine = (self.user_optimizer(), self, self.engine.optimizer)
+        return optimizer is not None and any(optimizer is o for o in mine)
 
     def step(self, closure: object = None) -> None:
         if closure is not None:
@@ -55,35 +59,13 @@ class ZeroOptimizerWrapper(EngineOptimizer):
                 "optimizer.step(closure) is not supported by ZeroAccelerator: the engine steps "
                 "once per accumulation boundary; compute the loss before calling step()"
             )
-        if not self.slot.step_pending or not self.front.acc.sync_gradients:
-            return  # as Accelerate's optimizer, which steps at a boundary only
-        self.engine.set_gradient_accumulation_boundary(True)
-        before = self.engine.skipped_steps
-        try:
-            self.engine.step()
-        finally:
-            self.slot.step_pending = False
-        self.skipped = self.engine.skipped_steps != before
+        skipped = self.front.steps.step(self.engine, self.front.acc.sync_gradients)
+        if skipped is not None:  # as Accelerate's optimizer, which steps at a boundary only
+            self.skipped = skipped
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.front.several and self.front.acc.sync_gradients:
             self.engine.zero_grad()
-
-
-@dataclass(eq=False)
-class Slot:
-    """One prepared model: its engine, and for a trained one its optimizer wrapper and whether
-    a boundary backward left its step pending (see the module note)."""
-
-    engine: ZeroEngine
-    wrapper: ZeroOptimizerWrapper | None = None  # None: frozen, sharded for evaluation
-    user_optimizer: weakref.ref[Any] | None = None
-    step_pending: bool = False
-
-    def steps(self, optimizer: Any) -> bool:
-        """Whether ``optimizer`` is this model's: the user's, its wrapper, or the engine's."""
-        mine = (self.user_optimizer and self.user_optimizer(), self.wrapper, self.engine.optimizer)
-        return optimizer is not None and any(optimizer is o for o in mine)
 
 
 # [Note: several models]
@@ -103,32 +85,20 @@ class EngineFront(Front):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.slots: list[Slot] = []
-
-    @property
-    def zero_engine(self) -> ZeroEngine | None:
-        return self.trained
+        self.prepared: list[ZeroEngine] = []  # every model's engine, trained or frozen
+        self.wrappers: dict[ZeroEngine, ZeroOptimizerWrapper] = {}  # a trained one's optimizer
+        self.steps = PendingSteps()  # the trained engines (see the module note)
 
     @property
     def several(self) -> bool:
         """Whether more than one trained model was prepared (see [Note: several models])."""
-        return len(self._trained_slots()) > 1
-
-    def _trained_slots(self) -> list[Slot]:
-        return [s for s in self.slots if s.wrapper is not None]
-
-    def slot_of(self, model: Any) -> Slot | None:
-        for slot in self.slots:
-            if any(model is m for m in (slot.engine, slot.engine.module)):
-                return slot
-        return None
+        return len(self.wrappers) > 1
 
     def engine_of(self, model: Any) -> ZeroEngine | None:
-        slot = self.slot_of(model)
-        return slot.engine if slot is not None else None
+        return next((e for e in self.prepared if model is e or model is e.module), None)
 
     def owns_optimizer(self, optimizer: Any) -> bool:
-        return any(optimizer is s.wrapper for s in self.slots if s.wrapper is not None)
+        return any(optimizer is w for w in self.wrappers.values())
 
     def prepare_loader(self, loader: DataLoader) -> Any:
         if loader.batch_size is not None:
@@ -146,7 +116,7 @@ class EngineFront(Front):
     ) -> list[tuple[int, int | None]]:
         """Each optimizer with the model holding its parameters; a model without one must be
         frozen (see [Note: several models])."""
-        if len(models) == 1 and len(opts) == 1 and not self.slots:
+        if len(models) == 1 and len(opts) == 1 and not self.prepared:
             return super().pair_up(args, models, opts, scheds)  # one model: any scheduler
         if scheds:
             raise ValueError(
@@ -164,13 +134,11 @@ class EngineFront(Front):
 
     def _resolved(self, model: nn.Module, user_opt: Any, dummy: Any) -> Any:
         groups = getattr(user_opt, "param_groups", None)
-        config = getattr(model, "config", None)  # a Hugging Face model's
-        hidden, sizes = getattr(config, "hidden_size", None), getattr(config, "hidden_sizes", None)
         facts = self.facts(
             user_opt,
             self.acc.num_processes // self.tensor_parallel_size,  # data-parallel ranks
             min(self.batch_sizes, default=None),  # Accelerate's is_train_batch_min default
-            hidden_size=max(sizes) if hidden is None and sizes else hidden,
+            hidden_size=model_hidden_size(model),
             base_lr=float(groups[0]["lr"]) if groups else None,  # a DummyOptim's: optimizer_lr
             warmup_num_steps=getattr(dummy, "warmup_num_steps", None),
             total_num_steps=getattr(dummy, "total_num_steps", None),
@@ -187,14 +155,14 @@ class EngineFront(Front):
         if engine.timers is not None:  # wall_clock_breakdown: also to the trackers, once started
             engine.timers.add_sink(timing_sink(self._log))
         self.adopt_steps(engine.gradient_accumulation_steps)
-        slot = Slot(engine, user_optimizer=weakref.ref(user_opt))
-        slot.wrapper = ZeroOptimizerWrapper(slot, self)
-        self.slots.append(slot)
+        wrapper = self.wrappers[engine] = ZeroOptimizerWrapper(engine, self, user_opt)
+        self.prepared.append(engine)
+        self.steps.add(engine)
         if self.trained is None:
             self.trained = self.model = engine
-        for s in self._trained_slots():  # see [Note: several models]
-            s.engine.keep_foreign_grads = self.several
-        return engine, slot.wrapper, self.register(engine, slot.wrapper, engine.lr_scheduler)
+        for trained in self.wrappers:  # see [Note: several models]
+            trained.keep_foreign_grads = self.several
+        return engine, wrapper, self.register(engine, wrapper, engine.lr_scheduler)
 
     def build_frozen(self, model: nn.Module) -> nn.Module:
         """A model prepared without an optimizer: frozen, sharded for evaluation."""
@@ -208,7 +176,7 @@ class EngineFront(Front):
         resolved = self._resolved(model, None, None).replace(optimizer=None, scheduler=None)
         move_real_tensors(model, self.acc.device)
         engine = ZeroEngine(model, None, resolved)
-        self.slots.append(Slot(engine))
+        self.prepared.append(engine)
         track(self.acc, "model", engine)
         return engine
 
@@ -221,9 +189,9 @@ class EngineFront(Front):
         if is_prepared(scheduler):
             return scheduler
         bound = getattr(scheduler, "optimizer", None)
-        slot = next((s for s in self._trained_slots() if s.steps(bound)), None)
-        if slot is None:
-            if not self._trained_slots():
+        wrapper = next((w for w in self.wrappers.values() if w.owns(bound)), None)
+        if wrapper is None:
+            if not self.wrappers:
                 raise ValueError(
                     "prepare the model and optimizer before (or together with) the lr scheduler"
                 )
@@ -231,10 +199,10 @@ class EngineFront(Front):
                 "the lr scheduler is built on an optimizer this ZeroAccelerator did not prepare; "
                 "build it on the optimizer passed to (or returned by) prepare()"
             )
-        move_schedulers(slot.engine, [scheduler])
+        move_schedulers(wrapper.engine, [scheduler])
         out = AcceleratedScheduler(
             scheduler,
-            slot.wrapper,
+            wrapper,
             step_with_optimizer=self.acc.step_scheduler_with_optimizer,
             split_batches=self.acc.split_batches,
         )
@@ -242,35 +210,25 @@ class EngineFront(Front):
         return out
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        trained = self._trained_slots()
-        if not trained:
+        if not self.steps.engines:
             return Accelerator.backward(self.acc, loss, **kwargs)
         unknown = sorted(set(kwargs) - {"retain_graph"})
         if unknown:
             raise TypeError(f"ZeroAccelerator.backward does not support {', '.join(unknown)}")
-        boundary = self.acc.sync_gradients
-        for slot in trained:
-            # Accelerate's setter may change the steps after prepare(); its value divides the loss
-            slot.engine.gradient_accumulation_steps = self.acc.gradient_accumulation_steps
-        engines, retain = [s.engine for s in trained], bool(kwargs.get("retain_graph", False))
-        reached_by = backward_of_models(loss, engines, boundary, retain)
-        for slot, reached in zip(trained, reached_by, strict=True):
-            if boundary and reached:
-                slot.step_pending = True
-            elif not boundary and reached and not slot.step_pending:
-                slot.engine.step()  # not a boundary: only counts the micro-step
+        # Accelerate's setter may change the steps after prepare(); its value divides the loss
+        steps, retain = self.acc.gradient_accumulation_steps, bool(kwargs.get("retain_graph"))
+        self.steps.backward(loss, self.acc.sync_gradients, steps, retain)
 
     def check_accumulate(self) -> None:
         """Accelerate's ``accumulate()`` drives the engine's boundaries (see the module note)."""
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        slot = self.slot_of(model)
-        if slot is None or slot.wrapper is None:
+        engine = self.engine_of(model)
+        if engine not in self.wrappers:  # not prepared here, or frozen
             with Accelerator.no_sync(self.acc, model):
                 yield
             return
-        engine = slot.engine
         # Stages 2/3 reduce every backward into the gradient shards: skipping that would hold
         # full-size unreduced gradients, as Accelerate's DeepSpeed integration also avoids.
         with engine.no_sync() if engine.stage < 2 else contextlib.nullcontext():
@@ -279,24 +237,21 @@ class EngineFront(Front):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float
     ) -> torch.Tensor:
-        trained = self._trained_slots()
-        if not trained:
+        if not self.steps.engines:
             return Accelerator.clip_grad_norm_(self.acc, parameters, max_norm, norm_type)
-        engines = [s.engine for s in trained]
-        slot = trained[clipped_engine(engines, parameters, max_norm, norm_type)]
-        if not slot.step_pending:
-            where = (
-                "before accelerator.backward(loss) or after optimizer.step()"
-                if self.acc.sync_gradients
-                else "at a micro-step that is not an accumulation boundary "
-                "(accelerator.sync_gradients is False)"
-            )
-            raise RuntimeError(
-                f"clip_grad_norm_ was called {where}; ZeRO clips the reduced, accumulated "
-                "gradients of an optimizer step: call it under `if accelerator.sync_gradients:` "
-                "between backward and optimizer.step()"
-            )
-        return torch.tensor(slot.engine.clip_grad_norm_(float(max_norm)), device=self.acc.device)
+        where = (
+            "before accelerator.backward(loss) or after optimizer.step()"
+            if self.acc.sync_gradients
+            else "at a micro-step that is not an accumulation boundary "
+            "(accelerator.sync_gradients is False)"
+        )
+        unpending = (
+            f"clip_grad_norm_ was called {where}; ZeRO clips the reduced, accumulated "
+            "gradients of an optimizer step: call it under `if accelerator.sync_gradients:` "
+            "between backward and optimizer.step()"
+        )
+        norm = self.steps.clip(parameters, max_norm, norm_type, unpending)
+        return torch.tensor(norm, device=self.acc.device)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         if self.trained is None:
@@ -304,13 +259,12 @@ class EngineFront(Front):
         raise RuntimeError(norm_only("clip_grad_value_", "accelerator.clip_grad_norm_"))
 
     def engines(self) -> dict[str, ZeroEngine]:  # type: ignore[override]
-        return {f"model_{i}": s.engine for i, s in enumerate(self.slots)}
+        return {f"model_{i}": engine for i, engine in enumerate(self.prepared)}
 
     def load_state(self, input_dir: str | None, trust_checkpoint: bool) -> None:
-        for slot in self.slots:
-            slot.step_pending = False
+        self.steps.forget()
         super().load_state(input_dir, trust_checkpoint)
 
     def free(self) -> None:
         super().free()
-        self.slots = []
+        self.prepared, self.wrappers, self.steps = [], {}, PendingSteps()

@@ -35,7 +35,6 @@ from torch.utils.data import DataLoader
 
 from ..config import ZeroConfig
 from ..config.loop import LoopFacts
-from ..core import ZeroEngine
 from ..core.checkpoint.deepspeed.layout import engine_dir
 from ..core.checkpoint.trust import loads
 from ..core.collectives import Comm
@@ -94,10 +93,6 @@ class Front:
         self.adopt_steps: Callable[[int], None] = lambda steps: None  # set by the accelerator
         self.model: nn.Module | None = None
         self.batch_sizes: list[int] = []  # of the loaders prepared, per (data-parallel) rank
-
-    @property
-    def zero_engine(self) -> ZeroEngine | None:
-        return None
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -182,7 +182,8 @@ class ZeroAccelerator(Accelerator):
     @property
     def zero_engine(self) -> ZeroEngine | None:
         """The engine ``prepare`` built (``None`` before, and under a pipeline config)."""
-        return self._front.zero_engine
+        trained = self._front.trained
+        return trained if isinstance(trained, ZeroEngine) else None
 
     @property
     def zero_config(self) -> ZeroConfig:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "apply_loop_flags",
     "apply_mixed_precision",
     "apply_precision",
+    "blaming_precision_flag",
     "base_config",
     "check_precision",
     "code_or_env_config",
@@ -57,6 +59,7 @@ __all__ = [
     "fill_auto",
     "fill_from_arguments",
     "loop_fills",
+    "model_hidden_size",
 ]
 
 ConfigSource = ZeroConfig | dict[str, Any] | str | os.PathLike | None
@@ -102,6 +105,21 @@ _HIDDEN_SIZE_FILLS: dict[str, tuple[Callable[[int], int], bool]] = {
 def hidden_size_keys(stage: int | None = None) -> list[str]:
     """The keys derived from the hidden size; with ``stage``, those that matter at it."""
     return [k for k, (_, stage3) in _HIDDEN_SIZE_FILLS.items() if stage in (None, 3) or not stage3]
+
+
+def model_hidden_size(model: Any) -> int | None:
+    """The hidden size in ``model.config`` (a Hugging Face model's): its ``hidden_size``, the
+    largest of its ``hidden_sizes``, or its text config's, as transformers reads it for
+    DeepSpeed's bucket sizes; None for a model without one."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        if getattr(cfg, "hidden_size", None) is not None:
+            return int(cfg.hidden_size)
+        if getattr(cfg, "hidden_sizes", None):
+            return int(max(cfg.hidden_sizes))
+    return None
 
 
 def loop_fills(facts: LoopFacts, *, stage: int | None = None) -> dict[str, Any]:
@@ -477,3 +495,19 @@ def apply_loop_flags(
     return apply_precision(
         cfg, check_precision(precision, front), f"{front}(precision={precision!r})"
     )
+
+
+@contextmanager
+def blaming_precision_flag(cfg: ZeroConfig, front: str, precision: str) -> Iterator[None]:
+    """Around building an engine from ``cfg``: a ``ValueError`` about the ``fp16``/``bf16``
+    section that ``front(precision=...)`` enabled names that flag, the loop's side of it."""
+    try:
+        yield
+    except ValueError as err:
+        for key in ("fp16", "bf16"):
+            if getattr(cfg, key).enabled is True:
+                raise ValueError(
+                    f"{front}(precision={precision!r}) sets {key}.enabled=true in the ZeRO "
+                    f"config, which the engine rejected: {err}"
+                ) from err
+        raise

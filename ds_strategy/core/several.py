@@ -29,7 +29,7 @@ Checkpoints hold every engine under one commit point (``checkpoint/engines.py``)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,10 @@ from torch.optim import Optimizer
 
 from .checkpoint.weights_file import write_weights
 from .engine import ZeroEngine
-from .loop import PendingClip, load_all, save_all
+from .loop import PendingClip, clipped_engine, load_all, save_all
 
 __all__ = [
+    "PendingSteps",
     "SeveralEngines",
     "backward_of_models",
     "engines_reached",
@@ -202,6 +203,75 @@ def backward_of_models(
         lead = reached[0]
     lead.backward(loss, retain_graph=retain_graph)
     return [e is lead or holds_gradients(e) for e in engines]
+
+
+class PendingSteps:
+    """The trained engines of a loop that decides each backward's accumulation boundary itself
+    (Accelerate's ``sync_gradients``, a plain loop's own counter), one per model. A boundary
+    backward leaves the step pending on the engines it reached, so that a clip between it and
+    the optimizer's step keeps its meaning (the shards have a norm once reduced)::
+
+        steps = PendingSteps([engine_g, engine_d])
+        steps.backward(loss, boundary=i % 4 == 3, accumulation_steps=4)
+        if i % 4 == 3:
+            steps.clip(engine_d.module.parameters(), 1.0, 2, "clip after backward")
+            steps.step(engine_d, boundary=True)
+    """
+
+    def __init__(self, engines: Iterable[ZeroEngine] = ()) -> None:
+        self.pending = dict.fromkeys(engines, False)  # engine -> its step is pending
+
+    def add(self, engine: ZeroEngine) -> None:
+        self.pending[engine] = False
+
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        return list(self.pending)
+
+    def backward(
+        self, loss: Tensor, boundary: bool, accumulation_steps: int, retain_graph: bool = False
+    ) -> None:
+        """:func:`backward_of_models`, the loss divided by ``accumulation_steps`` (the loop's,
+        which may change between backward calls); off a boundary each engine reached counts
+        the micro-step, at one its step waits for :meth:`step`."""
+        engines = self.engines
+        for engine in engines:
+            engine.gradient_accumulation_steps = accumulation_steps
+        reached_by = backward_of_models(loss, engines, boundary, retain_graph)
+        for engine, reached in zip(engines, reached_by, strict=True):
+            if boundary and reached:
+                self.pending[engine] = True
+            elif not boundary and reached and not self.pending[engine]:
+                engine.step()  # not a boundary: only counts the micro-step
+
+    def step(self, engine: ZeroEngine, boundary: bool) -> bool | None:
+        """At a boundary, ``engine``'s pending step; whether it was skipped (an fp16 overflow,
+        a non-finite norm), None when no step was pending."""
+        if not (boundary and self.pending[engine]):
+            return None
+        engine.set_gradient_accumulation_boundary(True)
+        before = engine.skipped_steps
+        try:
+            engine.step()
+        finally:
+            self.pending[engine] = False
+        return engine.skipped_steps != before
+
+    def clip(
+        self, parameters: Iterable[Tensor], max_norm: float, norm_type: float, unpending: str
+    ) -> float:
+        """Clip the engine holding ``parameters`` (:func:`~ds_strategy.core.loop.
+        clipped_engine`) before its pending step; the norm before clipping. With no step
+        pending its gradients are not reduced yet: a ``RuntimeError`` saying ``unpending``."""
+        engines = self.engines
+        engine = engines[clipped_engine(engines, parameters, max_norm, norm_type)]
+        if not self.pending[engine]:
+            raise RuntimeError(unpending)
+        return engine.clip_grad_norm_(float(max_norm))
+
+    def forget(self) -> None:
+        """No step pending (a checkpoint was loaded)."""
+        self.pending = dict.fromkeys(self.pending, False)
 
 
 def _zeroing(engine: ZeroEngine) -> None:

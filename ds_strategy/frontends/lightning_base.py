@@ -15,7 +15,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 
 from ..config import ZeroConfig
-from ..config.loop import apply_loop_flags, base_config, check_precision
+from ..config.loop import apply_loop_flags, base_config, blaming_precision_flag, check_precision
 from ..config.presets import describe, preset_names
 from ..core.engine import ZeroEngine
 from ..core.job import JobEngines
@@ -175,16 +175,8 @@ class LightningZeroBase:
             **clip,
         )
         move_real_tensors(module, self.root_device)
-        try:
+        with blaming_precision_flag(cfg, self.front, flag):
             return ZeroEngine(module, optimizer, cfg, param_init_fn=self._param_init_fn, **kwargs)
-        except ValueError as err:
-            for key in ("fp16", "bf16"):  # name the flag that enabled the rejected section
-                if getattr(cfg, key).enabled is True:
-                    raise ValueError(
-                        f"{self.front}(precision={flag!r}) sets {key}.enabled=true in the ZeRO "
-                        f"config, which the engine rejected: {err}"
-                    ) from err
-            raise
 
     def _build_several(
         self,

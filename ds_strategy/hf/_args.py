@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ZeroConfig
-from ..config.loop import Said, fill_from_arguments
+from ..config.loop import Said, fill_from_arguments, model_hidden_size
 
 __all__ = ["fill_from_training_args"]
 
@@ -73,19 +73,6 @@ def fill_from_training_args(
         cfg,
         said,
         world_size=world_size,
-        hidden_size=lambda: hidden_size(getattr(model, "config", None)),
+        hidden_size=lambda: model_hidden_size(model),
         halves={half: bool(getattr(args, half)) for half in ("fp16", "bf16")},
     )
-
-
-def hidden_size(config: Any) -> int | None:
-    """The model config's ``hidden_size`` (the largest of ``hidden_sizes``), or its text
-    config's, as transformers reads it for DeepSpeed's bucket sizes."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is None:
-            continue
-        if getattr(cfg, "hidden_size", None) is not None:
-            return int(cfg.hidden_size)
-        if getattr(cfg, "hidden_sizes", None):
-            return int(max(cfg.hidden_sizes))
-    return None
