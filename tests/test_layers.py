@@ -154,15 +154,18 @@ def test_front_end_size_budget() -> None:
     """The front ends stay adapters that map each framework's hooks onto the engines: the
     Trainer's and Fabric's strategies with their precision plugins, the Trainer's pipeline steps
     and model summary, Accelerate's accelerator (``prepare`` of several models, ``save_state``,
-    the pipeline loop), the front-end layer and the lazy registration (``_lightning_hook.py``),
-    within 2,630 lines. What needs no framework is the core's, shared with plain PyTorch loops
-    (``core/loop.py``; ``core/job.py``: the engines of one job; ``core/several.py``,
-    ``core/root.py``; ``core/pipeline/loop.py``: a pipeline's steps and the calls its schedule
-    makes itself); the loop-flag policy is the config's (``config/loop.py``)."""
+    the pipeline loop), the front-end layer and the lazy registration (``_lightning_hook.py``,
+    over the generic ``_after_import.py``), within 2,500 lines. What needs no framework is the
+    core's, shared with plain PyTorch loops (``core/loop.py``; ``core/job.py``: the engines of
+    one job; ``core/several.py``: several models or optimizers, and the pending steps of a loop
+    deciding its own boundaries; ``core/root.py``; ``core/pipeline/loop.py``: a pipeline's
+    steps, the model a loop holds for it and the calls its schedule makes itself); the
+    loop-flag policy is the config's (``config/loop.py``: also the hidden size a model's config
+    gives, and the precision flag named in an engine's rejection)."""
     paths = [PACKAGE / "_lightning_hook.py"]
     paths += [p for d in (*FRONT_ENDS, "frontends") for p in (PACKAGE / d).rglob("*.py")]
     lines = sum(len(p.read_text().splitlines()) for p in paths)
-    assert lines <= 2630, f"the front ends are {lines} lines"
+    assert lines <= 2500, f"the front ends are {lines} lines"
 
 
 def test_hf_front_end_size_budget() -> None:

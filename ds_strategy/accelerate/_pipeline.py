@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from accelerate.utils.deepspeed import DummyScheduler
@@ -24,57 +23,26 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..config import ZeroConfig
 from ..config.loop import fill_auto
 from ..core.pipeline import PipelineEngine
-from ..core.pipeline.loop import LOOP, PipelineLoop, refusing, schedule_does
+from ..core.pipeline.loop import LOOP, PipelineModel, refusing, schedule_does
 from ..core.pipeline.mesh import loader_micro_batch
 from ._front import EngineOptimizer, Front, torch_optimizer
 from ._private import mark_prepared, track
 from .plugin import ZeroPlugin
 
-__all__ = ["PipelineFront", "PipelineModel", "PipelineOptimizer"]
-
-
-class PipelineModel(nn.Module):
-    """What ``prepare`` returns for the model: ``train_batch`` / ``eval_batch(inputs, targets)``
-    return the global batch's mean loss on every rank (collective). ``module`` is this rank's
-    stage; ``engine`` the pipeline, whose attributes this model answers too."""
-
-    def __init__(self, engine: PipelineEngine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine
-        self.loop = PipelineLoop(engine)
-        self.wrapper = PipelineOptimizer(engine)  # what prepare returns for the optimizer
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "engine":  # not set yet (construction, unpickling)
-                raise
-            return getattr(self.engine, name)
-
-    def train_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        loss = self.loop.run(True, inputs, targets)
-        self.wrapper.skipped = self.loop.step_was_skipped
-        return loss
-
-    def eval_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        return self.loop.run(False, inputs, targets)
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return self.wrapper.step_was_skipped
-
-    forward = refusing(
-        "model(...)",
-        "forward",
-        f"write `{LOOP}` (or model.eval_batch(inputs, targets) for the loss without training)",
-    )
+__all__ = ["PipelineFront", "PipelineOptimizer"]
 
 
 class PipelineOptimizer(EngineOptimizer):
     """This rank's shard of the engine's optimizer, which ``train_batch`` steps and zeroes, so
     ``step()`` and ``zero_grad()`` do nothing."""
+
+    def __init__(self, model: PipelineModel) -> None:
+        super().__init__(model.engine)
+        self.model = model
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.model.step_was_skipped
 
     def step(self, closure: object = None) -> None:
         if closure is not None:
@@ -201,9 +169,10 @@ class PipelineFront(Front):
         if isinstance(sched, DummyScheduler):  # the engine builds its scheduler from the callable
             sched = sched.lr_scheduler_callable
         engine = PipelineEngine(layers, optimizer, cfg, self.plugin.loss_fn, lr_scheduler=sched)
-        self.trained, self.model = engine, PipelineModel(engine)
+        fix = f"write `{LOOP}` (or model.eval_batch(inputs, targets) for the loss without training)"
+        self.trained, self.model = engine, PipelineModel(engine, fix)
         for size in self.batch_sizes:  # loaders prepared before the model
             self._check_batch(size)
         self.adopt_steps(engine.micro_batches)
-        wrapper = self.model.wrapper
+        wrapper = PipelineOptimizer(self.model)  # what prepare returns for the optimizer
         return self.model, wrapper, self.register(self.model, wrapper, engine.lr_scheduler)

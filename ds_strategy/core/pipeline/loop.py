@@ -1,8 +1,9 @@
 """What a training loop does around a :class:`~ds_strategy.core.pipeline.PipelineEngine`,
 whichever framework drives it (Lightning's Trainer, Accelerate, a plain PyTorch loop): a batch
 taken as ``(inputs, targets)``, run as a training or an evaluation step with the stage in the
-matching mode, whether that step was skipped, and the calls of a plain loop that the schedule
-makes itself, refused with the reason and what to write instead.
+matching mode, whether that step was skipped, the model a loop holds in its model's place, and
+the calls of a plain loop that the schedule makes itself, refused with the reason and what to
+write instead.
 
 [Note: what the schedule does itself]
 One ``train_batch`` runs forward and backward of ``gradient_accumulation_steps`` micro-batches,
@@ -17,9 +18,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["LOOP", "SCHEDULE_DOES", "PipelineLoop", "refusing", "schedule_does", "split_batch"]
+__all__ = [
+    "LOOP",
+    "SCHEDULE_DOES",
+    "PipelineLoop",
+    "PipelineModel",
+    "refusing",
+    "schedule_does",
+    "split_batch",
+]
 
 LOOP = "loss = model.train_batch(inputs, targets)"  # what a pipeline loop writes
 
@@ -98,3 +107,41 @@ class PipelineLoop:
         ``"train"``, else an evaluation step (``kind`` names the batch in errors)."""
         inputs, targets = split_batch(batch, f"{kind} batch")
         return self.run(kind == "train", inputs, targets)
+
+
+class PipelineModel(nn.Module):
+    """What a loop holds in its model's place (Accelerate's ``prepare`` returns it):
+    ``train_batch`` / ``eval_batch(inputs, targets)`` run :class:`PipelineLoop`'s steps and
+    return the global batch's mean loss on every rank (collective). ``module`` is this rank's
+    stage; ``engine`` the pipeline, whose attributes this model answers too. Calling the model
+    is refused, ``fix`` saying what to write instead."""
+
+    def __init__(self, engine: Any, fix: str) -> None:
+        super().__init__()
+        self.module = engine.module
+        self.engine = engine
+        self.loop = PipelineLoop(engine)
+        self.fix = fix
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "engine":  # not set yet (construction, unpickling)
+                raise
+            return getattr(self.engine, name)
+
+    def train_batch(self, inputs: Any = None, targets: Any = None) -> Tensor:
+        return self.loop.run(True, inputs, targets)
+
+    def eval_batch(self, inputs: Any = None, targets: Any = None) -> Tensor:
+        return self.loop.run(False, inputs, targets)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``train_batch`` skipped its step (an fp16 overflow, a non-finite
+        norm)."""
+        return self.loop.step_was_skipped
+
+    def forward(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(schedule_does("model(...)", "forward", self.fix))
