@@ -126,6 +126,22 @@ def test_config_from_a_file_and_arguments_override_it(tmp_path: Path) -> None:
     assert ZeroStrategy().stage == 2  # no stage, no config: DeepSpeed's default
 
 
+def test_auto_layout_keys_read_as_their_defaults() -> None:
+    """A DeepSpeed config may say "auto" for the stages and tensor-parallel size, which resolve
+    to 1: the strategy reads them so before its engine exists."""
+    import torch
+
+    cfg = {"zero_optimization": {"stage": 3}, "pipeline": {"stages": "auto"}}
+    cfg["tensor_parallel"] = {"autotp_size": "auto"}
+    for cls, loop in ((ZeroStrategy, L.Trainer), (FabricZeroStrategy, L.Fabric)):
+        kwargs = {"logger": False} if loop is L.Trainer else {}
+        strategy = loop(strategy=cls(config=cfg), accelerator="cpu", devices=1, **kwargs).strategy
+        assert strategy.stage == 3
+        assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+        with strategy.module_sharded_context():  # stage 3 without tensor parallelism: meta
+            assert torch.nn.Linear(2, 2).weight.is_meta
+
+
 def test_trainer_precision_becomes_the_zero_precision_plugin() -> None:
     trainer = L.Trainer(
         strategy="zero2", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False

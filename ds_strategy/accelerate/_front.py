@@ -97,7 +97,7 @@ class Front:
     @property
     def tensor_parallel_size(self) -> int:
         """Ranks that split each layer (and read the same batches)."""
-        return int(self.cfg.tensor_parallel.autotp_size or 1)
+        return self.cfg.layout.tp
 
     def engine_of(self, model: Any) -> TrainingEngine | None:
         """The engine of ``model`` (what ``prepare`` returned for it, or the user's module)."""

@@ -88,7 +88,7 @@ class PipelineFront(Front):
 
     def __init__(self, acc: Accelerator, cfg: ZeroConfig, plugin: ZeroPlugin) -> None:
         super().__init__(acc, cfg, plugin)
-        stages = int(cfg.pipeline.stages)
+        stages = cfg.layout.stages
         if plugin.loss_fn is None or not callable(plugin.loss_fn):
             raise ValueError(
                 f"pipeline.stages={stages}: a pipeline computes the loss on its last stage; pass "

@@ -97,7 +97,7 @@ class ZeroAccelerator(Accelerator):
         cfg = apply_compile(cfg, dynamo.backend.value, dynamo.to_kwargs())
         self.scaler = None  # the engine owns precision (casting, loss scaling), not torch.amp
         self.native_amp = False
-        front = PipelineFront if int(cfg.pipeline.stages) > 1 else EngineFront
+        front = PipelineFront if cfg.layout.stages > 1 else EngineFront
         self._front: EngineFront | PipelineFront = front(self, cfg, self.zero_plugin)
         self._loader_mesh: Any = None  # see _prepare_device_mesh
         self._front.adopt_steps = self._adopt_accumulation_steps

@@ -141,8 +141,9 @@ def _pipeline_args(args: Any) -> tuple[int, str, int]:
     if args.config:
         from ..config import load_config
 
-        pc = load_config(args.config).pipeline
-        stages, method = int(pc.stages), str(pc.partition_method)
+        cfg = load_config(args.config)
+        pc = cfg.pipeline
+        stages, method = cfg.layout.stages, pc.partition_method
         chunks = int(pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1))
     if args.pipeline_stages != 1:
         stages = args.pipeline_stages

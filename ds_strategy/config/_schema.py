@@ -33,7 +33,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "AUTO",
@@ -56,6 +56,7 @@ __all__ = [
     "FlopsProfilerConfig",
     "GradientCompressionConfig",
     "KeyDoc",
+    "Layout",
     "LeafSpec",
     "MemoryTimelineConfig",
     "OffloadConfig",
@@ -1303,6 +1304,15 @@ class ActivationCheckpointingConfig:
     )
 
 
+class Layout(NamedTuple):
+    """How a config lays a job out: its ZeRO stage, pipeline stages and tensor-parallel ranks
+    (see :attr:`ZeroConfig.layout`)."""
+
+    stage: int
+    stages: int
+    tp: int
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """The whole configuration: top-level DeepSpeed keys plus one field per section.
@@ -1499,6 +1509,22 @@ class ZeroConfig:
         0
         """
         return _OPERATIONS["to_dict"](self)
+
+    @property
+    def layout(self) -> Layout:
+        """The ZeRO stage, pipeline stages and tensor-parallel ranks, read before resolving as
+        :meth:`resolve` settles them (an ``"auto"`` is the field's default: no loop fact fills
+        these): what a loop needs before the engine exists, to count its data-parallel ranks.
+
+        >>> cfg = {"pipeline": {"stages": 2}, "tensor_parallel": {"tp_size": "auto"}}
+        >>> ZeroConfig.from_any(cfg).layout
+        Layout(stage=0, stages=2, tp=1)
+        """
+        read = ((self.zero_optimization, "stage"), (self.pipeline, "stages"))
+        read += ((self.tensor_parallel, "autotp_size"),)
+        values = [getattr(section, key) for section, key in read]
+        defaults = [getattr(type(section)(), key) for section, key in read]
+        return Layout(*(d if v == AUTO else v for v, d in zip(values, defaults, strict=True)))
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A new, validated config with dotted keys changed; a mapping merges into a section.

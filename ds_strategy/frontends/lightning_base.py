@@ -105,7 +105,7 @@ class LightningZeroBase:
 
     @property
     def stage(self) -> int:
-        return int(self._base_config.zero_optimization.stage)
+        return self._base_config.layout.stage
 
     @property
     def config(self) -> ZeroConfig:
@@ -201,9 +201,8 @@ class LightningZeroBase:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # by data-parallel rank: every stage and tensor-parallel rank of one reads its rows
-        cfg, world = self._base_config, self.num_nodes * self.num_processes
-        tp, stages = int(cfg.tensor_parallel.autotp_size or 1), int(cfg.pipeline.stages or 1)
-        place = ParallelMesh.place(self.global_rank, world, tp, stages)
+        layout, world = self._base_config.layout, self.num_nodes * self.num_processes
+        place = ParallelMesh.place(self.global_rank, world, layout.tp, layout.stages)
         return {"num_replicas": place.dp, "rank": place.coordinates["dp"]}
 
     def _meta_init(self, empty_init: bool | None) -> bool:
@@ -216,7 +215,8 @@ class LightningZeroBase:
 
     @property
     def _meta_stage3(self) -> bool:
-        return self.stage == 3 and int(self._base_config.tensor_parallel.autotp_size or 1) == 1
+        layout = self._base_config.layout
+        return layout.stage == 3 and layout.tp == 1
 
     model_sharded_context = module_sharded_context  # the Trainer's name
 

@@ -133,7 +133,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
             optimizer = optimizers[0] if fitting else None
             if len(optimizers) > 1:
                 self._setup_several(trainer, pl_module, optimizers, schedulers)
-            elif int(self._base_config.pipeline.stages or 1) > 1:
+            elif self._base_config.layout.stages > 1:
                 self._setup_pipeline(trainer, pl_module, optimizer, schedulers)
             else:
                 self._setup_engine(trainer, pl_module, optimizer, schedulers)
@@ -149,7 +149,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizers: list, scheds: list
     ) -> None:
         """One engine per optimizer: see [Note: one engine per optimizer] in ``core/several.py``."""
-        if int(self._base_config.pipeline.stages or 1) > 1:
+        if self._base_config.layout.stages > 1:
             raise ValueError(
                 f"configure_optimizers returned {len(optimizers)} optimizers with a pipeline "
                 "config: a pipeline trains one model with one optimizer"
@@ -178,7 +178,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     ) -> None:
         cfg = apply_loop_flags(
             self._base_config,
-            world_size=self.world_size // int(self._base_config.pipeline.stages),
+            world_size=self.world_size // self._base_config.layout.stages,
             precision=self._flag(),
             accumulate=None,  # the micro-batches are the config's gradient_accumulation_steps
         )

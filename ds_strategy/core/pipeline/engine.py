@@ -143,11 +143,11 @@ class PipelineEngine:
         with together(Comm()):  # a builder failing on one rank fails every rank
             layers, builders = _as_layers(model)
         raw: ZeroConfig = load_config(config)
-        pc = raw.pipeline
         device = pick_device(nn.Sequential(*layers))  # a model all on meta: cuda, else cpu
-        self.mesh = Mesh.build(int(pc.stages), int(raw.tensor_parallel.autotp_size), device)
+        self.mesh = Mesh.build(raw.layout.stages, raw.layout.tp, device)
         self.config = raw.resolve(world_size=self.mesh.dp_size)
         check_rules(self.config, Facts(), "pipeline")  # see config/rules.py
+        pc = self.config.pipeline
         self.schedule_name: str = pc.schedule
         self.chunks = chunks = pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1)
         self.micro_batches: int = self.config.gradient_accumulation_steps

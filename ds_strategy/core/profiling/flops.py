@@ -209,7 +209,7 @@ class FlopsProfiler:
             "params": modules[""]["params"],
             "fwd_flops": fwd_flops,
             "fwd_macs": fwd_flops // 2,
-            "recompute_fwd_factor": float(self.config.recompute_fwd_factor),
+            "recompute_fwd_factor": self.config.recompute_fwd_factor,
             "peak_tflops": peak,
             "peak_source": source,
             "modules": modules,
@@ -223,7 +223,7 @@ class FlopsProfiler:
         """Latencies, FLOPS and MFU from the phase times (see [Note: training FLOPs and MFU]);
         a pipeline stage's from its schedule and step (see [Note: a pipeline stage's
         profile]), over its ``micro_batches`` forwards (1 outside a pipeline)."""
-        factor = 2 + float(self.config.recompute_fwd_factor)
+        factor = 2 + self.config.recompute_fwd_factor
         split = self.stage is None  # forward and backward timed apart
         phases = ("fwd", "bwd", "step") if split else ("schedule", "step")
         plain = set(phases) <= set(self._plain)
