@@ -18,6 +18,12 @@ from safetensors.torch import load_file
 
 import ds_strategy
 import ds_strategy._logging  # noqa: F401 - the package's NullHandler (imported by the package too)
+from ds_strategy.config import (
+    DeprecatedConfigWarning,
+    UnknownConfigKeyWarning,
+    UnsupportedConfigWarning,
+    load_config,
+)
 from ds_strategy.core.checkpoint import swap
 from ds_strategy.core.schedulers import build_scheduler
 from ds_strategy.core.timers import format_report
@@ -229,6 +235,13 @@ def test_inference_loading_reports_progress(
 
 def test_warning_categories_and_their_bases() -> None:
     assert issubclass(DsStrategyWarning, UserWarning)
+    # the config's warnings are kinds of it too: one filter covers every ds_strategy warning
+    for kind in (UnsupportedConfigWarning, UnknownConfigKeyWarning, DeprecatedConfigWarning):
+        assert issubclass(kind, DsStrategyWarning)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=DsStrategyWarning)
+        with pytest.raises(UnknownConfigKeyWarning, match="zzz_not_a_key"):
+            load_config({"zzz_not_a_key": 1})
     for kind in (PerformanceWarning, CheckpointWarning, FrontEndWarning):
         # filters written for the warnings before they had kinds still match
         assert issubclass(kind, DsStrategyWarning) and issubclass(kind, RuntimeWarning)

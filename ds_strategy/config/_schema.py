@@ -52,6 +52,7 @@ __all__ = [
     "CompressionMethod",
     "ConfigError",
     "DeprecatedConfigWarning",
+    "DsStrategyWarning",
     "FP16Config",
     "FlopsProfilerConfig",
     "GradientCompressionConfig",
@@ -100,7 +101,13 @@ class ConfigError(ValueError):
         self.path = path
 
 
-class UnsupportedConfigWarning(UserWarning):
+class DsStrategyWarning(UserWarning):
+    """Every ds_strategy warning: the config's below, and the kinds in
+    ``ds_strategy.core.warnings`` (where it is exported; defined here, in the package's leaf
+    layer, so that the config's warnings are kinds of it too)."""
+
+
+class UnsupportedConfigWarning(DsStrategyWarning):
     """A DeepSpeed key that ds_strategy knows but does not implement; its value is ignored."""
 
 
@@ -125,6 +132,7 @@ for _cls in (
     DeprecatedConfigWarning,
 ):
     _cls.__module__ = "ds_strategy.config"
+DsStrategyWarning.__module__ = "ds_strategy.core.warnings"  # where it is documented
 
 
 class Choice(str, Enum):

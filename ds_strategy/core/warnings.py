@@ -6,8 +6,10 @@
     warnings.filterwarnings("ignore", category=PerformanceWarning)  # this kind only
     warnings.filterwarnings("error", category=DsStrategyWarning)  # every kind, in a test suite
 
-The config's warnings have categories of their own (``ds_strategy.config``:
-``UnsupportedConfigWarning``, ``UnknownConfigKeyWarning``, ``DeprecatedConfigWarning``).
+``DsStrategyWarning`` is used directly for a setting the engine adjusts (a OneCycle schedule's
+momentum on an optimizer without ``betas``). The config's warnings are kinds of it too
+(``ds_strategy.config``: ``UnsupportedConfigWarning``, ``UnknownConfigKeyWarning``,
+``DeprecatedConfigWarning``).
 
 [Note: why the kinds are RuntimeWarnings too]
 Before they had categories, the warnings about compilation and checkpoints were
@@ -22,6 +24,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ..config import DsStrategyWarning  # the root: the config's warnings are kinds of it too
+
 __all__ = [
     "CheckpointWarning",
     "DsStrategyDeprecationWarning",
@@ -30,12 +34,6 @@ __all__ = [
     "PerformanceWarning",
     "renamed_argument",
 ]
-
-
-class DsStrategyWarning(UserWarning):
-    """Every ds_strategy warning outside the config's (its kinds below; used directly for a
-    setting the engine adjusts, such as a OneCycle schedule's momentum on an optimizer without
-    ``betas``)."""
 
 
 class PerformanceWarning(DsStrategyWarning, RuntimeWarning):
