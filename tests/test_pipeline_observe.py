@@ -6,6 +6,7 @@ collectives and sends are logged beside the stage engine's)."""
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +49,31 @@ def _config(out: Path, schedule: str) -> dict[str, Any]:
     }
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    logger = logging.getLogger("ds_strategy.core.engine")
     for schedule in ("1f1b", "interleaved_1f1b"):
         path = Path(root) / schedule
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        engine = ds_strategy.initialize(model, opt, _config(path, schedule), loss_fn=nn.MSELoss())
+        logged = _Lines()
+        logger.addHandler(logged)
+        logger.setLevel(logging.INFO)
+        try:
+            engine = ds_strategy.initialize(
+                model, opt, _config(path, schedule), loss_fn=nn.MSELoss()
+            )
+        finally:
+            logger.removeHandler(logged)
         engine.engine.timers.printer = lambda line: None
         g = torch.Generator().manual_seed(1)
         losses, sent, lrs = [], [], []
@@ -79,6 +98,7 @@ def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
             "comms": engine.comms_report(),
             "linears": linears,
             "stage": engine.stage_id,
+            "summaries": [line for line in logged.lines if "ZeRO-" in line],
         }
         engine.destroy()
     return out
@@ -125,6 +145,23 @@ def test_rank_0_writes_the_pipelines_loss_bytes_and_schedule_time(
         assert csv_file_name(f"Train/Samples/elapsed_time_ms_{timing}") in names
     assert csv_file_name("Train/Samples/elapsed_time_ms_forward") not in names
     assert all(v > 0 for _, v in _rows(directory, "Train/Samples/elapsed_time_ms_schedule"))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_each_stage_logs_its_own_start_summary(
+    runs: tuple[Path, list[dict[str, Any]]], schedule: str
+) -> None:
+    _, results = runs
+    for rank in (0, 1):
+        r = results[rank][schedule]
+        (line,) = r["summaries"]  # one line, on each stage's first (here: only) rank
+        assert f"ZeRO-1 on 1 data-parallel rank, pipeline stage {r['stage']} of 2, fp32" in line, (
+            line
+        )
+        assert "model state per rank" in line
+    # different layers: each line says its own stage's memory
+    lines = [results[k][schedule]["summaries"][0] for k in (0, 1)]
+    assert lines[0] != lines[1]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])

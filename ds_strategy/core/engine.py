@@ -126,12 +126,13 @@ class ZeroEngine(nn.Module):
         self._log_start()
 
     def _log_start(self) -> None:
-        """One INFO line on the job's first rank once the engine is built: stage, ranks,
-        precision, offload and this rank's model state (``core/start_summary.py``); local
-        figures only, no collective."""
+        """One INFO line on the job's first rank once the engine is built (a pipeline: on each
+        stage's first rank, its stages holding different layers): stage, ranks, precision,
+        offload and this rank's model state (``core/start_summary.py``); local figures only,
+        no collective."""
         tp, ctx = self.tensor_parallel, self.pipeline_stage
         first = self.rank == 0 and (tp is None or tp.comm.rank == 0)
-        if not first or (ctx is not None and ctx.stage != 0) or not log.isEnabledFor(logging.INFO):
+        if not first or not log.isEnabledFor(logging.INFO):
             return
         ranks = RankLayout(
             self.world_size,
