@@ -40,6 +40,7 @@ from typing import Any
 
 from torch import nn
 
+from .config.loop import model_hidden_size
 from .core.model_factory import build_with, import_factory, meta_device
 
 __all__ = [
@@ -97,6 +98,7 @@ class ModelFacts:
     largest_unit: int = 0  # elements of the largest stage-3 block unit (0 = unknown)
     root_unit: int = 0  # elements of the root unit (gathered for the whole forward)
     largest_param: int = 0  # elements of the largest trainable parameter (0 = unknown)
+    hidden_size: int | None = None  # its config's (a Hugging Face model's), for "auto" buckets
 
     @property
     def n_trainable(self) -> int:
@@ -568,6 +570,7 @@ def model_facts(
         largest_unit=max(units[:-1], default=0),
         root_unit=units[-1],
         largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
+        hidden_size=model_hidden_size(model),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,6 +64,13 @@ class Net(nn.Module):
 
 def make_net() -> Net:
     return Net()
+
+
+def hf_like(hidden: int = 64) -> Net:
+    """A model that carries its hidden size in ``config``, as a Hugging Face model does."""
+    net = Net(d=hidden)
+    net.config = SimpleNamespace(hidden_size=hidden)
+    return net
 
 
 def measure_worker(rank: int, world: int) -> dict:
@@ -450,3 +458,47 @@ def test_cli_options_out_of_range_are_usage_errors(
 ) -> None:
     assert cli(["estimate", "--world-size", "2", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_fills_auto_bucket_sizes_from_the_hidden_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Hugging Face / Accelerate DeepSpeed config says "auto" for the bucket sizes its loop
+    derives from the model's hidden size: the estimate derives them alike, from --hidden-size
+    or the --model's config, and says so when it has neither."""
+    h = 64
+    sizes = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h)}
+    sizes["stage3_param_persistence_threshold"] = 10 * h
+    configs = {
+        "auto": {k: "auto" for k in sizes},
+        "written": sizes,
+        "defaults": {},
+    }
+    paths = {}
+    for name, zero in configs.items():
+        config = {
+            "zero_optimization": {"stage": 3, **zero},
+            "bf16": {"enabled": "auto"},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+        }
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(config))
+
+    def out(*args: str) -> str:
+        rc = cli(["estimate", *args, "--world-size", "2", "--gpu-mem", "1GB"])
+        captured = capsys.readouterr()
+        assert rc in (0, 1), captured.err
+        return captured.out
+
+    params = ("--params", "50M")
+    assert cli(["estimate", *params, "--world-size", "2", "--config", str(paths["auto"])]) == 2
+    err = capsys.readouterr().err
+    assert "zero_optimization.reduce_bucket_size, zero_optimization.stage3_prefetch" in err
+    assert "are 'auto' but the estimate has no hidden size" in err and "--hidden-size" in err
+    written = out(*params, "--config", str(paths["written"]))
+    assert written != out(*params, "--config", str(paths["defaults"]))  # the sizes count
+    assert out(*params, "--config", str(paths["auto"]), "--hidden-size", str(h)) == written
+    model = ("--model", "tests.test_estimate:hf_like", "--model-arg", f"hidden={h}")
+    from_model = out(*model, "--config", str(paths["written"]))
+    assert out(*model, "--config", str(paths["auto"])) == from_model

@@ -112,6 +112,14 @@ def _add_layout_arguments(e: Any) -> None:
         "the peak of a step",
     )
     e.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help="the model's hidden size, for a --config whose bucket sizes are 'auto' (as the "
+        "Hugging Face Trainer and Accelerate fill them: reduce_bucket_size = hidden^2, ...); "
+        "default: the --model's config.hidden_size",
+    )
+    e.add_argument(
         "--cpu-only",
         action="store_true",
         help="the ranks compute on CPUs (gloo): device memory is host memory, so the host peak "
@@ -139,12 +147,9 @@ def _pipeline_args(args: Any) -> tuple[int, str, int]:
     ``pipeline`` section, else no pipeline."""
     stages, method, chunks = 1, "parameters", 1
     if args.config:
-        from ..config import load_config
-
-        cfg = load_config(args.config)
-        pc = cfg.pipeline
-        stages, method = cfg.layout.stages, pc.partition_method
-        chunks = int(pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1))
+        pc = _loaded(args).resolve(args.world_size).pipeline  # the pipeline's "auto": defaults
+        stages, method = pc.stages, pc.partition_method
+        chunks = pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1)
     if args.pipeline_stages != 1:
         stages = args.pipeline_stages
     method = args.partition_method or method
@@ -154,14 +159,31 @@ def _pipeline_args(args: Any) -> tuple[int, str, int]:
     return stages, method, chunks
 
 
-def _knobs(args: Any) -> Knobs:
-    """The buffer sizes of ``--config`` (DeepSpeed's defaults without one)."""
+def _loaded(args: Any) -> Any:
+    """``--config``, loaded once (so its warnings are given once)."""
+    if getattr(args, "loaded_config", None) is None:
+        from ..config import load_config
+
+        args.loaded_config = load_config(args.config)
+    return args.loaded_config
+
+
+def _knobs(args: Any, facts: ModelFacts) -> Knobs:
+    """The buffer sizes of ``--config`` (DeepSpeed's defaults without one), its ``"auto"``
+    bucket sizes from the hidden size (``--hidden-size``, else the ``--model``'s config) as
+    the Hugging Face Trainer and Accelerate derive them."""
     cpu_only = bool(args.cpu_only)
     if not args.config:
         return Knobs(reduce_scratch=cpu_only, cpu_only=cpu_only)
-    from ..config import load_config
+    from ..config.loop import fill_for_estimate
 
-    return Knobs.from_config(load_config(args.config), cpu_only)
+    hidden = args.hidden_size if args.hidden_size is not None else facts.hidden_size
+    unknown = (
+        "the estimate has no hidden size to derive them from (a training loop reads the "
+        "model's config.hidden_size); pass --hidden-size, or write numbers for these keys"
+    )
+    cfg = fill_for_estimate(_loaded(args), args.world_size, hidden, unknown)
+    return Knobs.from_config(cfg, cpu_only)
 
 
 def _whole(parts: list[StageFacts]) -> ModelFacts:
@@ -278,12 +300,12 @@ def run_cli(args: Any) -> int:
                 f"--persistence-threshold must be a number of elements >= 0, got "
                 f"{args.persistence_threshold}"
             )
+        _check_layout_args(args)
         facts, parts = _model_from_args(args)
         gpu = _option("--gpu-mem", parse_bytes, args.gpu_mem) if args.gpu_mem else None
         cpu = _option("--cpu-mem", parse_bytes, args.cpu_mem) if args.cpu_mem else None
         act = _option("--activations", parse_bytes, args.activations)
-        _check_layout_args(args)
-        knobs = _knobs(args)
+        knobs = _knobs(args, facts)
     except (ValueError, OSError) as err:
         print(f"ds-strategy estimate: {err}", file=sys.stderr)
         return 2

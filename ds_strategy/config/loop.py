@@ -57,6 +57,7 @@ __all__ = [
     "code_or_env_config",
     "clipping",
     "fill_auto",
+    "fill_for_estimate",
     "fill_from_arguments",
     "loop_fills",
     "model_hidden_size",
@@ -250,18 +251,37 @@ def fill_from_arguments(
 
 
 def _hidden_size_fills(
-    tree: dict[str, Any], stage: int, hidden_size: Callable[[], int | None]
+    tree: dict[str, Any],
+    stage: int,
+    hidden_size: Callable[[], int | None],
+    unknown: str = "the model's config has neither hidden_size nor hidden_sizes to derive "
+    "them from; write numbers for these keys",
 ) -> dict[str, Any]:
     wanted = [k for k in hidden_size_keys(stage) if _lookup(tree, k) == AUTO]
     if not wanted:
         return {}
     hidden = hidden_size()
     if hidden is None:
-        raise ValueError(
-            f"{', '.join(wanted)} are 'auto' but the model's config has neither hidden_size nor "
-            "hidden_sizes to derive them from; write numbers for these keys"
-        )
+        raise ValueError(f"{', '.join(wanted)} are 'auto' but {unknown}")
     return {k: _HIDDEN_SIZE_FILLS[k][0](hidden) for k in wanted}
+
+
+def fill_for_estimate(
+    cfg: ZeroConfig, world_size: int, hidden_size: int | None, unknown: str
+) -> ZeroConfig:
+    """``cfg`` with its ``"auto"`` values as a training loop would fill them, for a memory
+    estimate made before there is a loop: the bucket sizes the Hugging Face Trainer and
+    Accelerate derive from the model's hidden size from ``hidden_size`` (unknown: a
+    ``ValueError`` naming them, then ``unknown``, which says how to give it), every other
+    ``"auto"`` its default.
+
+    >>> cfg = ZeroConfig.from_any({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+    >>> fill_for_estimate(cfg, 8, 1024, "").zero_optimization.reduce_bucket_size
+    1048576
+    """
+    stage = cfg.layout.stage
+    fills = _hidden_size_fills(cfg.to_dict(), stage, lambda: hidden_size, unknown)
+    return cfg.resolve(world_size, fills)
 
 
 _MISSING = object()
