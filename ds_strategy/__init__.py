@@ -207,7 +207,7 @@ def __getattr__(name: str) -> Any:
 def _pipeline_stages(config: Any) -> int:
     with warnings.catch_warnings():  # the engine loads the config again and warns then
         warnings.simplefilter("ignore")
-        return int(load_config(config).pipeline.stages)
+        return load_config(config).layout.stages
 
 
 def _pipeline_engine(

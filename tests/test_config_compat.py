@@ -540,3 +540,17 @@ def test_zero_config_is_exported() -> None:
 def test_docstring_examples_run(module: Any) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_auto_layout_keys_build_an_engine_as_their_defaults() -> None:
+    """DeepSpeed configs may say "auto" for any key; the stage, pipeline stages and
+    tensor-parallel size are read before the config is resolved (which pipeline to build, how
+    many data-parallel ranks), and read as resolving makes them: the defaults."""
+    auto = {"zero_optimization": {"stage": "auto"}, "pipeline": {"stages": "auto"}}
+    auto["tensor_parallel"] = {"autotp_size": "auto"}
+    assert load_config(auto).layout == (0, 1, 1) == tuple(load_config({}).layout)
+    model = nn.Linear(2, 2)
+    engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), auto)
+    assert isinstance(engine, ds_strategy.ZeroEngine) and engine.stage == 0
+    assert (engine.config.pipeline.stages, engine.config.tensor_parallel.autotp_size) == (1, 1)
+    engine.destroy()

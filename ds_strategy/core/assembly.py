@@ -573,7 +573,7 @@ def _tensor_parallel_size(
     comm: Comm,
     mesh: ParallelMesh | None,
 ) -> int:
-    tp = cfg.tensor_parallel.autotp_size
+    tp = cfg.layout.tp  # "auto": 1, as resolving makes it
     if tp == 1:
         return 1
     if mesh is not None:  # a pipeline stage: the pipeline built the mesh

@@ -105,7 +105,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         if "use_gather_object" in inspect.signature(gather).parameters:
             gather = functools.partial(gather, use_gather_object=self.args.eval_use_gather_object)
         self.gather_function = gather
-        if self._loaded_config.zero_optimization.stage == 3 and self.args.auto_find_batch_size:
+        if self._loaded_config.layout.stage == 3 and self.args.auto_find_batch_size:
             raise ValueError(
                 "auto_find_batch_size is not supported with ZeRO stage 3 (as with DeepSpeed); "
                 "set per_device_train_batch_size or use stage 2"
@@ -123,7 +123,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         ``optimizer`` section makes the engine build that optimizer (a ``DummyOptim`` stands in)."""
         acc = self.accelerator
         if acc.zero_engine is None and self._max_steps is not None:
-            tp = int(self._loaded_config.tensor_parallel.autotp_size or 1)
+            tp = self._loaded_config.layout.tp
             acc.zero_config = fill_from_training_args(
                 self._loaded_config,
                 self.args,
