@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -398,9 +399,9 @@ def _wandb_history(run_file: Path) -> list[dict[str, Any]]:
             pos += block - pos % block
             continue
         n, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
-        if kind == 0:
+        if kind == 0 or pos + 7 + n > len(data):  # the end, or a chunk not written whole yet
             break
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
         partial = chunk if kind in (1, 2) else partial + chunk
         if kind in (1, 4):
             records.append(partial)
@@ -423,7 +424,14 @@ def test_wandb_offline_run_holds_the_losses_at_global_samples(
     monkeypatch.setenv("WANDB_SILENT", "true")
     expected = _engine_run({"wandb": {"enabled": True, "project": "ds-strategy-test"}})
     (run_file,) = tmp_path.rglob("run-*.wandb")
-    rows = [r for r in _wandb_history(run_file) if "Train/Samples/train_loss" in r]
+    # W&B's service writes the file after run.finish() returns, on a busy machine a moment
+    # later: read it until the rows are there (or the deadline passes and the assert says so)
+    deadline = time.monotonic() + 60
+    while True:
+        rows = [r for r in _wandb_history(run_file) if "Train/Samples/train_loss" in r]
+        if len(rows) >= len(expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert [(r["_step"], r["Train/Samples/train_loss"]) for r in rows] == [
         (x, pytest.approx(v)) for x, v in expected
     ]
