@@ -441,6 +441,7 @@ def test_cli_peak_table_on_cpu_ranks(tmp_path: Path, capsys: pytest.CaptureFixtu
     ("args", "message"),
     [
         (["--params", "1B", "--ranks-per-node", "0"], "--ranks-per-node must be >= 1"),
+        (["--params", "1B", "--hidden-size", "0"], "--hidden-size must be at least 1, got 0"),
         (["--params", "1B", "--mics-shard-size", "0"], "--mics-shard-size must be -1 (off)"),
         (["--params", "1B", "--persistence-threshold", "-1"], "--persistence-threshold must be"),
         (["--model", "ds_strategy.demos.gpt:GPT", "--model-arg", "layers=-1"], "GPTConfig.layers"),

@@ -254,6 +254,8 @@ def _check_layout_args(args: Any) -> None:
             f"--hpz-partition-size {args.hpz_partition_size} must divide --world-size "
             f"{args.world_size}"
         )
+    if args.hidden_size is not None and args.hidden_size < 1:
+        raise ValueError(f"--hidden-size must be at least 1, got {args.hidden_size}")
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         raise ValueError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
     if args.mics_shard_size == 0 or args.mics_shard_size < -1:
