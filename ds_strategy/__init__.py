@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from . import _logging  # noqa: F401  (the package logger's NullHandler)
 from .config import ConfigError, ZeroConfig, load_config, zero_config
 from .core.checkpoint.consolidate import consolidate
 from .core.checkpoint.deepspeed.export import convert

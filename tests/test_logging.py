@@ -1,5 +1,6 @@
-"""Logging, progress and warning categories: the ``ds_strategy`` logger tree (a ``NullHandler``
-on the package logger, one child per module), the summary an engine logs once built, the
+"""Logging, progress and warning categories: the ``ds_strategy`` logger tree (no handler of
+its own, one child per module; warnings shown unless the application configures logging), the
+summary an engine logs once built, the
 ``wall_clock_breakdown`` line as a log record, the progress switches, and the warning kinds."""
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ import importlib
 import io
 import logging
 import re
+import subprocess
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import ds_strategy
-import ds_strategy._logging  # noqa: F401 - the package's NullHandler (imported by the package too)
+from ds_strategy._logging import package_logger
 from ds_strategy.config import (
     DeprecatedConfigWarning,
     UnknownConfigKeyWarning,
@@ -80,11 +83,38 @@ def _progress(caplog: pytest.LogCaptureFixture) -> list[str]:
     ],
 )
 def test_each_module_logs_as_a_child_of_the_package_logger(module: str) -> None:
-    package = logging.getLogger("ds_strategy")
-    assert any(isinstance(h, logging.NullHandler) for h in package.handlers), package.handlers
+    assert package_logger is logging.getLogger("ds_strategy")
+    assert package_logger.handlers == [] and package_logger.level == logging.NOTSET
     log = importlib.import_module(module).log
     assert log.name == module
-    assert log.parent is package  # no logger configured in between
+    assert log.parent is package_logger  # no logger configured in between
+
+
+def test_warnings_show_without_logging_configured_and_info_does_not(tmp_path: Path) -> None:
+    """An application that configures no logging sees the package's warnings on stderr (a
+    monitor without a batch size for its x axis, here) and not its INFO lines (the summary);
+    one that configures logging decides."""
+    code = textwrap.dedent(
+        f"""
+        import logging, sys, torch, ds_strategy
+        if sys.argv[1] == "quiet":
+            logging.getLogger("ds_strategy").setLevel(logging.ERROR)
+        model = torch.nn.Linear(2, 2)
+        config = {{"csv_monitor": {{"enabled": True, "output_path": {str(tmp_path)!r}}}}}
+        engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        engine.destroy()
+        """
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", code, "default"], capture_output=True, text=True, timeout=120
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "monitor: the config gives no batch size" in shown.stderr
+    assert "ds_strategy: ZeRO-" not in shown.stderr + shown.stdout  # the INFO summary
+    quiet = subprocess.run(
+        [sys.executable, "-c", code, "quiet"], capture_output=True, text=True, timeout=120
+    )
+    assert quiet.returncode == 0 and "no batch size" not in quiet.stderr, quiet.stderr
 
 
 # -- the start summary ---------------------------------------------------------------------------
