@@ -1530,9 +1530,14 @@ class ZeroConfig:
         """
         read = ((self.zero_optimization, "stage"), (self.pipeline, "stages"))
         read += ((self.tensor_parallel, "autotp_size"),)
-        values = [getattr(section, key) for section, key in read]
-        defaults = [getattr(type(section)(), key) for section, key in read]
-        return Layout(*(d if v == AUTO else v for v, d in zip(values, defaults, strict=True)))
+        settled = []
+        for section, key in read:
+            value = getattr(section, key)
+            if value == AUTO:  # the field's declared default, as resolve() fills it
+                (f,) = [f for f in dataclasses.fields(section) if f.name == key]
+                value = _field_default(f)
+            settled.append(value)
+        return Layout(*settled)
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A new, validated config with dotted keys changed; a mapping merges into a section.

@@ -235,7 +235,7 @@ def fill_from_arguments(
             fills[key] = arg.value
         elif arg.checked and current not in (_MISSING, None) and current != arg.value:
             mismatches.append(f"- {key}={current!r} vs {source} {arg.argument}={arg.value!r}")
-    fills.update(_hidden_size_fills(tree, cfg.zero_optimization.stage, hidden_size))
+    fills.update(_hidden_size_fills(tree, cfg.layout.stage, hidden_size))
     for half, asked in halves.items():
         if getattr(cfg, half).enabled is True and not asked:
             mismatches.append(f"- {half}.enabled=True vs {source} {half}=False")
