@@ -1,5 +1,5 @@
 """Optional front ends: the core requires only what it imports (torch, omegaconf, safetensors,
-tqdm); Lightning, Accelerate, transformers and Hydra come with their extras, and importing a
+tqdm) and numpy, which torch's object collectives need; Lightning, Accelerate, transformers and Hydra come with their extras, and importing a
 front end without its framework names the extra to install."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def _names(requirements: list[str]) -> set[str]:
 
 def test_core_requirements_are_what_the_core_imports() -> None:
     project = _pyproject()["project"]
-    assert _names(project["dependencies"]) == {"torch", "omegaconf", "safetensors", "tqdm"}
+    core = {"torch", "omegaconf", "safetensors", "tqdm", "numpy"}
+    assert _names(project["dependencies"]) == core
     extras = {k: _names(v) for k, v in project["optional-dependencies"].items()}
     assert extras["lightning"] == {"lightning"} and extras["accelerate"] == {"accelerate"}
     assert extras["hf"] == {"transformers", "accelerate"}
