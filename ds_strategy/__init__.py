@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import _logging  # noqa: F401 - the package logger's own handler (see _logging.py)
 from .config import ConfigError, ZeroConfig, load_config, zero_config
 from .core.checkpoint.consolidate import consolidate
 from .core.checkpoint.deepspeed.export import convert

@@ -100,7 +100,9 @@ def test_defaults_follow_deepspeed() -> None:
     assert zero.offload_param.buffer_count == 5 == OffloadConfig().buffer_count
     assert (cfg.fp16.initial_scale_power, cfg.fp16.loss_scale, cfg.bf16.enabled) == (16, 0.0, False)
     assert cfg.optimizer is None and cfg.scheduler is None
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.gradient_clipping == 0.0
+    # DeepSpeed's default: no progress line; the monitors still write every 10 steps
+    assert (cfg.steps_per_print, cfg.report_every) == (None, 10)
 
 
 def test_configs_are_frozen_and_picklable() -> None:

@@ -1,10 +1,13 @@
-"""Logging, progress and warning categories: the ``ds_strategy`` logger tree (no handler of
-its own, one child per module; warnings shown unless the application configures logging), the
-summary an engine logs once built, the
-``wall_clock_breakdown`` line as a log record, the progress switches, and the warning kinds."""
+"""Logging, progress and warning categories: the ``ds_strategy`` logger tree (one handler of
+its own, which steps aside for the application's; one child per module), warnings and the
+reports a config asks for shown without any logging set up, the summary an engine logs once
+built, the ``wall_clock_breakdown`` line as a log record, DeepSpeed's ``steps_per_print``
+progress line, the progress switches, and the warning kinds."""
 
 from __future__ import annotations
 
+import contextlib
+import doctest
 import importlib
 import io
 import logging
@@ -20,13 +23,14 @@ import torch
 from safetensors.torch import load_file
 
 import ds_strategy
-from ds_strategy._logging import package_logger
+from ds_strategy._logging import OwnHandler, package_logger
 from ds_strategy.config import (
     DeprecatedConfigWarning,
     UnknownConfigKeyWarning,
     UnsupportedConfigWarning,
     load_config,
 )
+from ds_strategy.core import step_line
 from ds_strategy.core.checkpoint import swap
 from ds_strategy.core.schedulers import build_scheduler
 from ds_strategy.core.timers import format_report
@@ -37,6 +41,7 @@ from ds_strategy.core.warnings import (
     FrontEndWarning,
     PerformanceWarning,
 )
+from tests.distributed import run_ranks
 
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 IN, HIDDEN, OUT = 16, 32, 4
@@ -84,35 +89,134 @@ def _progress(caplog: pytest.LogCaptureFixture) -> list[str]:
 )
 def test_each_module_logs_as_a_child_of_the_package_logger(module: str) -> None:
     assert package_logger is logging.getLogger("ds_strategy")
-    assert package_logger.handlers == [] and package_logger.level == logging.NOTSET
+    assert package_logger.level == logging.NOTSET
+    (own,) = package_logger.handlers  # the package's own, which steps aside for the application's
+    assert isinstance(own, OwnHandler)
     log = importlib.import_module(module).log
     assert log.name == module
     assert log.parent is package_logger  # no logger configured in between
 
 
-def test_warnings_show_without_logging_configured_and_info_does_not(tmp_path: Path) -> None:
-    """An application that configures no logging sees the package's warnings on stderr (a
-    monitor without a batch size for its x axis, here) and not its INFO lines (the summary);
-    one that configures logging decides (here: the package logger at ERROR)."""
+_REPORTS = {  # what a config can ask to be shown, and how each report starts
+    "wall_clock_breakdown": "[wall_clock_breakdown] step ",
+    "steps_per_print": "step=",
+    "flops_profiler": "-------------------------- DeepSpeed Flops Profiler",
+    "comms_logger": "Comm. Op            Message Size",
+}
+_ASKING = {
+    **ZERO3,
+    "wall_clock_breakdown": True,
+    "steps_per_print": 1,
+    "flops_profiler": {"enabled": True, "profile_step": 1},
+    "comms_logger": {"enabled": True},
+}
+
+
+def _lines_starting(text: str) -> dict[str, int]:
+    """How many lines of ``text`` start each report."""
+    lines = text.splitlines()
+    return {key: sum(line.startswith(p) for line in lines) for key, p in _REPORTS.items()}
+
+
+def test_without_logging_warnings_and_asked_for_reports_show_once_then_the_application_decides(
+    tmp_path: Path,
+) -> None:
+    """A plain script that configures no logging sees the package's warnings on stderr (a
+    monitor without a batch size for its x axis) and the reports its config asked for on
+    stdout (the breakdown and the progress line at each of two steps, the flops profile, the
+    comms summary), as DeepSpeed prints them, and not the INFO summary. Once the application
+    configures logging (a plain basicConfig: WARNING on the root logger) its handler prints
+    each of them once and the package's prints nothing; a level on the package logger
+    silences them."""
     code = textwrap.dedent(
         f"""
         import logging, sys, torch, ds_strategy
-        config = {{"csv_monitor": {{"enabled": True, "output_path": {str(tmp_path)!r}}}}}
-        for quiet in (False, True):
-            if quiet:
-                print("-- quiet --", file=sys.stderr, flush=True)
+        asking = {_ASKING!r}
+        config = {{**asking, "csv_monitor": {{"enabled": True, "output_path": {str(tmp_path)!r}}}}}
+
+        def run():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            engine = ds_strategy.initialize(model, opt, config)
+            for _ in range(2):
+                engine.backward(engine(torch.randn(2, 16)).square().mean())
+                engine.step()
+            engine.log_summary()
+            engine.destroy()
+
+        run()
+        for phase in ("application", "quiet"):
+            for stream in (sys.stdout, sys.stderr):
+                print(f"-- {{phase}} --", file=stream, flush=True)
+            if phase == "application":
+                logging.basicConfig(stream=sys.stdout, format="APP %(message)s")
+            else:
                 logging.getLogger("ds_strategy").setLevel(logging.ERROR)
-            model = torch.nn.Linear(2, 2)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            ds_strategy.initialize(model, opt, config).destroy()
+            run()
         """
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    shown, quiet = run.stderr.split("-- quiet --")
-    assert "monitor: the config gives no batch size" in shown
-    assert "ds_strategy: ZeRO-" not in run.stderr + run.stdout  # the INFO summary
-    assert "no batch size" not in quiet, quiet
+    out, app_out, quiet_out = re.split(r"-- (?:application|quiet) --\n", run.stdout)
+    err, app_err, quiet_err = re.split(r"-- (?:application|quiet) --\n", run.stderr)
+    once = {"wall_clock_breakdown": 2, "steps_per_print": 2, "flops_profiler": 1, "comms_logger": 1}
+    assert _lines_starting(out) == once, out
+    assert "monitor: the config gives no batch size" in err
+    assert "ds_strategy: ZeRO-" not in out + err  # the INFO summary stays quiet
+    # the application's handler: every line once, through its format; ours silent
+    prefixed = "\n".join(line.removeprefix("APP ") for line in app_out.splitlines())
+    assert _lines_starting(prefixed) == once, app_out
+    assert _lines_starting(app_out) == dict.fromkeys(once, 0)  # nothing printed unformatted
+    assert "APP monitor: the config gives no batch size" in app_out and app_err == ""
+    assert quiet_out == "" and "no batch size" not in quiet_err, (quiet_out, quiet_err)
+
+
+def _reports_worker(rank: int, world: int) -> dict[str, str]:
+    assert not logging.getLogger().handlers  # a new process: no logging set up
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        torch.manual_seed(0)
+        engine = _engine(_ASKING)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(2, IN)).square().mean())
+            engine.step()
+        engine.log_summary()
+        engine.destroy()
+    return {"out": out.getvalue(), "err": err.getvalue()}
+
+
+def test_asked_for_reports_show_on_rank_0_only() -> None:
+    first, second = run_ranks(_reports_worker, 2)
+    assert _lines_starting(first["out"]) == {
+        "wall_clock_breakdown": 2,
+        "steps_per_print": 2,
+        "flops_profiler": 1,
+        "comms_logger": 1,
+    }, first["out"]
+    assert "step=1, skipped=0, lr=[0.001], mom=[(0.9, 0.999)]" in first["out"].splitlines()
+    assert second["out"] == "" and first["err"] == second["err"] == ""
+
+
+def test_the_progress_line_is_deepspeeds_and_needs_steps_per_print(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert doctest.testmod(step_line).attempted > 0 and doctest.testmod(step_line).failed == 0
+    caplog.set_level(logging.INFO, logger="ds_strategy")
+    for config, steps in (({**ZERO3, "steps_per_print": 2}, [2, 4]), (ZERO3, [])):
+        caplog.clear()
+        engine = _engine({**config, "fp16": {"enabled": True, "initial_scale_power": 60}})
+        for _ in range(4):  # the first steps overflow at 2**60 and are skipped
+            engine.backward(engine(torch.randn(2, IN)).square().mean())
+            engine.step()
+        lines = [m for m in _messages(caplog, "ds_strategy.core.engine") if m.startswith("step=")]
+        skipped = engine.skipped_steps
+        engine.destroy()
+        assert skipped >= 1
+        assert lines == [
+            step_line.progress_line(s, min(s, skipped), [{"lr": 1e-3, "betas": (0.9, 0.999)}])
+            for s in steps
+        ], lines
 
 
 # -- the start summary ---------------------------------------------------------------------------

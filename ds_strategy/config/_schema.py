@@ -1371,12 +1371,14 @@ class ZeroConfig:
         doc="Scale the gradients so that their global L2 norm (over all ranks) is at most this "
         "before each step; <= 0: no clipping (a negative value is stored as 0.0).",
     )
-    steps_per_print: int = leaf(
+    steps_per_print: int | None = leaf(
         int,
-        10,
+        None,
         ge=1,
-        doc="Every this many optimizer steps the monitors write the training events, and "
-        "wall_clock_breakdown and the memory timeline report.",
+        doc="Every this many optimizer steps rank 0 prints DeepSpeed's progress line (step, "
+        "skipped steps, lr, momentum), the monitors write the training events, and "
+        "wall_clock_breakdown and the memory timeline report; None (DeepSpeed's default): no "
+        "progress line, and the others every 10 steps.",
     )
     max_consecutive_skipped_steps: int = leaf(
         int,
@@ -1517,6 +1519,16 @@ class ZeroConfig:
         0
         """
         return _OPERATIONS["to_dict"](self)
+
+    @property
+    def report_every(self) -> int:
+        """How many optimizer steps apart the monitors write and the breakdown and the memory
+        timeline report: ``steps_per_print``, or 10 when the config does not give it.
+
+        >>> (ZeroConfig().report_every, ZeroConfig.from_any({"steps_per_print": 5}).report_every)
+        (10, 5)
+        """
+        return self.steps_per_print if self.steps_per_print is not None else 10
 
     @property
     def layout(self) -> Layout:

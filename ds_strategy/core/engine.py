@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._logging import report as show_report
 from ..config import ZeroConfig
 from .assembly import EngineBuilder, EngineParts, LoopHooks
 from .checkpoint.manager import CheckpointManager
@@ -40,6 +41,7 @@ from .quant.scheme import QuantScheme
 from .schedulers import load_scheduler_state
 from .stage_context import StageContext
 from .start_summary import RankLayout, start_summary
+from .step_line import report_progress
 from .timers import phase
 from .zero.builders import ShardingPlan
 from .zero.optimizer import OptimizerLike, OptimizerPiece
@@ -325,6 +327,12 @@ class ZeroEngine(nn.Module):
             self._compile_watch.after_step(self.global_steps)
             if self.timers is not None:
                 self.timers.end_step(self.global_steps)
+            report_progress(
+                self.config.steps_per_print,
+                self.global_steps,
+                self.skipped_steps,
+                self.optimizer.param_groups,
+            )
             if self.monitor is not None:
                 self.monitor.after_step(self)
         elif grad_norm is not None:
@@ -768,7 +776,7 @@ class ZeroEngine(nn.Module):
         if self._timeline is None:
             return
         self._timeline.end_step(self.global_steps)
-        if self.global_steps % self.config.steps_per_print == 0:
+        if self.global_steps % self.config.report_every == 0:
             self._write_memory_timeline()
 
     def _write_memory_timeline(self) -> None:
@@ -838,10 +846,11 @@ class ZeroEngine(nn.Module):
 
     def log_summary(self, show_straggler: bool = True) -> dict[str, Any]:
         """:meth:`comms_report`, printed on rank 0 as DeepSpeed's ``comm.log_summary`` prints
-        it (with the straggler breakdown unless ``show_straggler`` is false); a collective."""
+        it (with the straggler breakdown unless ``show_straggler`` is false; a report of the
+        ``ds_strategy.core.engine`` logger, see ``ds_strategy/_logging.py``); a collective."""
         report = self.comms_report()
         if report["enabled"] and self.comm.rank == 0:
-            print(format_summary(report, show_straggler), flush=True)
+            show_report(log, format_summary(report, show_straggler))
         return report
 
     @property

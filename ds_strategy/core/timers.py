@@ -20,9 +20,10 @@ between stages, so that whole interval is one phase, ``schedule`` (in the report
 measured); ``step`` is then the tied-weight sum, the gradient reduction, the norm exchanged
 between stages and the stage engine's optimizer step.
 
-The line goes to the ``ds_strategy.core.timers`` logger at INFO on rank 0 (shown once the
-application configures logging: ``logging.basicConfig(level=logging.INFO)``); a loop that
-owns the terminal sets ``engine.timers.printer`` instead (``tqdm.write`` keeps a progress bar
+The line is a report of the ``ds_strategy.core.timers`` logger on rank 0: printed on stdout
+when the application configures no logging, else an INFO record its handlers get (see
+``ds_strategy/_logging.py``); a loop that owns the terminal sets ``engine.timers.printer``
+instead (``tqdm.write`` keeps a progress bar
 intact), and front ends also receive every report through ``add_sink``.
 
 On CUDA the phase boundaries synchronise the device, so the times are the GPU's; that costs
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .._logging import report
 from .collectives import Comm
 from .profiling.ranges import profiling, range_name, record_function
 
@@ -67,8 +69,9 @@ _NULL = contextlib.nullcontext()
 
 
 def _log_line(line: str) -> None:
-    """``StepTimers``' default printer: the line as an INFO record of this module's logger."""
-    log.info("%s", line)
+    """``StepTimers``' default printer: the line as a report of this module's logger (shown
+    without any logging set up; see ``ds_strategy/_logging.py``)."""
+    report(log, line)
 
 
 def phase(timers: StepTimers | None, name: str) -> contextlib.AbstractContextManager[Any]:
@@ -89,7 +92,7 @@ def _ranged(timers: StepTimers | None, name: str) -> Iterator[None]:
 class StepTimers:
     """Accumulates phase times and bytes per optimizer step; every ``steps_per_print`` steps
     turns the window into a report (per-step means), hands its line to ``printer`` on rank 0
-    (by default an INFO record of the ``ds_strategy.core.timers`` logger; any
+    (by default a report of the ``ds_strategy.core.timers`` logger; any
     ``Callable[[str], None]`` may replace it) and the report to the sinks (front ends log it to
     Lightning loggers / Accelerate trackers)."""
 
@@ -113,7 +116,7 @@ class StepTimers:
         """A ``StepTimers`` when ``config.wall_clock_breakdown`` is true, else None."""
         if config.wall_clock_breakdown is not True:
             return None
-        return cls(comm, config.steps_per_print, device)
+        return cls(comm, config.report_every, device)
 
     def add_sink(self, sink: Sink) -> None:
         """Call ``sink(report, global_step)`` with every report (on every rank)."""

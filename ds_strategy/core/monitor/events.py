@@ -142,7 +142,7 @@ class TrainingMonitor:
             build_monitors(config, _global_rank()),
             comm,
             device,
-            steps_per_print=config.steps_per_print,
+            steps_per_print=config.report_every,
             train_batch_size=1 if batch is None else batch,
             fp16=config.fp16.enabled is True,
         )

@@ -27,6 +27,7 @@ engine, counts micro-batches.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from ..._logging import report as show_report
 from ...config import ZeroConfig, load_config
 from ...config.rules import Facts, check_rules
 from ..assembly import pick_device
@@ -64,6 +66,8 @@ from .schedules import bubble_fraction, make_schedule, stage_indices, stage_laye
 from .ties import broadcast_tied, duplicate_sq_norm, find_tied, sum_tied_grads
 
 __all__ = ["PipelineEngine"]
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -476,7 +480,7 @@ class PipelineEngine:
         prints it (see ``ZeroEngine.log_summary``); a collective."""
         report = self.comms_report()
         if report["enabled"] and Comm().rank == 0:
-            print(format_summary(report, show_straggler), flush=True)
+            show_report(log, format_summary(report, show_straggler))
         return report
 
     def flops_report(self) -> dict[str, Any]:

@@ -29,11 +29,16 @@ rank's totals, so :meth:`CommsLogger.report` is a collective, called on every ra
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..._logging import report
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CommsLogger", "Timing", "bandwidth_factors", "format_summary"]
 
@@ -138,7 +143,8 @@ class CommsLogger:
 
     ``prof_all``: every kind; else only the kinds (``comm_report()``'s names, such as
     ``"all_gather"`` or ``"control"``) or ops (``"all_reduce"``, ...) in ``prof_ops``.
-    ``verbose``: rank 0 prints each collective as it completes. ``debug``: a kind is recorded
+    ``verbose``: rank 0 prints each collective as it completes (to ``printer``; by default a
+    report of this module's logger). ``debug``: a kind is recorded
     per calling function, as ``"<kind> | [Caller Func: <name>]"``.
 
     >>> logger = CommsLogger(prof_all=False, prof_ops=["all_gather"])
@@ -165,7 +171,9 @@ class CommsLogger:
         self.verbose = verbose
         self.debug = debug
         self.rank = rank
-        self.printer = printer or (lambda line: print(line, flush=True))
+        # by default a report of this module's logger: stdout without logging set up, else the
+        # application's handlers (ds_strategy/_logging.py)
+        self.printer = printer or (lambda line: report(log, line))
         self._kinds: dict[str, _Kind] = {}
 
     @classmethod

@@ -3,7 +3,8 @@
 At optimizer step ``profile_step`` (the steps finished before it, as DeepSpeed counts) the
 forward of the last micro-batch is measured module by module (``counting.py``), its
 backward and the optimizer step are timed, and at the step's end the report is built,
-printed on rank 0 in DeepSpeed's layout (to ``output_file`` when set) and kept for
+printed on rank 0 in DeepSpeed's layout (a report of this module's logger, see
+``ds_strategy/_logging.py``; to ``output_file`` when set) and kept for
 ``engine.flops_report()``.
 
 [Note: training FLOPs and MFU]
@@ -40,6 +41,7 @@ None there. Each stage's first data-parallel rank prints its profile (stage k > 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,9 +50,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._logging import report
 from .counting import ForwardCount
 from .peak import peak_tflops
 from .summary import format_profile
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FlopsProfiler"]
 
@@ -183,8 +188,8 @@ class FlopsProfiler:
                 if self.stage:  # stage 0 writes the file named, as a global rank 0 would
                     path = path.with_name(f"{path.stem}_stage{self.stage}{path.suffix}")
                 path.write_text(text + "\n")
-            else:
-                print(text, flush=True)
+            else:  # stdout without logging set up, else the application's handlers
+                report(log, text)
 
     def _build(self, count: ForwardCount) -> dict[str, Any]:
         modules = {
