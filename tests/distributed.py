@@ -8,16 +8,26 @@ back to the test with its rank and traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests.pool import RankPool, WorkerError, active, free_port
 
-__all__ = ["WorkerError", "free_port", "run_command", "run_ranks", "run_ranks_each"]
+__all__ = [
+    "WorkerError",
+    "free_port",
+    "run_command",
+    "run_rank_processes",
+    "run_ranks",
+    "run_ranks_each",
+]
 
 
 def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, name: str) -> str:
@@ -43,6 +53,67 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, 
     if proc.returncode != 0:
         raise AssertionError(f"{name} exited with {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def run_rank_processes(
+    cmd: list[str], world: int, cwd: Path, env: dict[str, str], timeout: float, name: str
+) -> str:
+    """Start ``world`` copies of ``cmd`` at once, as torchrun or SLURM starts a job's ranks:
+    each with ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
+    a free ``MASTER_PORT`` on 127.0.0.1 (Lightning then sees processes created externally and
+    starts none; its own launcher would start rank 1 only once rank 0 had imported everything
+    and reached ``fit``). Returns rank 0's output then the others'; if one rank fails or the
+    time runs out, every rank is killed and ``AssertionError`` carries each rank's tail."""
+    port = str(free_port())
+    with contextlib.ExitStack() as files:
+        # files, not pipes: a pipe nobody reads while waiting could fill up
+        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world)]
+        procs = []
+        for rank, log in enumerate(logs):
+            rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0")
+            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+            rank_env.update(LOCAL_WORLD_SIZE=str(world))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=cwd,
+                    env=rank_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+        failed = _wait_all(procs, timeout)
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    if failed:
+        tails = "\n".join(f"--- rank {r} ---\n{out[-4000:]}" for r, out in enumerate(outputs))
+        raise AssertionError(f"{name}: {failed}:\n{tails}")
+    return "".join(outputs)
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> str:
+    """Wait for every process; at the first failure or at the deadline kill the rest (a rank
+    whose peer died waits in a collective). Returns what went wrong, or ``""``."""
+    deadline = time.monotonic() + timeout
+    failed = ""
+    while any(p.poll() is None for p in procs) and not failed:
+        failed = next((f"rank {r} exited with {p.returncode}" for r, p in enumerate(procs)
+                       if p.returncode not in (None, 0)), "")  # fmt: skip
+        if not failed and time.monotonic() > deadline:
+            failed = f"timed out after {timeout}s"
+        if not failed:
+            time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    return failed or next(
+        (f"rank {r} exited with {p.returncode}" for r, p in enumerate(procs) if p.returncode), ""
+    )
 
 
 def run_ranks(

@@ -48,7 +48,8 @@ def test_lightning_deepspeed_checkpoint_resumes_in_the_trainer(
     tmp_path: Path, stage: int, devices: int
 ) -> None:
     pytest.importorskip("lightning")
-    out = run_for_results("deepspeed_resume.py", tmp_path, args=(str(stage), str(devices)))
+    args = (str(stage), str(devices))
+    out = run_for_results("deepspeed_resume.py", tmp_path, args=args, ranks=devices)
     reference = load_file(DATA / "lightning_s2" / "continued.safetensors")
     assert out["global_step"] == 7
     assert out["lr"] == pytest.approx(0.02)  # the LambdaLR's position came back with the loops
@@ -149,7 +150,7 @@ def test_fabric_deepspeed_checkpoint_resumes_with_fabric_load(
 ) -> None:
     pytest.importorskip("lightning")
     args = (str(stage), str(devices))
-    out = run_for_results("fabric_deepspeed_resume.py", tmp_path, args=args)
+    out = run_for_results("fabric_deepspeed_resume.py", tmp_path, args=args, ranks=devices)
     assert out["loaded"] == {"step": 4, "last_epoch": 4}  # Fabric's entries, as client state
     reference = load_file(DATA / "fabric_s2" / "continued.safetensors")
     diff = max_diff(out["weights"], reference)

@@ -201,7 +201,7 @@ def test_contradictions_name_the_value_to_change(
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("single_process")
-    run_script("single_process.py", out)
+    run_script("single_process.py", out, ranks=1)
     return json.loads((out / "results.json").read_text())
 
 

@@ -17,6 +17,6 @@ pytestmark = pytest.mark.launcher
 
 
 def test_tensor_parallel_trainer_equals_one_process(tmp_path: Path) -> None:
-    run_script("tensor_parallel.py", tmp_path, timeout=300)
+    run_script("tensor_parallel.py", tmp_path, timeout=300, ranks=4)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     check_against_one_process(ranks, torch.load(tmp_path / "state.pt"), prefix="model.")

@@ -1,7 +1,7 @@
 """``lightning.Trainer`` with ``ZeroStrategy`` on 2 CPU processes (gloo), against ``ddp``.
 
-Each fixture runs one script from ``tests/lightning_scripts`` in a subprocess (Lightning's
-launcher starts rank 1) with a timeout; the script saves what rank 0 saw and the tests compare.
+Each fixture runs one script from ``tests/lightning_scripts`` on 2 processes started at once
+(``launch.py``, as torchrun would) with a timeout; the script saves what rank 0 saw and the tests compare.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Models, data and helpers shared by the scripts the Lightning/Fabric tests launch.
 
-The scripts run as ``python script.py OUT_DIR`` with ``MASTER_PORT`` set by the test; the
-Trainer/Fabric subprocess launcher starts rank 1 by re-running the same command.
+The scripts run as ``python script.py OUT_DIR``, one process per rank started at once with
+the launcher's environment (``launch.py``), so the Trainer and Fabric start none.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ optimizer); the generator's loss runs backward through the discriminator. Each r
 every model and optimizer in one ``fabric.save`` half-way, and a fresh model set up the same
 way loads it and finishes the run. Rank 0 writes ``OUT/results.pt``.
 
-Usage: ``MASTER_PORT=... python fabric_gan.py OUT`` (Fabric starts rank 1).
+Usage: ``MASTER_PORT=... python fabric_gan.py OUT`` (one process per rank: see launch.py).
 """
 
 from __future__ import annotations

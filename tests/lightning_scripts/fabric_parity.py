@@ -2,7 +2,7 @@
 a user-stepped lr scheduler) under ``ddp`` and the ZeRO strategy; ``fabric.save`` after epoch
 0 and ``fabric.load`` into a fresh Fabric to finish. Rank 0 writes ``OUT/results.pt``.
 
-Usage: ``MASTER_PORT=... python fabric_parity.py OUT`` (Fabric starts rank 1).
+Usage: ``MASTER_PORT=... python fabric_parity.py OUT`` (one process per rank: see launch.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Run one of the scripts in this folder as ``python SCRIPT OUT`` on a free port, with a timeout
-that kills the whole process group (Lightning's launcher starts rank 1 as a child, which would
-otherwise wait in a collective after rank 0 died)."""
+"""Run one of the scripts in this folder as ``python SCRIPT OUT``, one process per rank started
+at once with the launcher's environment (as torchrun or SLURM start a Lightning job: the
+Trainer and Fabric see processes created externally), on a free port, with a timeout that
+kills every rank. ``tests/test_examples.py`` runs a Lightning script as ``python script.py``,
+Lightning's own launcher starting rank 1."""
 
 from __future__ import annotations
 
@@ -10,31 +12,30 @@ from pathlib import Path
 
 import torch
 
-from tests.distributed import free_port, run_command
+from tests.distributed import run_rank_processes
 
 HERE = Path(__file__).resolve().parent
 
 
-def run_script(script: str, out: Path, timeout: float = 240, args: tuple[str, ...] = ()) -> str:
-    """Run ``script`` with ``out`` (then ``args``) as its arguments; return its output, or
-    fail with its tail."""
+def run_script(
+    script: str, out: Path, timeout: float = 240, args: tuple[str, ...] = (), ranks: int = 2
+) -> str:
+    """Run ``script`` with ``out`` (then ``args``) as its arguments on ``ranks`` processes
+    (the ``devices`` its Trainer or Fabric asks for); return their output, or fail with each
+    rank's tail."""
     env = dict(
         os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",  # two ranks on two cores: one thread each
         PYTHONWARNINGS="ignore",
     )
-    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        env.pop(var, None)
     cmd = [sys.executable, str(HERE / script), str(out), *args]
-    return run_command(cmd, HERE, env, timeout, script)
+    return run_rank_processes(cmd, ranks, HERE, env, timeout, script)
 
 
-def run_for_results(script: str, out: Path, args: tuple[str, ...] = ()) -> dict:
-    """Run ``script`` (with ``args`` after ``out``) and load the ``results.pt`` it wrote into
-    ``out`` (kept as ``out``)."""
-    run_script(script, out, args=args)
+def run_for_results(script: str, out: Path, args: tuple[str, ...] = (), ranks: int = 2) -> dict:
+    """Run ``script`` (with ``args`` after ``out``) on ``ranks`` processes and load the
+    ``results.pt`` it wrote into ``out`` (kept as ``out``)."""
+    run_script(script, out, args=args, ranks=ranks)
     results = torch.load(out / "results.pt", weights_only=False)
     results["out"] = out
     return results

@@ -4,7 +4,7 @@ again under ``precision="bf16-mixed"`` and with fp16 in the config; rank
 0 trains the same model with plain PyTorch on the same batches and saves both to
 ``OUT/results.pt``.
 
-Usage: ``MASTER_PORT=... python pipeline.py OUT`` (Lightning starts rank 1).
+Usage: ``MASTER_PORT=... python pipeline.py OUT`` (one process per rank: see launch.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ ZeRO stage 3 (the model built in ``configure_model``), accumulation 2 and clippi
 writes the rows it trained on and rank 0 the consolidated weights to ``OUT``; the test
 compares them with one process on the global batch (``tests/tp_common.py``).
 
-Usage: ``MASTER_PORT=... python tensor_parallel.py OUT`` (Lightning starts ranks 1-3).
+Usage: ``MASTER_PORT=... python tensor_parallel.py OUT`` (4 processes: see launch.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ device, ``nn.MultiheadAttention`` under stage 3, manual optimization, and Lightn
 the strategy given in YAML. Rank 0 writes ``OUT/results.pt``; every rank writes its own
 consolidated weights where the test compares ranks.
 
-Usage: ``MASTER_PORT=... python trainer_features.py OUT`` (Lightning starts rank 1).
+Usage: ``MASTER_PORT=... python trainer_features.py OUT`` (one process per rank: see launch.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ the discriminator accumulating two batches by hand and clipped, a scheduler per 
 and the same loop without toggling, zeroing each optimizer's gradients before its backward.
 Rank 0 writes ``OUT/results.pt``.
 
-Usage: ``MASTER_PORT=... python trainer_gan.py OUT`` (Lightning starts rank 1), then
+Usage: ``MASTER_PORT=... python trainer_gan.py OUT`` (one process per rank: see launch.py), then
 ``python trainer_gan.py OUT resume``: one process resumes the ZeRO-3 run's epoch-0
 checkpoint under ZeRO-2, validates its final checkpoint (every engine's weights read into
 one evaluation engine) and consolidates it, and writes ``OUT/resumed.pt``.

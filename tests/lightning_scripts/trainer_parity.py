@@ -1,7 +1,7 @@
 """Train ``Regressor`` under DDP and ZeRO stages 1-3 with the Trainer, checkpoint, resume,
 evaluate and export; rank 0 saves everything the test compares to ``OUT/results.pt``.
 
-Usage: ``MASTER_PORT=... python trainer_parity.py OUT`` (Lightning starts rank 1).
+Usage: ``MASTER_PORT=... python trainer_parity.py OUT`` (one process per rank: see launch.py).
 """
 
 from __future__ import annotations
