@@ -142,7 +142,7 @@ def _spawn(
 ) -> list[Any]:
     """New ranks for this call alone: a pool of its own, closed afterwards (its processes
     start now, with the caller's environment as it is)."""
-    pool = RankPool(world)
+    pool = RankPool(world, fresh=True)
     try:
         return pool.run(fn, args, timeout, pg_timeout)
     finally:

@@ -23,6 +23,18 @@ RSS from a clean heap) says so: ``run_ranks(..., fresh=True)`` runs it on a pool
 started for that call, and the test is marked ``launcher``. At the end of a run pytest
 prints how often each pool's ranks were started and after which tests.
 
+[Note: starting ranks]
+A new Python process that imports torch and the package takes 3 s of CPU on these cores. The
+session's pools fork their ranks from a fork server (multiprocessing's ``forkserver``) that
+imported torch and the package once (``PRELOAD``), so a start or restart costs a fork; the
+fork server itself ran no torch operation, so no thread or device state is copied. Random
+generators are those of a new process (torch's default seed; Python's ``random`` reseeds at
+fork; numpy's is reseeded here). What a new process reads from the environment at start-up
+comes from the fork server's: ``fresh=True`` pools spawn their ranks instead. A rank whose
+heap has grown past ``HEAP_LIMIT`` objects since its start (tests importing Lightning or
+transformers into it, compiled graphs and their caches) or was unfrozen (``gc.unfreeze``, as
+``StepMemoryProbe.close`` does) is replaced after its test, so collections stay cheap.
+
 [Note: failures]
 A rank's exception comes back with its traceback; the other ranks are given a few seconds to
 report too (they usually fail the same way, through the engine's failure agreement), and if
@@ -57,6 +69,11 @@ from typing import Any
 import torch
 
 GRACE_S = 5.0  # how long the other ranks may take to report after one has failed
+# What the fork server imports once; a session pool's ranks are forked from it (see the note)
+PRELOAD = ["torch", "torch.distributed", "ds_strategy", "tests.pool"]
+# A rank whose heap has grown past this many objects since start-up (modules a test imported,
+# caches) is replaced after its test: every later collection and live_tensor_bytes walk it
+HEAP_LIMIT = 150_000
 
 
 class WorkerError(RuntimeError):
@@ -71,6 +88,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fork_context() -> Any:
+    """multiprocessing's ``forkserver`` context, its server importing ``PRELOAD`` once: a
+    process started from it costs a fork, not an interpreter importing torch (see [Note:
+    starting ranks]). Its processes exit with ``os._exit``: no ``atexit`` handler runs."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the fork server starts (once)
+    return ctx
 
 
 def current_test() -> str:
@@ -208,6 +234,10 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
         import tqdm
 
         tqdm.tqdm.monitor_interval = 0
+    with suppress(ImportError):  # forked: numpy's generator is the fork server's; a new one's
+        import numpy
+
+        numpy.random.seed()
     outbox.put((0, rank, "ready", None))  # (and the queue's feeder thread is part of the baseline)
     baseline = _Baseline()
     # What a new rank holds (torch and the package, imported: most of its objects) is kept out
@@ -216,6 +246,7 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
     # frozen objects; live_tensor_bytes walks it).
     _release_memory()
     gc.freeze()
+    frozen = gc.get_freeze_count()
     while True:
         try:
             task = inbox.recv()
@@ -239,19 +270,28 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
             dist.destroy_process_group()
         _restore_functions(functions)
         _reset_libraries()
-        left = baseline.leftover_threads()
+        # why this rank should not be reused: threads left running, a heap grown too large
+        unfit = [f"thread(s) {names} left running" for names in [baseline.leftover_threads()]
+                 if names]  # fmt: skip
         _release_memory()
-        outbox.put((task["id"], rank, "done", left))
+        if len(gc.get_objects()) > HEAP_LIMIT:
+            unfit.append(f"a heap of over {HEAP_LIMIT:,} objects")
+        # StepMemoryProbe.close() unfreezes everything (frozen objects freed lower the count too)
+        if gc.get_freeze_count() < frozen // 2:
+            unfit.append("its start-up heap unfrozen")
+        outbox.put((task["id"], rank, "done", unfit))
 
 
 # -- in the test process --------------------------------------------------------------------------
 
 
 class RankPool:
-    """``world`` rank processes, started on first use and again after a failure."""
+    """``world`` rank processes, started on first use and again after a failure; forked from
+    the fork server, or spawned with ``fresh`` (see [Note: starting ranks])."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, fresh: bool = False) -> None:
         self.world = world
+        self.fresh = fresh
         self.starts = 0  # how many times the ranks were started (for the pool's own tests)
         self.retired: list[str] = []  # why ranks were replaced: "<test>: <reason>"
         self._procs: list[Any] = []
@@ -269,7 +309,7 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn") if self.fresh else fork_context()
         self._outbox = ctx.Queue()
         self._procs, self._inboxes = [], []
         for r in range(self.world):
@@ -358,12 +398,12 @@ class RankPool:
             message = self._next(task_id, teardown - time.monotonic())
             if message is not None and message[1] == "done":
                 done[message[0]] = message[2]
-        # a rank not done, or one that left a thread running, is not reused (the results
-        # stand): the next test gets new ranks
+        # a rank not done, or one unfit for reuse (a thread left running, a heap grown too
+        # large), is not reused (the results stand): the next test gets new ranks
         self._clean = len(done) == self.world and not any(done.values())
-        left = sorted({name for names in done.values() for name in names})
-        if left:
-            self._reason = f"thread(s) {left} left running"
+        unfit = sorted({why for whys in done.values() for why in whys})
+        if unfit:
+            self._reason = "; ".join(unfit)
         elif len(done) < self.world:
             self._reason = f"rank(s) {sorted(set(range(self.world)) - set(done))} did not tear down"
         if errors:

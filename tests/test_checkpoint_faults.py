@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -29,6 +28,7 @@ from ds_strategy.core.checkpoint.lock import CheckpointBusyError
 from ds_strategy.core.checkpoint.manager import complete_in_every_stage
 from tests.distributed import run_ranks
 from tests.models import ToyLM, batches
+from tests.pool import fork_context
 from tests.test_checkpoint_manage import GB, _opt, train
 from tests.test_pipeline import _config as _pipe_config
 from tests.test_pipeline import mlp, mse
@@ -376,7 +376,7 @@ def kill_every_step_job(root: str, scenario: str, queue: Any) -> None:
 @pytest.mark.parametrize("scenario", ["same tag", "new tag, pruning the old"])
 @pytest.mark.launcher
 def test_a_save_killed_at_every_step_never_loses_latest(tmp_path: Path, scenario: str) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=kill_every_step_job, args=(str(tmp_path / "root"), scenario, queue))
     proc.start()
@@ -433,7 +433,7 @@ def test_a_second_job_saving_into_a_root_fails_at_once_naming_the_holder(tmp_pat
     model = nn.Linear(4, 4)
     engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
     engine.save_checkpoint(root, tag="mine")
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=other_job, args=(str(root), queue, False))
     proc.start()
@@ -487,7 +487,7 @@ def test_a_held_root_covers_a_bare_save_into_one_of_its_tags(tmp_path: Path) -> 
 @pytest.mark.launcher
 def test_a_holder_killed_with_sigkill_releases_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=other_job, args=(str(root), queue, True))
     proc.start()
@@ -624,7 +624,7 @@ def _torn_save(root: Path, victim: int, step: int) -> dict | None:
     rank died is killed whole). The ranks' weights at both saves when nothing was killed."""
     from benchmarks._ranks import _free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [

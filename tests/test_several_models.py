@@ -19,6 +19,7 @@ from torch.nn import functional as F
 import ds_strategy
 from ds_strategy.demos.gpt import GPT, GPTConfig
 from tests.distributed import run_ranks_each
+from tests.pool import fork_context
 
 WORLD, ROWS, STEPS = 2, 4, 4  # ROWS per rank per step
 NOISE, DATA = 8, 16
@@ -488,9 +489,8 @@ def killed_engines_job(root: str, queue: Any) -> None:
 def test_a_save_of_several_engines_killed_at_every_step_loads_one_whole_save(
     tmp_path: Any,
 ) -> None:
-    import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     queue = ctx.Queue()
     proc = ctx.Process(target=killed_engines_job, args=(str(tmp_path / "root"), queue))
     proc.start()
