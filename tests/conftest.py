@@ -29,10 +29,23 @@ _POOL_SUMMARY = pytest.StashKey[list[str]]()
 @pytest.fixture(scope="session", autouse=True)
 def rank_pools(request: pytest.FixtureRequest) -> Iterator[RankPools]:
     """Gloo ranks started once for the whole run, one pool per world size used; every
-    ``run_ranks`` call of the session runs in them (see ``tests/pool.py``)."""
+    ``run_ranks`` call of the session runs in them (see ``tests/pool.py``). Under
+    pytest-xdist each worker has its own."""
     with session_pools() as pools:
         yield pools
-        request.config.stash[_POOL_SUMMARY] = pools.summary()
+        summary = pools.summary()
+        worker = getattr(request.config, "workerinput", {}).get("workerid")
+        if worker is not None:  # an xdist worker: the controller prints it (below)
+            request.config.workeroutput["pool_summary"] = [f"[{worker}] {s}" for s in summary]
+        else:
+            request.config.stash[_POOL_SUMMARY] = summary
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """An xdist worker finished: keep its pools' summary for the terminal summary."""
+    lines = getattr(node, "workeroutput", {}).get("pool_summary", [])
+    node.config.stash.setdefault(_POOL_SUMMARY, []).extend(lines)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

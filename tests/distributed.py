@@ -24,6 +24,7 @@ __all__ = [
     "WorkerError",
     "free_port",
     "run_command",
+    "run_commands",
     "run_rank_processes",
     "run_ranks",
     "run_ranks_each",
@@ -35,24 +36,42 @@ def run_command(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, 
     process session; on timeout kill the whole group, since a rank the launcher started as a
     child would otherwise wait forever in a collective. Returns the combined output, or
     raises ``AssertionError`` with its tail."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"{name} timed out after {timeout}s:\n{output[-6000:]}") from None
-    if proc.returncode != 0:
-        raise AssertionError(f"{name} exited with {proc.returncode}:\n{output[-6000:]}")
+    (output,) = run_commands([cmd], cwd, env, timeout, name)
     return output
+
+
+def run_commands(
+    cmds: list[list[str]], cwd: Path, env: dict[str, str], timeout: float, name: str
+) -> list[str]:
+    """:func:`run_command` for independent commands, all started at once (one-process jobs
+    side by side use both cores); their outputs in order. A command that fails or runs past
+    ``timeout`` fails the call, after the others have finished or been killed with it."""
+    with contextlib.ExitStack() as files:
+        # files, not pipes: a pipe nobody reads while waiting could fill up
+        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in cmds]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            for cmd, log in zip(cmds, logs, strict=True)
+        ]
+        failed = _wait_all(procs, timeout, "command")
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    if failed:
+        tails = "\n".join(
+            f"--- {' '.join(c)[:200]} ---\n{o[-6000:]}" for c, o in zip(cmds, outputs, strict=True)
+        )
+        raise AssertionError(f"{name}: {failed}:\n{tails}")
+    return outputs
 
 
 def run_rank_processes(
@@ -84,7 +103,7 @@ def run_rank_processes(
                     start_new_session=True,
                 )  # fmt: skip
             )
-        failed = _wait_all(procs, timeout)
+        failed = _wait_all(procs, timeout, "rank")
         outputs = []
         for log in logs:
             log.seek(0)
@@ -95,13 +114,14 @@ def run_rank_processes(
     return "".join(outputs)
 
 
-def _wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> str:
-    """Wait for every process; at the first failure or at the deadline kill the rest (a rank
-    whose peer died waits in a collective). Returns what went wrong, or ``""``."""
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> str:
+    """Wait for every process (each a ``what``: a rank, a command); at the first failure or at
+    the deadline kill the rest (a rank whose peer died waits in a collective) with the
+    processes they started. Returns what went wrong, or ``""``."""
     deadline = time.monotonic() + timeout
     failed = ""
     while any(p.poll() is None for p in procs) and not failed:
-        failed = next((f"rank {r} exited with {p.returncode}" for r, p in enumerate(procs)
+        failed = next((f"{what} {r} exited with {p.returncode}" for r, p in enumerate(procs)
                        if p.returncode not in (None, 0)), "")  # fmt: skip
         if not failed and time.monotonic() > deadline:
             failed = f"timed out after {timeout}s"
@@ -112,7 +132,8 @@ def _wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> str:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     return failed or next(
-        (f"rank {r} exited with {p.returncode}" for r, p in enumerate(procs) if p.returncode), ""
+        (f"{what} {r} exited with {p.returncode}" for r, p in enumerate(procs) if p.returncode),
+        "",
     )
 
 

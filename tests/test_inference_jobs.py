@@ -18,7 +18,7 @@ import torch
 import ds_strategy
 from ds_strategy.cli import main
 from ds_strategy.demos.gpt import perplexity, split_text
-from tests.distributed import free_port, run_command
+from tests.distributed import free_port, run_command, run_commands
 from tests.inference_common import CORPUS
 
 # launcher: the main job under torchrun, the CLI and the recipe as commands
@@ -44,23 +44,27 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
     ]
 
 
-def _train(tmp: Path, *args: str, nproc: int = 2) -> str:
+def _train_cmd(*args: str, nproc: int = 2) -> list[str]:
     script = str(ROOT / "examples" / "train_gpt.py")
-    cmd = _torchrun(nproc, script, "--text", str(CORPUS), "--sample", "0", *args)
-    return run_command(cmd, tmp, _env(), 300, "train_gpt.py")
+    return _torchrun(nproc, script, "--text", str(CORPUS), "--sample", "0", *args)
+
+
+def _train(tmp: Path, *args: str, nproc: int = 2) -> str:
+    return run_command(_train_cmd(*args, nproc=nproc), tmp, _env(), 300, "train_gpt.py")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The main job as the README runs it (2 processes, ZeRO-3, 200 steps) on the fixed
     corpus, saved; then 60 more steps from it with int4 fake quantization, and the same 60
-    steps without (the fair fp32 reference for QAT), each in one process."""
+    steps without (the fair fp32 reference for QAT), each in one process, side by side."""
     tmp = tmp_path_factory.mktemp("main_job")
     out = _train(tmp, "--save", str(tmp / "gpt"))
     assert "held-out perplexity" in out, out[-3000:]
     tune = ("--init", str(tmp / "gpt"), "--steps", "60", "--lr", "1e-3")
-    _train(tmp, *tune, "--qat", "4", "--save", str(tmp / "qat"), nproc=1)
-    _train(tmp, *tune, "--save", str(tmp / "tuned"), nproc=1)
+    qat = _train_cmd(*tune, "--qat", "4", "--save", str(tmp / "qat"), nproc=1)
+    tuned = _train_cmd(*tune, "--save", str(tmp / "tuned"), nproc=1)
+    run_commands([qat, tuned], tmp, _env(), 300, "train_gpt.py")  # two one-process jobs at once
     return {"base": tmp / "gpt", "qat": tmp / "qat", "tuned": tmp / "tuned"}
 
 
