@@ -3,6 +3,7 @@ tool): .ci/floors runs it in the venv the README's first command made.
 
     torchrun --nproc-per-node=2 .ci/core_paths.py train OUT   # 2 ranks: train and save
     python .ci/core_paths.py load OUT                          # 1 process: load and check
+    python .ci/core_paths.py breakdown                         # a plain script's reports
 
 ``train`` runs ZeRO-1, 2 and 3, ZeRO-3 with parameters and optimizer state offloaded to CPU
 and to NVMe (files under OUT), two engines saved under one commit point and a 2-stage
@@ -10,6 +11,8 @@ pipeline, each for a few steps of the demo GPT, and saves each with its consolid
 beside it. ``load`` resumes every checkpoint in one process at another ZeRO stage, checks the
 weights equal what the two ranks held, trains a step, and consolidates the NVMe run's
 checkpoint. Every mismatch is an error; the script prints one line per path it checked.
+``breakdown`` is a plain script that configures no logging and asks for
+``wall_clock_breakdown`` and ``steps_per_print``: .ci/floors reads their lines on its stdout.
 """
 
 from __future__ import annotations
@@ -172,7 +175,17 @@ def load(out: Path) -> None:
     print("+ consolidate: the NVMe run's checkpoint as one safetensors file, equal")
 
 
+def breakdown() -> None:
+    config = {"wall_clock_breakdown": True, "steps_per_print": 1}
+    engine = _engine(_model(), {"stage": 3, **SHARD_ALL}, **config)
+    _train(engine, 2)
+    engine.destroy()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("train", "load"):
+    if sys.argv[1:] == ["breakdown"]:
+        breakdown()
+    elif len(sys.argv) == 3 and sys.argv[1] in ("train", "load"):
+        {"train": train, "load": load}[sys.argv[1]](Path(sys.argv[2]))
+    else:
         raise SystemExit(__doc__)
-    {"train": train, "load": load}[sys.argv[1]](Path(sys.argv[2]))
