@@ -46,32 +46,8 @@ def run_commands(
     """:func:`run_command` for independent commands, all started at once (one-process jobs
     side by side use both cores); their outputs in order. A command that fails or runs past
     ``timeout`` fails the call, after the others have finished or been killed with it."""
-    with contextlib.ExitStack() as files:
-        # files, not pipes: a pipe nobody reads while waiting could fill up
-        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in cmds]
-        procs = [
-            subprocess.Popen(
-                cmd,
-                cwd=cwd,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )  # fmt: skip
-            for cmd, log in zip(cmds, logs, strict=True)
-        ]
-        failed = _wait_all(procs, timeout, "command")
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-    if failed:
-        tails = "\n".join(
-            f"--- {' '.join(c)[:200]} ---\n{o[-6000:]}" for c, o in zip(cmds, outputs, strict=True)
-        )
-        raise AssertionError(f"{name}: {failed}:\n{tails}")
-    return outputs
+    labels = [" ".join(cmd)[:200] for cmd in cmds]
+    return _run_all([(cmd, env) for cmd in cmds], cwd, timeout, name, labels)
 
 
 def run_rank_processes(
@@ -84,45 +60,62 @@ def run_rank_processes(
     and reached ``fit``). Returns rank 0's output then the others'; if one rank fails or the
     time runs out, every rank is killed and ``AssertionError`` carries each rank's tail."""
     port = str(free_port())
+    runs = []
+    for rank in range(world):
+        rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0")
+        rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        rank_env.update(LOCAL_WORLD_SIZE=str(world))
+        runs.append((cmd, rank_env))
+    labels = [f"rank {rank}" for rank in range(world)]
+    return "".join(_run_all(runs, cwd, timeout, name, labels))
+
+
+def _run_all(
+    runs: list[tuple[list[str], dict[str, str]]],
+    cwd: Path,
+    timeout: float,
+    name: str,
+    labels: list[str],
+) -> list[str]:
+    """Start every ``(cmd, env)`` at once, each in its own session; their outputs in order,
+    or ``AssertionError`` with each one's tail (``labels`` name them) once one has failed or
+    the time has run out and the rest are killed."""
     with contextlib.ExitStack() as files:
         # files, not pipes: a pipe nobody reads while waiting could fill up
-        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world)]
-        procs = []
-        for rank, log in enumerate(logs):
-            rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0")
-            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-            rank_env.update(LOCAL_WORLD_SIZE=str(world))
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=cwd,
-                    env=rank_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )  # fmt: skip
-            )
-        failed = _wait_all(procs, timeout, "rank")
+        logs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in runs]
+        procs = [
+            subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            for (cmd, env), log in zip(runs, logs, strict=True)
+        ]
+        failed = _wait_all(procs, timeout, labels)
         outputs = []
         for log in logs:
             log.seek(0)
             outputs.append(log.read())
     if failed:
-        tails = "\n".join(f"--- rank {r} ---\n{out[-4000:]}" for r, out in enumerate(outputs))
-        raise AssertionError(f"{name}: {failed}:\n{tails}")
-    return "".join(outputs)
+        tails = (
+            f"--- {label} ---\n{out[-4000:]}" for label, out in zip(labels, outputs, strict=True)
+        )
+        raise AssertionError(f"{name}: {failed}:\n" + "\n".join(tails))
+    return outputs
 
 
-def _wait_all(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> str:
-    """Wait for every process (each a ``what``: a rank, a command); at the first failure or at
-    the deadline kill the rest (a rank whose peer died waits in a collective) with the
-    processes they started. Returns what went wrong, or ``""``."""
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float, labels: list[str]) -> str:
+    """Wait for every process (named by ``labels``); at the first failure or at the deadline
+    kill the rest (a rank whose peer died waits in a collective) with the processes they
+    started. Returns what went wrong, or ``""``."""
     deadline = time.monotonic() + timeout
     failed = ""
     while any(p.poll() is None for p in procs) and not failed:
-        failed = next((f"{what} {r} exited with {p.returncode}" for r, p in enumerate(procs)
-                       if p.returncode not in (None, 0)), "")  # fmt: skip
+        failed = _first_failure(procs, labels)
         if not failed and time.monotonic() > deadline:
             failed = f"timed out after {timeout}s"
         if not failed:
@@ -131,10 +124,14 @@ def _wait_all(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> 
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-    return failed or next(
-        (f"{what} {r} exited with {p.returncode}" for r, p in enumerate(procs) if p.returncode),
-        "",
-    )
+    return failed or _first_failure(procs, labels)
+
+
+def _first_failure(procs: list[subprocess.Popen[str]], labels: list[str]) -> str:
+    for label, p in zip(labels, procs, strict=True):
+        if p.returncode not in (None, 0):
+            return f"{label} exited with {p.returncode}"
+    return ""
 
 
 def run_ranks(
