@@ -42,6 +42,24 @@ def test_latest_holding_a_path_is_refused(tmp_path: Path, name: str) -> None:
         ds_strategy.consolidate(tmp_path / "root", tmp_path / "out.safetensors")
 
 
+@pytest.mark.parametrize("by", ["latest", "tag"])
+def test_a_tag_that_links_outside_its_root_is_refused(tmp_path: Path, by: str) -> None:
+    """``root/step2 -> ../victim/step9``: named by ``latest`` or by ``tag=``, never read."""
+    engine = _engine()
+    engine.save_checkpoint(tmp_path / "victim", tag="step9")
+    engine.save_checkpoint(tmp_path / "root", tag="step1")
+    (tmp_path / "root" / "step2").symlink_to(tmp_path / "victim" / "step9")
+    if by == "latest":
+        (tmp_path / "root" / "latest").write_text("step2")
+    with pytest.raises(ds_strategy.CheckpointError, match=r"step2: a link to .*victim"):
+        engine.load_checkpoint(tmp_path / "root", tag=None if by == "latest" else "step2")
+    with pytest.raises(ds_strategy.CheckpointError, match="outside"):
+        ds_strategy.consolidate(
+            tmp_path / "root", tmp_path / "out.safetensors", tag=None if by == "latest" else "step2"
+        )
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
     engine = _engine()
     outside = tmp_path / "other"

@@ -16,7 +16,6 @@ its peak is the whole model's weights, or one shard's under ``max_shard_size``. 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -30,9 +29,10 @@ from .deepspeed.opening import open_deepspeed
 from .deepspeed.weights import DeepSpeedWeights
 from .keys import MODEL_KINDS, OPTIMIZER_KINDS, EntryKey
 from .manager import resolve_sources
+from .pinned import PinnedCheckpoint, pinned_sources
 from .store import single_process_ok
 from .trust import SafeReader
-from .validate import META_FILE, CheckpointError, check_files, has_optimizer_state
+from .validate import META_FILE, CheckpointError, check_files
 from .weights_shards import WeightEntry, parse_size, write_weight_files
 
 __all__ = ["consolidate"]
@@ -49,11 +49,6 @@ def _entries(reader: SafeReader) -> dict[EntryKey, TensorStorageMetadata]:
     return out
 
 
-def _shapes(path: Path) -> dict[str, list[int]]:
-    meta = json.loads((path / META_FILE).read_text())
-    return meta.get("shapes", {})
-
-
 def _by_name(entries: dict[EntryKey, TensorStorageMetadata]) -> list[EntryKey]:
     return sorted(entries, key=lambda entry: entry.text)
 
@@ -64,16 +59,19 @@ def _out_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 class _OwnWeights:
     """A ds_strategy checkpoint's weights and buffers by name: each of ``sources``' entries
-    that no earlier source holds, in name order, read one at a time through DCP."""
+    that no earlier source holds, in name order, read one at a time through DCP from the
+    pinned files (``pinned.py``)."""
 
     def __init__(
-        self, sources: list[Path], dtype: torch.dtype | None, exclude_frozen: bool
+        self, sources: list[PinnedCheckpoint], dtype: torch.dtype | None, exclude_frozen: bool
     ) -> None:
         self.dtype = dtype
         self.entries: list[WeightEntry] = []
-        self._where: dict[str, tuple[Path, EntryKey, TensorStorageMetadata, list[int]]] = {}
+        self._where: dict[
+            str, tuple[PinnedCheckpoint, EntryKey, TensorStorageMetadata, list[int]]
+        ] = {}
         for src, owned in _owned(sources):
-            shapes = _shapes(src)
+            shapes = src.meta.get("shapes") or {}
             frozen = _frozen(src) if exclude_frozen else set()
             for entry in _by_name(owned):
                 if entry.kind == "model" and entry.param in frozen:
@@ -88,49 +86,53 @@ class _OwnWeights:
         src, entry, m, shape = self._where[name]
         t = torch.empty(m.size, dtype=m.properties.dtype)
         with single_process_ok(False):
-            dcp.load({entry.text: t}, storage_reader=SafeReader(src), no_dist=True)
+            dcp.load({entry.text: t}, storage_reader=_reader(src), no_dist=True)
         return t.view(shape).to(_out_dtype(t.dtype, self.dtype))
 
 
-def _frozen(src: Path) -> set[str]:
+def _reader(src: PinnedCheckpoint) -> SafeReader:
+    return SafeReader(src.path, pinned=src)
+
+
+def _frozen(src: PinnedCheckpoint) -> set[str]:
     """The parameters of ``src`` that did not train: weights without optimizer state."""
     fix = "export without exclude_frozen_parameters (--exclude-frozen-parameters)"
-    if not has_optimizer_state(src):
+    if not src.meta.get("optimizer", True):
         raise CheckpointError(
-            f"{src}: saved without optimizer state (include_optimizer=False), so the "
+            f"{src.path}: saved without optimizer state (include_optimizer=False), so the "
             f"checkpoint does not record which parameters were frozen; {fix}"
         )
-    keys = [EntryKey.parse(k) for k in SafeReader(src).read_metadata().state_dict_metadata]
+    keys = [EntryKey.parse(k) for k in _reader(src).read_metadata().state_dict_metadata]
     weights = {k.param for k in keys if k is not None and k.kind == "model"}
     trained = {k.param for k in keys if k is not None and k.kind in OPTIMIZER_KINDS}
     if weights and not trained:
         raise CheckpointError(
-            f"{src}: holds optimizer state for no parameter (saved before the first step, or "
-            "by an optimizer that keeps none, such as SGD without momentum), so the "
+            f"{src.path}: holds optimizer state for no parameter (saved before the first "
+            "step, or by an optimizer that keeps none, such as SGD without momentum), so the "
             f"checkpoint does not record which parameters were frozen; {fix}"
         )
     return weights - trained
 
 
-def _owned(sources: list[Path]) -> list[tuple[Path, dict[EntryKey, TensorStorageMetadata]]]:
+def _owned(
+    sources: list[PinnedCheckpoint],
+) -> list[tuple[PinnedCheckpoint, dict[EntryKey, TensorStorageMetadata]]]:
     """Each checkpoint's entries that no earlier one has (a pipeline's stages hold disjoint
     layers; only a weight tied across stages is in two of them, under two names)."""
     seen: set[EntryKey] = set()
     out = []
     for src in sources:
-        entries = {k: m for k, m in _entries(SafeReader(src)).items() if k not in seen}
+        entries = {k: m for k, m in _entries(_reader(src)).items() if k not in seen}
         seen.update(entries)
         out.append((src, entries))
     return out
 
 
-def _own_sources(path: Path, tag: str | None, require_checksums: bool) -> list[Path]:
+def _own_sources(path: Path, tag: str | None) -> list[Path]:
     sources = resolve_sources(path, tag)
     for src in sources:
         if not (src / META_FILE).is_file():
             raise FileNotFoundError(_neither(path if tag is None else path / tag))
-        # a damaged file is an error naming it, never a silently wrong export
-        check_files(src, require_checksums)
     return sources
 
 
@@ -213,13 +215,25 @@ def consolidate(
             "checkpoint's save or tag directory)"
         )
     tag_dir = find_deepspeed(path, tag)
-    weights: DeepSpeedWeights | _OwnWeights
     if tag_dir is not None:
         ckpt = open_deepspeed(tag_dir, trust_checkpoint)
         weights = DeepSpeedWeights(ckpt, dtype, exclude_frozen_parameters)
-    else:
-        sources = _own_sources(path, tag, require_checksums)
-        weights = _OwnWeights(sources, dtype, exclude_frozen_parameters)
+        return _write(path, weights, out, max_shard_size)
+    # the files stay open while they are read: a job saving the tag again meanwhile changes
+    # nothing this export reads
+    with pinned_sources(None, lambda: _own_sources(path, tag), require_checksums) as pins:
+        for src in pins:  # a damaged file is an error naming it, never a wrong export
+            check_files(src, require_checksums)
+        own = _OwnWeights(pins, dtype, exclude_frozen_parameters)
+        return _write(path, own, out, max_shard_size)
+
+
+def _write(
+    path: Path,
+    weights: DeepSpeedWeights | _OwnWeights,
+    out: Path,
+    max_shard_size: int | str | None,
+) -> Path:
     # one process: it reports as rank 0 (core/progress.py)
     progress = Progress(f"consolidating {path.name}", len(weights.entries), 0, "tensors")
 

@@ -49,7 +49,7 @@ from ..faults import together
 from ..profiling.ranges import ranged
 from ..warnings import CheckpointWarning
 from . import reshard, store, swap
-from .collect import collect_state
+from .collect import collect_state, partial_window, warn_partial_window
 from .deepspeed.layout import find_deepspeed
 from .deepspeed.load import load_deepspeed
 from .deepspeed.opening import open_deepspeed
@@ -115,6 +115,8 @@ class CheckpointManager:
                 release(self, lock_path)
             raise
         tmp = swap.tmp_dir(final)
+        if comm.rank == 0:
+            warn_partial_window(final, partial_window(self.engine), saving=True)
 
         def after_rename() -> None:
             if root is not None:
@@ -211,7 +213,6 @@ class CheckpointManager:
                     f"({path}/<name>/<tag>, named in {MANIFEST})"
                 )
             deepspeed = find_deepspeed(Path(path), tag)
-            directories = [] if deepspeed is not None else resolve_sources(Path(path), tag)
         if deepspeed is not None:  # DeepSpeed's own layout, read by content
             with together(self.engine.checkpoint_comm, CheckpointError):
                 ckpt = open_deepspeed(deepspeed, trust_checkpoint)
@@ -220,7 +221,7 @@ class CheckpointManager:
             return client_state
         client_state = reshard.load_engine(
             self.engine,
-            directories,
+            lambda: resolve_sources(Path(path), tag),  # asked again if a save moves them
             load_optimizer,
             require_checksums,
             trust_checkpoint,
@@ -283,7 +284,7 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
     content it left (``swap.committed``)."""
     if tag is not None:
         _check_tag(tag, saving=False)
-        return swap.committed(path / tag)
+        return swap.committed(_confined(path, tag))
     latest = path / LATEST
     if (path / META_FILE).exists() or not latest.is_file():
         return swap.committed(path)
@@ -293,7 +294,7 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
             f"{latest} names {name!r}, which is not a checkpoint directory inside {path}; "
             "a 'latest' file holds one tag (such as 'global_step100'), never a path"
         )
-    target = swap.committed(path / name) if name else path
+    target = swap.committed(_confined(path, name)) if name else path
     if not name or not (target / META_FILE).is_file():
         tags = sorted(d.name for d in path.iterdir() if (d / META_FILE).is_file())
         raise FileNotFoundError(
@@ -301,6 +302,19 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
             f"tag= to load another one (complete checkpoints there: {', '.join(tags) or 'none'})"
         )
     return target
+
+
+def _confined(root: Path, tag: str) -> Path:
+    """``root/tag``, refused where it is a symbolic link or resolves outside ``root``: a tag
+    is a directory of its root, and a load never reads outside it."""
+    d = root / tag
+    if d.is_symlink() or (d.exists() and d.resolve().parent != root.resolve()):
+        raise CheckpointError(
+            f"{d}: a link to {d.resolve()}, outside {root}; a checkpoint tag is a directory "
+            "of its root, so this one is not read: copy the checkpoint into place, or load "
+            "its directory by its own path"
+        )
+    return d
 
 
 def stage_dirs(root: Path) -> list[Path]:

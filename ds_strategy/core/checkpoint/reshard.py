@@ -17,14 +17,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..faults import together
-from .collect import extra_entries, extra_key, flat_piece, weight_entries
+from . import swap
+from .collect import extra_entries, extra_key, flat_piece, warn_partial_window, weight_entries
 from .flat_piece import FlatPiece
 from .keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, OPTIMIZER_KINDS, EntryKey, rng_key
+from .pinned import PinnedCheckpoint, pinned_sources
 from .seam import CheckpointedEngine, OptimizerSlot, ShardedState
 from .store import single_process_ok
 from .streamed import StreamingLoadPlanner
-from .trust import SafeReader, unpack
-from .validate import CheckpointError, check_shapes_within, validate
+from .trust import SafeReader, read_errors, unpack
+from .validate import CheckpointError, check_optimizer_class, check_shapes_within, validate
 
 __all__ = ["load_engine"]
 
@@ -79,7 +81,7 @@ class OptimizerEntry:
 
 def load_engine(
     engine: CheckpointedEngine,
-    paths: str | os.PathLike | list[Path],
+    paths: str | os.PathLike | list[Path] | Callable[[], list[Path]],
     load_optimizer: bool = True,
     require_checksums: bool = True,
     trust_checkpoint: bool = False,
@@ -87,13 +89,31 @@ def load_engine(
     """Restore ``engine`` from ``paths`` (any world size or stage); returns ``client_state``.
 
     ``paths``: one checkpoint directory, or several that together hold the model (a pipeline
-    checkpoint's stages, see [Note: loading across layouts]). ``load_optimizer=False``
-    restores weights, buffers, counters and RNG only, into an engine whose optimizer may
-    differ (e.g. one built just for evaluation)."""
-    dirs = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+    checkpoint's stages, see [Note: loading across layouts]), or a function naming them
+    (asked again when a concurrent save replaces them while they are pinned, see
+    ``pinned.py``). ``load_optimizer=False`` restores weights, buffers, counters and RNG only,
+    into an engine whose optimizer may differ (e.g. one built just for evaluation)."""
+    if callable(paths):
+        resolve = paths
+    else:
+        given = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        resolve = lambda: [swap.committed(Path(p)) for p in given]  # noqa: E731
+    comm = engine.checkpoint_comm
+    with pinned_sources(comm, resolve, require_checksums) as pins:
+        return _load_pinned(engine, pins, load_optimizer, require_checksums, trust_checkpoint)
+
+
+def _load_pinned(
+    engine: CheckpointedEngine,
+    pins: list[PinnedCheckpoint],
+    load_optimizer: bool,
+    require_checksums: bool,
+    trust_checkpoint: bool,
+) -> Any:
+    dirs = [p.path for p in pins]
     comm, aliases = engine.checkpoint_comm, engine.checkpoint_aliases
     shards = engine.checkpoint_shards()
-    saved = _saved_entries(engine, shards, dirs, require_checksums)
+    saved = _saved_entries(engine, shards, pins, require_checksums)
     path = dirs[0] if len(dirs) == 1 else dirs[0].parent
     rng = rng_key(comm.rank)
     packed = [ENGINE, CLIENT_STATE] + ([OPTIMIZER_GROUPS] if load_optimizer else [])
@@ -121,7 +141,10 @@ def load_engine(
                 f"{path}: checkpoint does not match this model: {len(missing)} entr"
                 f"{'y is' if len(missing) == 1 else 'ies are'} missing, e.g. {missing[:3]}"
             )
-    _read_dirs(engine, dirs, state, saved.source)
+        _check_buffers(shards, saved, path)
+        if load_optimizer:
+            check_optimizer_class(pins[0].meta.get("optimizer_class"), engine.optimizer, path)
+    _read_dirs(engine, pins, state, saved.source)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):
         for key in packed:
@@ -131,21 +154,26 @@ def load_engine(
             after_extra(state)
         _restore_engine(engine, state, rng, load_optimizer)
     engine.checkpoint_loaded()
+    if comm.rank == 0:
+        warn_partial_window(path, int(pins[0].meta.get("partial_window", 0)), saving=False)
     return state[CLIENT_STATE]
 
 
 def _saved_entries(
-    engine: CheckpointedEngine, shards: ShardedState, dirs: list[Path], require_checksums: bool
+    engine: CheckpointedEngine,
+    shards: ShardedState,
+    pins: list[PinnedCheckpoint],
+    require_checksums: bool,
 ) -> Saved:
     """Every entry the checkpoint directories hold (checked against this model first); a
     pipeline stage's random state comes from its own stage's directory."""
     comm, aliases = engine.checkpoint_comm, engine.checkpoint_aliases
-    strict = len(dirs) == 1 and not engine.checkpoint_partial  # this model, no more, no less
+    strict = len(pins) == 1 and not engine.checkpoint_partial  # this model, no more, no less
     live_shapes = {name: list(shape) for name, shape in shards.shapes.items()}
-    metas = [validate(d, comm, live_shapes if strict else None, require_checksums) for d in dirs]
+    metas = [validate(p, comm, live_shapes if strict else None, require_checksums) for p in pins]
     if not strict:
         with together(comm, CheckpointError):
-            check_shapes_within(dirs, live_shapes, aliases)
+            check_shapes_within(pins, live_shapes, aliases)
     saved = Saved.of(metas)
     rng = rng_key(comm.rank)
     home = engine.checkpoint_stage
@@ -154,20 +182,37 @@ def _saved_entries(
     return saved
 
 
+def _check_buffers(shards: ShardedState, saved: Saved, path: Path) -> None:
+    """Every buffer saved with this model's shape (the weights' are checked with the
+    metadata): DCP would otherwise fail mid-read."""
+    for name, t in shards.buffers.items():
+        md = saved.metadata.get(EntryKey("buffer", name).text)
+        size = getattr(md, "size", None)
+        if size is not None and list(size) != list(t.shape):
+            raise CheckpointError(
+                f"{path}: buffer '{name}' has shape {list(size)} in the checkpoint, "
+                f"{list(t.shape)} in this model; build the model that was saved (same "
+                "architecture and sizes)"
+            )
+
+
 def _read_dirs(
-    engine: CheckpointedEngine, dirs: list[Path], state: dict[str, Any], source: dict[str, int]
+    engine: CheckpointedEngine,
+    pins: list[PinnedCheckpoint],
+    state: dict[str, Any],
+    source: dict[str, int],
 ) -> None:
-    """Fill ``state`` in place from the directories; every rank reads every directory, in
-    the same order (DCP's reads are collective)."""
+    """Fill ``state`` in place from the pinned directories; every rank reads every directory,
+    in the same order (DCP's reads are collective)."""
     comm = engine.checkpoint_comm
-    for i, d in enumerate(dirs):
+    for i, pinned in enumerate(pins):
         part = {k: v for k, v in state.items() if source[k] == i}
         files = engine.checkpoint_io  # state in swap files is written there in place
         planner = StreamingLoadPlanner(files, comm.rank) if files is not None else None
-        with single_process_ok(comm.active):
+        with single_process_ok(comm.active), read_errors(pinned.path):
             dcp.load(
                 part,
-                storage_reader=SafeReader(d),
+                storage_reader=SafeReader(pinned.path, pinned=pinned),
                 planner=planner,
                 process_group=comm.group,
                 no_dist=not comm.active,

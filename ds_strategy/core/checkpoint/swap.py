@@ -42,17 +42,20 @@ def old_dir(final: Path) -> Path:
     return final.with_name(final.name + ".old")
 
 
-def complete(d: Path) -> bool:
-    return (d / META_FILE).is_file()
+def complete(d: Path, mark: str = META_FILE) -> bool:
+    """Whether ``d`` holds ``mark``, the file a save writes last (a checkpoint's
+    ``ds_strategy.json``; Accelerate's ``save_state`` has its own manifest)."""
+    return (d / mark).is_file()
 
 
-def committed(final: Path) -> Path:
+def committed(final: Path, mark: str = META_FILE, what: str = "checkpoint") -> Path:
     """The directory holding ``final``'s committed content: ``final``, or ``<final>.old``
-    when a save replacing ``final`` was interrupted between steps 2 and 3."""
+    when a save replacing ``final`` (a ``what``, complete once it holds ``mark``) was
+    interrupted between steps 2 and 3."""
     old = old_dir(final)
-    if not final.exists() and complete(old):
+    if not final.exists() and complete(old, mark):
         warnings.warn(
-            f"{final}: a save replacing this checkpoint was interrupted; reading the previous "
+            f"{final}: a save replacing this {what} was interrupted; reading the previous "
             f"one from {old.name} (the next save into this directory puts it back)",
             CheckpointWarning,
             stacklevel=3,
@@ -93,23 +96,24 @@ def remove(d: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def recover(final: Path) -> None:
+def recover(final: Path, mark: str = META_FILE, what: str = "checkpoint") -> None:
     """Rank 0, before a save to ``final``: roll back an interrupted replacement of ``final``
-    and remove what an interrupted save left (see the note above)."""
+    and remove what an interrupted save left (see the note above; ``mark`` and ``what`` as
+    in :func:`committed`)."""
     old, tmp = old_dir(final), tmp_dir(final)
     if old.exists():
-        if not final.exists() and complete(old):
+        if not final.exists() and complete(old, mark):
             _say(
-                f"{final}: restoring the previous checkpoint from {old.name} (a save "
+                f"{final}: restoring the previous {what} from {old.name} (a save "
                 "replacing it was interrupted)"
             )
             old.rename(final)
         else:
-            _say(f"{old}: removing the previous content of a checkpoint that was replaced")
+            _say(f"{old}: removing the previous content of a {what} that was replaced")
             remove(old)
     for leftover in (tmp, tmp_dir(old)):
         if leftover.exists():
-            _say(f"{leftover}: removing the leftover of an interrupted checkpoint save")
+            _say(f"{leftover}: removing the leftover of an interrupted {what} save")
             shutil.rmtree(leftover, ignore_errors=True)
 
 

@@ -18,17 +18,24 @@ one. So:
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-__all__ = ["SafeReader", "UntrustedContentError", "pack", "unpack"]
+from .errors import CheckpointError
+
+__all__ = ["SafeReader", "UntrustedContentError", "pack", "read_errors", "unpack"]
 
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -79,12 +86,42 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+class OpenFiles(Protocol):
+    """A checkpoint's files held open (``pinned.PinnedCheckpoint``): read by their names
+    relative to ``path``."""
+
+    path: Path
+
+    def open(self, name: str) -> io.BufferedReader: ...
+
+
+class _PinnedFiles(FileSystem):
+    """DCP's file system reading a pinned checkpoint's open files (``pinned.py``)."""
+
+    def __init__(self, pinned: OpenFiles) -> None:
+        super().__init__()
+        self.pinned = pinned
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise ValueError(f"{path}: a pinned checkpoint is read only")
+        with self.pinned.open(os.path.relpath(path, self.pinned.path)) as stream:
+            yield stream
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader with ``.metadata`` read by an allow-listed unpickler."""
+    """DCP's file reader with ``.metadata`` read by an allow-listed unpickler; given a pinned
+    checkpoint, every file is read from the descriptors it holds."""
+
+    def __init__(self, path: str | os.PathLike, pinned: OpenFiles | None = None) -> None:
+        super().__init__(path)
+        if pinned is not None:
+            self.fs = _PinnedFiles(pinned)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(str(self.path)) / ".metadata"
-        with open(path, "rb") as f:
+        with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f, str(path)).load()
         if not isinstance(metadata, Metadata):
             raise UntrustedContentError(f"{path}: holds a {type(metadata).__name__}, not metadata")
@@ -92,6 +129,23 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+@contextlib.contextmanager
+def read_errors(path: Path) -> Iterator[None]:
+    """DCP's failure while reading ``path`` (a ``CheckpointException``, a ``BaseException``
+    that ``except Exception`` misses) as a :class:`CheckpointError` naming the checkpoint and
+    the first failing rank's error."""
+    try:
+        yield
+    except CheckpointException as e:
+        rank, cause = min(e.failures.items()) if e.failures else (None, e)
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        where = f" on rank {rank}" if rank is not None else ""
+        raise CheckpointError(
+            f"{path}: reading the checkpoint failed{where}: {type(cause).__name__}: {cause}; "
+            "the checkpoint does not match this model, or a file is damaged"
+        ) from None
 
 
 def pack(obj: Any) -> torch.Tensor:
@@ -109,16 +163,35 @@ def unpack(t: torch.Tensor, where: str, trusted: bool) -> Any:
 
 def loads(data: bytes, where: str, trusted: bool) -> Any:
     """An object ``torch.save`` wrote (``where`` names it in errors); without ``trusted``
-    only tensors and plain data load."""
+    only tensors and plain data load. An empty or cut-short file (a save killed while
+    writing it) is a ``CheckpointError`` saying so, never a question of trust."""
+    zip_start = b"PK\x03\x04"  # torch.save's format is a zip archive
+    if not data:
+        raise CheckpointError(f"{where}: empty (a save was interrupted while writing it)")
+    cut_short = CheckpointError(
+        f"{where}: truncated ({len(data)} bytes: a save was interrupted while writing it, or "
+        "the file was cut short since); load another checkpoint"
+    )
+    if zip_start.startswith(data):
+        raise cut_short
     if not data.startswith(b"PK"):  # a bare pickle (not torch.save's zip): never untrusted
-        if trusted:
+        if not trusted:
+            raise UntrustedContentError(
+                f"{where}: stored as a bare pickle, which loading does not unpickle unless the "
+                "checkpoint is trusted; pass trust_checkpoint=True if you trust who wrote it"
+            )
+        try:
             return pickle.loads(data)
-        raise UntrustedContentError(
-            f"{where}: stored as a bare pickle, which loading does not unpickle unless the "
-            "checkpoint is trusted; pass trust_checkpoint=True if you trust who wrote it"
-        )
+        except (EOFError, pickle.UnpicklingError) as e:
+            if isinstance(e, EOFError) or "truncated" in str(e):
+                raise cut_short from None
+            raise
     try:
         return torch.load(io.BytesIO(data), weights_only=not trusted)
+    except RuntimeError as e:  # the zip reader: its central directory, at the end, is gone
+        if "zip archive" in str(e) or "central directory" in str(e):
+            raise cut_short from None
+        raise
     except pickle.UnpicklingError as e:
         refused = refused_global(str(e))
         raise UntrustedContentError(

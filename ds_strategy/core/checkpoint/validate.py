@@ -20,6 +20,7 @@ end in an agreement point (``faults.together``): every rank raises, naming the f
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -28,29 +29,27 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..collectives import Comm
 from ..faults import together
+from .errors import CheckpointError
+from .pinned import DCP_META, FORMAT, META_FILE, PinnedCheckpoint, parse_meta
 from .trust import SafeReader, UntrustedContentError
 
 __all__ = [
+    "DCP_META",
+    "FORMAT",
+    "META_FILE",
     "CheckpointError",
     "check_files",
+    "check_optimizer_class",
     "check_shapes_within",
     "has_optimizer_state",
     "merge_checksums",
+    "optimizer_class",
+    "parse_meta",
     "record_checksums",
     "validate",
 ]
 
-FORMAT = "ds_strategy-sharded-1"
-META_FILE = "ds_strategy.json"
-DCP_META = ".metadata"
 _SUMS = ".checksums-{}.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is damaged, incomplete or does not belong to this model."""
-
-
-CheckpointError.__module__ = "ds_strategy"
 
 
 def crc32(path: Path, chunk: int = 1 << 22) -> int:
@@ -80,34 +79,34 @@ def merge_checksums(tmp: Path) -> dict[str, dict[str, int]]:
 
 
 def validate(
-    path: Path,
+    pinned: PinnedCheckpoint,
     comm: Comm,
     shapes: dict[str, list[int]] | None,
     require_checksums: bool = True,
 ) -> dict[str, Any]:
-    """Check the checkpoint at ``path`` on every rank (see the notes above); return DCP's
+    """Check the pinned checkpoint on every rank (see the notes above); return DCP's
     ``state_dict_metadata``. ``shapes``: this model's parameter shapes, or None to skip that
     check. ``require_checksums=False`` accepts a checkpoint that records no checksums.
     Raises the same error on every rank."""
     with together(comm, CheckpointError):  # every failure must reach the other ranks
-        md = _check(path, comm.rank, comm.world_size, shapes, require_checksums)
+        md = _check(pinned, comm.rank, comm.world_size, shapes, require_checksums)
     return md.state_dict_metadata
 
 
-def check_files(path: Path, require_checksums: bool = True) -> None:
+def check_files(pinned: PinnedCheckpoint, require_checksums: bool = True) -> None:
     """The same checks in this process alone (every file's checksum, no model): for tools
     such as consolidation that run outside the training job."""
-    _check(path, 0, 1, None, require_checksums)
+    _check(pinned, 0, 1, None, require_checksums)
 
 
 def _check(
-    path: Path,
+    pinned: PinnedCheckpoint,
     rank: int,
     world: int,
     shapes: dict[str, list[int]] | None,
     require_checksums: bool,
 ) -> Metadata:
-    meta = read_meta(path)
+    path, meta = pinned.path, pinned.meta
     sums: dict[str, dict[str, int]] = meta.get("files") or {}
     if not sums and require_checksums:
         raise CheckpointError(
@@ -117,12 +116,12 @@ def _check(
             "--no-require-checksums)"
         )
     dcp_meta = path / DCP_META
-    if not dcp_meta.is_file():
+    if not pinned.has(DCP_META):
         raise CheckpointError(f"{dcp_meta}: missing; the checkpoint cannot be read without it")
     if DCP_META in sums:
-        _check_file(dcp_meta, sums[DCP_META], verify_crc=True)
+        _check_file(pinned, DCP_META, sums[DCP_META], verify_crc=True)
     try:
-        md = SafeReader(path).read_metadata()
+        md = SafeReader(path, pinned=pinned).read_metadata()
     except UntrustedContentError:
         raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
@@ -134,25 +133,24 @@ def _check(
     for info in md.storage_data.values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    root = path.resolve()
     for i, (rel, end) in enumerate(sorted(needed.items())):
         f = path / rel
-        if not f.resolve().is_relative_to(root):
+        if os.path.isabs(rel) or ".." in Path(rel).parts:
             raise CheckpointError(
                 f"{dcp_meta}: references {rel!r}, which lies outside the checkpoint directory "
                 f"{path}; refusing to read it"
             )
-        if not f.is_file():
+        if sums and rel not in sums:
+            raise CheckpointError(f"{f}: not listed in {path / META_FILE}'s checksums")
+        if not pinned.has(rel):
             raise CheckpointError(f"{f}: missing (the checkpoint's {DCP_META} references it)")
-        size = f.stat().st_size
+        size = pinned.size(rel)
         if size < end:
             raise CheckpointError(
                 f"{f}: truncated: {size} bytes, the checkpoint references bytes up to {end}"
             )
         if sums:
-            if rel not in sums:
-                raise CheckpointError(f"{f}: not listed in {path / META_FILE}'s checksums")
-            _check_file(f, sums[rel], verify_crc=i % world == rank)
+            _check_file(pinned, rel, sums[rel], verify_crc=i % world == rank)
     if shapes is not None:
         _check_shapes(path / META_FILE, meta.get("shapes") or {}, shapes)
     return md
@@ -178,28 +176,19 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"{path}: not a ds_strategy checkpoint ({META_FILE} is missing; an interrupted save "
             f"leaves only '{path.name}.tmp', which is never loaded)"
         )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(
-            f"{meta_path}: not valid JSON ({e}); the file is truncated or corrupt"
-        ) from e
-    fmt = meta.get("format") if isinstance(meta, dict) else None
-    if fmt != FORMAT:
-        raise CheckpointError(
-            f"{meta_path}: checkpoint format {fmt!r}, this ds_strategy reads {FORMAT!r}"
-        )
-    return meta
+    return parse_meta(meta_path.read_bytes(), meta_path)
 
 
-def _check_file(f: Path, want: dict[str, int], verify_crc: bool) -> None:
-    size = f.stat().st_size
+def _check_file(
+    pinned: PinnedCheckpoint, name: str, want: dict[str, int], verify_crc: bool
+) -> None:
+    f, size = pinned.path / name, pinned.size(name)
     if size != want["size"]:
         raise CheckpointError(
             f"{f}: truncated or overwritten: {size} bytes, {want['size']} were written"
         )
     if verify_crc:
-        got = crc32(f)
+        got = pinned.crc32(name)
         if got != want["crc32"]:
             raise CheckpointError(
                 f"{f}: corrupt: CRC-32 {got:08x}, but {want['crc32']:08x} was recorded when "
@@ -207,16 +196,48 @@ def _check_file(f: Path, want: dict[str, int], verify_crc: bool) -> None:
             )
 
 
+# optimizers whose state and hyper-parameters carry over to one another: Adam with or
+# without decoupled weight decay, in any implementation (torch's, ours, DeepSpeed's names)
+_ADAM = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "CPUAdam"}
+
+
+def optimizer_class(optimizer: Any) -> str:
+    """The name a checkpoint records for ``optimizer``'s class."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_optimizer_class(saved: str | None, live: Any, path: Path) -> None:
+    """Refuse to load optimizer state saved by another optimizer (an AdamW checkpoint into
+    SGD would hand SGD AdamW's learning rate and weight decay, and leave its momentum empty);
+    ``saved`` None: an older checkpoint that does not record it."""
+    mine = optimizer_class(live)
+    if saved is None or _family(saved) == _family(mine):
+        return
+    raise CheckpointError(
+        f"{path}: saved with optimizer {saved}, but this engine's is {mine}: its state and "
+        "hyper-parameters do not carry over. Build the same optimizer to resume, or load "
+        f"with load_optimizer=False to take the weights alone (fresh {type(live).__name__} "
+        "state)"
+    )
+
+
+def _family(name: str) -> str:
+    short = name.rpartition(".")[2]
+    return "Adam" if short in _ADAM else name
+
+
 def check_shapes_within(
-    paths: list[Path], live: dict[str, list[int]], aliases: dict[str, str]
+    pins: list[PinnedCheckpoint], live: dict[str, list[int]], aliases: dict[str, str]
 ) -> None:
     """Every parameter of ``live`` (this rank's part of a model, or a whole model) is in one of
-    the checkpoints at ``paths`` (a pipeline's stages: together the whole model), under its
-    name or its alias, with its shape; parameters of other parts may be there too."""
+    the pinned checkpoints (a pipeline's stages: together the whole model), under its name or
+    its alias, with its shape; parameters of other parts may be there too."""
     saved: dict[str, list[int]] = {}
-    for p in paths:
-        for name, shape in (read_meta(p).get("shapes") or {}).items():
+    for pinned in pins:
+        for name, shape in (pinned.meta.get("shapes") or {}).items():
             saved.setdefault(name, shape)
+    paths = [pinned.path for pinned in pins]
     if not saved:
         return
     problems = _shape_problems(saved, live, aliases)

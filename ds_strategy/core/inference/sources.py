@@ -26,8 +26,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..checkpoint import swap
 from ..checkpoint.flat_piece import FlatPiece
 from ..checkpoint.manager import resolve_load_dir, resolve_sources, stage_dirs
+from ..checkpoint.pinned import pin_agreed
 from ..checkpoint.sharded import single_process_ok
 from ..checkpoint.trust import SafeReader
 from ..checkpoint.validate import META_FILE, validate
@@ -216,9 +218,11 @@ class CheckpointSource(WeightSource):
     def __init__(self, path: Path, comm: Comm, require_checksums: bool = True) -> None:
         self.path = path
         self.metadata = {}
-        entries = validate(path, comm, None, require_checksums)
-        meta = json.loads((path / META_FILE).read_text())
-        saved_shapes: dict[str, list[int]] = meta.get("shapes") or {}
+        # held open while the source lives: a save replacing the directory meanwhile changes
+        # nothing read from it (checkpoint/pinned.py)
+        (self.pinned,) = pin_agreed(comm, lambda: [swap.committed(path)], require_checksums)
+        entries = validate(self.pinned, comm, None, require_checksums)
+        saved_shapes: dict[str, list[int]] = self.pinned.meta.get("shapes") or {}
         self._entries: dict[str, tuple[str, torch.Size, torch.dtype]] = {}
         for key, m in entries.items():
             prefix, _, name = key.partition("/")
@@ -272,7 +276,9 @@ class CheckpointSource(WeightSource):
             return out
         piece = FlatPiece(out, runs[0][1], numel, runs=runs)
         with single_process_ok(False):
-            dcp.load({key: piece}, storage_reader=SafeReader(self.path), no_dist=True)
+            dcp.load(
+                {key: piece}, storage_reader=SafeReader(self.path, pinned=self.pinned), no_dist=True
+            )
         return out
 
 

@@ -32,6 +32,7 @@ import torch
 
 from ....config import load_config
 from ..manager import resolve_sources, write_latest
+from ..pinned import pinned_sources
 from ..validate import CheckpointError
 from .ours import SavedCheckpoint
 
@@ -168,13 +169,18 @@ def export_deepspeed(
     ``world_size`` data-parallel ranks at ZeRO ``stage``; returns the tag directory."""
     if stage not in (0, 1, 2, 3) or world_size < 1:
         raise ValueError(f"stage={stage}, world_size={world_size}: a ZeRO stage 0-3 and >= 1 rank")
-    sources = resolve_sources(Path(src), tag)
-    if len(sources) != 1:
-        raise CheckpointError(
-            f"{src}: a checkpoint of {len(sources)} parts (pipeline stages or several engines); "
-            "DeepSpeed's layout holds one data-parallel model: export one engine's part"
-        )
-    saved = SavedCheckpoint(sources[0], trust_checkpoint, require_checksums)
+    with pinned_sources(None, lambda: resolve_sources(Path(src), tag), require_checksums) as pins:
+        if len(pins) != 1:
+            raise CheckpointError(
+                f"{src}: a checkpoint of {len(pins)} parts (pipeline stages or several "
+                "engines); DeepSpeed's layout holds one data-parallel model: export one "
+                "engine's part"
+            )
+        return _export(SavedCheckpoint(pins[0], trust_checkpoint, require_checksums), dst,
+                       world_size, stage)  # fmt: skip
+
+
+def _export(saved: SavedCheckpoint, dst: str | os.PathLike, world_size: int, stage: int) -> Path:
     # each group's parameters in the model's order, as DeepSpeed flattens them
     groups = [[n for n in saved.shapes if n in set(g["param_names"])] for g in saved.param_groups]
     job = _Export(saved, _ds_config(saved, world_size, stage), world_size, stage, groups)

@@ -6,7 +6,6 @@ an export to another layout reads (``export.py``)."""
 from __future__ import annotations
 
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,23 +13,28 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, EntryKey
+from ..pinned import PinnedCheckpoint
 from ..store import single_process_ok
 from ..trust import SafeReader, unpack
-from ..validate import CheckpointError, check_files, read_meta
+from ..validate import CheckpointError, check_files
 
 __all__ = ["SavedCheckpoint"]
 
 
 class SavedCheckpoint:
-    """The checkpoint directory ``path`` (one of ours, checked against its checksums)."""
+    """One of our checkpoint directories, pinned (``pinned.py``) and checked against its
+    checksums."""
 
     def __init__(
-        self, path: Path, trust_checkpoint: bool = False, require_checksums: bool = True
+        self,
+        pinned: PinnedCheckpoint,
+        trust_checkpoint: bool = False,
+        require_checksums: bool = True,
     ) -> None:
-        check_files(path, require_checksums)
-        self.path, self.trust = path, trust_checkpoint
-        self.meta = read_meta(path)
-        md = SafeReader(path).read_metadata().state_dict_metadata
+        check_files(pinned, require_checksums)
+        self.pinned, self.path, self.trust = pinned, pinned.path, trust_checkpoint
+        self.meta = pinned.meta
+        md = SafeReader(self.path, pinned=pinned).read_metadata().state_dict_metadata
         self.tensors = {k: m for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
 
     @cached_property
@@ -43,7 +47,9 @@ class SavedCheckpoint:
         m = self.tensors[text]
         out = torch.empty(m.size, dtype=m.properties.dtype)
         with single_process_ok(False):
-            dcp.load({text: out}, storage_reader=SafeReader(self.path), no_dist=True)
+            dcp.load(
+                {text: out}, storage_reader=SafeReader(self.path, pinned=self.pinned), no_dist=True
+            )
         return out
 
     def packed(self, name: str) -> Any:
