@@ -484,6 +484,37 @@ def test_a_held_root_covers_a_bare_save_into_one_of_its_tags(tmp_path: Path) -> 
     b.destroy()
 
 
+def test_a_bare_save_in_flight_inside_a_directory_keeps_it_from_becoming_a_root(
+    tmp_path: Path,
+) -> None:
+    """Job A is saving ``R/x`` (bare: ``R/x.lock`` held, ``R/x.tmp`` being written); job B's
+    ``save_checkpoint(R, tag=...)`` would recover ``R`` and remove ``x.tmp`` as a leftover.
+    It is refused, naming A's save, and ``x.tmp`` is untouched; once A is done, B saves."""
+    import fcntl
+    import json as json_mod
+
+    root = tmp_path / "R"
+    (root / "x.tmp").mkdir(parents=True)
+    (root / "x.tmp" / "__0_0.distcp").write_bytes(b"A's pieces, half written")
+    lock = root / "x.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder = {"host": "hostA", "pid": 4243, "since": "2026-12-03T00:00:00+00:00", "command": "A"}
+    os.pwrite(fd, json_mod.dumps(holder).encode(), 0)
+    model = nn.Linear(4, 4)
+    b = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    try:
+        with pytest.raises(CheckpointBusyError, match=r"saving .*R/x inside it .*pid 4243"):
+            b.save_checkpoint(root, tag="theirs")
+        assert (root / "x.tmp" / "__0_0.distcp").read_bytes() == b"A's pieces, half written"
+        assert not (root / ".ds_strategy.lock").exists() and not (root / "theirs").exists()
+    finally:
+        os.close(fd)  # A's save ends (its leftover is now fair game for recovery)
+    b.save_checkpoint(root, tag="theirs")
+    assert (root / "latest").read_text() == "theirs" and not (root / "x.tmp").exists()
+    b.destroy()
+
+
 @pytest.mark.launcher
 def test_a_holder_killed_with_sigkill_releases_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"

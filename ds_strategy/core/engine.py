@@ -514,6 +514,13 @@ class ZeroEngine(nn.Module):
         """A checkpoint load overwrote the shards: rebuild the resident full parameters."""
         self.plan.after_load()
 
+    def checkpoint_partial_window(self) -> int:
+        """Micro-batches whose gradients are accumulated but not yet stepped (0 at an
+        accumulation boundary): a checkpoint holds no gradients, so a save now drops them."""
+        if not any(g.holds_grads() for g in self.plan.groups):
+            return 0
+        return self.micro_steps % self.gradient_accumulation_steps or 1
+
     def checkpoint_state(self) -> dict[str, Any]:
         """The training-loop state a checkpoint records besides weights and optimizer state:
         ``global_steps``, ``micro_steps``, ``skipped_steps``, the lr scheduler's and the fp16

@@ -8,19 +8,22 @@ as views of the live storage, are what a load reads into (``reshard.py``).
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..collectives import Comm
+from ..warnings import CheckpointWarning
 from .flat_piece import FlatPiece
 from .keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, OPTIMIZER_KINDS, EntryKey, rng_key
 from .seam import CheckpointedEngine, ExtraState, Placement, ShardedState
 from .trust import pack
-from .validate import FORMAT
+from .validate import FORMAT, optimizer_class
 
-__all__ = ["RankState", "collect_state", "flat_piece"]
+__all__ = ["RankState", "collect_state", "flat_piece", "partial_window", "warn_partial_window"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,29 @@ def _param_groups(optimizer: Any, shards: ShardedState) -> list[dict[str, Any]]:
     return out
 
 
+def partial_window(engine: CheckpointedEngine) -> int:
+    """The micro-batches of an unfinished accumulation window a save leaves out (0: none)."""
+    return int(engine.checkpoint_partial_window())
+
+
+def warn_partial_window(where: Path, dropped: int, saving: bool) -> None:
+    """[Note: a save inside an accumulation window] A checkpoint holds no gradients (as in
+    DeepSpeed), so the micro-batches accumulated since the last optimizer step are not in
+    it: a job resumed from it finishes that window without them, and its weights differ from
+    an uninterrupted run's. Said when saving and again when loading."""
+    if not dropped:
+        return
+    what = "saving" if saving else "loaded"
+    warnings.warn(
+        f"{where}: {what} a checkpoint {dropped} micro-batch(es) into a gradient accumulation "
+        "window: their accumulated gradients are not in it, so a resumed job finishes the "
+        "window without them and differs from an uninterrupted run. Save right after the "
+        "optimizer step (checkpoint.save_interval does) to resume exactly",
+        CheckpointWarning,
+        stacklevel=4,
+    )
+
+
 def _layout(shards: ShardedState) -> dict[str, Any]:
     return {
         "format": FORMAT,
@@ -175,4 +201,9 @@ def collect_state(
         "shapes": {name: list(shape) for name, shape in shards.shapes.items()},
         "optimizer": include_optimizer,
     }
+    if include_optimizer:
+        meta["optimizer_class"] = optimizer_class(engine.optimizer)
+    dropped = partial_window(engine)
+    if dropped:
+        meta["partial_window"] = dropped
     return RankState(entries, singles, meta)

@@ -9,7 +9,9 @@ dies, even by ``kill -9``, so a lock is never stale. The file names its holder (
 start time, command line) for the error any other writer gets at once. A checkpoint saved to
 a bare directory (no root) is locked the same way, by ``<dir>.lock`` beside it, for that save
 only. A held root covers everything under it: a save into any directory below it (a bare
-save into one of its tags, another root nested in it) fails while another job holds it.
+save into one of its tags, another root nested in it) fails while another job holds it; and
+a root is not taken while another job's bare save into a directory right inside it is in
+flight (taking it would recover the root, removing that save's ``.tmp`` as a leftover).
 Engines in one process share a lock: one process is one job. Releasing (also at the
 exit of the process) removes the file while still holding the lock; a writer that opened the
 file before it was removed finds, after locking, that the path now names another file (or
@@ -70,7 +72,16 @@ def acquire(lock_path: Path, directory: Path, owner: object) -> None:
     with _mutex:
         held = _held.get(key)
         if held is None:
-            held = _held[key] = _Held(_lock(lock_path, directory), lock_path)
+            fd = _lock(lock_path, directory)
+            if lock_path.name == LOCK_FILE:  # a root: no bare save in flight inside it
+                try:
+                    _check_children(directory)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        lock_path.unlink()
+                    os.close(fd)
+                    raise
+            held = _held[key] = _Held(fd, lock_path)
         held.owners.add(id(owner))
 
 
@@ -138,21 +149,47 @@ def _check_ancestors(directory: Path) -> None:
         lock = parent / LOCK_FILE
         if not lock.is_file() or os.path.realpath(lock) in _held:
             continue
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except OSError:
-            continue  # released (and removed) meanwhile
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a job holds it
-        except BlockingIOError:
-            holder = _describe(os.pread(fd, 4096, 0))
+        holder = _holder(lock)
+        if holder is not None:
             raise CheckpointBusyError(
                 f"{directory}: inside {parent}, where another job is saving checkpoints "
                 f"({holder}; lock file {lock}); its lock covers everything under it. Save "
                 "elsewhere, or stop that job"
-            ) from None
-        finally:
-            os.close(fd)  # (and with it the shared lock just taken)
+            )
+
+
+def _check_children(root: Path) -> None:
+    """Raise :class:`CheckpointBusyError` when another job is saving a bare checkpoint
+    directly inside ``root`` (``save_checkpoint("root/x")`` holding ``root/x.lock``): taking
+    ``root`` would recover it, removing that save's ``x.tmp`` as a leftover."""
+    assert fcntl is not None
+    for lock in sorted(root.glob("*.lock")):
+        if lock.name == LOCK_FILE or os.path.realpath(lock) in _held or not lock.is_file():
+            continue
+        holder = _holder(lock)
+        if holder is not None:
+            raise CheckpointBusyError(
+                f"{root}: another job is saving {root / lock.name[: -len('.lock')]} inside it "
+                f"({holder}; lock file {lock}); saving into {root} as a root would take over "
+                "that save's directory. Wait for it to finish, or save elsewhere"
+            )
+
+
+def _holder(lock: Path) -> str | None:
+    """Who holds ``lock`` (another process: a shared lock is refused while it does), or None
+    when nobody does or the file has gone."""
+    assert fcntl is not None
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None  # released (and removed) meanwhile
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _describe(os.pread(fd, 4096, 0))
+    finally:
+        os.close(fd)  # (and with it the shared lock just taken)
+    return None
 
 
 def _describe(raw: bytes) -> str:

@@ -131,6 +131,11 @@ class CheckpointedEngine(Protocol):
         """The shards were overwritten by a load: rebuild what is derived from them."""
         ...
 
+    def checkpoint_partial_window(self) -> int:
+        """Micro-batches accumulated since the last optimizer step (0 at a boundary): their
+        gradients are not in a checkpoint."""
+        ...
+
     def checkpoint_state(self) -> dict[str, Any]: ...
 
     def restore_checkpoint_state(

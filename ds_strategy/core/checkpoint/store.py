@@ -131,6 +131,13 @@ def write_error(
             f"({human_bytes(needed)}) for this checkpoint, {free}; free some space or save "
             f"elsewhere ({unchanged})"
         )
+    elif errno_ == errno.EFBIG:
+        message = (
+            f"file too large writing {where} (rank {rank}): the file-size limit (ulimit -f, "
+            f"RLIMIT_FSIZE) refused it; this checkpoint needs {needed} bytes "
+            f"({human_bytes(needed)}) over all ranks' files, each rank's in one file; raise the "
+            f"job's limit ({unchanged})"
+        )
     elif errno_:
         message = (
             f"{os.strerror(errno_).lower()} writing {where} (rank {rank}): {cause}; {unchanged}"
