@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import time
@@ -674,3 +675,56 @@ def test_every_generation_runs_or_is_a_usage_error_naming_the_option(
             assert out.strip(), options
 
     _fuzz(_generate_on_a_model(), examples, check)
+
+
+# -- a DeepSpeed checkpoint's own records ------------------------------------------------------
+
+_DIMS = st.one_of(
+    st.integers(min_value=-2, max_value=12), st.sampled_from([0, 2**31, 10**12, 2**63 - 1])
+)
+
+
+@st.composite
+def _deepspeed_records(draw: st.DrawFn) -> dict[str, Any]:
+    """Changes to a stage-2 or stage-3 checkpoint's model-states records: each parameter's
+    declared shape, the counters, the stage and the partition count."""
+    out: dict[str, Any] = {"stage": draw(st.sampled_from(["s2_fp32", "s3_fp32"]))}
+    out["shapes"] = draw(st.lists(st.lists(_DIMS, max_size=3), min_size=1, max_size=4))
+    out["global_steps"] = draw(st.one_of(_NUMBERS, _WORDS))
+    out["partition_count"] = draw(st.one_of(_DIMS, st.lists(_DIMS, max_size=3)))
+    out["zero_stage"] = draw(st.one_of(_DIMS, _WORDS))
+    return out
+
+
+@pytest.mark.parametrize("examples", _examples(12, 150))
+def test_every_deepspeed_checkpoint_record_consolidates_or_is_a_checkpoint_error(
+    examples: int, tmp_path: Path
+) -> None:
+    """Declared shapes, counters, stage and partition count of one of DeepSpeed's own
+    checkpoints, changed: ``consolidate`` writes the weights or raises the package's error
+    naming the file, in time and without allocating what a record declares."""
+    from ds_strategy import CheckpointError, consolidate
+    from tests.test_deepspeed_consolidate import DATA, TAG, _model_files
+    from tests.test_deepspeed_hostile import _edit_optim
+
+    def check(records: dict[str, Any]) -> None:
+        root = tmp_path / "ckpt"
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(DATA / records["stage"] / "ckpt", root)
+        for path in _model_files(root):
+            state = torch.load(path, weights_only=False)
+            names = [n for g in state["param_shapes"] for n in g]
+            shapes = records["shapes"]
+            declared = {n: shapes[i % len(shapes)] for i, n in enumerate(names)}
+            state.update(param_shapes=[declared], global_steps=records["global_steps"])
+            torch.save(state, path)
+        for path in (root / TAG).glob("*optim_states.pt"):  # DeepSpeed's classes inside
+            _edit_optim(path, partition_count=records["partition_count"])
+            _edit_optim(path, zero_stage=records["zero_stage"])
+        out = tmp_path / "out.safetensors"
+        try:
+            consolidate(root, out)
+        except (CheckpointError, UntrustedContentError) as e:
+            assert str(root) in str(e), str(e)
+
+    _fuzz(_deepspeed_records(), examples, check)

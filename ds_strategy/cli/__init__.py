@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
             exclude_frozen_parameters=args.exclude_frozen_parameters,
             trust_checkpoint=args.trust_checkpoint,
         )
-    except (FileNotFoundError, ValueError) as e:
-        print(f"ds-strategy consolidate: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # CheckpointError: a damaged or hostile checkpoint
+        # one line, no traceback: the message names the file and what is wrong with it
+        print(f"ds-strategy consolidate: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

@@ -26,6 +26,7 @@ touches only its bytes.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -61,16 +62,20 @@ def _is_tag_dir(path: Path) -> bool:
 def find_deepspeed(path: Path, tag: str | None = None) -> Path | None:
     """The tag directory of the DeepSpeed checkpoint at ``path`` (a save directory with
     ``latest``, a tag directory itself, or ``tag`` under ``path``); None when ``path`` holds
-    none (it may be one of ours)."""
+    none (it may be one of ours). A tag is confined to ``path`` (see [Note: a tag stays in
+    its save directory])."""
     if tag is not None:
-        return path / tag if _is_tag_dir(path / tag) else None
+        _check_name(tag, f"tag {tag!r}")
+        return _confined(path, tag) if _is_tag_dir(path / tag) else None
     if _is_tag_dir(path):
         return path
     latest = path / LATEST
     if latest.is_file():
-        named = path / latest.read_text().strip()
+        name = _read_latest(latest)
+        _check_name(name, f"{latest} names {name!r}, which")
+        named = path / name
         if _is_tag_dir(named):
-            return named
+            return _confined(path, name)
         if not named.exists() and any(_is_tag_dir(p) for p in path.iterdir() if p.is_dir()):
             raise CheckpointError(
                 f"{path}: a DeepSpeed checkpoint whose latest names {named.name}, which is not "
@@ -78,6 +83,53 @@ def find_deepspeed(path: Path, tag: str | None = None) -> Path | None:
                 f"{sorted(p.name for p in path.iterdir() if _is_tag_dir(p))}) to load another"
             )
     return None
+
+
+# [Note: a tag stays in its save directory]
+# ``latest`` and ``tag=`` name a directory of the save directory, as in our own format
+# (``manager.resolve_load_dir``): one plain name, never a path. A tag directory that is a
+# symbolic link, or resolves elsewhere, is refused too: following it would load (or
+# consolidate) another checkpoint's weights under this one's name. A tag directory given as
+# ``path`` itself is the caller's choice and is read where it is.
+_LATEST_BYTES = 4096  # DeepSpeed writes one tag name; a larger file is not a latest
+
+
+def _read_latest(latest: Path) -> str:
+    with open(latest, "rb") as f:
+        raw = f.read(_LATEST_BYTES + 1)
+    try:
+        name = raw.decode().strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or len(raw) > _LATEST_BYTES:
+        what = "binary" if name is None else f"over {_LATEST_BYTES} bytes"
+        raise CheckpointError(
+            f"{latest}: not a tag name ({what}); a 'latest' file holds one tag such as "
+            "'global_step100': rewrite it, or pass tag= to load a tag directory"
+        )
+    return name
+
+
+def _check_name(name: str, what: str) -> None:
+    """``name`` is one plain directory name (``what`` says where it came from)."""
+    if not name or "/" in name or os.sep in name or "\0" in name or name in (".", ".."):
+        raise CheckpointError(
+            f"{what[:300]} is not a tag directory inside the save directory; a tag is one "
+            "directory name such as 'global_step100', never a path"
+        )
+
+
+def _confined(path: Path, name: str) -> Path:
+    """``path/name``, refused where it is a symbolic link or resolves outside ``path``."""
+    tag_dir = path / name
+    real = tag_dir.resolve()
+    if tag_dir.is_symlink() or real.parent != path.resolve():
+        raise CheckpointError(
+            f"{tag_dir}: a link to {real}, outside the save directory {path}; a DeepSpeed "
+            "tag directory is a directory of its save directory, so this one is not read: "
+            "copy the checkpoint into place, or pass its tag directory itself"
+        )
+    return tag_dir
 
 
 def engine_dir(path: Path, ours: str) -> Path | None:
@@ -112,6 +164,8 @@ class DeepSpeedCheckpoint:
     optim: list[dict[str, Any]]  # each rank's ``optimizer_state_dict``
     model_files: list[dict[str, Any]] = field(repr=False)  # stage 3: every rank's
     segments: dict[str, tuple[Segment, ...]] = field(default_factory=dict)
+    optim_paths: list[Path] = field(default_factory=list)  # each rank's file, for errors
+    model_paths: list[Path] = field(default_factory=list)  # model_files' files
 
     @cached_property
     def shapes(self) -> dict[str, torch.Size]:
@@ -195,8 +249,10 @@ class DeepSpeedCheckpoint:
         """The optimizer's per-element state (tensors the size of a group's partition)."""
         state = self.base_optimizer(0)["state"]
         first = state[min(state)] if state else {}
-        fp32 = self.flat(0)[0]
-        return [k for k, v in first.items() if torch.is_tensor(v) and v.shape == fp32.shape]
+        flats = self.flat(0)
+        if not flats:
+            return []
+        return [k for k, v in first.items() if torch.is_tensor(v) and v.shape == flats[0].shape]
 
     def scalar_state(self) -> dict[str, Any]:
         """The optimizer's other state of group 0 (``step``), the same for every group."""

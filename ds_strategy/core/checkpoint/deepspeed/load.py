@@ -45,12 +45,20 @@ def _check_model(ckpt: DeepSpeedCheckpoint, shards: ShardedState) -> None:
     missing = sorted(set(live) - set(saved) - set(ckpt.shared))
     unknown = sorted(set(saved) - set(live))
     wrong = sorted(k for k in set(live) & set(saved) if live[k] != saved[k])
-    if missing or unknown or wrong:
+    buffers = ckpt.buffers
+    wrong_buffers = sorted(
+        k for k, b in shards.buffers.items() if k in buffers and buffers[k].shape != b.shape
+    )
+    if missing or unknown or wrong or wrong_buffers:
         parts = [
             f"missing {missing[:3]}" if missing else "",
             f"not in this model {unknown[:3]}" if unknown else "",
         ]
         parts += [f"{k}: saved {list(saved[k])}, model {list(live[k])}" for k in wrong[:3]]
+        parts += [
+            f"buffer {k}: saved {list(buffers[k].shape)}, model {list(shards.buffers[k].shape)}"
+            for k in wrong_buffers[:3]
+        ]
         raise CheckpointError(
             f"{ckpt.directory}: this DeepSpeed checkpoint does not match the model ("
             + "; ".join(p for p in parts if p)
@@ -115,7 +123,7 @@ def _load_optimizer(
             for run in slot.placement.runs:
                 _put(engine, flat, run.offset, _values(ckpt, name, run.start, run.length, key))
         for key, value in scalars.items():
-            st[key] = _like(st.get(key), value)
+            st[key] = _like(st.get(key), value, ckpt, key)
     saved = ckpt.base_optimizer(0)["param_groups"]
     if len(saved) != len(opt.param_groups):
         raise CheckpointError(
@@ -126,13 +134,20 @@ def _load_optimizer(
         live.update({k: v for k, v in hyper.items() if k in live and k != "params"})
 
 
-def _like(current: Any, value: Any) -> Any:
+def _like(current: Any, value: Any, ckpt: DeepSpeedCheckpoint, key: str) -> Any:
     """``value`` (DeepSpeed's step count) as the optimizer keeps it: torch's Adam a tensor."""
     if torch.is_tensor(value):
         return value.clone()
-    if current is None or torch.is_tensor(current):
-        return torch.tensor(float(value), dtype=torch.float32)
-    return type(current)(value)
+    try:
+        if current is None or torch.is_tensor(current):
+            return torch.tensor(float(value), dtype=torch.float32)
+        return type(current)(value)
+    except (TypeError, ValueError, OverflowError):
+        where = ckpt.optim_paths[0] if ckpt.optim_paths else ckpt.directory
+        raise CheckpointError(
+            f"{where}: the optimizer's {key!r} is a {type(value).__name__} that is not a "
+            "number; the file is damaged or crafted: restore it from a good copy"
+        ) from None
 
 
 def _engine_state(engine: CheckpointedEngine, ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
@@ -144,12 +159,24 @@ def _engine_state(engine: CheckpointedEngine, ckpt: DeepSpeedCheckpoint) -> dict
         "micro_steps": steps * (gas if isinstance(gas, int) else 1),
         "skipped_steps": ckpt.skipped_steps,
         "lr_scheduler": ckpt.model_state.get("lr_scheduler") or None,  # see the module note
-        "loss_scaler": _loss_scaler(ckpt.loss_scaler) if ckpt.loss_scaler is not None else None,
+        "loss_scaler": _loss_scaler(ckpt) if ckpt.loss_scaler is not None else None,
     }
 
 
-def _loss_scaler(s: LossScalerState) -> dict[str, Any]:
-    """DeepSpeed's loss-scaler attributes as ``LossScaler``'s state."""
+def _loss_scaler(ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
+    """DeepSpeed's loss-scaler attributes as ``LossScaler``'s state; a record without them, or
+    with values of another kind, is an error naming rank 0's file."""
+    try:
+        return _scaler_state(ckpt.loss_scaler)  # type: ignore[arg-type]
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        where = ckpt.optim_paths[0] if ckpt.optim_paths else ckpt.directory
+        raise CheckpointError(
+            f"{where}: its loss scaler cannot be read ({type(e).__name__}: "
+            f"{str(e)[:200]}); the file is damaged or crafted: restore it from a good copy"
+        ) from None
+
+
+def _scaler_state(s: LossScalerState) -> dict[str, Any]:
     state = vars(s)
     out: dict[str, Any] = {
         "scale": float(state["cur_scale"]),

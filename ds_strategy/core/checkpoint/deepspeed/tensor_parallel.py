@@ -29,6 +29,8 @@ __all__ = ["TensorParallelCheckpoint", "join_parts"]
 def join_parts(parts: list[DeepSpeedCheckpoint]) -> TensorParallelCheckpoint:
     info = parts[0].model_state.get("universal_checkpoint_info") or {}
     where = parts[0].directory
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{parts[0].model_paths[0]}: universal_checkpoint_info is not a dict")
     if not info:
         raise CheckpointError(
             f"{where}: a tensor-parallel DeepSpeed checkpoint ({len(parts)} parts) without "
@@ -50,8 +52,65 @@ def join_parts(parts: list[DeepSpeedCheckpoint]) -> TensorParallelCheckpoint:
         first.model_files,
     )
     joined.parts, joined.info = parts, info
+    joined.optim_paths, joined.model_paths = first.optim_paths, first.model_paths
+    _check_info(joined)
+    _check_parts(joined)
     joined.segments = {name: () for name in joined.shapes}
     return joined
+
+
+_PATTERNS = (
+    "tp_replicated_parameter_patterns",
+    "parameter_with_row_parallelism_patterns",
+    "vocabulary_parameter_patterns",
+)
+
+
+def _check_info(joined: TensorParallelCheckpoint) -> None:
+    """``universal_checkpoint_info``'s patterns compile and its vocabulary size is a count."""
+    where = joined.model_paths[0]
+    for key in _PATTERNS:
+        patterns = joined.info.get(key) or ()
+        try:
+            ok = isinstance(patterns, (list, tuple)) and all(re.compile(p) for p in patterns)
+        except (TypeError, re.error):
+            ok = False
+        if not ok:
+            raise CheckpointError(
+                f"{where}: universal_checkpoint_info's {key} is not a list of patterns; the "
+                "file is damaged or crafted: restore it from a good copy"
+            )
+    vocab = joined.info.get("original_vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or not 0 < vocab < 2**62):
+        raise CheckpointError(f"{where}: original_vocab_size is not a count of tokens")
+
+
+def _check_parts(joined: TensorParallelCheckpoint) -> None:
+    """Every part holds the first part's parameters, their shapes equal but along the
+    dimension they are split on, so joining them never fails half-way."""
+    first = joined.parts[0]
+    for k, part in enumerate(joined.parts[1:], start=1):
+        for name, shape in first.shapes.items():
+            other = part.shapes.get(name)
+            if not _joins(shape, other, joined.split_dim(name)):
+                raise CheckpointError(
+                    f"{part.model_paths[0]}: tensor-parallel part {k} saves {name!r} as "
+                    f"{list(other) if other is not None else 'nothing'}, part 0 as "
+                    f"{list(shape)}; the parts do not join: the checkpoint is damaged"
+                )
+    for name, shape in joined.shapes.items():
+        if joined.split_dim(name) == 0 and shape[0] > sum(p.shapes[name][0] for p in joined.parts):
+            raise CheckpointError(
+                f"{first.model_paths[0]}: original_vocab_size {shape[0]} is larger than the "
+                f"joined {name!r}; the checkpoint is damaged"
+            )
+
+
+def _joins(shape: torch.Size, other: torch.Size | None, dim: int | None) -> bool:
+    """``other`` is ``shape`` but along ``dim`` (None: the same)."""
+    if other is None or len(other) != len(shape) or (dim is not None and dim >= len(shape)):
+        return False
+    return all(a == b or i == dim for i, (a, b) in enumerate(zip(shape, other, strict=True)))
 
 
 class TensorParallelCheckpoint(DeepSpeedCheckpoint):
