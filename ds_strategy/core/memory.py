@@ -251,6 +251,17 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def file_size_limit() -> int | None:
+    """The largest file this process may write (``RLIMIT_FSIZE``, ``ulimit -f``), or None
+    where there is no such limit; what a write refused with ``EFBIG`` ran into."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def human_bytes(nbytes: int) -> str:
     """1536 -> '1.5 KiB': the unit that keeps the figure readable (never '0.00 GiB')."""
     size = float(nbytes)

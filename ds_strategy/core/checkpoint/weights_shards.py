@@ -16,12 +16,16 @@ storage there: they join the shard of the name they are saved under and count on
 shard's size and in ``total_size``. safetensors refuses shared storage, so a ``.safetensors``
 shard holds each such name as its own copy; a ``.pt`` shard shares the tensor, as ``torch.save``
 of a state dict does.
+
+Every file goes through a ``.tmp`` renamed into place (``weights_file.py``, [Note: a weights
+file is whole or absent]); the room for all of them is checked before the first is written.
+When a write fails, the shards this export already wrote are removed too: without their
+index they are no export, and the room they take is what the user must find.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .weights_file import stream_safetensors
+from .weights_file import Output, WeightsWriteError, check_room, stream_safetensors
 
 __all__ = [
     "WeightEntry",
@@ -141,39 +145,64 @@ def write_weight_files(
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     shards = plan_shards(entries, limit)
     paths = shard_paths(out, len(shards))
+    streamed = out.suffix == ".safetensors"
+    sizes = [_shard_bytes(shard, streamed) for shard in shards]
+    check_room(list(zip(paths, sizes, strict=True)))
     _remove_stale(out, paths)
-    for path, shard in zip(paths, shards, strict=True):
-        if out.suffix == ".safetensors":
-            _stream_shard(path, shard, read)
-        else:
-            _save_shard(path, shard, read)
-    if len(paths) == 1:
-        return paths
+    written: list[Path] = []
+    try:
+        for path, shard in zip(paths, shards, strict=True):
+            if streamed:
+                _stream_shard(path, shard, read, sum(sizes))
+            else:
+                _save_shard(path, shard, read, sum(sizes))
+            written.append(path)
+        if len(paths) > 1:
+            _write_index(out, entries, paths, shards)
+    except WeightsWriteError:
+        for p in written:  # see the note
+            p.unlink(missing_ok=True)
+        raise
+    return paths if len(paths) == 1 else [*paths, index_path(out)]
+
+
+def _shard_bytes(shard: list[WeightEntry], streamed: bool) -> int:
+    """What the shard's file takes but its header or framing (so a check never refuses a
+    drive it fits on): a ``.safetensors`` file copies a tied weight under each of its names,
+    a ``.pt`` one stores it once."""
+    return sum(e.nbytes for e in shard if streamed or e.tied_to is None)
+
+
+def _write_index(
+    out: Path, entries: list[WeightEntry], paths: list[Path], shards: list[list[WeightEntry]]
+) -> None:
     weight_map = {e.name: p.name for p, shard in zip(paths, shards, strict=True) for e in shard}
     total = sum(e.nbytes for e in entries if e.tied_to is None and e.name in weight_map)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    tmp = index_path(out).with_name(index_path(out).name + ".tmp")
-    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, index_path(out))
-    return [*paths, index_path(out)]
+    text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    with Output(index_path(out), len(text)) as f:
+        f.write(text)
+        f.commit()
 
 
 def _stream_shard(
-    path: Path, shard: list[WeightEntry], read: Callable[[str], torch.Tensor]
+    path: Path, shard: list[WeightEntry], read: Callable[[str], torch.Tensor], total: int
 ) -> None:
     declared = [(e.name, e.dtype, list(e.shape)) for e in shard]
     tensors = (read(e.source) for e in shard)
-    stream_safetensors(path, declared, tensors, metadata={"format": "pt"})
+    stream_safetensors(path, declared, tensors, metadata={"format": "pt"}, total=total)
 
 
-def _save_shard(path: Path, shard: list[WeightEntry], read: Callable[[str], torch.Tensor]) -> None:
+def _save_shard(
+    path: Path, shard: list[WeightEntry], read: Callable[[str], torch.Tensor], total: int
+) -> None:
     state: dict[str, torch.Tensor] = {}
     for e in shard:
         state[e.name] = state[e.source] if e.source in state else read(e.source)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with Output(path, _shard_bytes(shard, streamed=False), total) as f:
+        with f.failing(RuntimeError):  # torch.save's own error for a failed write
+            torch.save(state, f.tmp)
+        f.commit()
 
 
 def _remove_stale(out: Path, keep: list[Path]) -> None:

@@ -415,7 +415,8 @@ class Offload:
             cfg, key = self._key()
             needed = self._needed_bytes(optimizer, rest)
             sharing = self._sharing(cfg.nvme_path, needed)
-            check_nvme_path(cfg.nvme_path, needed, checkpoint_marker, key, sharing)
+            mine = self.swap_dir.path
+            check_nvme_path(cfg.nvme_path, needed, checkpoint_marker, key, sharing, mine)
         out = len(self._swapped_group_tensors(rest))
         progress = Progress("writing the model to nvme_path", out, self.rank, "tensors")
         self._swap_out(rest, progress)
@@ -565,6 +566,10 @@ class Offload:
         }
 
     def close(self) -> None:
+        """Finish the reads and writes under way, then remove the swap directory, even when
+        one of them failed (its error is raised after)."""
         if self.swap_dir is not None:
-            self.wait()
-            self.swap_dir.close()
+            try:
+                self.wait()
+            finally:
+                self.swap_dir.close()

@@ -85,10 +85,8 @@ class StateSwaps:
         """State ``key`` of piece ``i`` that is not there yet (a load into a new engine): zeros
         in a new sparse file, nothing in memory; the load writes it in place."""
         t = torch.empty_like(like, dtype=dtype, device="cpu")  # (untouched: no memory used)
-        path = self._file(i, key)
-        with open(path, "wb") as f:
-            f.truncate(t.numel() * t.element_size())
-        s = self.swaps.setdefault(i, {})[key] = SwappedTensor.in_file(t, path, self.swap_dir.pool)
+        s = SwappedTensor.zeros_in_file(t, self._file(i, key), self.swap_dir.pool)
+        self.swaps.setdefault(i, {})[key] = s
         s.meter = self.meter
         return s
 

@@ -1,6 +1,12 @@
 """What a checkpoint sees of an engine's swap files (NVMe offload): where a swapped-out
 tensor's bytes are, and reading or writing a piece of them in place. The checkpoint's
-planners use it to save and load a piece at a time (``core/checkpoint/streamed.py``)."""
+planners use it to save and load a piece at a time (``core/checkpoint/streamed.py``).
+
+A piece's bytes are checked against the block checksums of its file (``integrity.py``): a
+read takes the blocks around the piece too (at most two more, into small buffers beside
+the piece's own, so memory stays one piece), and a write checks the blocks it shares with
+its neighbours before it changes them, then records their new checksums.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from .integrity import BLOCK, block_crcs, check_blocks, span, write_error
 from .swap import SwappedTensor, _buffer, count_io
 
 __all__ = ["SwapFiles"]
@@ -57,31 +64,70 @@ class SwapFiles:
 
     @staticmethod
     def read(where: tuple[SwappedTensor, int, int]) -> torch.Tensor:
-        """The elements :meth:`find` located, in a new tensor of exactly their size."""
+        """The elements :meth:`find` located, in a new tensor of exactly their size, checked
+        against their file's checksums."""
         swap, offset, numel = where
         out = torch.empty(numel, dtype=swap.tensor.dtype)
         want = numel * out.element_size()
-        fd = os.open(swap.path, os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [_buffer(out)], offset)
-        finally:
-            os.close(fd)
-        if got != want:
-            raise OSError(f"{swap.path}: read {got} of {want} bytes at {offset} (truncated?)")
-        count_io(read=got)
+        lo, hi = span(offset, want, swap.nbytes)
+        parts = [memoryview(bytearray(offset - lo)), _buffer(out)]
+        parts.append(memoryview(bytearray(hi - offset - want)))
+        _pread(swap, parts, lo)
+        check_blocks(parts, swap.crcs, lo // BLOCK, swap.path)
+        count_io(read=hi - lo)
         return out
 
     @staticmethod
     def write(where: tuple[SwappedTensor, int, int], values: torch.Tensor) -> None:
-        """Write ``values`` over the elements :meth:`find` located, in the file."""
+        """Write ``values`` over the elements :meth:`find` located, in the file; the blocks
+        it shares with its neighbours are checked first, and their checksums updated."""
         swap, offset, numel = where
         values = values.reshape(-1).contiguous()
         assert values.numel() == numel and values.dtype == swap.tensor.dtype
+        want = numel * values.element_size()
+        lo, hi = span(offset, want, swap.nbytes)
+        head, tail = _edges(swap, lo, offset, want, hi)
         fd = os.open(swap.path, os.O_WRONLY)
         try:
             done = os.pwritev(fd, [_buffer(values)], offset)
+        except OSError as e:
+            raise write_error(e, swap.path, want) from e
         finally:
             os.close(fd)
-        if done != numel * values.element_size():
-            raise OSError(f"{swap.path}: wrote {done} of {numel * values.element_size()} bytes")
+        if done != want:
+            raise OSError(f"{swap.path}: wrote {done} of {want} bytes")
+        assert swap.crcs is not None  # (_edges checked it)
+        first = lo // BLOCK
+        new = block_crcs(head, _buffer(values), tail)
+        swap.crcs[first : first + len(new)] = new
         count_io(written=done)
+
+
+def _pread(swap: SwappedTensor, parts: list[memoryview], at: int) -> None:
+    want = sum(len(p) for p in parts)
+    fd = os.open(swap.path, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, parts, at)
+    finally:
+        os.close(fd)
+    if got != want:
+        raise OSError(f"{swap.path}: read {got} of {want} bytes at {at} (truncated?)")
+
+
+def _edges(
+    swap: SwappedTensor, lo: int, offset: int, nbytes: int, hi: int
+) -> tuple[memoryview, memoryview]:
+    """The bytes of the blocks ``[lo, hi)`` before and after ``[offset, offset + nbytes)``,
+    once their first and last blocks are checked (the only ones the piece may share)."""
+    end = offset + nbytes
+    first = memoryview(bytearray(min(BLOCK, hi - lo)))
+    _pread(swap, [first], lo)
+    check_blocks([first], swap.crcs, lo // BLOCK, swap.path)
+    last = first
+    if hi - lo > BLOCK:
+        last = memoryview(bytearray(hi - (hi - 1) // BLOCK * BLOCK))
+        _pread(swap, [last], hi - len(last))
+        check_blocks([last], swap.crcs, (hi - 1) // BLOCK, swap.path)
+    head = first[: offset - lo]
+    tail = last[len(last) - (hi - end) :] if hi > end else memoryview(b"")
+    return head, tail

@@ -8,7 +8,10 @@ group's fp32 master shard) and every reference to it (``optimizer.state``) stays
 no rebinding, and while it is out any stray use fails loudly instead of reading stale data.
 Reads and writes run on a small thread pool with plain ``readinto``/``write`` calls, which
 release the GIL; the bytes go through the page cache, not the process's resident memory
-(an ``mmap`` would count them as resident again).
+(an ``mmap`` would count them as resident again). Every write records block checksums that
+the next read checks (``integrity.py``, [Note: checksums of swapped tensors]); every
+directory is locked by its run, so one whose run was killed is reclaimed by the next
+(``leftovers.py``, [Note: whose swap directory is this]).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import tempfile
 import threading
 import time
 import weakref
+from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,8 @@ import torch
 from ...config import ConfigError
 from ..memory import human_bytes
 from ..profiling.ranges import profile_range, ranged
+from . import leftovers
+from .integrity import block_crcs, check_blocks, write_error, write_file, zero_crcs
 
 __all__ = ["SwapDir", "SwapState", "SwappedTensor", "check_nvme_path", "drive_of", "io_bytes"]
 
@@ -92,6 +98,8 @@ class SwappedTensor:
         self.state = SwapState.RESIDENT
         self.holds = 1  # the creator is using it
         self.dirty = True  # the file (if any) is older than the tensor
+        # block checksums of what the file holds (None: nothing written yet); see integrity.py
+        self.crcs: array | None = None
         self._future: Future | None = None
         # where the bytes are counted while they are back in memory (the engine's meter:
         # its peak then includes what a step or a gather read in); see ``_metered``
@@ -99,18 +107,30 @@ class SwappedTensor:
         self._counted = False
 
     @classmethod
-    def in_file(cls, tensor: torch.Tensor, path: Path, pool: ThreadPoolExecutor) -> SwappedTensor:
-        """A tensor whose bytes ``path`` already holds: its storage is freed, nothing read."""
+    def zeros_in_file(
+        cls, tensor: torch.Tensor, path: Path, pool: ThreadPoolExecutor
+    ) -> SwappedTensor:
+        """A tensor of zeros in a new sparse file at ``path``: nothing in memory, nothing
+        written but the file's length (``tensor``'s storage is freed)."""
         swap = cls(tensor, path, pool)
+        try:
+            with open(path, "wb") as f:
+                f.truncate(swap.nbytes)
+        except OSError as e:
+            raise write_error(e, path, swap.nbytes) from e
         tensor.untyped_storage().resize_(0)
         swap.state, swap.holds, swap.dirty = SwapState.ON_DISK, 0, False
+        swap.crcs = zero_crcs(swap.nbytes)
         return swap
 
     # -- worker side --------------------------------------------------------------------------
 
     def _write_and_free(self) -> None:
-        with open(self.path, "wb") as f:
-            f.write(_buffer(self.tensor))
+        buf = _buffer(self.tensor)
+        crcs = block_crcs(buf)
+        self.crcs = None  # the file is being rewritten: it matches nothing until done
+        write_file(self.path, buf)
+        self.crcs = crcs
         self.tensor.untyped_storage().resize_(0)
         count_io(written=self.nbytes)
 
@@ -120,6 +140,7 @@ class SwappedTensor:
             got = f.readinto(buf)
         if got != self.nbytes:
             raise OSError(f"{self.path}: read {got} of {self.nbytes} bytes (file truncated?)")
+        check_blocks([buf], self.crcs, 0, self.path)
         count_io(read=got)
 
     # -- caller side ----------------------------------------------------------------------------
@@ -235,11 +256,14 @@ def check_nvme_path(
     checkpoint_marker: str,
     key: str,
     sharing: tuple[int, int] | None = None,
+    mine: Path | None = None,
 ) -> Path:
     """Errors before training starts: the directory must exist, be writable, have room for
     ``needed_bytes``, and not be (or lie inside) a checkpoint directory. ``sharing``: (bytes,
     ranks) that every rank of this machine whose swap files go to the same drive needs
-    together (see :func:`drive_of`); the room is checked for all of them."""
+    together (see :func:`drive_of`); the room is checked for all of them. Swap directories
+    of runs that have ended are removed first (``leftovers.py``); ``mine``: this run's own,
+    when it is open already."""
     p = Path(path).expanduser().resolve()
     need = f"{needed_bytes:,} bytes ({human_bytes(needed_bytes)}) of swap space"
     if not p.is_dir():
@@ -260,6 +284,7 @@ def check_nvme_path(
                 "another directory",
                 key=key,
             )
+    leftovers.reclaim(p, DIR_PREFIX)
     free = shutil.disk_usage(p).free
     total, ranks = sharing if sharing is not None and sharing[1] > 1 else (needed_bytes, 1)
     if free < total:
@@ -271,10 +296,24 @@ def check_nvme_path(
         )
         raise OSError(
             f"{key}: nvme_path {str(p)!r} has {free:,} bytes free but "
-            f"this run needs {need} on this rank{together}; free space there, choose a larger "
-            "drive, or give each rank's nvme_path its own drive"
+            f"this run needs {need} on this rank{together}{_others(p, mine)}; free space "
+            "there, choose a larger drive, or give each rank's nvme_path its own drive"
         )
     return p
+
+
+def _others(base: Path, mine: Path | None) -> str:
+    """Where the room went, when other swap directories are there."""
+    others = leftovers.unowned(base, DIR_PREFIX, mine)
+    if not others:
+        return ""
+    held = sum(n for _, n in others)
+    names = ", ".join(d.name for d, _ in others[:3]) + (", ..." if len(others) > 3 else "")
+    return (
+        f"; {len(others)} other swap directories there hold {held:,} bytes "
+        f"({human_bytes(held)}): {names} (runs still using them, or, without an "
+        f"{leftovers.LOCK_NAME}, runs of an older ds_strategy: remove those no run uses)"
+    )
 
 
 def drive_of(path: str | os.PathLike) -> tuple[str, int] | None:
@@ -322,7 +361,9 @@ class SwapDir:
     """This rank's private directory of swap files under ``nvme_path`` and the I/O threads.
 
     The directory's name is unique per run and rank; it is removed by :meth:`close`, when the
-    owner is garbage-collected, or at interpreter exit, whichever comes first.
+    owner is garbage-collected, or at interpreter exit, whichever comes first. Until then its
+    ``owner.lock`` is locked, so that another run reclaims it only once this process is
+    gone (see [Note: whose swap directory is this] in ``leftovers.py``).
     """
 
     def __init__(
@@ -338,8 +379,13 @@ class SwapDir:
         base = check_nvme_path(nvme_path, needed_bytes, checkpoint_marker, key, sharing)
         fix_mmap_threshold()
         self.path = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}rank{rank}_", dir=base))
+        try:
+            lock = leftovers.claim(self.path)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
         self.pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ds_swap")
-        self._finalizer = weakref.finalize(self, _remove, self.path, self.pool)
+        self._finalizer = weakref.finalize(self, _remove, self.path, self.pool, lock, os.getpid())
 
     def file(self, name: str) -> Path:
         return self.path / f"{name}.bin"
@@ -357,6 +403,10 @@ class SwapDir:
         return not self._finalizer.alive
 
 
-def _remove(path: Path, pool: ThreadPoolExecutor) -> None:
-    pool.shutdown(wait=True)
-    shutil.rmtree(path, ignore_errors=True)
+def _remove(path: Path, pool: ThreadPoolExecutor, lock: int, owner: int) -> None:
+    try:
+        pool.shutdown(wait=True)
+        if os.getpid() == owner:  # a child forked from the run, exiting, leaves it alone
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(lock)  # only now: the directory is gone (or this process is ending)
