@@ -12,15 +12,35 @@ from tests.pool import RankPools, session_pools
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests need a CUDA device: skipped, with the reason, where none is present."""
+    """``gpu`` tests need a CUDA device: skipped, with the reason, where none is present.
+    The files go in the order that keeps both xdist workers busy to the end."""
     import torch
 
+    _heaviest_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def _heaviest_files_first(items: list[pytest.Item]) -> None:
+    """pytest-xdist hands whole files to the two workers (``--dist loadfile``) in collection
+    order (``--no-loadscope-reorder``; by default it would put the files with the most tests
+    first, which leaves the long files of few tests for the end, where one worker runs them
+    while the other waits). So files go by their count of ``launcher`` and ``slow`` tests
+    (seconds each; the others take a fraction of one), most first, and the many quick files
+    fill the end evenly. A file's own order is kept (the sort is stable)."""
+
+    def file(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    weight: dict[str, float] = {}
+    for item in items:
+        heavy = item.get_closest_marker("launcher") or item.get_closest_marker("slow")
+        weight[file(item)] = weight.get(file(item), 0.0) + (1.0 if heavy else 0.01)
+    items.sort(key=lambda item: -weight[file(item)])
 
 
 _POOL_SUMMARY = pytest.StashKey[list[str]]()
