@@ -16,11 +16,13 @@ against each other and against the ZeRO formulas.
 from __future__ import annotations
 
 import gc
+import shutil
 import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +31,14 @@ from torch import nn
 if TYPE_CHECKING:
     from .memory_timeline import MemoryTimeline
 
-__all__ = ["ModelStateMeter", "StepMemoryProbe", "human_bytes", "live_tensor_bytes"]
+__all__ = [
+    "ModelStateMeter",
+    "StepMemoryProbe",
+    "file_size_limit",
+    "free_bytes",
+    "human_bytes",
+    "live_tensor_bytes",
+]
 
 
 class ModelStateMeter:
@@ -260,6 +269,15 @@ def file_size_limit() -> int | None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def free_bytes(where: Path) -> int | None:
+    """Bytes free on the drive of ``where`` (a directory), or None where that cannot be
+    told: what an error for a full drive reports beside the bytes it needed."""
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
 
 
 def human_bytes(nbytes: int) -> str:

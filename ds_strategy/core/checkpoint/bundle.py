@@ -43,7 +43,6 @@ import os
 import re
 import shutil
 import warnings
-import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from ..warnings import CheckpointWarning
 from . import swap
 from .errors import CheckpointError
 from .lock import LOCK_FILE, acquire, release
-from .pinned import META_FILE
+from .pinned import META_FILE, crc32_of
 
 __all__ = ["Bundle", "named", "prune"]
 
@@ -312,10 +311,8 @@ def _counts(p: Path) -> bool:
 
 
 def _sum(p: Path, sync: bool = False) -> dict[str, int]:
-    value, size = 0, 0
     with open(p, "rb") as f:
-        while block := f.read(1 << 22):
-            value, size = zlib.crc32(block, value), size + len(block)
+        value, size = crc32_of(f.fileno()), os.fstat(f.fileno()).st_size
         if sync:
             os.fsync(f.fileno())
     return {"size": size, "crc32": value}

@@ -1,10 +1,13 @@
-"""The error a checkpoint that cannot be loaded raises: its own module, so that every reader
-(the metadata unpickler in ``trust.py`` as much as the checks in ``validate.py``) raises it
-without importing the others."""
+"""The error a checkpoint that cannot be loaded raises, and the first failing rank's error in
+DCP's gathered ones: their own module, so that every reader (the metadata unpickler in
+``trust.py`` as much as the checks in ``validate.py``) and the writer (``store.py``) use them
+without importing one another."""
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError"]
+from torch.distributed.checkpoint.api import CheckpointException
+
+__all__ = ["CheckpointError", "first_failure"]
 
 
 class CheckpointError(ValueError):
@@ -12,3 +15,13 @@ class CheckpointError(ValueError):
 
 
 CheckpointError.__module__ = "ds_strategy"
+
+
+def first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
+    """(rank, exception) of the first failing rank in DCP's gathered failures (a
+    ``CheckpointException``); ``(rank, e)`` for any other error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = min(e.failures)
+        cause = e.failures[first]
+        return first, cause[0] if isinstance(cause, tuple) else cause
+    return rank, e

@@ -55,6 +55,7 @@ from .deepspeed.load import load_deepspeed
 from .deepspeed.opening import open_deepspeed
 from .engines import MANIFEST, holds_engines, read_manifest
 from .lock import LOCK_FILE, acquire, release
+from .pinned import confined
 from .seam import CheckpointedEngine
 from .validate import META_FILE, CheckpointError, read_meta
 
@@ -284,7 +285,7 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
     content it left (``swap.committed``)."""
     if tag is not None:
         _check_tag(tag, saving=False)
-        return swap.committed(_confined(path, tag))
+        return swap.committed(confined(path, tag))
     latest = path / LATEST
     if (path / META_FILE).exists() or not latest.is_file():
         return swap.committed(path)
@@ -294,7 +295,7 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
             f"{latest} names {name!r}, which is not a checkpoint directory inside {path}; "
             "a 'latest' file holds one tag (such as 'global_step100'), never a path"
         )
-    target = swap.committed(_confined(path, name)) if name else path
+    target = swap.committed(confined(path, name)) if name else path
     if not name or not (target / META_FILE).is_file():
         tags = sorted(d.name for d in path.iterdir() if (d / META_FILE).is_file())
         raise FileNotFoundError(
@@ -302,19 +303,6 @@ def resolve_load_dir(path: Path, tag: str | None) -> Path:
             f"tag= to load another one (complete checkpoints there: {', '.join(tags) or 'none'})"
         )
     return target
-
-
-def _confined(root: Path, tag: str) -> Path:
-    """``root/tag``, refused where it is a symbolic link or resolves outside ``root``: a tag
-    is a directory of its root, and a load never reads outside it."""
-    d = root / tag
-    if d.is_symlink() or (d.exists() and d.resolve().parent != root.resolve()):
-        raise CheckpointError(
-            f"{d}: a link to {d.resolve()}, outside {root}; a checkpoint tag is a directory "
-            "of its root, so this one is not read: copy the checkpoint into place, or load "
-            "its directory by its own path"
-        )
-    return d
 
 
 def stage_dirs(root: Path) -> list[Path]:

@@ -48,6 +48,8 @@ __all__ = [
     "FORMAT",
     "META_FILE",
     "PinnedCheckpoint",
+    "confined",
+    "crc32_of",
     "parse_meta",
     "pin_agreed",
     "pinned_sources",
@@ -75,6 +77,30 @@ def parse_meta(raw: bytes, meta_path: Path) -> dict[str, Any]:
             f"{meta_path}: checkpoint format {fmt!r}, this ds_strategy reads {FORMAT!r}"
         )
     return meta
+
+
+def crc32_of(fd: int, chunk: int = 1 << 22) -> int:
+    """The CRC-32 of the whole file open as ``fd``, read with ``pread`` (the descriptor's
+    offset is left alone)."""
+    value, offset = 0, 0
+    while block := os.pread(fd, chunk, offset):
+        value = zlib.crc32(block, value)
+        offset += len(block)
+    return value
+
+
+def confined(root: Path, name: str) -> Path:
+    """``root/name``, a tag of the checkpoint root ``root`` (ours or DeepSpeed's save
+    directory), refused where it is a symbolic link or resolves outside ``root``: a load never
+    reads another directory's checkpoint under this one's name."""
+    d = root / name
+    if d.is_symlink() or (d.exists() and d.resolve().parent != root.resolve()):
+        raise CheckpointError(
+            f"{d}: a link to {d.resolve()}, outside {root}; a checkpoint tag is a directory "
+            "of its root, so this one is not read: copy the checkpoint into place, or load "
+            "its directory by its own path"
+        )
+    return d
 
 
 class _Moved(Exception):
@@ -209,12 +235,8 @@ class PinnedCheckpoint:
             )
         return io.BufferedReader(_PreadFile(fd, os.fstat(fd).st_size, str(self.path / name)))
 
-    def crc32(self, name: str, chunk: int = 1 << 22) -> int:
-        value, fd, offset = 0, self._fds[name], 0
-        while block := os.pread(fd, chunk, offset):
-            value = zlib.crc32(block, value)
-            offset += len(block)
-        return value
+    def crc32(self, name: str) -> int:
+        return crc32_of(self._fds[name])
 
     def __del__(self) -> None:
         self.close()
@@ -291,21 +313,16 @@ class _Attempts:
             self.dirs = self.resolve()
             for d in self.dirs:
                 pins.append(PinnedCheckpoint(d, self.require_checksums))
-        except _Moved:
+        except BaseException as e:
             for p in pins:
                 p.close()
-            return [], True
-        except (OSError, CheckpointError, ValueError) as e:
-            for p in pins:
-                p.close()
-            if str(e) == self.previous_error or last:
+            if isinstance(e, _Moved):
+                return [], True
+            retried = isinstance(e, (OSError, CheckpointError, ValueError)) and not last
+            if not retried or str(e) == self.previous_error:
                 raise
             self.previous_error = str(e)  # a save may have been in the way: once more
             return [], True
-        except BaseException:
-            for p in pins:
-                p.close()
-            raise
         self.previous_error = None
         return pins, False
 

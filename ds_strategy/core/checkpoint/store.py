@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..collectives import Comm
 from ..faults import together
-from ..memory import human_bytes
+from ..memory import free_bytes, human_bytes
 from ..offload.streaming import SwapFiles
 from . import swap
+from .errors import first_failure
 from .streamed import StreamingSavePlanner
 from .validate import CheckpointError, merge_checksums, record_checksums
 
@@ -112,7 +113,7 @@ def write_error(
 ) -> CheckpointWriteError:
     """One line saying what happened and where; DCP's gathered failures are unwrapped to the
     first failing rank's."""
-    rank, cause = _first_failure(e, rank)
+    rank, cause = first_failure(e, rank)
     os_error = _os_error(cause)
     errno_ = os_error.errno if os_error is not None else None
     if errno_ is None and _does_not_fit(tmp, needed):
@@ -122,10 +123,8 @@ def write_error(
     where = getattr(os_error, "filename", None) or tmp
     unchanged = f"the previous checkpoint at {final} (if any) and latest are unchanged"
     if errno_ == errno.ENOSPC:
-        try:
-            free = f"{human_bytes(shutil.disk_usage(tmp.parent).free)} free there"
-        except OSError:
-            free = "free space unknown"
+        room = free_bytes(tmp.parent)
+        free = "free space unknown" if room is None else f"{human_bytes(room)} free there"
         message = (
             f"no space left on device writing {where}: needed {needed} bytes "
             f"({human_bytes(needed)}) for this checkpoint, {free}; free some space or save "
@@ -168,15 +167,6 @@ def _does_not_fit(tmp: Path, needed: int) -> bool:
         return shutil.disk_usage(tmp.parent).free < needed - written
     except OSError:
         return False
-
-
-def _first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
-    """(rank, exception) of the first failing rank in DCP's gathered failures."""
-    if isinstance(e, CheckpointException) and e.failures:
-        first = min(e.failures)
-        cause = e.failures[first]
-        return first, cause[0] if isinstance(cause, tuple) else cause
-    return rank, e
 
 
 def commit(

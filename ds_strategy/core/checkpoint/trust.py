@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .errors import CheckpointError
+from .errors import CheckpointError, first_failure
 
 __all__ = ["SafeReader", "UntrustedContentError", "pack", "read_errors", "unpack"]
 
@@ -139,9 +139,8 @@ def read_errors(path: Path) -> Iterator[None]:
     try:
         yield
     except CheckpointException as e:
-        rank, cause = min(e.failures.items()) if e.failures else (None, e)
-        cause = cause[0] if isinstance(cause, tuple) else cause
-        where = f" on rank {rank}" if rank is not None else ""
+        rank, cause = first_failure(e, -1)
+        where = f" on rank {rank}" if rank >= 0 else ""
         raise CheckpointError(
             f"{path}: reading the checkpoint failed{where}: {type(cause).__name__}: {cause}; "
             "the checkpoint does not match this model, or a file is damaged"

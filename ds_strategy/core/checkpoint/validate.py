@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..collectives import Comm
 from ..faults import together
 from .errors import CheckpointError
-from .pinned import DCP_META, FORMAT, META_FILE, PinnedCheckpoint, parse_meta
+from .pinned import DCP_META, FORMAT, META_FILE, PinnedCheckpoint, crc32_of, parse_meta
 from .trust import SafeReader, UntrustedContentError
 
 __all__ = [
@@ -52,12 +51,9 @@ __all__ = [
 _SUMS = ".checksums-{}.json"
 
 
-def crc32(path: Path, chunk: int = 1 << 22) -> int:
-    value = 0
+def crc32(path: Path) -> int:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            value = zlib.crc32(block, value)
-    return value
+        return crc32_of(f.fileno())
 
 
 def record_checksums(tmp: Path, rank: int) -> None:

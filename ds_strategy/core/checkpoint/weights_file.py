@@ -26,7 +26,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..memory import file_size_limit, human_bytes
+from ..memory import file_size_limit, free_bytes, human_bytes
 from .store import CheckpointWriteError
 
 __all__ = [
@@ -78,7 +77,7 @@ def write_error(
     total = nbytes if total is None else total
     code = e.errno if isinstance(e, OSError) else None
     if code is None:
-        free, limit = _free(path.parent), file_size_limit()
+        free, limit = free_bytes(path.parent), file_size_limit()
         if free is not None and free < total:
             code = errno.ENOSPC
         elif limit is not None and limit < nbytes:
@@ -92,7 +91,7 @@ def _error(
     code: int, path: Path, nbytes: int, total: int, cause: BaseException | None = None
 ) -> WeightsWriteError:
     if code in (errno.ENOSPC, errno.EDQUOT):
-        free = _free(path.parent)
+        free = free_bytes(path.parent)
         room = "the room left is unknown" if free is None else f"{_bytes(free)} are free there"
         message = (
             f"no space left on device writing {path}: the weights need {_bytes(total)}, "
@@ -117,13 +116,6 @@ def _bytes(n: int) -> str:
     return f"{n:,} bytes ({human_bytes(n)})"
 
 
-def _free(where: Path) -> int | None:
-    try:
-        return shutil.disk_usage(where).free
-    except OSError:
-        return None
-
-
 def check_room(files: list[tuple[Path, int]]) -> None:
     """Before anything is written: ``files`` (path, bytes; in one directory) fit on their
     drive together, and each under this process's file-size limit; else the
@@ -132,7 +124,7 @@ def check_room(files: list[tuple[Path, int]]) -> None:
         return
     total = sum(n for _, n in files)
     files[0][0].parent.mkdir(parents=True, exist_ok=True)
-    free, limit = _free(files[0][0].parent), file_size_limit()
+    free, limit = free_bytes(files[0][0].parent), file_size_limit()
     if free is not None and free < total:
         raise _error(errno.ENOSPC, files[0][0], files[0][1], total)
     for path, nbytes in files:

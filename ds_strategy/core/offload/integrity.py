@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import zlib
 from array import array
 from pathlib import Path
 
-from ..memory import file_size_limit, human_bytes
+from ..memory import file_size_limit, free_bytes, human_bytes
 
 __all__ = [
     "BLOCK",
@@ -156,9 +155,8 @@ def write_error(e: OSError, path: Path, needed: int, done: int = 0) -> OSError:
 
 
 def _free(where: Path) -> str:
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError:
+    free = free_bytes(where)
+    if free is None:
         return "the room left there is unknown"
     return f"{free:,} bytes ({human_bytes(free)}) are free there"
 

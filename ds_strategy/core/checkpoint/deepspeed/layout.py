@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..pinned import confined
 from ..validate import CheckpointError
 from .pickles import LossScalerState
 
@@ -66,7 +67,7 @@ def find_deepspeed(path: Path, tag: str | None = None) -> Path | None:
     its save directory])."""
     if tag is not None:
         _check_name(tag, f"tag {tag!r}")
-        return _confined(path, tag) if _is_tag_dir(path / tag) else None
+        return confined(path, tag) if _is_tag_dir(path / tag) else None
     if _is_tag_dir(path):
         return path
     latest = path / LATEST
@@ -75,7 +76,7 @@ def find_deepspeed(path: Path, tag: str | None = None) -> Path | None:
         _check_name(name, f"{latest} names {name!r}, which")
         named = path / name
         if _is_tag_dir(named):
-            return _confined(path, name)
+            return confined(path, name)
         if not named.exists() and any(_is_tag_dir(p) for p in path.iterdir() if p.is_dir()):
             raise CheckpointError(
                 f"{path}: a DeepSpeed checkpoint whose latest names {named.name}, which is not "
@@ -117,19 +118,6 @@ def _check_name(name: str, what: str) -> None:
             f"{what[:300]} is not a tag directory inside the save directory; a tag is one "
             "directory name such as 'global_step100', never a path"
         )
-
-
-def _confined(path: Path, name: str) -> Path:
-    """``path/name``, refused where it is a symbolic link or resolves outside ``path``."""
-    tag_dir = path / name
-    real = tag_dir.resolve()
-    if tag_dir.is_symlink() or real.parent != path.resolve():
-        raise CheckpointError(
-            f"{tag_dir}: a link to {real}, outside the save directory {path}; a DeepSpeed "
-            "tag directory is a directory of its save directory, so this one is not read: "
-            "copy the checkpoint into place, or pass its tag directory itself"
-        )
-    return tag_dir
 
 
 def engine_dir(path: Path, ours: str) -> Path | None:
