@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ds_strategy
-from tests.distributed import WorkerError, run_ranks
+from tests.distributed import WorkerError, free_port, run_ranks
 from tests.models import ToyLM, batches, lm_loss
 
 GB = 8  # global batch
@@ -294,9 +294,12 @@ def test_engine_on_a_subgroup() -> None:
     assert results[2] is None and results[0] <= 2e-5 and results[1] <= 2e-5
 
 
-def env_init_worker(rank: int, world: int) -> tuple[int, int, bool]:
+def env_init_worker(rank: int, world: int, port: int) -> tuple[int, int, bool]:
     dist.destroy_process_group()  # start like a torchrun script: only the environment is set
     assert os.environ["WORLD_SIZE"] == str(world)
+    # A port of its own: on the pool's port, a rank done destroying could reach rank 0's old
+    # store while rank 0 is still closing it ("Failed to recv, got 0 bytes").
+    os.environ["MASTER_PORT"] = str(port)
     model = nn.Linear(4, 4)
     engine = ds_strategy.initialize(
         model, _sgd(model.parameters()), {"zero_optimization": {"stage": 2}}
@@ -305,7 +308,7 @@ def env_init_worker(rank: int, world: int) -> tuple[int, int, bool]:
 
 
 def test_process_group_initialised_from_environment() -> None:
-    assert run_ranks(env_init_worker, 2) == [(0, 2, True), (1, 2, True)]
+    assert run_ranks(env_init_worker, 2, free_port()) == [(0, 2, True), (1, 2, True)]
 
 
 def hang_worker(rank: int, world: int) -> None:
