@@ -33,6 +33,7 @@ def _entry(
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),  # one machine, as torchrun says it
     )
     torch.set_num_threads(1)
     dist.init_process_group(

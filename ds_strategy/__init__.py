@@ -22,6 +22,7 @@ from .config import ConfigError, ZeroConfig, load_config, zero_config
 from .core.checkpoint.consolidate import consolidate
 from .core.checkpoint.deepspeed.export import convert
 from .core.checkpoint.lock import CheckpointBusyError
+from .core.checkpoint.pretrained import LoadedWeights, pretrained
 from .core.checkpoint.sharded import CheckpointWriteError
 from .core.checkpoint.trust import UntrustedContentError
 from .core.checkpoint.validate import CheckpointError
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "InferenceEngine",
+    "LoadedWeights",
     "ModelFileError",
     "PipelineEngine",
     "RankFailedError",
@@ -51,6 +53,7 @@ __all__ = [
     "init_inference",
     "initialize",
     "load_config",
+    "pretrained",
     "zero_config",
 ]
 __version__ = "0.1.0"

@@ -36,6 +36,11 @@ class ToyLM(nn.Module):
         self.head.weight = self.embed.weight  # tied
         self.register_buffer("scale", torch.tensor(0.5))
 
+    def reset_parameters(self) -> None:
+        """The buffer's value again: what builds it on the meta device calls this."""
+        with torch.no_grad():
+            self.scale.fill_(0.5)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for block in self.blocks:

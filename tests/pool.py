@@ -262,6 +262,7 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(rank),
         )
+        env.setdefault("LOCAL_WORLD_SIZE", str(world))  # one machine, as torchrun says it
         baseline.reset(env, task["cwd"])
         functions = _module_functions()
         with warnings.catch_warnings():  # entering invalidates the "already shown" registries

@@ -44,6 +44,8 @@ def meta_worker(rank: int, world: int) -> dict:
     def init(module: nn.Module) -> None:
         for p in module.parameters(recurse=False):
             nn.init.normal_(p, std=0.02)
+        if isinstance(module, ToyLM):
+            module.reset_parameters()  # its buffer: a param_init_fn computes buffers too
         live = sum(p.numel() for p in model.parameters() if p.device.type != "meta")
         peak["numel"] = max(peak["numel"], live)
 

@@ -235,21 +235,24 @@ def test_an_engine_logs_one_summary_with_its_memory(caplog: pytest.LogCaptureFix
     (line,) = summaries
     assert line.startswith("ds_strategy: ZeRO-3 on 1 rank, fp32, no offload; "), line
     found = re.search(
-        r"model state per rank ([\d.]+) KiB now \(params ([\d.]+) KiB, grads ([\d.]+) KiB, "
-        r"optimizer 0 bytes until the first step\), ([\d.]+) KiB by the ZeRO-3 formula",
+        r"model state per rank ([\d.]+) KiB now \(params ([\d.]+) KiB, grads 0 bytes until "
+        r"the first backward, optimizer 0 bytes until the first step\), ([\d.]+) KiB by the "
+        r"ZeRO-3 formula",
         line,
     )
     assert found, line
-    total, params, grads, formula = (float(x) for x in found.groups())
+    total, params, formula = (float(x) for x in found.groups())
     # the figures are memory_report()'s as the engine was built: one rank's fp32 parameters
-    # and gradients of the whole model, no optimizer state before the first step
-    assert (built["params"], built["grads"], built["optimizer_state"]) == (4 * NUMEL, 4 * NUMEL, 0)
-    assert (params, grads) == (round(built["params"] / 1024, 1), round(built["grads"] / 1024, 1))
-    assert total == round(built["total"] / 1024, 1) == round(8 * NUMEL / 1024, 1)
+    # of the whole model; the gradient shard comes with the first backward, the optimizer
+    # state with the first step
+    assert (built["params"], built["grads"], built["optimizer_state"]) == (4 * NUMEL, 0, 0)
+    assert params == round(built["params"] / 1024, 1)
+    assert total == round(built["total"] / 1024, 1) == round(4 * NUMEL / 1024, 1)
     # the formula: P + G + K = 4 + 4 + 8 bytes an element with Adam, what the first step
     # allocates (Adam's two moments, plus its step count, one fp32 scalar per tensor)
     assert formula == round(16 * NUMEL / 1024, 1)
     assert stepped["optimizer_state"] == 8 * NUMEL + 4 * 4
+    assert stepped["grads"] == 4 * NUMEL
 
 
 def test_the_summary_names_mixed_precision_and_offload(caplog: pytest.LogCaptureFixture) -> None:
@@ -260,15 +263,18 @@ def test_the_summary_names_mixed_precision_and_offload(caplog: pytest.LogCapture
     }
     engine = _engine(config)
     report = engine.memory_report()
+    engine.backward(engine(torch.randn(2, IN)).square().mean())
+    trained = engine.memory_report()
     engine.destroy()
     (line,) = [m for m in _messages(caplog, "ds_strategy.core.engine") if "ZeRO-" in m]
     assert (
         "ZeRO-2 on 1 rank, fp16 with dynamic loss scaling (scale 256), optimizer offload cpu;"
         in line
     )
-    # fp16 parameters and their fp32 master (6 bytes each), fp16 gradients
-    assert report["params"] == 6 * NUMEL and report["grads"] == 2 * NUMEL
-    assert f"(params {6 * NUMEL / 1024:.1f} KiB, grads {2 * NUMEL / 1024:.1f} KiB" in line
+    # fp16 parameters and their fp32 master (6 bytes each); fp16 gradients from the backward
+    assert report["params"] == 6 * NUMEL and report["grads"] == 0
+    assert trained["grads"] == 2 * NUMEL
+    assert f"(params {6 * NUMEL / 1024:.1f} KiB, grads 0 bytes until the first backward" in line
 
 
 def test_no_summary_below_info(caplog: pytest.LogCaptureFixture) -> None:

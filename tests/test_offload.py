@@ -352,6 +352,8 @@ def streaming_build_worker(rank: int, world: int, tmp: str, offload: bool) -> di
         seen.append(live_tensor_bytes("cpu") - base)
         for p in module.parameters(recurse=False):
             nn.init.normal_(p, std=0.02)
+        if isinstance(module, ToyLM):
+            module.reset_parameters()  # its buffer
 
     kind = "nvme" if offload else "none"
     engine = ds_strategy.initialize(
@@ -388,8 +390,9 @@ def test_the_streaming_build_holds_about_one_unit_whatever_the_model(tmp_path: P
     ):
         unit, total = streamed["unit"], streamed["total"]
         assert total > 10 * unit  # the model is many units: the bound below means something
-        # without offload the rank ends the build holding its shard and gradient shard
-        assert plain["built"] >= 0.9 * total, plain
+        # without offload the rank ends the build holding its shard (the gradient shard comes
+        # with the first backward)
+        assert 0.45 * total <= plain["built"] <= 0.55 * total, plain
         # streamed: one unit materialised, at most the previous one's shards still being
         # written (about 1.0 unit measured, of a model of 13 units)
         assert streamed["build_peak"] <= 2 * unit, (streamed["build_peak"], unit)
@@ -679,7 +682,10 @@ def test_long_operations_report_progress_on_rank_zero(
     config = _config(3, "nvme", "nvme", str(tmp_path))
     config.pop("gradient_accumulation_steps")
     engine = ds_strategy.initialize(
-        model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), config, param_init_fn=lambda m: None
+        model,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        config,
+        param_init_fn=lambda m: m.reset_parameters() if isinstance(m, ToyLM) else None,
     )
     _train(engine, batches(1, 1, GB), 0, 1)
     engine.save_checkpoint(tmp_path / "ckpt")

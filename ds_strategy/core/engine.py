@@ -9,7 +9,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from .._logging import report as show_report
 from ..config import ZeroConfig
 from .assembly import EngineBuilder, EngineParts, LoopHooks
 from .checkpoint.manager import CheckpointManager
+from .checkpoint.pretrained import LoadedWeights, load_pretrained, pending_weights
 from .checkpoint.seam import ShardedState
 from .checkpoint.weights_file import write_weights
 from .collectives import Comm, init_process_group_from_env
@@ -27,10 +28,13 @@ from .compiled import CompileWatch, check_compile_kwargs, compile_backend, compi
 from .compression.onebit_reduce import OneBitReduction
 from .compression.zeroone_reduce import ZeroOneReduction
 from .engine_shards import sharded_state
+from .generation import sync_generation
+from .materialize import refuse_unset_forward
 from .memory import ModelStateMeter
 from .memory_timeline import MemoryTimeline, timeline_path, zero_formula_bytes
 from .mics import MiCSComm
 from .monitor import TrainingMonitor
+from .names import plain_names, unwrapped
 from .offload.streaming import SwapFiles
 from .optim.onebit import CompressedExchange
 from .ownership import claim_parameters, release_parameters
@@ -44,6 +48,7 @@ from .start_summary import RankLayout, start_summary
 from .step_line import report_progress
 from .timers import phase
 from .zero.builders import ShardingPlan
+from .zero.gathered import GatheredParameters, ModifierRank
 from .zero.optimizer import OptimizerLike, OptimizerPiece
 
 __all__ = ["ZeroEngine"]
@@ -126,6 +131,14 @@ class ZeroEngine(nn.Module):
         if self.config.compile.enabled:
             self.compile()
         self._log_start()
+        # ZeRO-3's forward all-gathers: generate() keeps the ranks in step (generation.py)
+        sync_generation(
+            self.module,
+            collective_forward=self.plan.stage3 is not None,
+            world_size=self.shard_comm.world_size,
+        )
+        for prefix, path, strict in pending_weights(model):  # ds_strategy.pretrained(...)
+            self._load_weights(path, strict, prefix)
 
     def _log_start(self) -> None:
         """One INFO line on the job's first rank once the engine is built (a pipeline: on each
@@ -183,6 +196,7 @@ class ZeroEngine(nn.Module):
         self.timers = parts.timers
         self._offload = parts.offload
         self.plan: ShardingPlan = parts.plan
+        refuse_unset_forward(self.module, self.plan.unset_buffers)
         self.optimizer = parts.optimizer.optimizer
         self._sharded_opt = parts.optimizer.sharded
         self.lr_scheduler = parts.optimizer.lr_scheduler
@@ -550,17 +564,50 @@ class ZeroEngine(nn.Module):
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights on every rank: the keys and shapes of the original
-        ``model.state_dict()`` (buffers and every name of a tied weight included).
-        Collective. ``rank0_only=True`` gathers them to rank 0 alone (the other ranks get
-        ``{}`` and never hold a full-size copy), for exports that rank 0 writes."""
+        ``model.state_dict()`` (buffers and every name of a tied weight included); for a
+        model given inside ``torch.compile`` or DDP, the names of the model inside, without
+        ``_orig_mod.`` or ``module.``. Collective. ``rank0_only=True`` gathers them to rank 0
+        alone (the other ranks get ``{}`` and never hold a full-size copy), for exports that
+        rank 0 writes."""
         tp = self.tensor_parallel
+        plain = plain_names(self.module)  # a compiled or DDP-wrapped model: its model's names
         with self._offload_resident(dirty=False, optimizer_state=False):
             if tp is None:
-                return self.plan.full_state_dict(self.module, rank0_only, self.rank)
+                state = self.plan.full_state_dict(self.module, rank0_only, self.rank)
+                return {plain(k): v for k, v in state.items()}
             # every rank gathers its tensor-parallel part over the data-parallel ranks, then
             # the parts are joined over the tensor-parallel ranks (original names and shapes)
             state = tp.full_state_dict(self.plan.full_state_dict(self.module, False, self.rank))
-        return {} if rank0_only and torch.distributed.get_rank() != 0 else state
+        if rank0_only and torch.distributed.get_rank() != 0:
+            return {}
+        return {plain(k): v for k, v in state.items()}
+
+    def gathered_parameters(
+        self,
+        params: nn.Parameter | Iterable[nn.Parameter] | None = None,
+        modifier_rank: ModifierRank = None,
+    ) -> GatheredParameters:
+        """A ``with`` block inside which ``params`` hold their full values on every rank, as
+        DeepSpeed's ``zero.GatheredParameters``. Collective: every rank enters and leaves it.
+
+        Values written inside are kept only with ``modifier_rank``: they go into the shards
+        and into the fp32 masters the optimizer steps, so training and saving afterwards see
+        them (see ``core/zero/gathered.py``). Do not run the model's forward inside.
+
+        Args:
+            params: a parameter of the model, several, or ``None`` (every parameter).
+            modifier_rank: ``None``: read only, changes are not kept. A rank: that rank's
+                values are broadcast and kept. ``"all"``: every rank wrote the same values.
+
+        Returns:
+            The context manager (its ``hand_over()`` keeps the whole model gathered for
+            good, as PEFT's ``merge_and_unload`` under a front end does).
+
+        >>> with engine.gathered_parameters([lin.weight], modifier_rank=0):  # doctest: +SKIP
+        ...     if engine.rank == 0:
+        ...         lin.weight.data.fill_(0.5)
+        """
+        return GatheredParameters(self.plan, self.comm, self.module, params, modifier_rank)
 
     def save_weights(self, path: str | os.PathLike) -> Path:
         """Write the consolidated fp32 weights (:meth:`full_state_dict`) to one file:
@@ -576,6 +623,46 @@ class ZeroEngine(nn.Module):
         if self.tensor_parallel is not None:
             torch.distributed.barrier()
         return path
+
+    def load_weights(self, path: str | os.PathLike, *, strict: bool = True) -> LoadedWeights:
+        """Read pretrained weights into the shards: the counterpart of :meth:`save_weights`,
+        and of DeepSpeed's ``zero.Init`` with ``from_pretrained``. Collective.
+
+        Each rank reads only the bytes of its own shard, straight into it (with NVMe
+        offload, into its swap file), so a model built on the meta device never exists
+        whole on any rank. Persistent buffers are read too. Buffers the files do not hold
+        (a rotary ``inv_freq``) keep what the model's initialisation computed at
+        ``initialize``; one that nothing computed is an error naming it. The optimizer
+        state and step counters are left as they are.
+
+        Args:
+            path: a ``.safetensors`` or ``torch.save`` file, or a directory as
+                ``save_pretrained`` writes it (``model.safetensors``, or shards beside
+                ``model.safetensors.index.json``; ``pytorch_model.bin`` likewise). Any dtype:
+                values are cast to the shards' own.
+            strict: a parameter the files lack is an error; ``False`` keeps its initial
+                value and lists it in the result's ``missing``.
+
+        Returns:
+            :class:`LoadedWeights`: the names ``loaded``, ``missing`` and ``unexpected``
+            (tensors of the files the model has no place for, ignored).
+
+        >>> with torch.device("meta"):  # doctest: +SKIP
+        ...     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        >>> engine = ds_strategy.initialize(model, opt, "zero3")  # doctest: +SKIP
+        >>> engine.load_weights(path)  # doctest: +SKIP
+        """
+        return self._load_weights(path, strict)
+
+    def _load_weights(
+        self, path: str | os.PathLike, strict: bool, prefix: str = ""
+    ) -> LoadedWeights:
+        with self._streamed(load=True):
+            result = load_pretrained(
+                self, self.module, path, strict=strict, unset=self.plan.unset_buffers, prefix=prefix
+            )
+        self._count_resident()
+        return result
 
     def save_quantized(self, path: str | os.PathLike) -> Path:
         """Write the consolidated weights in the quantized inference format of the config's
@@ -597,7 +684,7 @@ class ZeroEngine(nn.Module):
         if self.rank == 0 and self.mesh.coordinates["tp"] == 0:
             write_quantized_state(
                 state,
-                self.module,
+                unwrapped(self.module),  # named as the state is
                 QuantScheme(qc.bits, qc.group_size, qc.symmetric),
                 path,
                 embeddings=qc.embeddings,

@@ -17,6 +17,7 @@ from torch import nn
 from .checkpoint.seam import ExtraState, OptimizerSlot, Placement, Run, ShardedState, WeightPiece
 from .compression.topk_reduce import TopKReduction
 from .compression.zeroone_reduce import ZeroOneReduction
+from .names import plain_names
 from .tp import TensorParallel
 from .zero.builders import ShardingPlan
 from .zero.optimizer import OptimizerPiece
@@ -29,17 +30,19 @@ class _Places:
 
     def __init__(self, plan: ShardingPlan, module: nn.Module, tp: TensorParallel | None) -> None:
         self.tp = tp
+        self.plain = plain_names(module)  # a compiled or DDP-wrapped model saves its own names
         self.names: dict[int, str] = {}
         for name, p in module.named_parameters():
             info = tp.params.get(id(p)) if tp is not None else None
-            self.names.setdefault(id(p), info.name if info is not None else name)
+            self.names.setdefault(id(p), self.plain(info.name if info is not None else name))
         # real shapes: sharded parameters are empty between uses
         self.shapes = {self.names[id(p)]: tuple(p.shape) for p in module.parameters()}
         for g in plan.groups:
             for p, shape in zip(g.params, g.shapes, strict=True):
                 self.shapes[self.names[id(p)]] = tuple(shape)
         for info in tp.params.values() if tp is not None else ():
-            self.shapes[info.name] = tuple(info.shape)  # the full weight's, not this rank's part
+            # the full weight's, not this rank's part
+            self.shapes[self.plain(info.name)] = tuple(info.shape)
 
     def of(self, p: torch.Tensor, start: int, length: int, at: int = 0) -> Placement:
         """Elements ``[start, start + length)`` of ``p`` flattened, held at ``at`` of a local
@@ -49,7 +52,7 @@ class _Places:
             name = self.names[id(p)]
             return Placement(name, self.shapes[name], (Run(at, start, length),))
         runs = tuple(Run(at + o, s, n) for o, s, n in info.full_runs(start, length))
-        return Placement(info.name, tuple(info.shape), runs)
+        return Placement(self.plain(info.name), tuple(info.shape), runs)
 
 
 def _weights(plan: ShardingPlan, module: nn.Module, places: _Places) -> list[WeightPiece]:
@@ -105,7 +108,7 @@ def sharded_state(
         for pc in pieces
     )
     buffers = {
-        name: t.detach()
+        places.plain(name): t.detach()
         for name, t in module.state_dict(keep_vars=True).items()
         if not isinstance(t, nn.Parameter) and torch.is_tensor(t)
     }

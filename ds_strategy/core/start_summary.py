@@ -7,8 +7,8 @@ ranks, precision, offload) and the model state each rank holds. For example::
 
 The figures are ``memory_report()``'s (this rank's, read locally: no collective) and the
 paper's formula over the engine's flat groups (``memory_timeline.zero_formula_bytes``). The
-optimizer's state appears at its first step, so a freshly built engine states 0 bytes of it
-and says so; the formula counts Adam's two moments (and the fp32 master under mixed
+optimizer's state appears at its first step (and at stages 2 and 3 the gradient shard at the
+first backward), so a freshly built engine states 0 bytes of it and says so; the formula counts Adam's two moments (and the fp32 master under mixed
 precision) as if they were there.
 """
 
@@ -99,9 +99,12 @@ def _memory(report: dict[str, int], formula_bytes: float, stage: int) -> str:
     optimizer = human_bytes(report["optimizer_state"])
     if report["optimizer_state"] == 0:
         optimizer += " until the first step"
+    grads = human_bytes(report["grads"])
+    if report["grads"] == 0 and stage >= 2:  # the shard comes with the first backward
+        grads += " until the first backward"
     parts = [
         f"params {human_bytes(report['params'])}",
-        f"grads {human_bytes(report['grads'])}",
+        f"grads {grads}",
         f"optimizer {optimizer}",
     ]
     if report.get("compression_state"):

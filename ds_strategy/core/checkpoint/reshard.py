@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..faults import together
+from ..names import saved_name
 from . import swap
 from .collect import extra_entries, extra_key, flat_piece, warn_partial_window, weight_entries
 from .flat_piece import FlatPiece
@@ -33,28 +34,35 @@ __all__ = ["load_engine"]
 
 @dataclass(frozen=True)
 class Saved:
-    """What the checkpoint directories hold: DCP's metadata of every entry by its name on
-    disk, the directory each is read from (the first holding it), and the optimizer entries
-    by parameter name, read once into records."""
+    """What the checkpoint directories hold: DCP's metadata of every entry by its name (an
+    older save of a compiled model wrote ``_orig_mod.`` into names: dropped, ``core/names.py``),
+    the directory each is read from (the first holding it), the name on disk of each entry
+    renamed so, and the optimizer entries by parameter name, read once into records."""
 
     metadata: dict[str, Any]
     source: dict[str, int]
     optimizer: dict[str, list[EntryKey]]
+    disk: dict[str, str]
 
     @staticmethod
     def of(metas: list[dict[str, Any]]) -> Saved:
         metadata: dict[str, Any] = {}
         source: dict[str, int] = {}
+        disk: dict[str, str] = {}
         for i, md in enumerate(metas):
-            for key, value in md.items():
+            for on_disk, value in md.items():
+                entry = EntryKey.parse(on_disk)
+                key = entry.under(saved_name(entry.param)).text if entry else on_disk
                 if key not in metadata:
                     metadata[key], source[key] = value, i
+                    if key != on_disk:
+                        disk[key] = on_disk
         optimizer: dict[str, list[EntryKey]] = {}
         for key in metadata:
             entry = EntryKey.parse(key)
             if entry is not None and entry.kind in OPTIMIZER_KINDS:
                 optimizer.setdefault(entry.param, []).append(entry)
-        return Saved(metadata, source, optimizer)
+        return Saved(metadata, source, optimizer, disk)
 
     def __contains__(self, key: EntryKey | str) -> bool:
         return (key.text if isinstance(key, EntryKey) else key) in self.metadata
@@ -144,7 +152,7 @@ def _load_pinned(
         _check_buffers(shards, saved, path)
         if load_optimizer:
             check_optimizer_class(pins[0].meta.get("optimizer_class"), engine.optimizer, path)
-    _read_dirs(engine, pins, state, saved.source)
+    _read_dirs(engine, pins, state, saved)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):
         for key in packed:
@@ -200,13 +208,14 @@ def _read_dirs(
     engine: CheckpointedEngine,
     pins: list[PinnedCheckpoint],
     state: dict[str, Any],
-    source: dict[str, int],
+    saved: Saved,
 ) -> None:
-    """Fill ``state`` in place from the pinned directories; every rank reads every directory,
-    in the same order (DCP's reads are collective)."""
+    """Fill ``state`` in place from the pinned directories, each entry under its name on
+    disk; every rank reads every directory, in the same order (DCP's reads are collective)."""
     comm = engine.checkpoint_comm
+    named = {on_disk: key for key, on_disk in saved.disk.items()}
     for i, pinned in enumerate(pins):
-        part = {k: v for k, v in state.items() if source[k] == i}
+        part = {saved.disk.get(k, k): v for k, v in state.items() if saved.source[k] == i}
         files = engine.checkpoint_io  # state in swap files is written there in place
         planner = StreamingLoadPlanner(files, comm.rank) if files is not None else None
         with single_process_ok(comm.active), read_errors(pinned.path):
@@ -219,7 +228,7 @@ def _read_dirs(
             )
         if planner is not None:
             planner.done()
-        state.update(part)
+        state.update({named.get(k, k): v for k, v in part.items()})
 
 
 def _optimizer_destinations(

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..collectives import Comm
 from ..faults import together
+from ..names import saved_name
 from .errors import CheckpointError
 from .pinned import DCP_META, FORMAT, META_FILE, PinnedCheckpoint, crc32_of, parse_meta
 from .trust import SafeReader, UntrustedContentError
@@ -148,7 +149,7 @@ def _check(
         if sums:
             _check_file(pinned, rel, sums[rel], verify_crc=i % world == rank)
     if shapes is not None:
-        _check_shapes(path / META_FILE, meta.get("shapes") or {}, shapes)
+        _check_shapes(path / META_FILE, saved_shapes(meta), shapes)
     return md
 
 
@@ -223,6 +224,12 @@ def _family(name: str) -> str:
     return "Adam" if short in _ADAM else name
 
 
+def saved_shapes(meta: dict[str, Any]) -> dict[str, list[int]]:
+    """The parameter shapes a checkpoint records, by name (without the ``_orig_mod.`` an
+    older save of a compiled model wrote: ``core/names.py``)."""
+    return {saved_name(k): v for k, v in (meta.get("shapes") or {}).items()}
+
+
 def check_shapes_within(
     pins: list[PinnedCheckpoint], live: dict[str, list[int]], aliases: dict[str, str]
 ) -> None:
@@ -231,7 +238,7 @@ def check_shapes_within(
     its alias, with its shape; parameters of other parts may be there too."""
     saved: dict[str, list[int]] = {}
     for pinned in pins:
-        for name, shape in (pinned.meta.get("shapes") or {}).items():
+        for name, shape in saved_shapes(pinned.meta).items():
             saved.setdefault(name, shape)
     paths = [pinned.path for pinned in pins]
     if not saved:

@@ -33,6 +33,7 @@ from ...config.rules import Facts, check_rules
 from ..checkpoint.validate import META_FILE
 from ..collectives import Comm, init_process_group_from_env
 from ..faults import together
+from ..generation import sync_generation
 from ..memory import ModelStateMeter
 from ..mesh import ParallelMesh
 from ..offload import Offload
@@ -118,6 +119,10 @@ class InferenceEngine(nn.Module):
             self.sharding.start(zc.stage3_prefetch_bucket_size, zc.stage3_max_live_parameters)
         source.close()
         self.module.eval()
+        # engine.module.generate() too keeps the ranks in step (core/generation.py)
+        sync_generation(
+            self.module, collective_forward=self.sharded, world_size=self.comm.world_size
+        )
         self.meter.set_resident(self._resident_bytes())
 
     # -- construction ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch import nn
 from ...config import ZeroConfig
 from ..collectives import Comm, Work
 from ..faults import together
-from ..materialize import has_meta, materialize_modules
+from ..materialize import has_meta, materialize_modules, own_init
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from ..progress import Progress
@@ -54,6 +54,8 @@ class ShardingPlan:
     reducer: GradReducer | None
     stage3: Stage3Runtime | None = None
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+    # buffers built on the meta device that no initialisation computed (materialize.py)
+    unset_buffers: list[str] = field(default_factory=list)
     meter: ModelStateMeter = field(default_factory=ModelStateMeter)
     overlap_gather: bool = False
     _gathers: dict[int, Work] = field(default_factory=dict)
@@ -262,6 +264,7 @@ def build_plan(
     meter = meter or ModelStateMeter()
     precision = precision or PrecisionPolicy()
     make = GroupMaker(comm, device, precision, meter, store or DeviceStore)
+    param_init_fn = param_init_fn or own_init(model)
     if zc.stage == 3:
         return _build_stage3(
             model,
@@ -274,10 +277,13 @@ def build_plan(
             stage3_transport(comm, config, topology),
         )
     replaced: dict[int, nn.Parameter] = {}
+    unset: list[str] = []
     if has_meta(model):
         names = {id(m): n or "<root>" for n, m in model.named_modules()}
         with together(comm):  # see faults.py: one rank failing fails all, before a broadcast
-            materialize_modules(list(model.modules()), device, replaced, param_init_fn, names)
+            materialize_modules(
+                list(model.modules()), device, replaced, param_init_fn, names, unset=unset
+            )
     params = _unique_params(model)
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
@@ -290,7 +296,7 @@ def build_plan(
     when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
     queue = ReductionQueue(max_in_flight(config, comm))
     reducer = GradReducer(groups, scaling, when, queue)
-    plan = ShardingPlan(groups, reducer, replaced=replaced, meter=meter)
+    plan = ShardingPlan(groups, reducer, replaced=replaced, unset_buffers=unset, meter=meter)
     if zc.overlap_comm and policy.shard_optimizer:
         plan.overlap_gather = True
         plan.install_gather_waits(model)
@@ -312,6 +318,7 @@ def _build_stage3(
     plan = plan_units(model, zc.stage3_param_persistence_threshold)
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}
+    unset: list[str] = []
     units: list[Unit] = []
     all_groups: list[FlatParamGroup] = []
     progress = Progress("building the ZeRO-3 model", len(plan.units), comm.rank, "units")
@@ -321,7 +328,7 @@ def _build_stage3(
         # the unit's broadcast.
         with together(comm):
             owned = plan.owned_modules[id(module)]
-            materialize_modules(owned, device, replaced, param_init_fn, names)
+            materialize_modules(owned, device, replaced, param_init_fn, names, unset=unset)
             params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
             groups = build_groups(params, make, group_numel(config, comm), transport)
             for g in groups:
@@ -353,4 +360,11 @@ def _build_stage3(
         queue=queue,
     )
     reducer = GradReducer(small, scaling, should_reduce, queue)
-    return ShardingPlan(all_groups + small, reducer, runtime, replaced, make.meter)
+    return ShardingPlan(
+        all_groups + small,
+        reducer,
+        runtime,
+        replaced=replaced,
+        unset_buffers=unset,
+        meter=make.meter,
+    )

@@ -111,8 +111,9 @@ class FlatParamGroup:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         if trainable:
-            if policy.shard_grads:
-                self.grad_shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+            if policy.shard_grads:  # see [Note: the gradient shard, from the first backward]
+                self.grad_shard = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
+                self.grad_shard.untyped_storage().resize_(0)
             else:
                 self.grad_full = torch.zeros_like(self._full)
                 self.grad_shard = self.grad_full[lo:hi]
@@ -520,7 +521,7 @@ class FlatParamGroup:
         if self.grad_shard is not None and self.policy.shard_grads:
             if self.transient_grads:
                 self._drop_grads()
-            else:
+            elif self.grad_shard.untyped_storage().nbytes() > 0:
                 self.grad_shard.zero_()
         if self.grad_full is not None:
             self.grad_full.zero_()
@@ -665,16 +666,25 @@ class FlatParamGroup:
         self.transient_grads = True
 
     def ensure_grad_shard(self) -> torch.Tensor:
-        """The gradient shard, allocated and zeroed first if :meth:`free_grads` dropped it (or
-        read back from its file, with a :attr:`grad_store`)."""
+        """[Note: the gradient shard, from the first backward]
+        Stages 2/3 allocate a group's gradient shard when the first reduction lands in it,
+        not when the group is built: a model built and loaded (``load_weights``) holds its
+        parameter shards alone until it trains, as with ``zero.Init`` and
+        ``from_pretrained``. From then on it is resident, as the ZeRO formula counts it. With
+        :meth:`free_grads` it is transient instead: allocated here at every step, dropped by
+        ``zero_grad``. With a :attr:`grad_store` it is read back from its file."""
         assert self.grad_shard is not None
         if self.grad_store is not None:
             return self.grad_store.fill()
         storage = self.grad_shard.untyped_storage()
         if storage.nbytes() == 0 and self.grad_shard.numel() > 0:
-            storage.resize_(_nbytes(self.grad_shard))
+            nbytes = _nbytes(self.grad_shard)
+            storage.resize_(nbytes)
             self.grad_shard.zero_()
-            self.meter.alloc(_nbytes(self.grad_shard))
+            if self.transient_grads:
+                self.meter.alloc(nbytes)
+            else:
+                self.meter.set_resident(self.meter.resident + nbytes)
         return self.grad_shard
 
     def _drop_grads(self) -> None:
