@@ -1,6 +1,8 @@
 """Register the Lightning strategies without importing Lightning up front.
 
-``import ds_strategy`` must make ``Trainer(strategy="zero3")`` work, but importing Lightning
+``import ds_strategy`` must make ``Trainer(strategy="zero3")`` work, and
+``LightningModule.load_from_checkpoint`` read the checkpoint directories that strategy saves
+(``lightning/_load_from_checkpoint.py``), but importing Lightning
 costs seconds in every process (each rank of every launch), most of which never use it. So
 they are registered now if ``lightning`` is already imported, else right after the first
 ``import lightning`` (which ``from lightning.pytorch import Trainer`` also triggers; see
@@ -21,7 +23,8 @@ _PACKAGE = "lightning"
 
 def register_strategies() -> None:
     """Make ``Trainer(strategy="zero3")`` and ``Fabric(strategy="zero3")`` work (also ``zero1``,
-    ``zero2``, ``zero2_offload``, ``zero3_offload``); calling it again is harmless.
+    ``zero2``, ``zero2_offload``, ``zero3_offload``), and ``load_from_checkpoint`` read their
+    checkpoint directories; calling it again is harmless.
 
     >>> import ds_strategy
     >>> from lightning.pytorch.strategies import StrategyRegistry
@@ -36,6 +39,24 @@ def register_strategies() -> None:
 
     ZeroStrategy.register_strategies(StrategyRegistry)
     FabricZeroStrategy.register_strategies(STRATEGY_REGISTRY)
+    _read_checkpoint_directories()
+
+
+def _read_checkpoint_directories() -> None:
+    """The strategies work without it: a Lightning whose reader moved keeps its own (a
+    directory then fails as before), with a warning."""
+    from .lightning._load_from_checkpoint import read_checkpoint_directories
+
+    try:
+        read_checkpoint_directories()
+    except AttributeError as e:
+        warnings.warn(
+            f"ds_strategy could not route LightningModule.load_from_checkpoint ({e!r}): it will "
+            "not read ZeroStrategy's checkpoint directories; write a file with "
+            "ds_strategy.consolidate(directory, 'model.ckpt') and load that",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _importing_ours() -> bool:

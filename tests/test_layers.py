@@ -156,8 +156,13 @@ def test_front_end_size_budget() -> None:
     and model summary, Accelerate's accelerator (``prepare`` of several models, ``save_state``
     and where it writes: ``output_dir`` or automatic naming with ``total_limit``, the pipeline
     loop), the front-end layer and the lazy registration (``_lightning_hook.py``, over the
-    generic ``_after_import.py``), within 2,600 lines (2,500 until ``save_state`` got its one
-    commit point; the commit itself is the core's, ``core/checkpoint/bundle.py``). What needs no framework is the
+    generic ``_after_import.py``), within 3,000 lines (2,500 until ``save_state`` got its one
+    commit point, the commit itself being the core's, ``core/checkpoint/bundle.py``; 2,600
+    until fine-tuning brought Lightning's ``load_from_checkpoint`` of a sharded directory,
+    PEFT's counts and merge on the model a front end prepares, ``frontends/peft.py``, and
+    Accelerate's sharded evaluation-only models, TRL's reference; the reading, merging and
+    gathering themselves are the core's: ``core/checkpoint/consolidate.py``,
+    ``core/zero/gathered.py``). What needs no framework is the
     core's, shared with plain PyTorch loops (``core/loop.py``; ``core/job.py``: the engines of
     one job; ``core/several.py``: several models or optimizers, and the pending steps of a loop
     deciding its own boundaries; ``core/root.py``; ``core/pipeline/loop.py``: a pipeline's
@@ -167,13 +172,16 @@ def test_front_end_size_budget() -> None:
     paths = [PACKAGE / "_lightning_hook.py"]
     paths += [p for d in (*FRONT_ENDS, "frontends") for p in (PACKAGE / d).rglob("*.py")]
     lines = sum(len(p.read_text().splitlines()) for p in paths)
-    assert lines <= 2600, f"the front ends are {lines} lines"
+    assert lines <= 3000, f"the front ends are {lines} lines"
 
 
 def test_hf_front_end_size_budget() -> None:
-    """The Trainer front end is a thin subclass over the Accelerate one (450 lines)."""
+    """The Trainer front end is a thin subclass over the Accelerate one (450 lines), plus what
+    the Hugging Face stack needs around it: any Trainer subclass made one (TRL's, ``zero()``),
+    the check that no ZeRO variable goes unheeded by a plain Trainer, and a pretrained model
+    built on the meta device for the engine to load (750 lines in all)."""
     lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / HF).rglob("*.py"))
-    assert lines <= 450, f"ds_strategy/hf is {lines} lines"
+    assert lines <= 750, f"ds_strategy/hf is {lines} lines"
 
 
 def test_only_ds_strategy_hf_imports_transformers() -> None:

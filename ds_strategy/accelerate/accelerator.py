@@ -21,6 +21,7 @@ from ..config.loop import apply_compile, apply_mixed_precision
 from ..core import ZeroEngine
 from ..core.warnings import FrontEndWarning, renamed_argument
 from ..frontends.engines import move_real_tensors
+from ..frontends.peft import adapt_peft_model
 from ._engine import EngineFront
 from ._pipeline import PipelineFront
 from ._private import mark_prepared, prepared_objects
@@ -153,6 +154,9 @@ class ZeroAccelerator(Accelerator):
         if device_placement is not None:
             raise ValueError("prepare(device_placement=...) is not supported by ZeroAccelerator")
         out = self._front.prepare(args)
+        for obj in out:  # a PEFT model counts and merges its sharded weights whole
+            if isinstance(obj, ZeroEngine):
+                adapt_peft_model(obj)
         containers = prepared_objects(self)
         for obj in out:
             if any(obj in c for c in containers):
@@ -166,13 +170,31 @@ class ZeroAccelerator(Accelerator):
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
         """Only for inference (``evaluation_mode=True``, as Accelerate prepares a model it will
-        not train): the model is placed on the device, unsharded and unwrapped (a model already
-        trained here is returned as it is). Training goes through ``prepare(model, optimizer)``."""
+        not train, such as TRL's reference model). At ZeRO stage 3 the model is frozen
+        (``requires_grad_(False)``) and sharded for evaluation, as TRL shards it with DeepSpeed:
+        an engine whose forward gathers one block at a time. Like TRL's DeepSpeed engine it is
+        the caller's, not the accelerator's: ``free_memory`` (which the Trainer calls at every
+        ``train()``) leaves it working and ``save_state`` leaves it out; ``engine.destroy()``
+        frees it. At stages 0-2 the model is placed on the device, whole and unwrapped. A
+        model already prepared here is returned as it is. Training goes through
+        ``prepare(model, optimizer)``."""
         if not evaluation_mode:
             raise ValueError(_TOGETHER)
-        if self._front.engine_of(model) is None and device_placement is not False:
+        if isinstance(model, ZeroEngine) or self._front.engine_of(model) is not None:
+            return model
+        if self._shards_for_evaluation(model):
+            model.requires_grad_(False)
+            front: Any = self._front  # an EngineFront (see _shards_for_evaluation)
+            cfg = front._resolved(model, None, None).replace(optimizer=None, scheduler=None)
+            move_real_tensors(model, self.device)
+            return ZeroEngine(model, None, cfg)
+        if device_placement is not False:
             move_real_tensors(model, self.device)
         return model
+
+    def _shards_for_evaluation(self, model: nn.Module) -> bool:
+        """Whether ``prepare_model(model, evaluation_mode=True)`` shards ``model``: at stage 3."""
+        return isinstance(self._front, EngineFront) and self._front.cfg.layout.stage == 3
 
     def prepare_optimizer(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if self._front.owns_optimizer(optimizer):
@@ -226,6 +248,8 @@ class ZeroAccelerator(Accelerator):
         """The user's model (under a pipeline: this rank's stage). Under ZeRO-3 its parameters
         are empty outside forward: read weights with :meth:`get_state_dict`."""
         engine = self._front.engine_of(model)
+        if engine is None and isinstance(model, ZeroEngine):  # from prepare_model(evaluation_mode)
+            engine = model
         return engine.module if engine is not None else super().unwrap_model(model, *args, **kwargs)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_size=args.max_shard_size,
             exclude_frozen_parameters=args.exclude_frozen_parameters,
             trust_checkpoint=args.trust_checkpoint,
+            plain_weights=args.plain_weights,
         )
     except (OSError, ValueError) as e:  # CheckpointError: a damaged or hostile checkpoint
         # one line, no traceback: the message names the file and what is wrong with it
@@ -80,7 +81,9 @@ def _add_consolidate(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "output",
         help="the file to write: .safetensors (streamed, one tensor at a time), or .pt / .pth / "
-        ".bin (torch.save: the whole model, or one shard, in memory at once)",
+        ".bin / .ckpt (torch.save: the whole model, or one shard, in memory at once; a "
+        "Lightning Trainer's checkpoint becomes a file LightningModule.load_from_checkpoint "
+        "reads)",
     )
     c.add_argument(
         "--dtype",
@@ -110,10 +113,18 @@ def _add_consolidate(sub: argparse._SubParsersAction) -> None:
         "weights without optimizer state)",
     )
     c.add_argument(
+        "--plain-weights",
+        action="store_true",
+        help="write the weights alone ({name: tensor}), also for a Lightning Trainer's "
+        "checkpoint (whose .pt / .ckpt output otherwise keeps Lightning's entries, "
+        "hyper-parameters among them, with the weights under state_dict)",
+    )
+    c.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="a DeepSpeed checkpoint: unpickle objects other than tensors, plain data and "
-        "DeepSpeed's few records (only for a checkpoint you trust)",
+        "DeepSpeed's few records; a Lightning Trainer's: its entries' objects other than "
+        "plain data (only for a checkpoint you trust)",
     )
     c.add_argument(
         "--no-require-checksums",

@@ -1,7 +1,9 @@
 """Every use of Lightning's private API (the Trainer's and Fabric's), in one place, each named
 for what it is for. Checked against lightning 2.6.6 (and the package's floor, 2.4: these names
-are the same there). A Lightning that renames them breaks here, and only here. Fabric's
-strategy base classes for backward-sync control and sharded set-up have no public alias.
+are the same there; ``load_from_checkpoint`` reads its path through
+``lightning.pytorch.core.saving.pl_load`` in both). A Lightning that renames them breaks here,
+and only here. Fabric's strategy base classes for backward-sync control and sharded set-up
+have no public alias.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from lightning.fabric.strategies.strategy import (
     _validate_keys_for_strict_loading,
 )
 from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.core import saving as _saving
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from torch import nn
 
@@ -33,6 +36,7 @@ __all__ = [
     "summary_depth",
     "summary_layer_modules",
     "summary_model",
+    "wrap_checkpoint_reader",
 ]
 
 BackwardSyncControl = _BackwardSyncControl
@@ -86,3 +90,19 @@ def summary_layer_modules(summary: Any) -> list[nn.Module]:
 def summary_model(summary: Any) -> nn.Module:
     """The model a ``ModelSummary`` describes."""
     return summary._model
+
+
+_WRAPPED = "_ds_strategy_wraps"  # on our reader: the one it wraps
+
+
+def wrap_checkpoint_reader(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Make ``load_from_checkpoint`` (a LightningModule's or LightningDataModule's) read its
+    path with ``wrap(reader)``, where ``reader`` is Lightning's own, called as ``reader(path,
+    map_location=..., weights_only=...)`` (Lightning 2.4 passes no ``weights_only``). A
+    second call keeps the first wrapper."""
+    reader = _saving.pl_load
+    if hasattr(reader, _WRAPPED):
+        return
+    wrapped = wrap(reader)
+    setattr(wrapped, _WRAPPED, reader)
+    _saving.pl_load = wrapped

@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +47,10 @@ from ..core.checkpoint.deepspeed.opening import model_state
 from ..core.schedulers import load_scheduler_state
 from ..core.warnings import renamed_argument
 from ..frontends.engines import move_schedulers
+from ..frontends.peft import merged_base_state
 from ._args import fill_from_training_args
 from ._private import TrainerHooks, save_pretrained_state, scheduler_is_rebuilt
+from .pretrained import from_pretrained
 
 __all__ = ["ZeroTrainer"]
 
@@ -54,8 +58,14 @@ __all__ = ["ZeroTrainer"]
 class _TrainerAccelerator(ZeroAccelerator):
     """A ZeroAccelerator whose accumulation the Trainer drives (see the note on who accumulates)."""
 
+    trainer_model: Callable[[], Any] = staticmethod(lambda: None)  # set by ZeroTrainer
+
     def _adopt_accumulation_steps(self, steps: int) -> None:
         pass
+
+    def _shards_for_evaluation(self, model: Any) -> bool:
+        # the Trainer's own model, evaluated before train(): whole until train() builds its engine
+        return model is not self.trainer_model() and super()._shards_for_evaluation(model)
 
 
 class ZeroTrainer(TrainerHooks, Trainer):
@@ -87,6 +97,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         self, *args: Any, config: Any = None, zero_config: Any = None, **kwargs: Any
     ) -> None:
         config = renamed_argument("ZeroTrainer", "zero_config", "config", zero_config, config)
+        args, kwargs = _pretrained_model(args, kwargs)
         self.zero_plugin = ZeroPlugin(config=config)
         self._max_steps: int | None = None
         self.accelerator_args: dict[str, Any] = {}  # what the Trainer builds its Accelerator from
@@ -100,6 +111,8 @@ class ZeroTrainer(TrainerHooks, Trainer):
         settings = dict(self.accelerator_args)
         settings.pop("kwargs_handlers", None)  # DistributedDataParallel's: there is no DDP here
         self.accelerator = _TrainerAccelerator(config=self.zero_plugin, **settings)
+        owner = weakref.ref(self)
+        self.accelerator.trainer_model = lambda: getattr(owner(), "model", None)
         self._loaded_config: ZeroConfig = self.accelerator.zero_config
         gather = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(gather).parameters:
@@ -161,13 +174,23 @@ class ZeroTrainer(TrainerHooks, Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Consolidated fp32 weights written with ``save_pretrained`` (safetensors), whatever the
-        stage. Collective once training has begun: call it on every rank."""
+        stage; a PEFT model's adapters, or after its ``merge_and_unload`` the merged base model
+        (loads with the base architecture's ``from_pretrained``). Collective once training has
+        begun: call it on every rank."""
         engine = self.accelerator.zero_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = engine.full_state_dict(rank0_only=not self.args.save_on_each_node)
-        save_pretrained_state(self, output_dir, state)
+        merged = merged_base_state(engine.module, state)  # after PEFT's merge_and_unload
+        if merged is None:
+            save_pretrained_state(self, output_dir, state)
+        else:  # the base model, under its own names (frontends/peft.py)
+            trained, self.model = self.model, merged[0]
+            try:
+                save_pretrained_state(self, output_dir, merged[1])
+            finally:
+                self.model = trained
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -207,6 +230,17 @@ class ZeroTrainer(TrainerHooks, Trainer):
             return False
         engine.load_checkpoint(os.path.join(best, ENGINE_DIR), load_optimizer=False)
         return True
+
+
+def _pretrained_model(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``model`` given as a directory or Hub id: built on the meta device, its weights read
+    into the shards when the engine is built (``pretrained.py``), as TRL's trainers take a
+    model by name."""
+    if args and isinstance(args[0], str | os.PathLike):
+        return (from_pretrained(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("model"), str | os.PathLike):
+        kwargs = dict(kwargs, model=from_pretrained(kwargs["model"]))
+    return args, kwargs
 
 
 def _refuse_other_engines(args: Any) -> None:

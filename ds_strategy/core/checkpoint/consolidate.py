@@ -17,25 +17,35 @@ its peak is the whole model's weights, or one shard's under ``max_shard_size``. 
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..names import saved_name
 from ..progress import Progress
 from .deepspeed.layout import find_deepspeed
 from .deepspeed.opening import open_deepspeed
 from .deepspeed.weights import DeepSpeedWeights
-from .keys import MODEL_KINDS, OPTIMIZER_KINDS, EntryKey
+from .keys import CLIENT_STATE, MODEL_KINDS, OPTIMIZER_KINDS, EntryKey
 from .manager import resolve_sources
 from .pinned import PinnedCheckpoint, pinned_sources
 from .store import single_process_ok
-from .trust import SafeReader
+from .trust import SafeReader, UntrustedContentError, read_errors, unpack
 from .validate import META_FILE, CheckpointError, check_files
+from .weights_file import Output, check_room
 from .weights_shards import WeightEntry, parse_size, write_weight_files
 
-__all__ = ["consolidate"]
+__all__ = ["LIGHTNING_VERSION", "consolidate", "consolidated_state"]
+
+# the entry Lightning's Trainer writes into every checkpoint it saves (under ours: in the
+# client_state); a Lightning checkpoint is told apart by it
+LIGHTNING_VERSION = "pytorch-lightning_version"
+_TORCH_SAVE = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def _entries(reader: SafeReader) -> dict[EntryKey, TensorStorageMetadata]:
@@ -149,9 +159,10 @@ def _neither(where: Path) -> str:
 
 def _output(output_path: str | os.PathLike) -> Path:
     out = Path(output_path)
-    if out.suffix not in (".safetensors", ".pt", ".pth", ".bin") or out.is_dir():
+    if out.suffix not in (".safetensors", *_TORCH_SAVE) or out.is_dir():
         raise ValueError(
-            f"output {str(output_path)!r}: choose a .safetensors, .pt, .pth or .bin file name"
+            f"output {str(output_path)!r}: choose a .safetensors, .pt, .pth, .bin or .ckpt "
+            "file name"
         )
     return out
 
@@ -166,6 +177,7 @@ def consolidate(
     max_shard_size: int | str | None = None,
     exclude_frozen_parameters: bool = False,
     trust_checkpoint: bool = False,
+    plain_weights: bool = False,
 ) -> Path:
     """Write the weights of a sharded checkpoint, ours or DeepSpeed's, to one ``.safetensors``
     or ``.pt`` file, or to shards of it as Hugging Face writes them.
@@ -200,6 +212,16 @@ def consolidate(
     under every name); its pickles load DeepSpeed's few classes as records and refuse any
     other object unless ``trust_checkpoint=True``.
 
+    A checkpoint a Lightning ``Trainer`` saved under ``ZeroStrategy``, written to one
+    ``.ckpt``, ``.pt``, ``.pth`` or ``.bin`` file (no ``max_shard_size``), is written as
+    Lightning's own checkpoint file, which ``LightningModule.load_from_checkpoint`` reads: the
+    Trainer's entries as saved (``pytorch-lightning_version``, ``hyper_parameters``, loops,
+    callbacks; no optimizer state) with the weights under ``state_dict``, as Lightning's
+    ``convert_zero_checkpoint_to_fp32_state_dict`` writes a DeepSpeed one.
+    ``plain_weights=True`` writes the weights alone (``{name: tensor}``) instead. Those entries
+    are read as plain data; any other object in them needs ``trust_checkpoint=True``, and
+    without it the weights alone are written, with a warning.
+
     A long export logs its progress, tensors written so far, to the
     ``ds_strategy.core.progress`` logger (see ``core/progress.py``; ``DS_STRATEGY_PROGRESS=0``
     silences it).
@@ -207,13 +229,7 @@ def consolidate(
     out = _output(output_path)
     if max_shard_size is not None:
         parse_size(max_shard_size)  # a bad size is refused before anything is read
-    path = Path(checkpoint_dir).absolute()
-    if not str(checkpoint_dir) or not path.is_dir():
-        raise FileNotFoundError(
-            f"checkpoint {str(checkpoint_dir)!r}: no such directory (give one written by "
-            "save_checkpoint, its root, a pipeline checkpoint's root, or a DeepSpeed "
-            "checkpoint's save or tag directory)"
-        )
+    path = _checkpoint_dir(checkpoint_dir)
     tag_dir = find_deepspeed(path, tag)
     if tag_dir is not None:
         ckpt = open_deepspeed(tag_dir, trust_checkpoint)
@@ -225,7 +241,91 @@ def consolidate(
         for src in pins:  # a damaged file is an error naming it, never a wrong export
             check_files(src, require_checksums)
         own = _OwnWeights(pins, dtype, exclude_frozen_parameters)
-        return _write(path, own, out, max_shard_size)
+        lightning = None
+        if not plain_weights and max_shard_size is None and out.suffix in _TORCH_SAVE:
+            lightning = _lightning_entries(pins[0], trust_checkpoint)
+        return _write(path, own, out, max_shard_size, lightning)
+
+
+def consolidated_state(
+    checkpoint_dir: str | os.PathLike,
+    dtype: torch.dtype | None = torch.float32,
+    *,
+    tag: str | None = None,
+    require_checksums: bool = True,
+    trust_checkpoint: bool = False,
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """One of our checkpoints in memory: its weights and buffers by name, and the
+    ``client_state`` it was saved with. Runs in this process alone, with no process group.
+
+    Args:
+        checkpoint_dir: a checkpoint directory, its root, or a pipeline checkpoint's root.
+        dtype: converts floating-point tensors (None keeps the saved dtype).
+        tag: a tag under the root other than the one its ``latest`` names.
+        require_checksums: refuse a checkpoint that records no checksums.
+        trust_checkpoint: unpickle objects in ``client_state`` other than plain data.
+
+    Returns:
+        ``(weights, client_state)``; ``client_state`` is None when the save passed none.
+
+    Example::
+
+        weights, client_state = consolidated_state("ckpt/step100")
+        model.load_state_dict(weights)
+    """
+    path = _checkpoint_dir(checkpoint_dir)
+    with pinned_sources(None, lambda: _own_sources(path, tag), require_checksums) as pins:
+        for src in pins:  # a damaged file is an error naming it, never wrong weights
+            check_files(src, require_checksums)
+        own = _OwnWeights(pins, dtype, exclude_frozen=False)
+        entries, saved_as = _model_names(own.entries)
+        weights: dict[str, torch.Tensor] = {}
+        for e in entries:
+            known = e.source in weights
+            weights[e.name] = weights[e.source] if known else own.read(saved_as[e.source])
+        return weights, _client_state(pins[0], trust_checkpoint)
+
+
+def _checkpoint_dir(checkpoint_dir: str | os.PathLike) -> Path:
+    path = Path(checkpoint_dir).absolute()
+    if not str(checkpoint_dir) or not path.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint {str(checkpoint_dir)!r}: no such directory (give one written by "
+            "save_checkpoint, its root, a pipeline checkpoint's root, or a DeepSpeed "
+            "checkpoint's save or tag directory)"
+        )
+    return path
+
+
+def _client_state(src: PinnedCheckpoint, trusted: bool) -> Any:
+    """The ``client_state`` saved in ``src`` (of a pipeline's stages, or several engines'
+    parts, the first holds it)."""
+    md = _reader(src).read_metadata().state_dict_metadata.get(CLIENT_STATE)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    packed = torch.empty(md.size, dtype=torch.uint8)
+    with single_process_ok(False), read_errors(src.path):
+        dcp.load({CLIENT_STATE: packed}, storage_reader=_reader(src), no_dist=True)
+    return unpack(packed, f"{src.path}: '{CLIENT_STATE}'", trusted)
+
+
+def _lightning_entries(src: PinnedCheckpoint, trusted: bool) -> dict[str, Any] | None:
+    """The Lightning Trainer's entries of ``src`` but optimizer state (None: another
+    saver's checkpoint, or entries that need trust to read, with a warning)."""
+    try:
+        state = _client_state(src, trusted)
+    except UntrustedContentError as e:
+        warnings.warn(
+            f"{e}. Writing the weights alone; if a Lightning Trainer saved this checkpoint, "
+            "trust_checkpoint=True (--trust-checkpoint) keeps its entries, for "
+            "LightningModule.load_from_checkpoint",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    if not isinstance(state, dict) or LIGHTNING_VERSION not in state:
+        return None
+    return {k: v for k, v in state.items() if k not in ("state_dict", "optimizer_states")}
 
 
 def _write(
@@ -233,15 +333,51 @@ def _write(
     weights: DeepSpeedWeights | _OwnWeights,
     out: Path,
     max_shard_size: int | str | None,
+    lightning: dict[str, Any] | None = None,
 ) -> Path:
     # one process: it reports as rank 0 (core/progress.py)
     progress = Progress(f"consolidating {path.name}", len(weights.entries), 0, "tensors")
+    entries, saved_as = _model_names(weights.entries)
 
     def read(name: str) -> torch.Tensor:
-        t = weights.read(name)
+        t = weights.read(saved_as[name])
         progress.advance()
         return t
 
-    written = write_weight_files(out, weights.entries, read, max_shard_size)
+    if lightning is not None:
+        written = [_write_lightning(out, entries, read, lightning)]
+    else:
+        written = write_weight_files(out, entries, read, max_shard_size)
     progress.done()
     return written[-1]
+
+
+def _write_lightning(
+    out: Path, entries: list[WeightEntry], read: Any, lightning: dict[str, Any]
+) -> Path:
+    """Lightning's checkpoint file: its entries, the weights under ``state_dict``
+    (atomically: ``weights_file.py``, [Note: a weights file is whole or absent])."""
+    weights: dict[str, torch.Tensor] = {}
+    for e in entries:
+        weights[e.name] = weights[e.source] if e.source in weights else read(e.source)
+    nbytes = sum(e.nbytes for e in entries if e.tied_to is None)
+    check_room([(out, nbytes)])
+    with Output(out, nbytes) as f:
+        with f.failing(RuntimeError):  # torch.save's own error for a failed write
+            torch.save({**lightning, "state_dict": weights}, f.tmp)
+        f.commit()
+    return out
+
+
+def _model_names(entries: list[WeightEntry]) -> tuple[list[WeightEntry], dict[str, str]]:
+    """The entries under the plain model's names (an older save of a compiled model recorded
+    ``_orig_mod.`` in them: ``core/names.py``), and the saved name each is read under."""
+    saved_as: dict[str, str] = {}
+    out = []
+    for e in entries:
+        name = saved_name(e.name)
+        if name not in saved_as:
+            saved_as[name] = e.name
+            tied = saved_name(e.tied_to) if e.tied_to is not None else None
+            out.append(replace(e, name=name, tied_to=tied))
+    return out, saved_as
