@@ -253,6 +253,10 @@ def refusals(rank: int, world: int, root: str) -> list[str]:
             out.append(f"{name}: {e}")
     partial = engine.load_weights(os.path.join(root, "missing"), strict=False)
     out.append(f"strict=False missing: {partial.missing}")
+    try:  # a model directory is not a checkpoint: the error says what reads it
+        engine.load_checkpoint(os.path.join(root, "missing"))
+    except CheckpointError as e:
+        out.append(str(e))
     return out
 
 
@@ -273,7 +277,7 @@ def test_files_that_do_not_match_are_refused_naming_the_problem(
     (tmp_path / "outside" / "model.safetensors.index.json").write_text(json.dumps(index))
     res = run_ranks(refusals, 2, str(tmp_path))
     assert res[0] == res[1]
-    missing, shape, header, outside, empty, partial = res[0]
+    missing, shape, header, outside, empty, partial, checkpoint = res[0]
     assert "1 parameter(s) of this model are in no file there" in missing
     assert "model.layers.1.mlp.up_proj.weight" in missing and "strict=False" in missing
     assert "'model.norm.weight' has shape [33] there and [32] in this model" in shape
@@ -281,6 +285,8 @@ def test_files_that_do_not_match_are_refused_naming_the_problem(
     assert "which is not a file beside the index" in outside
     assert "holds no model weights as save_pretrained writes them" in empty
     assert partial == "strict=False missing: ['model.layers.1.mlp.up_proj.weight']"
+    assert "not a ds_strategy checkpoint" in checkpoint
+    assert checkpoint.endswith("read them into the engine with engine.load_weights(path)")
 
 
 def test_a_base_model_loads_from_its_head_models_files(pretrained: dict[str, str]) -> None:
@@ -411,13 +417,33 @@ def lightning_from_directory(rank: int, world: int, path: str, root: str) -> lis
     return [module.first, expect]
 
 
+def fabric_from_directory(rank: int, world: int, path: str) -> list[float]:
+    """Fabric's setup of from_pretrained(dir) under the ZeRO-3 strategy."""
+    import lightning as L
+
+    from ds_strategy.fabric import ZeroStrategy
+    from ds_strategy.hf import from_pretrained
+
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=3))
+    fabric.launch()
+    model = from_pretrained(path)
+    model, _ = fabric.setup(model, torch.optim.SGD(model.parameters(), 0.1))
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        loss = model(input_ids=tokens, labels=tokens).loss.item()
+        expect = _plain(path)(input_ids=tokens, labels=tokens).loss.item()
+    return [loss, expect]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("front", ["accelerate", "lightning"])
+@pytest.mark.parametrize("front", ["accelerate", "lightning", "fabric"])
 def test_accelerate_and_lightning_take_a_meta_model_and_its_directory(
     pretrained: dict[str, str], tmp_path: Path, front: str
 ) -> None:
     if front == "accelerate":
         results = run_ranks(accelerate_from_directory, 2, pretrained["fp32"])
+    elif front == "fabric":
+        results = run_ranks(fabric_from_directory, 2, pretrained["fp32"])
     else:
         results = run_ranks(lightning_from_directory, 2, pretrained["fp32"], str(tmp_path))
     for loss, expect in results:

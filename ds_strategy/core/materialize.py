@@ -23,7 +23,18 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["has_meta", "materialize_modules", "own_init", "refuse_unset_forward", "unset_buffers"]
+__all__ = [
+    "MARK",
+    "has_meta",
+    "loaded_later",
+    "materialize_modules",
+    "own_init",
+    "refuse_unset_forward",
+    "unset_buffers",
+]
+
+# on a module marked by ds_strategy.pretrained: (path, strict), the weights its engine reads
+MARK = "_ds_strategy_pretrained"
 
 ParamInit = Callable[[nn.Module], None]
 
@@ -53,6 +64,18 @@ def own_init(model: nn.Module) -> ParamInit | None:
             _init(m, None, type(m).__name__)
 
     return init
+
+
+def loaded_later(model: nn.Module) -> set[int]:
+    """The ids of the modules whose parameters a strict pretrained load overwrites once the
+    engine is built (inside a module marked by ``ds_strategy.pretrained``): they need storage
+    but no initialisation, and under ZeRO-3 no broadcast (``zero/builders.py``)."""
+    out: set[int] = set()
+    for m in model.modules():
+        mark = m.__dict__.get(MARK)
+        if mark is not None and mark[1]:
+            out.update(id(sub) for sub in m.modules())
+    return out
 
 
 def _marked_like(b: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -100,11 +123,14 @@ def materialize_modules(
     names: dict[int, str] | None = None,
     init: bool = True,
     unset: list[str] | None = None,
+    later: set[int] | None = None,
 ) -> None:
     """Give real storage on ``device`` to the meta parameters and buffers held directly by
     ``modules`` and initialise them (``param_init_fn(module)``, else ``reset_parameters()``;
     ``init=False``: leave them uninitialised, for values about to be loaded). The qualified
-    names of buffers no initialisation computed are appended to ``unset`` (see the note)."""
+    names of buffers no initialisation computed are appended to ``unset`` (see the note).
+    The modules in ``later`` (see :func:`loaded_later`) get storage only; those holding
+    buffers are initialised for them."""
     for m in _post_order(modules):
         direct = [*m._parameters.values(), *m._buffers.values()]
         if not any(t is not None and t.device.type == "meta" for t in direct):
@@ -125,7 +151,7 @@ def materialize_modules(
                 m._buffers[name] = _marked_like(b, device)
                 marked.append(name)
         where = (names or {}).get(id(m), type(m).__name__)
-        if init:
+        if init and (later is None or id(m) not in later or marked):
             _init(m, param_init_fn, where)
         if unset is not None:
             prefix = "" if where == "<root>" else where + "."

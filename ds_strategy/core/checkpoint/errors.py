@@ -5,9 +5,14 @@ without importing one another."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointError", "first_failure"]
+__all__ = ["CheckpointError", "first_failure", "not_a_checkpoint"]
+
+# what save_pretrained writes beside config.json
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 class CheckpointError(ValueError):
@@ -25,3 +30,18 @@ def first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
         cause = e.failures[first]
         return first, cause[0] if isinstance(cause, tuple) else cause
     return rank, e
+
+
+def not_a_checkpoint(path: Path, meta_file: str) -> CheckpointError:
+    """The error for a directory without ``meta_file``, pointing a model directory as
+    ``save_pretrained`` writes it to ``load_weights``."""
+    message = (
+        f"{path}: not a ds_strategy checkpoint ({meta_file} is missing; an interrupted save "
+        f"leaves only '{path.name}.tmp', which is never loaded)"
+    )
+    if any((path / name).is_file() for name in _WEIGHTS):
+        message += (
+            "; it holds a model's weights as save_pretrained writes them: read them into the "
+            "engine with engine.load_weights(path)"
+        )
+    return CheckpointError(message)

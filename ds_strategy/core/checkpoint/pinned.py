@@ -40,7 +40,7 @@ import torch
 
 from ..collectives import Comm
 from ..faults import together
-from .errors import CheckpointError
+from .errors import CheckpointError, not_a_checkpoint
 from .trust import SafeReader
 
 __all__ = [
@@ -183,10 +183,7 @@ class PinnedCheckpoint:
 
     def _read_whole(self, name: str) -> bytes:
         if not self._open(name):
-            raise CheckpointError(
-                f"{self.path}: not a ds_strategy checkpoint ({META_FILE} is missing; an "
-                f"interrupted save leaves only '{self.path.name}.tmp', which is never loaded)"
-            )
+            raise not_a_checkpoint(self.path, META_FILE)
         with self.open(name) as f:
             return f.read()
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..faults import together
-from ..materialize import unset_buffers
+from ..materialize import MARK, unset_buffers
 from ..names import plain_names, unwrapped
 from ..offload.streaming import SwapFiles
 from .errors import CheckpointError
@@ -34,10 +34,9 @@ from .weights_source import CHUNK, WeightSource, open_weights
 
 __all__ = ["LoadedWeights", "load_pretrained", "pending_weights", "pretrained"]
 
-# the attribute marking a module whose engine reads its weights once built: (path, strict).
-# On the module itself, so that a copy of it (TRL's reference model, copy.deepcopy of the
-# policy) is marked too.
-_MARK = "_ds_strategy_pretrained"
+# MARK, the attribute marking a module whose engine reads its weights once built, is on the
+# module itself, so that a copy of it (TRL's reference model, copy.deepcopy of the policy) is
+# marked too.
 
 
 def pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
@@ -58,7 +57,7 @@ def pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"pretrained({str(path)!r}): no such file or directory")
-    setattr(model, _MARK, (p, strict))
+    setattr(model, MARK, (p, strict))
     return model
 
 
@@ -69,7 +68,7 @@ def pending_weights(model: nn.Module) -> list[tuple[str, Path, bool]]:
     out = []
     plain = plain_names(model)
     for name, sub in model.named_modules():
-        mark = sub.__dict__.pop(_MARK, None)
+        mark = sub.__dict__.pop(MARK, None)
         if mark is not None:
             name = plain(name + ".x")[:-1] if name else ""  # (the mapping takes a full name)
             out.append((name, *mark))

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..collectives import Comm
 from ..faults import together
 from ..names import saved_name
-from .errors import CheckpointError
+from .errors import CheckpointError, not_a_checkpoint
 from .pinned import DCP_META, FORMAT, META_FILE, PinnedCheckpoint, crc32_of, parse_meta
 from .trust import SafeReader, UntrustedContentError
 
@@ -169,10 +169,7 @@ def read_meta(path: Path) -> dict[str, Any]:
         )
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(
-            f"{path}: not a ds_strategy checkpoint ({META_FILE} is missing; an interrupted save "
-            f"leaves only '{path.name}.tmp', which is never loaded)"
-        )
+        raise not_a_checkpoint(path, META_FILE)
     return parse_meta(meta_path.read_bytes(), meta_path)
 
 

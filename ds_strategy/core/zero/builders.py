@@ -17,7 +17,7 @@ from torch import nn
 from ...config import ZeroConfig
 from ..collectives import Comm, Work
 from ..faults import together
-from ..materialize import has_meta, materialize_modules, own_init
+from ..materialize import has_meta, loaded_later, materialize_modules, own_init
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from ..progress import Progress
@@ -282,7 +282,13 @@ def build_plan(
         names = {id(m): n or "<root>" for n, m in model.named_modules()}
         with together(comm):  # see faults.py: one rank failing fails all, before a broadcast
             materialize_modules(
-                list(model.modules()), device, replaced, param_init_fn, names, unset=unset
+                list(model.modules()),
+                device,
+                replaced,
+                param_init_fn,
+                names,
+                unset=unset,
+                later=loaded_later(model),
             )
     params = _unique_params(model)
     trainable = [p for p in params if p.requires_grad]
@@ -319,6 +325,7 @@ def _build_stage3(
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
     replaced: dict[int, nn.Parameter] = {}
     unset: list[str] = []
+    later = loaded_later(model)  # a strict pretrained load follows: see bind_unfilled
     units: list[Unit] = []
     all_groups: list[FlatParamGroup] = []
     progress = Progress("building the ZeRO-3 model", len(plan.units), comm.rank, "units")
@@ -328,13 +335,19 @@ def _build_stage3(
         # the unit's broadcast.
         with together(comm):
             owned = plan.owned_modules[id(module)]
-            materialize_modules(owned, device, replaced, param_init_fn, names, unset=unset)
+            unfilled = bool(later) and all(id(m) in later for m in owned)
+            materialize_modules(
+                owned, device, replaced, param_init_fn, names, unset=unset, later=later
+            )
             params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
-            groups = build_groups(params, make, group_numel(config, comm), transport)
-            for g in groups:
+            groups = build_groups(params, make, group_numel(config, comm), transport, unfilled)
+            for g in groups if not unfilled else ():
                 g.load_from_params()
         for g in groups:
-            g.broadcast_and_bind()
+            if unfilled:
+                g.bind_unfilled()
+            else:
+                g.broadcast_and_bind()
         if on_groups is not None:  # e.g. written out before the next unit is built
             with together(comm):
                 on_groups(groups)

@@ -74,6 +74,7 @@ class FlatParamGroup:
         transport: Transport | None = None,
         store: ShardStore | None = None,
         meter: ModelStateMeter | None = None,
+        unfilled: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a FlatParamGroup needs at least one parameter")
@@ -93,7 +94,9 @@ class FlatParamGroup:
         self.rank = comm.rank if policy.shard_optimizer else 0
         self.layout = FlatLayout([p.numel() for p in params], world)
         lo, hi = self.layout.shard_range(self.rank)
-        self._full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        # unfilled: see bind_unfilled (never written, so never resident)
+        make = torch.empty if unfilled else torch.zeros
+        self._full = make(self.layout.padded_total, dtype=self.dtype, device=self.device)
         self._full_nbytes = self._full.untyped_storage().nbytes()
         self.state = ShardState.GATHERED
         # the full buffer holds the values it was built from, not a gather's: its release
@@ -186,6 +189,16 @@ class FlatParamGroup:
         self._bind_grads()
         if self.policy.shard_params:
             self.release()
+
+    def bind_unfilled(self) -> None:
+        """Stage 3, built for values read into the shards right after (a strict pretrained
+        load, ``ZeroEngine.load_weights``): nothing to copy or broadcast, the shard stays
+        zeros until the load, and the full buffer, never written, is released untouched, so a
+        rank never holds a whole unit (as DeepSpeed's ``zero.Init`` with ``from_pretrained``)."""
+        assert self.policy.shard_params, "bind_unfilled is for a partitioned (stage 3) group"
+        self._bind_params()
+        self._bind_grads()
+        self.release()
 
     def load_shard(self, read: Callable[[int, int, int], torch.Tensor]) -> None:
         """Stage 3 filled from a weights file (inference): this rank's slice read piece by
@@ -738,6 +751,7 @@ class GroupMaker:
         *,
         trainable: bool = True,
         transport: Transport | None = None,
+        unfilled: bool = False,
     ) -> FlatParamGroup:
         return FlatParamGroup(
             params,
@@ -749,4 +763,5 @@ class GroupMaker:
             transport=transport,
             store=self.store(),
             meter=self.meter,
+            unfilled=unfilled,
         )

@@ -85,6 +85,7 @@ def build_groups(
     make: GroupMaker,
     bucket_numel: int | None = None,
     transport: Transport | None = None,
+    unfilled: bool = False,
 ) -> list[FlatParamGroup]:
     """Flat groups of one (dtype, requires_grad) each (frozen weights get no gradient
     buffers) and at most ``bucket_numel`` elements, so no gradient bucket is larger than a
@@ -98,7 +99,11 @@ def build_groups(
     for (_, trainable), ps in by_kind.items():
         for piece in split_into_buckets([p.numel() for p in ps], bucket_numel or _numel(ps)):
             group = make(
-                [ps[i] for i in piece], STAGE3_POLICY, trainable=trainable, transport=transport
+                [ps[i] for i in piece],
+                STAGE3_POLICY,
+                trainable=trainable,
+                transport=transport,
+                unfilled=unfilled,
             )
             groups.append(group)
     return groups
