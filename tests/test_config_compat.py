@@ -398,6 +398,12 @@ def test_environment_config_file_and_strict_variable(tmp_path: Path) -> None:
         env_mod.config_from_env(strict)
 
 
+def test_the_packages_other_variables_are_not_config_keys() -> None:
+    env = {"DS_STRATEGY_PROGRESS": "0", "DS_STRATEGY_PROGRESS_EVERY": "5",
+           "DS_STRATEGY_NVME_PATH": "/nvme", "DS_STRATEGY_ZERO_STAGE": "2"}  # fmt: skip
+    assert env_mod.config_from_env(env).zero_optimization.stage == 2  # (was: "unknown key")
+
+
 # ----------------------------------------------------------------------------- 3. scheduler
 
 

@@ -47,6 +47,12 @@ ENV_SHORTCUTS: dict[str, str] = {
 }
 """Short names for the keys most often changed from the command line."""
 
+NOT_CONFIG = frozenset(
+    {"DS_STRATEGY_PROGRESS", "DS_STRATEGY_PROGRESS_EVERY", "DS_STRATEGY_NVME_PATH"}
+)
+"""The package's variables that are not config keys: progress reporting (``core/progress.py``)
+and ``ds-strategy env``'s drive check."""
+
 
 def _env_key(name: str) -> str:
     """``DS_STRATEGY_ZERO_OPTIMIZATION__REDUCE_BUCKET_SIZE`` -> ``zero_optimization.reduce_bucket_size``."""
@@ -68,8 +74,8 @@ def _env_value(name: str, text: str) -> Any:
 
 
 def overrides_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Dotted config overrides from ``DS_STRATEGY_*`` variables (``DS_STRATEGY_CONFIG`` and
-    ``DS_STRATEGY_STRICT_CONFIG`` aside).
+    """Dotted config overrides from ``DS_STRATEGY_*`` variables (``DS_STRATEGY_CONFIG``,
+    ``DS_STRATEGY_STRICT_CONFIG`` and :data:`NOT_CONFIG` aside).
 
     ``DS_STRATEGY_<KEY>`` sets the config key ``<key>`` (lower-cased; ``__`` separates
     sections), and ``DS_STRATEGY_ZERO_STAGE``, ``DS_STRATEGY_OFFLOAD_OPTIMIZER``,
@@ -78,12 +84,14 @@ def overrides_from_env(environ: Mapping[str, str] | None = None) -> dict[str, An
     >>> overrides_from_env({"DS_STRATEGY_ZERO_STAGE": "3",
     ...                     "DS_STRATEGY_ZERO_OPTIMIZATION__REDUCE_BUCKET_SIZE": "5e7"})
     {'zero_optimization.reduce_bucket_size': 50000000.0, 'zero_optimization.stage': 3}
+    >>> overrides_from_env({"DS_STRATEGY_PROGRESS": "0"})  # not a config key
+    {}
     """
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     named: dict[str, str] = {}
     for name in sorted(env):
-        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG, STRICT_ENV):
+        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG, STRICT_ENV, *NOT_CONFIG):
             continue
         key = _env_key(name)
         if not key:
