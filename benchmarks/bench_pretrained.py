@@ -2,7 +2,7 @@
 whole copy per rank, exactness, and a fine-tune larger than the machine with NVMe offload.
 
     python benchmarks/bench_pretrained.py --part load     # 1B-class Llama, fp32 files
-    python benchmarks/bench_pretrained.py --part nvme     # 1.7B Llama, 2 steps, NVMe offload
+    python benchmarks/bench_pretrained.py --part nvme     # 2.2B Llama, 2 steps, NVMe offload
 
 Both parts first write a Llama "pretrained" checkpoint as ``save_pretrained`` lays it out
 (``model-0000k-of-0000N.safetensors`` beside ``model.safetensors.index.json``, 2 GB shards,
@@ -26,8 +26,8 @@ Each is printed as a multiple of the model's fp32 bytes. The sharded loads are c
 weights gathered to rank 0 equal the files' tensors bit for bit, and the first loss on a fixed
 batch equals plain transformers' (``from_pretrained`` in the parent process).
 
-``--part nvme``: Llama 1.7B (24 layers), bf16 files; its fp32 Adam training state (16 bytes a
-parameter: 28 GB) is more than this machine's memory. ``ds_strategy.hf.from_pretrained`` (the
+``--part nvme``: Llama 2.2B (32 layers), bf16 files; its fp32 Adam training state (16 bytes a
+parameter: 35 GB) is more than this machine's memory. ``ds_strategy.hf.from_pretrained`` (the
 meta model), ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on NVMe, the weights read
 into the swap files as the engine is built, then 2 AdamW steps on 64-token batches. Per rank: peak RSS (``VmHWM``, load included), seconds to load
 and per step, the losses.
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._ranks import run  # noqa: E402
 
 LOAD = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16}
-NVME = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24}
+NVME = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 32}
 COMMON = {
     "vocab_size": 32000,
     "num_attention_heads": 32,
@@ -296,7 +296,7 @@ def _nvme_rank(rank: int, world: int, path: str, swap: str, steps: int) -> dict[
 
 
 def part_nvme(root: Path, swap: str, steps: int) -> None:
-    path = root / "llama-1.7b-bf16"
+    path = root / "llama-2.2b-bf16"
     params = write_pretrained(path, NVME, torch.bfloat16)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(
