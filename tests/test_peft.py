@@ -5,7 +5,7 @@ The core block first, on ``ToyLM``: full values inside at every stage; values wr
 modifier rank reach the shards and the fp32 masters (only the elements that changed), so an
 optimizer step afterwards keeps them; read-only changes are dropped. Then LoRA on a 2-layer
 Llama built from a config, with ``stage3_param_persistence_threshold: 0`` so every weight is
-sharded: through ``ZeroAccelerator`` at stages 2 and 3 against the same LoRA model trained in
+sharded: through ``ZeroAccelerator`` at stages 1, 2 and 3 against the same LoRA model trained in
 one process on the whole batch (losses, parameter counts, the merged weights and the merged
 model saved and reloaded with ``from_pretrained``), and through ``ZeroTrainer`` at stage 3 (a
 checkpoint resumed to the same losses, ``save_model`` of the merged model).
@@ -228,12 +228,15 @@ def _accelerate_run(rank: int, stage: int, ids: torch.Tensor, probe: torch.Tenso
     return result
 
 
+STAGES = (1, 2, 3)  # LoRA through ZeroAccelerator at each (stage 3: every weight sharded)
+
+
 def _peft_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (STEPS, 4, 16), generator=g)  # a global batch of 4 per step
     probe = torch.randint(0, 64, (2, 16), generator=g)
     results: dict[str, Any] = {"plain": _plain_merged(ids, probe)}
-    for stage in (2, 3):
+    for stage in STAGES:
         folder = Path(out) / f"merged{stage}"
         results[f"accelerate{stage}"] = _reported(_accelerate_run, rank, stage, ids, probe, folder)
     results["trainer"] = _reported(_trainer_run, Path(out), probe)
@@ -267,11 +270,11 @@ def _run(result: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_lora_at_stages_2_and_3_trains_as_in_one_process_and_counts_the_whole_model(
+def test_lora_at_stages_1_to_3_trains_as_in_one_process_and_counts_the_whole_model(
     lora: list[dict[str, Any]],
 ) -> None:
     plain = lora[0]["plain"]
-    for r, stage in itertools.product(lora, (2, 3)):
+    for r, stage in itertools.product(lora, STAGES):
         run = _run(r, f"accelerate{stage}")
         assert run["losses"] == pytest.approx(plain["losses"], rel=1e-5)
         assert run["counts"] == plain["counts"] and run["counts"][0] < run["counts"][1]
@@ -280,7 +283,7 @@ def test_lora_at_stages_2_and_3_trains_as_in_one_process_and_counts_the_whole_mo
 
 
 @pytest.mark.slow
-def test_merge_and_unload_at_stages_2_and_3_merges_what_training_produced_and_saves_a_llama(
+def test_merge_and_unload_at_stages_1_to_3_merges_what_training_produced_and_saves_a_llama(
     lora: list[dict[str, Any]],
 ) -> None:
     from tests.hf_scripts.trainer_runs import model
@@ -289,7 +292,7 @@ def test_merge_and_unload_at_stages_2_and_3_merges_what_training_produced_and_sa
     pretrained = model().state_dict()
     q = "model.layers.0.self_attn.q_proj.weight"
     assert (plain["state"][q] - pretrained[q]).abs().max() > 1e-3  # the adapters changed it
-    for r, stage in itertools.product(lora, (2, 3)):
+    for r, stage in itertools.product(lora, STAGES):
         run = _run(r, f"accelerate{stage}")
         assert _max_diff(run["state"], plain["state"]) <= 1e-5
         torch.testing.assert_close(run["logits"], plain["logits"], atol=1e-4, rtol=1e-4)
