@@ -30,7 +30,7 @@ from ..names import plain_names, unwrapped
 from ..offload.streaming import SwapFiles
 from .errors import CheckpointError
 from .seam import CheckpointedEngine, Placement
-from .weights_source import CHUNK, WeightSource, open_weights
+from .weights_source import CHUNK, PretrainedFiles, open_weights
 
 __all__ = ["LoadedWeights", "load_pretrained", "pending_weights", "pretrained"]
 
@@ -133,7 +133,7 @@ def load_pretrained(
 
 
 def _match(
-    source: WeightSource,
+    source: PretrainedFiles,
     module: nn.Module,
     shapes: dict[str, tuple[int, ...]],
     buffers: dict[str, torch.Tensor],
@@ -163,7 +163,7 @@ def _match(
     return out
 
 
-def _in_source(source: WeightSource, name: str, prefix: str) -> str | None:
+def _in_source(source: PretrainedFiles, name: str, prefix: str) -> str | None:
     if name in source:
         return name
     if prefix:
@@ -175,7 +175,7 @@ def _in_source(source: WeightSource, name: str, prefix: str) -> str | None:
 
 
 def _report(
-    source: WeightSource,
+    source: PretrainedFiles,
     names: dict[str, str],
     shapes: dict[str, tuple[int, ...]],
     buffers: dict[str, torch.Tensor],
@@ -207,7 +207,7 @@ def _missing_message(path: Path, params: list[str]) -> str:
 
 
 def _read_piece(
-    source: WeightSource,
+    source: PretrainedFiles,
     names: dict[str, str],
     where: Placement,
     tensor: torch.Tensor,
@@ -231,7 +231,7 @@ def _read_piece(
             files.write((swap, offset + i * step, part.numel()), part)  # type: ignore[union-attr]
 
 
-def _read_whole(source: WeightSource, name: str, buf: torch.Tensor, path: Path) -> None:
+def _read_whole(source: PretrainedFiles, name: str, buf: torch.Tensor, path: Path) -> None:
     flat = torch.empty(buf.numel(), dtype=buf.dtype)
     source.read(name, 0, flat)
     with torch.no_grad():

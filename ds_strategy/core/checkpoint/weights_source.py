@@ -28,23 +28,27 @@ import torch
 from ..offload.swap import _buffer
 from .errors import CheckpointError
 
-__all__ = ["CHUNK", "WeightSource", "open_weights"]
+__all__ = ["CHUNK", "SAFETENSORS_DTYPES", "PretrainedFiles", "open_weights"]
 
 CHUNK = 1 << 22  # elements cast at a time: 16 MiB of fp32
 
-_DTYPES = {
+# a safetensors header's dtype names (also read by core/inference/sources.py)
+SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
 }
 # what a directory may hold, in the order from_pretrained prefers them
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -76,7 +80,7 @@ class _SafetensorsFile:
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
-                dtype = _DTYPES[info["dtype"]]
+                dtype = SAFETENSORS_DTYPES[info["dtype"]]
                 shape = tuple(int(d) for d in info["shape"])
                 begin, end = (int(x) for x in info["data_offsets"])
                 if end - begin != torch.Size(shape).numel() * dtype.itemsize or start + end > size:
@@ -157,7 +161,7 @@ class _TorchFile:
         self.entries.clear()
 
 
-class WeightSource:
+class PretrainedFiles:
     """The tensors of one pretrained checkpoint, whatever files hold them (see the note)."""
 
     def __init__(self, path: Path, files: dict[str, Path]) -> None:
@@ -195,7 +199,7 @@ class WeightSource:
         for f in self._files.values():
             f.close()
 
-    def __enter__(self) -> WeightSource:
+    def __enter__(self) -> PretrainedFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -206,7 +210,7 @@ def _open_file(path: Path) -> Any:
     return _SafetensorsFile(path) if path.suffix == ".safetensors" else _TorchFile(path)
 
 
-def open_weights(path: str | os.PathLike) -> WeightSource:
+def open_weights(path: str | os.PathLike) -> PretrainedFiles:
     """The pretrained weights at ``path``: a weights file, or a model directory as
     ``save_pretrained`` writes it (an index and its shards, or one file; safetensors first).
 
@@ -218,14 +222,14 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
     p = Path(path)
     if p.is_file():
         if p.name.endswith(".index.json"):
-            return WeightSource(p.parent, _indexed(p))
+            return PretrainedFiles(p.parent, _indexed(p))
         source = _open_file(p)
-        return WeightSource(p, dict.fromkeys(source.entries, p))
+        return PretrainedFiles(p, dict.fromkeys(source.entries, p))
     if not p.is_dir():
         raise CheckpointError(f"{p}: no such file or directory")
     for name in _INDEXES:
         if (p / name).is_file():
-            return WeightSource(p, _indexed(p / name))
+            return PretrainedFiles(p, _indexed(p / name))
     for name in _SINGLES:
         if (p / name).is_file():
             return open_weights(p / name)

@@ -33,6 +33,7 @@ from ..checkpoint.pinned import pin_agreed
 from ..checkpoint.sharded import single_process_ok
 from ..checkpoint.trust import SafeReader
 from ..checkpoint.validate import META_FILE, validate
+from ..checkpoint.weights_source import SAFETENSORS_DTYPES
 from ..collectives import Comm
 from .building import ModelFileError, inside
 
@@ -155,10 +156,10 @@ class SafetensorsSource(WeightSource):
             raise ModelFileError(f"{where}: holds no tensors")
         for name, handle in self._files.items():
             kind = handle.get_slice(name).get_dtype()
-            if kind not in _ST_DTYPES:
+            if kind not in SAFETENSORS_DTYPES:
                 raise ModelFileError(
                     f"{where}: tensor {name!r} is stored as {kind}, which torch cannot hold "
-                    f"(readable: {', '.join(_ST_DTYPES)})"
+                    f"(readable: {', '.join(SAFETENSORS_DTYPES)})"
                 )
 
     def names(self) -> list[str]:
@@ -180,7 +181,7 @@ class SafetensorsSource(WeightSource):
         return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return _ST_DTYPES[self._slice(name).get_dtype()]
+        return SAFETENSORS_DTYPES[self._slice(name).get_dtype()]
 
     def read(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
         s = self._slice(name)
@@ -189,25 +190,6 @@ class SafetensorsSource(WeightSource):
         # a slice may be a view of the file's mapping: a copy owns its memory, so nothing the
         # engine keeps depends on the file after loading
         return (s[rows] if cols is None else s[rows, cols]).clone()
-
-
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class CheckpointSource(WeightSource):
