@@ -80,6 +80,9 @@ def test_dpo_reference_model_is_sharded_at_stage3(runs: dict[str, Any]) -> None:
         assert held["in_parameters"] == 0
         assert whole // 2 <= held["in_shards"] <= whole // 2 + 64  # at most a little padding
     assert not dpo["zero3"]["ref_requires_grad"]
+    # TRL loads the policy and the reference whole on every rank; through zero(), both are
+    # built on the meta device and read into their shards (never whole anywhere)
+    assert dpo["plain"]["whole_loads"] == 2 and dpo["zero3"]["whole_loads"] == 0
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ZeroConfig
 from ..config.loop import apply_compile, apply_mixed_precision
 from ..core import ZeroEngine
+from ..core.materialize import has_meta
 from ..core.warnings import FrontEndWarning, renamed_argument
 from ..frontends.engines import move_real_tensors
 from ..frontends.peft import adapt_peft_model
@@ -182,7 +183,9 @@ class ZeroAccelerator(Accelerator):
             raise ValueError(_TOGETHER)
         if isinstance(model, ZeroEngine) or self._front.engine_of(model) is not None:
             return model
-        if self._shards_for_evaluation(model):
+        if self._shards_for_evaluation(model) or has_meta(model):
+            # (a model built on the meta device needs the engine's materialising at any stage:
+            # ds_strategy.hf.from_pretrained's reference model, read from its files)
             model.requires_grad_(False)
             front: Any = self._front  # an EngineFront (see _shards_for_evaluation)
             cfg = front._resolved(model, None, None).replace(optimizer=None, scheduler=None)

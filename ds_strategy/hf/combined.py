@@ -5,8 +5,10 @@ no class for the user to write.
 [Note: the order of the bases]
 The class is ``(ZeroTrainer, TrainerClass)``: ``ZeroTrainer`` takes ``config=`` and hands every
 other argument to ``TrainerClass.__init__``, which builds its models and datasets as it always
-does (a model given by name is loaded with ``from_pretrained``) and then runs ``Trainer``'s
-setup, where ``ZeroTrainer`` builds the accelerator. ``ZeroTrainer`` changes the accelerator,
+does and then runs ``Trainer``'s setup, where ``ZeroTrainer`` builds the accelerator. A model
+given by name is built by ``ZeroTrainer`` on the meta device first and read into the shards
+when the engine is built (``pretrained.py``); so is the reference model a trainer taking
+``ref_model`` (DPO) would otherwise load whole from that name (see ``_pretrained_model``). ``ZeroTrainer`` changes the accelerator,
 the optimizer, the scheduler, ``save_model`` and the checkpoint contents; TRL 1.16's trainers
 override none of these except ``GRPOTrainer._load_optimizer_and_scheduler``, whose own extra
 state (adaptive entropy) is not restored on resume here.

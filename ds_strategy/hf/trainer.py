@@ -97,7 +97,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         self, *args: Any, config: Any = None, zero_config: Any = None, **kwargs: Any
     ) -> None:
         config = renamed_argument("ZeroTrainer", "zero_config", "config", zero_config, config)
-        args, kwargs = _pretrained_model(args, kwargs)
+        args, kwargs = _pretrained_model(type(self), args, kwargs)
         self.zero_plugin = ZeroPlugin(config=config)
         self._max_steps: int | None = None
         self.accelerator_args: dict[str, Any] = {}  # what the Trainer builds its Accelerator from
@@ -232,14 +232,32 @@ class ZeroTrainer(TrainerHooks, Trainer):
         return True
 
 
-def _pretrained_model(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def _pretrained_model(
+    cls: type, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
     """``model`` given as a directory or Hub id: built on the meta device, its weights read
     into the shards when the engine is built (``pretrained.py``), as TRL's trainers take a
-    model by name."""
+    model by name. A trainer taking a ``ref_model`` (TRL's DPO) that would build the reference
+    from the same name itself, whole on every rank, gets it built the same way instead; not
+    with a ``peft_config`` or ``precompute_ref_log_probs``, where TRL keeps no reference."""
     if args and isinstance(args[0], str | os.PathLike):
-        return (from_pretrained(args[0]), *args[1:]), kwargs
-    if isinstance(kwargs.get("model"), str | os.PathLike):
-        kwargs = dict(kwargs, model=from_pretrained(kwargs["model"]))
+        name, args = args[0], (from_pretrained(args[0]), *args[1:])
+    elif isinstance(kwargs.get("model"), str | os.PathLike):
+        name, kwargs = kwargs["model"], dict(kwargs, model=from_pretrained(kwargs["model"]))
+    else:
+        return args, kwargs
+    takes_reference = any(  # zero(DPOTrainer)'s own __init__ is ZeroTrainer's
+        "ref_model" in inspect.signature(c.__init__).parameters
+        for c in cls.__mro__
+        if "__init__" in vars(c)
+    )
+    if takes_reference and len(args) < 2 and kwargs.get("ref_model") is None:
+        settings = kwargs.get("args")
+        keeps_none = kwargs.get("peft_config") is not None or bool(
+            getattr(settings, "precompute_ref_log_probs", False)
+        )
+        if not keeps_none:
+            kwargs = dict(kwargs, ref_model=from_pretrained(name))
     return args, kwargs
 
 

@@ -123,14 +123,26 @@ def reference_log_probs(ref: torch.nn.Module, tokenizer: Any) -> torch.Tensor:
 
 
 def dpo(model_dir: Path, out: Path) -> dict[str, Any]:
+    from trl.trainer import dpo_trainer
+
     results: dict[str, Any] = {}
+    whole_loads = []  # the models TRL loads whole with its own from_pretrained
+    real = dpo_trainer.create_model_from_path
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        whole_loads.append(args[0] if args else kwargs.get("model_id"))
+        return real(*args, **kwargs)
+
+    dpo_trainer.create_model_from_path = counted
     for name, cls, extra in (("plain", DPOTrainer, {}), ("zero3", zero(DPOTrainer), ZERO3)):
         args = DPOConfig(**settings(out / f"dpo_{name}"), max_length=16)
         kw = {"config": extra} if extra else {}
+        whole_loads.clear()
         trainer = cls(model=str(model_dir), args=args, train_dataset=dpo_data(), **kw)
         trainer.train()
         ref = trainer.ref_model
         results[name] = {
+            "whole_loads": len(whole_loads),
             "loss": losses(trainer),
             "ref_type": type(ref).__name__,
             "ref_bytes": reference_bytes(ref),
