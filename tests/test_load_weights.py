@@ -106,10 +106,61 @@ def load_and_compare(
     return out
 
 
+def write_inputs(root: Path, pretrained: dict[str, str]) -> dict[str, str]:
+    """The files the refusal and buffer cases read, under ``root``."""
+    from safetensors.torch import save_file
+
+    state = _plain(pretrained["fp32"]).state_dict()
+    bad = root / "refused"
+    for name in ("missing", "shape", "header", "outside", "empty"):
+        (bad / name).mkdir(parents=True)
+    save_file({k: v for k, v in state.items() if "layers.1.mlp.up_proj" not in k},
+              str(bad / "missing" / "model.safetensors"))  # fmt: skip
+    wrong = dict(state, **{"model.norm.weight": torch.ones(33)})
+    save_file(wrong, str(bad / "shape" / "model.safetensors"))
+    (bad / "header" / "model.safetensors").write_bytes(b"\xff" * 64)
+    index = {"weight_map": {"lm_head.weight": "../model.safetensors"}}
+    (bad / "outside" / "model.safetensors.index.json").write_text(json.dumps(index))
+    buffers = root / "buffers"
+    buffers.mkdir()
+    for persistent in (False, True):
+        kept = Rotary(persistent).state_dict()
+        save_file(dict(kept), str(buffers / f"persistent{int(persistent)}.safetensors"))
+    (root / "swap").mkdir()
+    return {"refused": str(bad), "buffers": str(buffers), "swap": str(root / "swap")}
+
+
+FORMATS = [
+    ("bf16", 3, {}),  # a bf16 file into fp32 shards: the bf16 values, cast
+    ("weights.bin", 1, {}),  # a torch.save'd state dict, at stage 1
+    ("tied", 2, {"bf16": {"enabled": True}}),  # tied embeddings; fp32 masters under bf16
+]
+
+
+@pytest.fixture(scope="module")
+def runs(pretrained: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every 2-rank case below, in one call of the ranks (transformers imported once)."""
+    inputs = write_inputs(tmp_path_factory.mktemp("inputs"), pretrained)
+    fp32 = pretrained["fp32"]
+    calls: dict[str, tuple[Any, tuple]] = {
+        "fp32": (load_and_compare, (fp32, zero_config(3))),
+        "bytes": (bytes_read, (fp32,)),
+        "nvme": (nvme_load, (fp32, inputs["swap"])),
+        "base": (base_from_head, (fp32,)),
+        "buffers": (unset_buffer, (inputs["buffers"],)),
+        "refused": (refusals, (inputs["refused"],)),
+    }
+    for source, stage, extra in FORMATS:
+        config = zero_config(stage, **extra)
+        calls[source] = (load_and_compare, (pretrained[source], config, source == "tied"))
+    results = run_ranks_each(list(calls.values()), 2)
+    return dict(zip(calls, results, strict=True))
+
+
 def test_a_sharded_fp32_directory_loads_into_zero3_bit_for_bit_with_the_same_first_loss(
-    pretrained: dict[str, str],
+    runs: dict[str, Any],
 ) -> None:
-    for res in run_ranks(load_and_compare, 2, pretrained["fp32"], zero_config(3)):
+    for res in runs["fp32"]:
         assert res["keys"] and res["unequal"] == [], res["unequal"]
         assert res["losses"][0] == pytest.approx(res["losses"][1], abs=1e-6)
         assert res["missing"] == [] and res["unexpected"] == []
@@ -117,20 +168,11 @@ def test_a_sharded_fp32_directory_loads_into_zero3_bit_for_bit_with_the_same_fir
         assert res["inv_freq"] == res["plain_inv_freq"] and min(res["inv_freq"]) > 0
 
 
-@pytest.mark.parametrize(
-    "source,stage,extra",
-    [
-        ("bf16", 3, {}),  # a bf16 file into fp32 shards: the bf16 values, cast
-        ("weights.bin", 1, {}),  # a torch.save'd state dict, at stage 1
-        ("tied", 2, {"bf16": {"enabled": True}}),  # tied embeddings; fp32 masters under bf16
-    ],
-)
+@pytest.mark.parametrize("source,stage,extra", FORMATS)
 def test_other_formats_stages_and_tied_weights_load_exactly(
-    pretrained: dict[str, str], source: str, stage: int, extra: dict[str, Any]
+    runs: dict[str, Any], source: str, stage: int, extra: dict[str, Any]
 ) -> None:
-    tied = source == "tied"
-    results = run_ranks(load_and_compare, 2, pretrained[source], zero_config(stage, **extra), tied)
-    for res in results:
+    for res in runs[source]:
         assert res["keys"] and res["unequal"] == [], res["unequal"]
         tol = 5e-2 if extra else 1e-6  # the engine computes in bf16 there
         assert res["losses"][0] == pytest.approx(res["losses"][1], abs=tol)
@@ -160,8 +202,8 @@ def bytes_read(rank: int, world: int, path: str) -> tuple[int, int]:
     return read[0], total
 
 
-def test_each_rank_reads_only_its_own_shards_bytes(pretrained: dict[str, str]) -> None:
-    results = run_ranks(bytes_read, 2, pretrained["fp32"])
+def test_each_rank_reads_only_its_own_shards_bytes(runs: dict[str, Any]) -> None:
+    results = runs["bytes"]
     total = results[0][1]
     # half the weights each (+ the few buffers' bytes, which every rank reads whole: none here)
     for read, _ in results:
@@ -175,10 +217,8 @@ def nvme_load(rank: int, world: int, path: str, swap: str) -> dict[str, Any]:
     return load_and_compare(rank, world, path, config)
 
 
-def test_with_nvme_offload_the_weights_go_into_the_swap_files(
-    pretrained: dict[str, str], tmp_path: Path
-) -> None:
-    for res in run_ranks(nvme_load, 2, pretrained["fp32"], str(tmp_path)):
+def test_with_nvme_offload_the_weights_go_into_the_swap_files(runs: dict[str, Any]) -> None:
+    for res in runs["nvme"]:
         assert res["keys"] and res["unequal"] == [], res["unequal"]
         assert res["losses"][0] == pytest.approx(res["losses"][1], abs=1e-6)
 
@@ -228,13 +268,10 @@ def unset_buffer(rank: int, world: int, files: str) -> list[str]:
     return out
 
 
-def test_a_buffer_no_file_holds_and_nothing_computed_is_refused_by_name(tmp_path: Path) -> None:
-    from safetensors.torch import save_file
-
-    for persistent in (False, True):
-        state = Rotary(persistent).state_dict()
-        save_file(dict(state), str(tmp_path / f"persistent{int(persistent)}.safetensors"))
-    res = run_ranks(unset_buffer, 2, str(tmp_path))[0]
+def test_a_buffer_no_file_holds_and_nothing_computed_is_refused_by_name(
+    runs: dict[str, Any],
+) -> None:
+    res = runs["buffers"][0]
     assert res[0].startswith("forward: buffer(s) ['freq'] were built on the meta device"), res
     assert res[1].startswith("load: ") and "buffer(s) ['freq'] are in no file" in res[1], res
     assert res[2].startswith("forward: ")  # persistent, but not loaded yet
@@ -260,22 +297,8 @@ def refusals(rank: int, world: int, root: str) -> list[str]:
     return out
 
 
-def test_files_that_do_not_match_are_refused_naming_the_problem(
-    pretrained: dict[str, str], tmp_path: Path
-) -> None:
-    from safetensors.torch import save_file
-
-    state = _plain(pretrained["fp32"]).state_dict()
-    for name in ("missing", "shape", "header", "outside", "empty"):
-        (tmp_path / name).mkdir()
-    save_file({k: v for k, v in state.items() if "layers.1.mlp.up_proj" not in k},
-              str(tmp_path / "missing" / "model.safetensors"))  # fmt: skip
-    wrong = dict(state, **{"model.norm.weight": torch.ones(33)})
-    save_file(wrong, str(tmp_path / "shape" / "model.safetensors"))
-    (tmp_path / "header" / "model.safetensors").write_bytes(b"\xff" * 64)
-    index = {"weight_map": {"lm_head.weight": "../model.safetensors"}}
-    (tmp_path / "outside" / "model.safetensors.index.json").write_text(json.dumps(index))
-    res = run_ranks(refusals, 2, str(tmp_path))
+def test_files_that_do_not_match_are_refused_naming_the_problem(runs: dict[str, Any]) -> None:
+    res = runs["refused"]
     assert res[0] == res[1]
     missing, shape, header, outside, empty, partial, checkpoint = res[0]
     assert "1 parameter(s) of this model are in no file there" in missing
@@ -289,8 +312,8 @@ def test_files_that_do_not_match_are_refused_naming_the_problem(
     assert checkpoint.endswith("read them into the engine with engine.load_weights(path)")
 
 
-def test_a_base_model_loads_from_its_head_models_files(pretrained: dict[str, str]) -> None:
-    assert run_ranks(base_from_head, 2, pretrained["fp32"]) == [[], []]
+def test_a_base_model_loads_from_its_head_models_files(runs: dict[str, Any]) -> None:
+    assert runs["base"] == [[], []]
 
 
 def test_one_process_reads_a_file_header_and_ranges_without_a_process_group(
@@ -379,6 +402,7 @@ def lightning_from_directory(rank: int, world: int, path: str, root: str) -> lis
     import lightning as L
 
     from ds_strategy.hf import from_pretrained
+    from ds_strategy.lightning import ZeroStrategy
 
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(rank))
 
@@ -401,7 +425,7 @@ def lightning_from_directory(rank: int, world: int, path: str, root: str) -> lis
 
     module = Module()
     trainer = L.Trainer(
-        strategy="zero3",
+        strategy=ZeroStrategy(stage=3),
         accelerator="cpu",
         devices=world,
         max_steps=1,
