@@ -343,27 +343,16 @@ def test_a_rank_failing_to_read_fails_every_rank(pretrained: dict[str, str]) -> 
 
 def trainer_from_directory(rank: int, world: int, path: str, out: str) -> dict[str, Any]:
     """ZeroTrainer(model=<directory>) against a plain Trainer on from_pretrained's model."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from ds_strategy.hf import ZeroTrainer
-    from tests.hf_scripts.trainer_runs import Tokens
+    from tests.hf_scripts.trainer_runs import Tokens, arguments, logged
 
     def run(cls: type, model: Any, folder: str, **kw: Any) -> list[float]:
-        args = TrainingArguments(
-            output_dir=os.path.join(out, folder),
-            per_device_train_batch_size=2,
-            max_steps=3,
-            learning_rate=1e-2,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-            seed=7,
-        )
+        args = arguments(os.path.join(out, folder), max_steps=3, gradient_accumulation_steps=1)
         trainer = cls(model=model, args=args, train_dataset=Tokens(24, 1), **kw)
         trainer.train()
-        return [float(e["loss"]) for e in trainer.state.log_history if "loss" in e]
+        return logged(trainer)["loss"]
 
     plain = run(Trainer, _plain(path), "plain")
     config = zero_config(3)
