@@ -139,10 +139,12 @@ def test_a_partition_that_does_not_divide_the_ranks_is_refused(
 def _reduce(rank: int, world: int, hierarchical: bool) -> Any:
     from ds_strategy.core.collectives import Comm
     from ds_strategy.core.hierarchical import HierarchicalComm
+    from ds_strategy.core.layout import RankLayout
     from ds_strategy.core.topology import Topology
     from ds_strategy.core.zero.quantized import quantized_reduce_scatter
 
-    comm = HierarchicalComm.build(None, Topology(4, 2)) if hierarchical else Comm()
+    layout = RankLayout.over(topology=Topology(4, 2))
+    comm = HierarchicalComm.build(None, layout) if hierarchical else Comm()
     gen = torch.Generator().manual_seed(rank)
     full = torch.randn(4 * 3000, generator=gen) * torch.logspace(-2, 1, 4 * 3000)
     exact = full.clone()

@@ -48,18 +48,21 @@ _SUPPORTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedTy
 
 
 class ZeroAccelerator(Accelerator):
-    """An ``accelerate.Accelerator`` whose ``prepare`` wraps the model and optimizer in a
-    ZeRO-sharded :class:`~ds_strategy.ZeroEngine` (stage 0-3) instead of DDP. A loop written
-    for ``Accelerator`` runs unchanged, with consolidated weights and sharded checkpoints.
+    """An ``accelerate.Accelerator`` that shards with ZeRO instead of DDP.
+
+    Its ``prepare`` wraps the model and optimizer in a ZeRO-sharded
+    :class:`~ds_strategy.ZeroEngine` (stage 0-3). A loop written for ``Accelerator`` runs
+    unchanged, with consolidated weights and sharded checkpoints.
 
     Args:
-        config: the ZeRO config: a :class:`ZeroPlugin`, or what it takes (a preset's name, a
-            dict, a ``.json``/``.yaml`` path, a :class:`~ds_strategy.ZeroConfig`); ``None``:
-            read from the environment (``DS_STRATEGY_CONFIG``). ``zero_plugin=``: its old name.
+        config: the ZeRO config: a :class:`ZeroPlugin`, or what it takes. That is a preset's
+            name, a dict, a ``.json``/``.yaml`` path, or a :class:`~ds_strategy.ZeroConfig`.
+            ``None``: read from the environment (``DS_STRATEGY_CONFIG``).
+        zero_plugin: the old name of ``config``; deprecated.
         **kwargs: ``accelerate.Accelerator``'s. ``mixed_precision`` maps onto the config's
-            ``fp16``/``bf16``; Accelerate's ``torch.compile`` settings (``dynamo_backend``,
-            ``dynamo_plugin``, the accelerate config file's dynamo section) onto its
-            ``compile`` section, so the engine compiles the model block by block; other
+            ``fp16``/``bf16``. Accelerate's ``torch.compile`` settings map onto its
+            ``compile`` section: ``dynamo_backend``, ``dynamo_plugin``, the accelerate config
+            file's dynamo section. The engine then compiles the model block by block. Other
             engines' plugins are refused.
 
     Swap the class in a plain Accelerate loop and launch it with a standard accelerate config::
@@ -67,8 +70,8 @@ class ZeroAccelerator(Accelerator):
         DS_STRATEGY_CONFIG=zero3 \\
             accelerate launch --config_file configs/accelerate/cpu_2proc.yaml train.py
 
-    Several models (a GAN, RLHF's actor, critic and frozen reference) go through ``prepare``
-    together or one by one: an engine each, frozen ones sharded for evaluation.
+    Several models go through ``prepare`` together or one by one: a GAN, or RLHF's actor,
+    critic and frozen reference. Each gets an engine; frozen ones are sharded for evaluation.
 
     With a ``pipeline`` section, ``prepare`` takes an ``nn.Sequential`` and the loop is
     ``loss = model.train_batch(x, y)`` (see ``ds_strategy.accelerate._pipeline``).
@@ -130,7 +133,7 @@ class ZeroAccelerator(Accelerator):
                 FrontEndWarning,
                 stacklevel=3,
             )
-        self.gradient_accumulation_steps = steps  # type: ignore[has-type]
+        self.gradient_accumulation_steps = steps
 
     def _prepare_device_mesh(self) -> Any:
         """The mesh Accelerate's data loaders shard by: with ``tensor_parallel``, the ranks of
@@ -139,19 +142,27 @@ class ZeroAccelerator(Accelerator):
         tp = self._front.tensor_parallel_size
         if tp == 1:
             return super()._prepare_device_mesh()
-        if self._loader_mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
+        if self._loader_mesh is None:  # the rank layout makes its groups (core/layout.py)
+            from ..core.layout import RankLayout
 
-            shape = (self.num_processes // tp, tp)
-            self._loader_mesh = init_device_mesh(
-                self.device.type, shape, mesh_dim_names=("dp_replicate", "tp")
-            )
+            layout = RankLayout.over(tp=tp, dp_replicate=self.num_processes // tp, dp_shard=1)
+            self._loader_mesh = layout.device_mesh(self.device.type, ("dp_replicate", "tp"))
         return self._loader_mesh
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Like ``Accelerator.prepare``; each model and its optimizer (passed together) become a
-        :class:`~ds_strategy.ZeroEngine` and its rebuilt optimizer, which schedulers move onto;
-        a frozen model without an optimizer becomes an engine for evaluation."""
+        """Like ``Accelerator.prepare``, with an engine for each model.
+
+        Pass each model with its optimizer. They become a :class:`~ds_strategy.ZeroEngine` and
+        its rebuilt optimizer, which schedulers move onto. A frozen model without an optimizer
+        becomes an engine for evaluation.
+
+        Args:
+            *args: models, optimizers, schedulers and data loaders, as Accelerate takes them.
+            device_placement: not supported; leave it ``None``.
+
+        Returns:
+            The prepared objects in the order given; one object alone, unpacked.
+        """
         if device_placement is not None:
             raise ValueError("prepare(device_placement=...) is not supported by ZeroAccelerator")
         out = self._front.prepare(args)
@@ -170,15 +181,25 @@ class ZeroAccelerator(Accelerator):
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
-        """Only for inference (``evaluation_mode=True``, as Accelerate prepares a model it will
-        not train, such as TRL's reference model). At ZeRO stage 3 the model is frozen
-        (``requires_grad_(False)``) and sharded for evaluation, as TRL shards it with DeepSpeed:
-        an engine whose forward gathers one block at a time. Like TRL's DeepSpeed engine it is
-        the caller's, not the accelerator's: ``free_memory`` (which the Trainer calls at every
-        ``train()``) leaves it working and ``save_state`` leaves it out; ``engine.destroy()``
-        frees it. At stages 0-2 the model is placed on the device, whole and unwrapped. A
-        model already prepared here is returned as it is. Training goes through
-        ``prepare(model, optimizer)``."""
+        """Prepare a model for inference only; training goes through ``prepare(model, optimizer)``.
+
+        Accelerate prepares this way a model it will not train, such as TRL's reference model.
+        At ZeRO stage 3 the model is frozen (``requires_grad_(False)``) and sharded for
+        evaluation, as TRL shards it with DeepSpeed. It becomes an engine whose forward
+        gathers one block at a time. Like TRL's DeepSpeed engine, it is the caller's, not the
+        accelerator's. ``free_memory`` (which the Trainer calls at every ``train()``) leaves it
+        working, and ``save_state`` leaves it out. ``engine.destroy()`` frees it. At stages
+        0-2 the model is placed on the device, whole and unwrapped. A model already prepared
+        here is returned as it is.
+
+        Args:
+            model: the model to evaluate with.
+            device_placement: ``False`` leaves a whole (stage 0-2) model where it is.
+            evaluation_mode: must be ``True``.
+
+        Returns:
+            The engine (stage 3, or a model on the meta device), or the model.
+        """
         if not evaluation_mode:
             raise ValueError(_TOGETHER)
         if isinstance(model, ZeroEngine) or self._front.engine_of(model) is not None:
@@ -226,7 +247,12 @@ class ZeroAccelerator(Accelerator):
         self._adopt_accumulation_steps(cfg.gradient_accumulation_steps)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``engine.backward``: the loss is divided by ``gradient_accumulation_steps``."""
+        """``engine.backward``: the loss is divided by ``gradient_accumulation_steps``.
+
+        Args:
+            loss: the micro-batch's loss.
+            **kwargs: passed to ``engine.backward``.
+        """
         self._front.backward(loss, **kwargs)
 
     def accumulate(self, *models: Any) -> AbstractContextManager[None]:
@@ -239,25 +265,49 @@ class ZeroAccelerator(Accelerator):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
-        """The global L2 norm of all the model's gradients (every shard), clipped to ``max_norm``
-        as ``torch.nn.utils.clip_grad_norm_`` clips full gradients. Call it at an accumulation
-        boundary, between ``backward`` and ``optimizer.step()``."""
+        """Clip the model's gradients, every shard, to a global norm of ``max_norm``.
+
+        It clips as ``torch.nn.utils.clip_grad_norm_`` clips full gradients. Call it at an
+        accumulation boundary, between ``backward`` and ``optimizer.step()``.
+
+        Args:
+            parameters: the prepared model's parameters.
+            max_norm: the largest norm allowed.
+            norm_type: 2; ZeRO clips by L2 norm only.
+
+        Returns:
+            The global norm before clipping.
+        """
         return self._front.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         self._front.clip_grad_value_(parameters, clip_value)
 
     def unwrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        """The user's model (under a pipeline: this rank's stage). Under ZeRO-3 its parameters
-        are empty outside forward: read weights with :meth:`get_state_dict`."""
+        """The user's model; under a pipeline, this rank's stage.
+
+        Under ZeRO-3 its parameters are empty outside forward. Read weights with
+        :meth:`get_state_dict`.
+
+        Args:
+            model: the prepared model (or engine).
+            *args: Accelerate's, for a model that is not an engine's.
+            **kwargs: Accelerate's, for a model that is not an engine's.
+        """
         engine = self._front.engine_of(model)
         if engine is None and isinstance(model, ZeroEngine):  # from prepare_model(evaluation_mode)
             engine = model
         return engine.module if engine is not None else super().unwrap_model(model, *args, **kwargs)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights on every rank, keyed like ``model.state_dict()``
-        (``unwrap=False``: prefixed ``module.``). Collective: call it on every rank."""
+        """Consolidated fp32 weights on every rank, keyed like ``model.state_dict()``.
+
+        Collective: call it on every rank.
+
+        Args:
+            model: the prepared model.
+            unwrap: ``False`` prefixes every key with ``module.``.
+        """
         engine = self._front.engine_of(model)
         if engine is None:
             return super().get_state_dict(model, unwrap)
@@ -267,20 +317,22 @@ class ZeroAccelerator(Accelerator):
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
     ) -> str:
-        """The engine's sharded checkpoint (under ``<output_dir>/zero_checkpoint``) plus
-        Accelerate's schedulers, samplers, RNG states and registered objects. Collective.
+        """Save the engine's sharded checkpoint and Accelerate's state. Collective.
 
-        One commit point covers all of it: everything is written into ``<output_dir>.tmp``
-        (the save hooks are given that directory), then a manifest, then renames put it in
+        The engine's checkpoint goes under ``<output_dir>/zero_checkpoint``. Accelerate's
+        state is its schedulers, samplers, RNG states and registered objects.
+
+        One commit point covers all of it. Everything is written into ``<output_dir>.tmp``;
+        the save hooks are given that directory. Then comes a manifest, then renames put it in
         place. A crash at any moment leaves the previous save or this one, whole. It differs
         from Accelerate's in three ways, each to keep that promise:
 
         - ``output_dir`` must be new, empty, or an earlier ``save_state`` of this version
-          holding only its own files; any other directory is refused before anything is
+          holding only its own files. Any other directory is refused before anything is
           written, since the commit replaces the directory whole.
         - With ``automatic_checkpoint_naming`` and ``total_limit``, old checkpoints are
-          removed after the new one is committed, not before: for a moment there is one
-          more than ``total_limit``, never none.
+          removed after the new one is committed, not before. For a moment there is one more
+          than ``total_limit``, never none.
         - ``<output_dir>.tmp``, ``.old`` and ``.lock`` beside it are this save's.
 
         Args:
@@ -305,16 +357,16 @@ class ZeroAccelerator(Accelerator):
         trust_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
-        """Restore what :meth:`save_state` wrote (or Accelerate's ``save_state`` with DeepSpeed),
-        at any world size or ZeRO stage (a pipeline: the same stages). Collective.
+        """Restore what :meth:`save_state` wrote, at any world size or ZeRO stage. Collective.
 
-        Before anything is restored, every rank checks the save's manifest: every file it
-        lists is there with its size and CRC-32, and the engines' steps are the ones saved
-        with Accelerate's files. A directory without a manifest (a save this version did not
-        finish) is refused with a :class:`~ds_strategy.CheckpointError` naming what is wrong.
-        Only tensors and plain data are unpickled (the engine's checkpoint, and registered
-        objects, which Accelerate would unpickle in full) unless ``trust_checkpoint=True``,
-        for a trusted source.
+        It also restores Accelerate's ``save_state`` with DeepSpeed. A pipeline needs the same
+        stages. Before anything is restored, every rank checks the save's manifest. Every file
+        it lists must be there with its size and CRC-32. The engines' steps must be the ones
+        saved with Accelerate's files. A directory without a manifest is a save this version
+        did not finish. It is refused with a :class:`~ds_strategy.CheckpointError` naming what
+        is wrong. Only tensors and plain data are unpickled, unless ``trust_checkpoint=True``
+        (for a trusted source). That covers the engine's checkpoint and registered objects,
+        which Accelerate would unpickle in full.
 
         Args:
             input_dir: the directory :meth:`save_state` wrote; ``None`` with automatic

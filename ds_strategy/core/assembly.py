@@ -8,8 +8,9 @@ its steps in this order, each from the resolved config and the parts built befor
 1. ``resolve``: the config resolved for the data-parallel ranks, and the job's topology;
 2. ``adopt``: checks every rank agrees on before anything is built, quantization-aware
    layers, and the engine's place in a checkpoint (:class:`CheckpointPlace`);
-3. ``lay_out``: the ranks (:class:`Ranks`): tensor-parallel layers over consecutive ranks,
-   ZeRO over the others, hierarchically or in MiCS shard groups;
+3. ``lay_out``: the ranks (:class:`Ranks`): the rank layout (``core/layout.py``), which
+   creates every group; tensor-parallel layers over consecutive ranks, ZeRO over the
+   others, hierarchically or in MiCS shard groups;
 4. ``precision``: compute and master dtypes, the fp16 loss scaler, how gradients are scaled
    when reduced (:class:`PrecisionParts`), activation checkpointing;
 5. ``offload``: the offload tier, which takes the groups as they are built;
@@ -41,11 +42,13 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.validate import META_FILE
 from .collectives import Comm
 from .compression.onebit_reduce import OneBitReduction
+from .compression.reduction import GradientCompression
 from .compression.topk_reduce import TopKReduction
 from .compression.zeroone_reduce import ZeroOneReduction
 from .faults import together
 from .fingerprint import check_ranks_agree
 from .hierarchical import HierarchicalComm
+from .layout import RankLayout
 from .memory import ModelStateMeter
 from .mesh import ParallelMesh
 from .mics import MiCSComm
@@ -54,6 +57,7 @@ from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
 from .ownership import check_parameters_free
+from .parallel_dims import ParallelDims
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 from .profiling.comms import CommsLogger
@@ -111,12 +115,18 @@ class Ranks:
         shard_comm: what ZeRO shards over: ``comm``, or under MiCS a group of it.
         mesh: the parallel mesh (tensor-parallel x data-parallel; flat without TP).
         tensor_parallel: the layers split over tensor-parallel ranks, or None.
+        layout: the rank layout: every group above comes from it (a pipeline stage's
+            engine shares the pipeline's under tensor parallelism).
+        replica: MiCS's replica group, over which the reduced shards are summed; None
+            without MiCS.
     """
 
     comm: Comm
     shard_comm: Comm
     mesh: ParallelMesh
     tensor_parallel: TensorParallel | None
+    layout: RankLayout
+    replica: Comm | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,7 @@ class EngineParts:
     offload: Offload | None
     plan: ShardingPlan
     optimizer: OptimizerParts
-    compression: Compression | None
+    compression: GradientCompression | None
 
 
 class EngineBuilder:
@@ -287,31 +297,42 @@ class EngineBuilder:
         return qat, place
 
     def lay_out(self) -> Ranks:
-        """The mesh and the groups: tensor-parallel layers over consecutive ranks, ZeRO over
-        the others (hierarchically, or in MiCS shard groups, as configured)."""
+        """The rank layout and its groups: tensor-parallel layers over consecutive ranks, ZeRO
+        over the others (hierarchically, or in MiCS shard groups, as configured)."""
         zc, comm, model = self.config.zero_optimization, self.comm, self.model
-        mesh = ParallelMesh.flat(comm.rank, comm.world_size)
+        layout = self._layout()
+        mesh = ParallelMesh.of(layout)
         tensor_parallel: TensorParallel | None = None
         if self.tp > 1:  # split the layers over consecutive ranks, then ZeRO over the others
             with together(comm):
                 tp_plan = resolve_plan(model, self.tp, self.config.tensor_parallel.plan)
-            # a pipeline stage's engine gets the pipeline's mesh and runs on one stage's ranks
             given = self.stage.mesh if self.stage is not None else None
-            mesh = given or ParallelMesh.build(comm.world_size, self.tp, self.device)
+            mesh = given or ParallelMesh.of(layout, self.device)
             assert mesh.device_mesh is not None
-            tp_comm = Comm(mesh.group("tp"))
+            tp_comm = layout.comm("tp")
             tensor_parallel = TensorParallel(model, mesh.device_mesh["tp"], tp_plan, tp_comm)
-            comm = Comm(mesh.group("dp"), on_scratch=self.meter.scratch)
+            comm = layout.comm("dp", on_scratch=self.meter.scratch)
         for c in (comm, self.comm, *([tensor_parallel.comm] if tensor_parallel else [])):
             c.link = self.topology.link(c.global_ranks())
         if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
-            comm = HierarchicalComm.build(comm.group, self.topology, on_scratch=self.meter.scratch)
+            comm = HierarchicalComm.build(comm.group, layout, on_scratch=self.meter.scratch)
         with together(comm):  # see config/rules.py
             check_rules(self.config, self.facts(comm, tensor_parallel), "ranks")
         shard_comm: Comm = comm
+        replica: Comm | None = None
         if zc.mics_shard_size > 0:
-            shard_comm = MiCSComm.build(comm, zc.mics_shard_size, self.topology)
-        return Ranks(comm, shard_comm, mesh, tensor_parallel)
+            shard_comm = MiCSComm.build(comm, zc.mics_shard_size, layout)
+            replica = shard_comm.replica
+        return Ranks(comm, shard_comm, mesh, tensor_parallel, layout, replica)
+
+    def _layout(self) -> RankLayout:
+        """The engine's rank layout: over its group, or (a pipeline stage's engine under
+        tensor parallelism) the pipeline's, told the machines now known."""
+        given = self.stage.mesh if self.stage is not None else None
+        if given is not None and given.layout is not None:
+            given.layout.place_on(self.topology)
+            return given.layout
+        return RankLayout(ParallelDims(self.comm.world_size, tp=self.tp), self.topology, self.comm)
 
     def precision(self, ranks: Ranks) -> PrecisionParts:
         """Precision and loss scaling, how gradients are scaled when reduced, and
@@ -368,7 +389,8 @@ class EngineBuilder:
             on_groups=offload.adopt if offload is not None else None,
             meter=self.meter,
             store=offload.store if offload is not None else None,
-            topology=self.topology,
+            layout=ranks.layout,
+            replica=ranks.replica,
         )
         # parameters a pipeline materialised before this engine (the optimizer may hold the
         # meta ones they replaced)
@@ -402,6 +424,7 @@ class EngineBuilder:
                     plan.groups,
                     ranks.shard_comm,
                     tp_norm=(tp.norm_weight, tp.comm) if tp is not None else None,
+                    replica=ranks.replica,
                 )
             if offload is not None:
                 offload.attach(sharded, META_FILE)
@@ -535,6 +558,7 @@ def _prepare_qat(model: nn.Module, config: ZeroConfig, tp: int) -> dict[str, str
     """``quantization.qat``: the layers the quantization converts train fake-quantized."""
     qc = config.quantization
     check_rules(config, Facts(tensor_parallel=tp > 1), "quantization")  # see config/rules.py
+    assert qc.bits is not None  # qat without bits is refused by the rules above
     scheme = QuantScheme(qc.bits, qc.group_size, qc.symmetric)
     return prepare_qat(
         model,
@@ -579,7 +603,7 @@ def _tensor_parallel_size(
     if mesh is not None:  # a pipeline stage: the pipeline built the mesh
         assert mesh.tp == tp and mesh.dp * tp == comm.world_size, (mesh, comm.world_size)
         return tp
-    ParallelMesh.data_parallel_size(comm.world_size, tp)  # an error unless T divides it
+    ParallelDims(comm.world_size, tp=tp)  # an error naming the key unless T divides it
     return tp
 
 

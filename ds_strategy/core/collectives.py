@@ -22,8 +22,9 @@ import datetime
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,11 +32,20 @@ import torch.distributed as dist
 from .profiling.comms import CommsLogger, Timing
 from .profiling.ranges import ranged
 
-__all__ = ["Comm", "init_process_group_from_env", "subgroup", "Work"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Comm", "init_process_group_from_env", "Work"]
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Handle(Protocol):
+    """What an async torch.distributed call returns: ``wait()`` blocks until it is done."""
+
+    def wait(self) -> object: ...
 
 
 class Work:
@@ -49,7 +59,7 @@ class Work:
 
     def __init__(
         self,
-        handle: object | list[object] | None,
+        handle: _Handle | Sequence[_Handle | None] | None,
         kind: str = "",
         timer: Callable[[str, float], None] | None = None,
         *,
@@ -57,7 +67,7 @@ class Work:
         scratch: torch.Tensor | None = None,
         timing: Timing | None = None,
     ) -> None:
-        handles = handle if isinstance(handle, list) else [handle]
+        handles = list(handle) if isinstance(handle, Sequence) else [handle]
         self._handles = [h for h in handles if h is not None]
         self._kind = kind
         self._timer = timer if self._handles else None
@@ -73,7 +83,7 @@ class Work:
         if self._handles:
             start = time.perf_counter()
             for h in self._handles:
-                h.wait()  # type: ignore[attr-defined]
+                h.wait()
             if self._timer is not None:
                 self._timer(self._kind, time.perf_counter() - start)
             self._handles = []
@@ -204,7 +214,7 @@ class Comm:
 
     def _work(
         self,
-        handle: object | None,
+        handle: _Handle | None,
         kind: str,
         async_op: bool,
         start: float,
@@ -426,24 +436,36 @@ class Comm:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
-    def new_gloo_group(self) -> Comm:
-        """A second group over the same ranks, on gloo, for collectives issued from another
-        thread (a background checkpoint write) that must not interleave with this group's.
-        Collective: every rank of this group calls it."""
-        if self.world_size == 1:
-            return Comm(self.group)
-        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        return Comm(group, link=self.link)
+
+# -- creating groups: only core/layout.py calls these (see [Note: one rank layout] there) --------
 
 
-def subgroup(ranks: list[int]) -> dist.ProcessGroup | None:
-    """A process group over the global ``ranks``, created by its members only (each rank
-    builds just the groups it belongs to, in any order); ``None`` (a world of one) when no
-    process group exists."""
+def _create_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup | None:
+    """A process group over the global ``ranks``, created by its members only.
+
+    Each rank builds just the groups it belongs to, in any order. ``backend``: another
+    backend than the default group's (``"gloo"`` for a group of background threads).
+    ``None`` (a world of one) when no process group exists.
+    """
     if not dist.is_initialized():
         return None
-    return dist.new_group(ranks, use_local_synchronization=True)
+    return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+
+
+def _create_device_mesh(
+    device_type: str,
+    groups: list[dist.ProcessGroup],
+    ranks: torch.Tensor,
+    names: tuple[str, ...],
+) -> DeviceMesh:
+    """torch's ``DeviceMesh`` over groups already made, one per dimension.
+
+    ``ranks`` holds the mesh's global ranks in its shape. The mesh creates no group of its
+    own, so DTensor's collectives run on ``groups``.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 
 def init_process_group_from_env(timeout_s: float | None = None) -> bool:
@@ -469,13 +491,17 @@ def init_process_group_from_env(timeout_s: float | None = None) -> bool:
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return False  # a plain single process: run as a world of one
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs = {}
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
-    kwargs.update(_restart_store(env, kwargs.get("timeout")))
-    dist.init_process_group(backend=backend, **kwargs)
+    restart = _restart_store(env, timeout)
+    if restart is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        store, rank, world = restart
+        dist.init_process_group(
+            backend=backend, timeout=timeout, store=store, rank=rank, world_size=world
+        )
     atexit.unregister(_destroy_at_exit)  # once, however many groups a process creates
     atexit.register(_destroy_at_exit)
     return True
@@ -492,7 +518,9 @@ def _destroy_at_exit() -> None:
             dist.destroy_process_group()
 
 
-def _restart_store(env: os._Environ, timeout: datetime.timedelta | None) -> dict:
+def _restart_store(
+    env: os._Environ[str], timeout: datetime.timedelta | None
+) -> tuple[dist.Store, int, int] | None:
     """After a torchrun restart, a store namespace of this attempt's own.
 
     [Note: stale rendezvous keys]
@@ -504,7 +532,7 @@ def _restart_store(env: os._Environ, timeout: datetime.timedelta | None) -> dict
     """
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
+        return None
     world = int(env["WORLD_SIZE"])
     store = dist.TCPStore(
         env["MASTER_ADDR"],
@@ -514,4 +542,35 @@ def _restart_store(env: os._Environ, timeout: datetime.timedelta | None) -> dict
         timeout=timeout or datetime.timedelta(minutes=10),
     )
     prefixed = dist.PrefixStore(f"ds_strategy/attempt_{attempt}/", store)
-    return {"store": prefixed, "rank": int(env["RANK"]), "world_size": world}
+    return prefixed, int(env["RANK"]), world
+
+
+def distributed_available() -> bool:
+    """Whether this torch build has ``torch.distributed`` at all."""
+    return dist.is_available()
+
+
+def backend_available(name: str) -> bool:
+    """Whether this torch build has the backend ``name`` (``gloo``, ``nccl``, ``mpi``).
+
+    Args:
+        name: the backend, as ``init_process_group`` names it.
+    """
+    probe = getattr(dist, f"is_{name}_available", None)
+    return bool(dist.is_available() and probe is not None and probe())
+
+
+def is_distributed() -> bool:
+    """Whether a default process group exists (without one, a world of one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_rank() -> int:
+    """This process's rank in the default group; 0 without a process group."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def destroy_default_group() -> None:
+    """Destroy the default process group, if one exists. Local: no collective."""
+    if is_distributed():
+        dist.destroy_process_group()

@@ -15,25 +15,28 @@ The all-gather is the same two steps in reverse (across machines, then inside). 
 all-reduce is a reduce-scatter inside the machine, an all-reduce of the ``1/L`` piece across
 machines and an all-gather inside (small ones, flags and norms: an all-reduce at each level).
 
-Each level is its own ``Comm`` whose parent is this one, so ``comm_report()`` files the
-machine-internal bytes as ``intra_machine`` and the rest as ``inter_machine``. The two levels
-run one after the other: an asynchronous call here completes before it returns (the
-overlap of reductions with backward is traded for the smaller crossing traffic). The
-reordered copy and the levels' buffers live only inside the call; their bytes at its
-fullest go to the engine's meter (``Comm.holding``), so ``memory_report()["peak"]``
-includes them.
+Each level is its own ``Comm`` whose parent is this one (the rank layout creates them,
+``RankLayout.machine_levels``), so ``comm_report()`` files the machine-internal bytes as
+``intra_machine`` and the rest as ``inter_machine``. The two levels run one after the
+other: an asynchronous call here completes before it returns (the overlap of reductions
+with backward is traded for the smaller crossing traffic). The reordered copy and the
+levels' buffers live only inside the call; their bytes at its fullest go to the engine's
+meter (``Comm.holding``), so ``memory_report()["peak"]`` includes them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .collectives import Comm, Work, subgroup
-from .topology import Topology
+from .collectives import Comm, Work
+
+if TYPE_CHECKING:
+    from .layout import RankLayout
 
 __all__ = ["HierarchicalComm"]
 
@@ -54,42 +57,31 @@ class HierarchicalComm(Comm):
     @staticmethod
     def build(
         group: dist.ProcessGroup | None,
-        topology: Topology,
+        layout: RankLayout,
         *,
         parent: Comm | None = None,
         on_scratch: Callable[[int], None] | None = None,
     ) -> Comm:
         """The two-level ``Comm`` over ``group``, or a plain one when the group lies within
         one machine or on one rank per machine (one level would be all there is).
-        ``parent``: a group whose counts these are too (see ``Comm``); ``on_scratch``: where
-        the scratch of the levels is told (see ``Comm.holding``). Collective over the group's
-        members."""
-        flat = Comm(group, parent=parent, on_scratch=on_scratch)
-        ranks = flat.global_ranks()
-        by_machine: dict[int, list[int]] = {}
-        for r in ranks:
-            by_machine.setdefault(topology.machine_of(r), []).append(r)
-        sizes = {len(v) for v in by_machine.values()}
-        if len(by_machine) == 1 or sizes == {1}:
-            flat.link = topology.link(ranks)
+
+        Collective over the group's members: the layout creates the levels
+        (``RankLayout.machine_levels``, machines from its topology).
+
+        Args:
+            group: the group to split (None: the default group).
+            layout: the rank layout, which creates the levels.
+            parent: a group whose counts these are too (see ``Comm``).
+            on_scratch: where the scratch of the levels is told (see ``Comm.holding``).
+        """
+        comm = HierarchicalComm(group, link="inter", parent=parent, on_scratch=on_scratch)
+        levels = layout.machine_levels(comm)
+        if levels is None:
+            flat = Comm(group, parent=parent, on_scratch=on_scratch)
+            flat.link = layout.topology.link(flat.global_ranks())
             return flat
-        if len(sizes) > 1 or ranks != sorted(ranks):
-            raise ValueError(
-                f"hierarchical collectives: the group of ranks {ranks} has "
-                f"{sorted(len(v) for v in by_machine.values())} ranks on its machines; they "
-                "need the same number on each, numbered machine by machine"
-            )
-        per = sizes.pop()
-        me = ranks[flat.rank]
-        mine = by_machine[topology.machine_of(me)]
-        local = mine.index(me)
-        peers = [v[local] for _, v in sorted(by_machine.items())]
-        comm = HierarchicalComm(
-            group, link="inter", machines=len(by_machine), parent=parent, on_scratch=on_scratch
-        )
-        comm.intra = Comm(subgroup(mine), link="intra", parent=comm)
-        comm.inter = Comm(subgroup(peers), link="inter", parent=comm)
-        assert comm.intra.world_size == per
+        comm.intra, comm.inter = levels
+        comm.machines = comm.inter.world_size
         return comm
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:

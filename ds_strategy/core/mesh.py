@@ -1,7 +1,9 @@
-"""Where a rank sits among the parallel dimensions: world = pipeline x data x tensor, built
-with torch's ``DeviceMesh``. Tensor-parallel ranks are consecutive (they exchange activations
-every layer, so they get the fastest links, inside one machine), then data-parallel ranks
-(ZeRO shards over them), then pipeline stages: global rank ``s*(D*T) + d*T + t``.
+"""Where a rank sits among the pipeline, data and tensor dimensions: a view of a
+:class:`~ds_strategy.core.layout.RankLayout`, which builds the groups and the device mesh.
+
+The order is the layout's (see [Note: rank order] in ``core/parallel_dims.py``):
+tensor-parallel ranks consecutive, then data-parallel ranks, then pipeline stages; global
+rank ``s*(D*T) + d*T + t``.
 
 >>> ParallelMesh.flat(rank=1, world=4).coordinates
 {'pp': 0, 'dp': 1, 'tp': 0}
@@ -10,9 +12,16 @@ every layer, so they get the fastest links, inside one machine), then data-paral
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .layout import RankLayout
 
 __all__ = ["ParallelMesh"]
 
@@ -21,13 +30,14 @@ __all__ = ["ParallelMesh"]
 class ParallelMesh:
     """Sizes of the pipeline, data- and tensor-parallel dimensions and this rank's place in
     them; ``device_mesh`` (dimensions ``"dp"``, ``"tp"``, with ``"pp"`` first under a
-    pipeline) when tensor parallelism is on."""
+    pipeline) when tensor parallelism is on, and the ``layout`` it was read from."""
 
     pp: int
     dp: int
     tp: int
     coordinates: dict[str, int]
     device_mesh: DeviceMesh | None = field(default=None, repr=False)
+    layout: RankLayout | None = field(default=None, repr=False)
 
     @staticmethod
     def flat(rank: int, world: int) -> ParallelMesh:
@@ -36,49 +46,53 @@ class ParallelMesh:
 
     @staticmethod
     def place(rank: int, world: int, tp: int = 1, pp: int = 1) -> ParallelMesh:
-        """Where ``rank`` sits among ``world`` ranks in ``pp`` stages of ``tp``-way tensor
-        parallel ranks (the order above), without building a mesh: what a data sampler needs.
+        """Where ``rank`` sits among ``world`` ranks, without building a mesh.
+
+        The ranks are ``pp`` stages of ``tp``-way tensor parallel ranks (the order above).
+        This is what a data sampler needs.
+
+        Args:
+            rank: the rank to place.
+            world: how many ranks there are.
+            tp: tensor-parallel ranks per group.
+            pp: pipeline stages.
 
         >>> ParallelMesh.place(rank=5, world=8, tp=2, pp=2).coordinates
         {'pp': 1, 'dp': 0, 'tp': 1}
         """
-        dp = world // (pp * tp)
-        where = {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
-        return ParallelMesh(pp, dp, tp, where)
+        dims = ParallelDims(world, pp=pp, tp=tp)
+        where = dims.coordinates(rank)
+        return ParallelMesh(pp, dims.dp, tp, {k: where[k] for k in ("pp", "dp", "tp")})
 
     @staticmethod
     def data_parallel_size(world: int, tp: int, pp: int = 1) -> int:
-        """The data-parallel ranks of ``world`` ranks split into ``pp`` pipeline stages of
-        ``tp`` tensor-parallel ranks, or an error."""
-        if world % (pp * tp) and pp == 1:
-            raise ValueError(
-                f"tensor_parallel.autotp_size={tp} does not divide the world size {world}: "
-                "the world is data-parallel x tensor-parallel ranks; choose a size that divides "
-                "it or launch a multiple of it"
-            )
-        if world % (pp * tp):
-            raise ValueError(
-                f"pipeline.stages={pp} x tensor_parallel.autotp_size={tp} = {pp * tp} does not "
-                f"divide the world size {world}: the world is pipeline x data-parallel x "
-                "tensor-parallel ranks; choose sizes whose product divides it or launch a "
-                f"multiple of {pp * tp} ranks"
-            )
-        return world // (pp * tp)
+        """The data-parallel ranks of ``world`` ranks, or an error naming the keys.
+
+        Args:
+            world: how many ranks there are.
+            tp: tensor-parallel ranks per group.
+            pp: pipeline stages.
+        """
+        return ParallelDims(world, pp=pp, tp=tp).dp
 
     @staticmethod
-    def build(world: int, tp: int, device: torch.device, pp: int = 1) -> ParallelMesh:
-        """The mesh of ``world`` ranks (the default process group): ``pp`` pipeline stages,
-        each ``tp``-way tensor parallel, data parallel over the rest; collective."""
-        dp = ParallelMesh.data_parallel_size(world, tp, pp)
-        if pp == 1:
-            mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-            dp_rank, tp_rank = mesh.get_coordinate() or (0, 0)
-            return ParallelMesh(1, dp, tp, {"pp": 0, "dp": dp_rank, "tp": tp_rank}, mesh)
-        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-        pp_rank, dp_rank, tp_rank = mesh.get_coordinate() or (0, 0, 0)
-        return ParallelMesh(pp, dp, tp, {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}, mesh)
+    def of(layout: RankLayout, device: torch.device | None = None) -> ParallelMesh:
+        """The view of ``layout``; with ``device``, its device mesh too (made once).
 
-    def group(self, dim: str) -> torch.distributed.ProcessGroup:
-        """The process group of this rank's ``dim`` ("pp", "dp" or "tp") dimension."""
-        assert self.device_mesh is not None, "a flat mesh has only the default group"
-        return self.device_mesh.get_group(dim)
+        Args:
+            layout: the rank layout to read.
+            device: where DTensor's layers run; None: no device mesh.
+        """
+        dims, where = layout.dims, layout.coordinates
+        mesh = layout.device_mesh(device.type) if device is not None else None
+        place = {k: where[k] for k in ("pp", "dp", "tp")}
+        return ParallelMesh(dims.pp, dims.dp, dims.tp, place, mesh, layout)
+
+    def group(self, dim: str) -> torch.distributed.ProcessGroup | None:
+        """The process group of this rank's ``dim`` ("pp", "dp" or "tp") dimension.
+
+        Args:
+            dim: the dimension's name.
+        """
+        assert self.layout is not None, "a mesh read without a layout has no groups"
+        return self.layout.group(dim)

@@ -22,7 +22,8 @@ class StageContext:
         whole_model: every stage's layers: the optimizer may hold all their parameters, a
             checkpoint it loads may hold more than this stage, and a weight tied across
             stages is saved under the whole model's name.
-        mesh: the pipeline's mesh, whose tensor-parallel groups the stage uses.
+        mesh: the pipeline's mesh; the stage's engine takes its rank layout (groups,
+            device mesh) from it under tensor parallelism.
         replaced: ``id(meta parameter) -> parameter`` for the layers the pipeline
             materialised (the optimizer may hold the meta ones).
         stages: how many stages the pipeline has (a stage's flops profile counts them as

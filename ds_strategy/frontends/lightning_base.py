@@ -7,7 +7,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
@@ -25,10 +25,49 @@ from ..core.several import SeveralEngines
 from ..core.training import TrainingEngine
 from .engines import move_real_tensors
 
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
+
 __all__ = ["FlagPrecision", "LightningZeroBase"]
 
 # the plugins Lightning builds from its precision flag, replaced by FlagPrecision (rejects 64-true)
 _STOCK = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision")
+
+_T = TypeVar("_T")
+
+
+class _TearsDown(Protocol):
+    def teardown(self) -> None: ...
+
+
+class _DDPStrategy(Protocol):
+    """What the mixin uses of the ``DDPStrategy`` after it in a strategy's bases (the
+    Trainer's or Fabric's, whose attributes differ in type)."""
+
+    cluster_environment: ClusterEnvironment | None
+
+    @property
+    def accelerator(self) -> _TearsDown | None: ...
+
+    @property
+    def checkpoint_io(self) -> _TearsDown: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    def broadcast(self, obj: _T, src: int = 0) -> _T: ...
 
 
 class FlagPrecision:
@@ -37,11 +76,22 @@ class FlagPrecision:
     front = "Trainer"
 
     def __init__(self, precision: str = "32-true") -> None:
-        self.precision = check_precision(precision, self.front)
+        """Keep the flag, once checked.
+
+        Args:
+            precision: the framework's precision flag, such as ``"bf16-mixed"``.
+        """
+        # one of Lightning's flags, as its Precision types it: check_precision refuses others
+        self.precision = cast("_PRECISION_INPUT_STR", check_precision(precision, self.front))
 
     @classmethod
     def from_plugin(cls, plugin: Any) -> Any:
-        """The equivalent of the plugin the framework built from its ``precision`` flag."""
+        """The equivalent of the plugin the framework built from its ``precision`` flag.
+
+        Args:
+            plugin: the framework's precision plugin. A stock one maps onto this class; any
+                other is refused.
+        """
         if isinstance(plugin, cls):
             return plugin
         if type(plugin).__name__ in _STOCK and type(plugin).__module__.startswith("lightning."):
@@ -53,18 +103,7 @@ class FlagPrecision:
 
 
 class LightningZeroBase:
-    """What the Trainer's and Fabric's ``ZeroStrategy`` share, mixed in before ``DDPStrategy``.
-
-    Args:
-        stage: ZeRO stage 0-3; ``None`` keeps the config's stage (2 when there is no config).
-        config: :class:`~ds_strategy.ZeroConfig`, DeepSpeed-style dict or ``.json``/``.yaml`` path;
-            the other arguments override it.
-        offload_optimizer, offload_parameters: optimizer state / parameters (stage 3) in CPU memory.
-        param_init_fn: ``fn(module)`` initialising a meta-device module's own parameters when it is
-            materialised (default: ``module.reset_parameters()``).
-        accelerator, parallel_devices, cluster_environment, precision: set by the framework.
-        process_group_backend, timeout: the process group's (default backend: by device).
-    """
+    """What the Trainer's and Fabric's ``ZeroStrategy`` share, mixed in before ``DDPStrategy``."""
 
     front = "Trainer"  # how error messages name the loop object
     precision_attr = "precision_plugin"  # the framework's name for its precision plugin
@@ -86,6 +125,24 @@ class LightningZeroBase:
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        """Configure the strategy. The framework sets ``accelerator`` and the arguments after it.
+
+        Args:
+            stage: the ZeRO stage, 0-3. ``None`` keeps the config's stage, or 2 without a
+                config.
+            config: a :class:`~ds_strategy.ZeroConfig`, a DeepSpeed-style dict or a
+                ``.json``/``.yaml`` path. The other arguments override it.
+            offload_optimizer: keep optimizer state in CPU memory.
+            offload_parameters: keep parameters in CPU memory (stage 3).
+            param_init_fn: ``fn(module)`` initialising a meta-device module's own parameters
+                when it is materialised. Default: ``module.reset_parameters()``.
+            accelerator: set by the framework.
+            parallel_devices: set by the framework.
+            cluster_environment: set by the framework.
+            precision: set by the framework.
+            process_group_backend: the process group's backend. Default: by device.
+            timeout: the process group's timeout.
+        """
         super().__init__(  # type: ignore[call-arg]
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -104,7 +161,13 @@ class LightningZeroBase:
         """The front end's own state, set after the framework's constructor."""
 
     @property
+    def _ddp(self) -> _DDPStrategy:
+        # every strategy mixes this class in before a DDPStrategy (see _DDPStrategy)
+        return cast(_DDPStrategy, self)
+
+    @property
     def stage(self) -> int:
+        """The ZeRO stage, 0-3."""
         return self._base_config.layout.stage
 
     @property
@@ -125,11 +188,18 @@ class LightningZeroBase:
         return self._engine
 
     def save_consolidated(self, path: str | os.PathLike) -> Path:
-        """Collective: rank 0 writes the fp32 weights (a model set up with several optimizers:
-        every engine's), keyed like the module's ``state_dict()``, to one file (``.safetensors``
-        or ``torch.save`` by suffix)::
+        """Write the fp32 weights to one file. Collective: rank 0 writes.
+
+        The weights are keyed like the module's ``state_dict()``. A model set up with several
+        optimizers writes every engine's::
 
             trainer.strategy.save_consolidated("model.safetensors")
+
+        Args:
+            path: the file: ``.safetensors``, or ``torch.save`` for another suffix.
+
+        Returns:
+            The file written.
         """
         several = self._job.several_of()  # the only set-up, an engine per optimizer
         return (several if several is not None else self._active()).save_weights(Path(path))
@@ -145,15 +215,23 @@ class LightningZeroBase:
         """Rank 0's path on every rank, once an asynchronous save has finished renaming."""
         if self._engine is not None:
             self._engine.wait_for_checkpoint()
-        return Path(self.broadcast(str(path)))
+        return Path(self._ddp.broadcast(str(path)))
 
     def plugin(self) -> Any:
-        """The precision plugin: the framework builds a stock one from its ``precision`` flag,
-        which the setter turns into ``precision_class`` (the flag only)."""
+        """The precision plugin.
+
+        The framework builds a stock one from its ``precision`` flag. The setter turns it into
+        ``precision_class``, which carries the flag only.
+        """
         plugin = getattr(self, f"_{self.precision_attr}")
         return plugin if plugin is not None else self.precision_class()
 
     def set_plugin(self, plugin: Any) -> None:
+        """Keep the framework's precision plugin as ``precision_class``.
+
+        Args:
+            plugin: the framework's plugin, or None.
+        """
         kept = None if plugin is None else self.precision_class.from_plugin(plugin)
         setattr(self, f"_{self.precision_attr}", kept)
 
@@ -168,13 +246,13 @@ class LightningZeroBase:
         clip = {k: kwargs.pop(k) for k in ("clip_val", "clip_algorithm") if k in kwargs}
         cfg = apply_loop_flags(
             self._base_config,
-            world_size=self.world_size,
+            world_size=self._ddp.world_size,
             precision=flag,
             accumulate=accumulate,
             front=self.front,
             **clip,
         )
-        move_real_tensors(module, self.root_device)
+        move_real_tensors(module, self._ddp.root_device)
         with blaming_precision_flag(cfg, self.front, flag):
             return ZeroEngine(module, optimizer, cfg, param_init_fn=self._param_init_fn, **kwargs)
 
@@ -195,14 +273,15 @@ class LightningZeroBase:
             move_schedulers(engine, [s for s in schedulers if s.optimizer is optimizer])
             return engine
 
-        move_real_tensors(module, self.root_device)  # buffers of parameter-free submodules
+        move_real_tensors(module, self._ddp.root_device)  # buffers of parameter-free submodules
         return SeveralEngines(module, optimizers, build)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The sampler's ``num_replicas`` and ``rank``."""
         # by data-parallel rank: every stage and tensor-parallel rank of one reads its rows
-        layout, world = self._base_config.layout, self.num_nodes * self.num_processes
-        place = ParallelMesh.place(self.global_rank, world, layout.tp, layout.stages)
+        layout, world = self._base_config.layout, self._ddp.num_nodes * self._ddp.num_processes
+        place = ParallelMesh.place(self._ddp.global_rank, world, layout.tp, layout.stages)
         return {"num_replicas": place.dp, "rank": place.coordinates["dp"]}
 
     def _meta_init(self, empty_init: bool | None) -> bool:
@@ -211,6 +290,7 @@ class LightningZeroBase:
         return self._meta_stage3 and empty_init is not False or bool(empty_init)
 
     def module_sharded_context(self) -> AbstractContextManager:
+        """Under stage 3 without tensor parallelism, modules are created on the meta device."""
         return torch.device("meta") if self._meta_stage3 else nullcontext()
 
     @property
@@ -221,14 +301,20 @@ class LightningZeroBase:
     model_sharded_context = module_sharded_context  # the Trainer's name
 
     def teardown(self) -> None:
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
+        ddp = self._ddp
+        assert ddp.cluster_environment is not None and ddp.accelerator is not None
+        ddp.cluster_environment.teardown()
         getattr(self, self.precision_attr).teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        ddp.accelerator.teardown()
+        ddp.checkpoint_io.teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the package's presets by name: ``zero1`` ... ``zero3_offload``.
+
+        Args:
+            strategy_registry: the framework's registry of strategies.
+        """
         for name in preset_names():  # the package's presets (config/presets.py), by name
             strategy_registry.register(
                 name,

@@ -40,12 +40,13 @@ import re
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ...config import ConfigError
 from ..collectives import Comm
 from ..faults import together
+from ..layout import RankLayout
 from ..profiling.ranges import ranged
 from ..warnings import CheckpointWarning
 from . import reshard, store, swap
@@ -91,9 +92,9 @@ class CheckpointManager:
     @ranged("checkpoint_save")
     def save(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         tag: str | None = None,
-        client_state: Any = None,
+        client_state: object = None,
         save_latest: bool = True,
         include_optimizer: bool = True,
         async_save: bool | None = None,
@@ -176,6 +177,7 @@ class CheckpointManager:
         self._seen_steps = steps
         if every is None or steps % every != 0:
             return
+        assert self.config.save_dir is not None  # (__init__ refused an interval without it)
         self.engine.save_checkpoint(self.config.save_dir, tag=f"global_step{steps}")
 
     def writing(self) -> bool:
@@ -198,12 +200,12 @@ class CheckpointManager:
     @ranged("checkpoint_load")
     def load(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         tag: str | None = None,
         load_optimizer: bool = True,
         require_checksums: bool = True,
         trust_checkpoint: bool = False,
-    ) -> Any:
+    ) -> object:
         self.wait()
         with together(self.engine.checkpoint_comm, CheckpointError):
             if load_optimizer and tag is None and holds_engines(Path(path)):
@@ -217,9 +219,9 @@ class CheckpointManager:
         if deepspeed is not None:  # DeepSpeed's own layout, read by content
             with together(self.engine.checkpoint_comm, CheckpointError):
                 ckpt = open_deepspeed(deepspeed, trust_checkpoint)
-            client_state = load_deepspeed(self.engine, ckpt, load_optimizer)
+            from_deepspeed = load_deepspeed(self.engine, ckpt, load_optimizer)
             self._seen_steps = self.engine.global_steps
-            return client_state
+            return from_deepspeed
         client_state = reshard.load_engine(
             self.engine,
             lambda: resolve_sources(Path(path), tag),  # asked again if a save moves them
@@ -243,14 +245,14 @@ class CheckpointManager:
 
     def _side_comm(self) -> Comm:
         if self._side is None:  # collective: every rank reaches the first async save together
-            self._side = self.engine.checkpoint_comm.new_gloo_group()
+            self._side = RankLayout.side(self.engine.checkpoint_comm)  # a gloo twin
         return self._side
 
 
 class _BackgroundSave:
     """One asynchronous save's writer thread and its outcome."""
 
-    def __init__(self, run: Any, final: Path) -> None:
+    def __init__(self, run: Callable[[], None], final: Path) -> None:
         self.final = final
         self.error: BaseException | None = None
 
@@ -356,8 +358,8 @@ def resolve_sources(path: Path, tag: str | None) -> list[Path]:
 
 def _steps(directory: Path) -> int | None:
     try:
-        return int(read_meta(directory).get("global_steps"))
-    except (OSError, ValueError, TypeError, CheckpointError):
+        return int(read_meta(directory)["global_steps"])
+    except (OSError, ValueError, TypeError, KeyError, CheckpointError):
         return None
 
 
@@ -367,13 +369,14 @@ def complete_in_every_stage(root: Path) -> list[tuple[int, str]]:
     stages = stage_dirs(root)
     if not stages:
         return []
-    found = []
+    found: list[tuple[int, str]] = []
     for d in sorted(stages[0].iterdir()):
         if not d.is_dir() or d.name.endswith((".tmp", ".old")):
             continue
         steps = {_steps(s / d.name) for s in stages}  # None: not a complete checkpoint there
-        if len(steps) == 1 and None not in steps:
-            found.append((steps.pop(), d.name))
+        step = steps.pop()
+        if not steps and step is not None:
+            found.append((step, d.name))
     return sorted(found)
 
 

@@ -20,20 +20,22 @@ weights only the part it keeps (``placement.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from ...config import ConfigError, ZeroConfig, load_config
+from ...config.loop import ConfigSource
 from ...config.rules import Facts, check_rules
 from ..checkpoint.validate import META_FILE
 from ..collectives import Comm, init_process_group_from_env
 from ..faults import together
 from ..generation import sync_generation
+from ..layout import RankLayout
 from ..memory import ModelStateMeter
 from ..mesh import ParallelMesh
 from ..offload import Offload
@@ -43,13 +45,23 @@ from ..quant.scheme import QuantScheme
 from ..tp.plan import resolve_plan
 from ..zero.forward import ForwardSharding, Unit
 from ..zero.units import UnitPlan, plan_units
-from .building import CharTokenizer, DirectoryLoader, LoadedModel, load_model
+from .building import (
+    CharTokenizer,
+    DirectoryLoader,
+    LoadedModel,
+    ModelSpec,
+    TextTokenizer,
+    load_model,
+)
 from .generate import agreed_seed, options_problem, sample_loop
-from .origins import origins_for, quant_metadata
+from .origins import QuantMeta, origins_for, quant_metadata
 from .placement import WeightReader, place_sharded, place_whole
 from .save import write_quantized
 from .sources import ModuleSource, WeightSource, open_source, source_kind
 from .tp import TensorParallelInference
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["InferenceEngine"]
 
@@ -57,19 +69,35 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class InferenceEngine(nn.Module):
-    """A model ready to run: ``engine(inputs)``, ``engine.generate(...)``. Build it with
-    :func:`ds_strategy.init_inference`. Every call that runs the model is collective under
-    ZeRO-Inference and tensor parallelism: call it on every rank, the same number of times."""
+    """A model ready to run: ``engine(inputs)``, ``engine.generate(...)``.
+
+    Build it with :func:`ds_strategy.init_inference`. Under ZeRO-Inference and tensor
+    parallelism, every call that runs the model is collective. Call it on every rank, the
+    same number of times.
+
+    Args:
+        model: as in :func:`~ds_strategy.init_inference`.
+        config: as in :func:`~ds_strategy.init_inference`.
+        dtype: as in :func:`~ds_strategy.init_inference`.
+        tensor_parallel: as in :func:`~ds_strategy.init_inference`.
+        quantization: as in :func:`~ds_strategy.init_inference`.
+        checkpoint: as in :func:`~ds_strategy.init_inference`.
+        process_group: as in :func:`~ds_strategy.init_inference`.
+        require_checksums: as in :func:`~ds_strategy.init_inference`.
+        loaders: more kinds of model directory, each returning ``None`` for a directory it
+            does not know. ``init_inference`` adds Hugging Face's.
+        trust_remote_code: as in :func:`~ds_strategy.init_inference`.
+    """
 
     def __init__(
         self,
-        model: Any,
-        config: Any = None,
+        model: ModelSpec,
+        config: ConfigSource | DictConfig = None,
         *,
         dtype: torch.dtype | str | None = None,
-        tensor_parallel: int | dict[str, Any] | None = None,
-        quantization: int | dict[str, Any] | None = None,
-        checkpoint: str | os.PathLike | None = None,
+        tensor_parallel: int | Mapping[str, object] | None = None,
+        quantization: int | Mapping[str, object] | None = None,
+        checkpoint: str | os.PathLike[str] | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
         require_checksums: bool = True,
         loaders: Sequence[DirectoryLoader] = (),
@@ -93,9 +121,8 @@ class InferenceEngine(nn.Module):
         tp = self.config.tensor_parallel.autotp_size
         with together(self.comm):
             self._check_layout(tp)
-        if tp > 1:  # a collective: the mesh's groups
-            mesh = ParallelMesh.build(self.comm.world_size, tp, self.device)
-            self.tp_comm = Comm(mesh.group("tp"))
+        if tp > 1:  # a collective: the layout creates the tensor-parallel group
+            self.tp_comm = RankLayout.over(self.comm, tp=tp).comm("tp")
         self.meter = ModelStateMeter()
         with together(self.comm):
             # the tier gives each ZeRO group its store as the group is built
@@ -166,7 +193,7 @@ class InferenceEngine(nn.Module):
             p.requires_grad_(False)
         return quant
 
-    def _quantize(self, saved: dict[str, Any] | None) -> QuantPlan | None:
+    def _quantize(self, saved: QuantMeta | None) -> QuantPlan | None:
         """The quantized layers: those of a quantized export (``saved``, its metadata), or
         the config's."""
         qc = self.config.quantization
@@ -244,14 +271,16 @@ class InferenceEngine(nn.Module):
 
     # -- running ---------------------------------------------------------------------------------
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward, without gradients; tensors are moved to the engine's device and
-        floating-point inputs cast to its dtype."""
+    def forward(self, *args: object, **kwargs: object) -> Any:  # the model's own output
+        """The model's forward, without gradients.
+
+        Tensors move to the engine's device; floating-point inputs are cast to its dtype.
+        """
         args, kwargs = tree_map(self._to_device, (args, kwargs))
         with torch.no_grad():
             return self.module(*args, **kwargs)
 
-    def _to_device(self, t: Any) -> Any:
+    def _to_device(self, t: object) -> object:
         if not torch.is_tensor(t):
             return t
         return t.to(self.device, dtype=self.dtype if t.is_floating_point() else None)
@@ -267,13 +296,26 @@ class InferenceEngine(nn.Module):
         top_p: float | None = None,
         seed: int | None = None,
         eos_token_id: int | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> torch.Tensor:
-        """``input_ids`` (batch, tokens) followed by up to ``max_new_tokens`` new tokens: greedy,
-        or sampled (``do_sample``, ``temperature``, ``top_k``, ``top_p``; ``seed`` makes it
-        repeatable). A Hugging Face causal LM generates with its own ``generate`` (KV cache;
-        extra keyword arguments go to it); other models with the engine's loop (a KV cache
-        where the model offers one). Collective; see ``generate.py`` for how ranks keep step.
+        """``input_ids`` followed by up to ``max_new_tokens`` new tokens, greedy or sampled.
+
+        A Hugging Face causal LM generates with its own ``generate``, with its KV cache. Extra
+        keyword arguments go to it. Other models use the engine's loop, with a KV cache where
+        the model offers one. Collective; see ``generate.py`` for how ranks keep step.
+
+        Args:
+            input_ids: the prompt's ids, shaped (batch, tokens).
+            max_new_tokens: the most tokens to add.
+            do_sample: sample instead of taking the likeliest token.
+            temperature: divides the logits before sampling.
+            top_k: sample among the ``top_k`` likeliest tokens only.
+            top_p: sample among the likeliest tokens whose probabilities sum to ``top_p``.
+            seed: makes sampling repeatable.
+            eos_token_id: the token that ends a sequence.
+
+        Returns:
+            ``input_ids`` followed by the new tokens, shaped (batch, tokens).
         """
         problem = self.generation_problem(
             input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature,
@@ -287,7 +329,10 @@ class InferenceEngine(nn.Module):
             getattr(self.module, "generate", None)
         )
         if hf:  # its own options, passed only where given (its generation_config otherwise)
-            options: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+            options: dict[str, int | float | bool | None] = {
+                "max_new_tokens": max_new_tokens,
+                "do_sample": do_sample,
+            }
             if do_sample:
                 options.update(temperature=temperature, top_k=top_k, top_p=top_p)
             if eos_token_id is not None:
@@ -318,19 +363,34 @@ class InferenceEngine(nn.Module):
 
     def generation_problem(
         self,
-        input_ids: Any,
-        max_new_tokens: Any,
+        input_ids: object,
+        max_new_tokens: object,
         *,
         do_sample: bool = False,
-        temperature: Any = 1.0,
-        top_k: Any = None,
-        top_p: Any = None,
-        seed: Any = None,
+        temperature: object = 1.0,
+        top_k: object = None,
+        top_p: object = None,
+        seed: object = None,
         name: Callable[[str], str] = str,
     ) -> str | None:
-        """What is wrong with these :meth:`generate` arguments for this model, naming each
-        argument as ``name`` spells it (``ds-strategy generate`` its options); None: nothing.
-        Checked on every rank before any starts the loop."""
+        """What is wrong with these :meth:`generate` arguments for this model.
+
+        Every rank checks them before any starts the loop.
+
+        Args:
+            input_ids: as in :meth:`generate`.
+            max_new_tokens: as in :meth:`generate`.
+            do_sample: as in :meth:`generate`.
+            temperature: as in :meth:`generate`.
+            top_k: as in :meth:`generate`.
+            top_p: as in :meth:`generate`.
+            seed: as in :meth:`generate`.
+            name: spells each argument's name in the message. ``ds-strategy generate`` gives
+                its options' names.
+
+        Returns:
+            The problem, or None when there is none.
+        """
         ids = input_ids
         if not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[1] == 0:
             got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
@@ -348,6 +408,7 @@ class InferenceEngine(nn.Module):
         )
         if problem is not None:
             return problem
+        assert isinstance(max_new_tokens, int)  # options_problem checked it
         limit = self._max_positions()
         if limit is not None and ids.shape[1] + max_new_tokens > limit[0]:
             return (
@@ -378,22 +439,42 @@ class InferenceEngine(nn.Module):
             )
         return int(emb.num_embeddings) if emb is not None else None
 
-    def generate_text(self, prompt: str, max_new_tokens: int = 32, **kwargs: Any) -> str:
-        """``prompt`` and its continuation, through the model's tokenizer (a Hugging Face model
-        directory's, or the character alphabet of a ``ds_model.json``); keyword arguments as
-        :meth:`generate`. Collective."""
+    def generate_text(
+        self,
+        prompt: str,
+        max_new_tokens: int = 32,
+        **kwargs: Any,  # generate()'s, of any type
+    ) -> str:
+        """``prompt`` and its continuation, through the model's tokenizer. Collective.
+
+        The tokenizer is a Hugging Face model directory's, or a ``ds_model.json``'s character
+        alphabet.
+
+        Args:
+            prompt: the text to continue.
+            max_new_tokens: the most tokens to add.
+            **kwargs: as in :meth:`generate`.
+        """
         out = self.generate(self.encode(prompt), max_new_tokens, **kwargs)
         return self.decode(out[0].tolist())
 
     def encode(self, text: str) -> torch.Tensor:
-        """``text`` as a (1, tokens) tensor of ids, through the model's tokenizer."""
+        """``text`` as a (1, tokens) tensor of ids, through the model's tokenizer.
+
+        Args:
+            text: the text to encode.
+        """
         return _encode(self._require_tokenizer("encode"), text)
 
     def decode(self, ids: list[int]) -> str:
-        """Token ids as text, through the model's tokenizer (special tokens skipped)."""
+        """Token ids as text, through the model's tokenizer (special tokens skipped).
+
+        Args:
+            ids: the token ids.
+        """
         return _decode(self._require_tokenizer("decode"), ids)
 
-    def _require_tokenizer(self, what: str) -> Any:
+    def _require_tokenizer(self, what: str) -> CharTokenizer | TextTokenizer:
         if self.tokenizer is None:
             raise ValueError(
                 f"{what}: this model came without a tokenizer (a Hugging Face directory "
@@ -431,11 +512,15 @@ class InferenceEngine(nn.Module):
         return whole + shards
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds: ``params`` (whole parameters and ZeRO slices; quantized
-        layers at their stored size, scales included), ``peak`` (the most held at once since
-        the engine was built or :meth:`reset_peak_memory`, gathered blocks included),
-        ``peak_gathered_params`` (of which gathered at once) and, with NVMe offload,
-        ``offloaded_nvme`` (the bytes in files, not in ``params``)."""
+        """Bytes this rank holds, by kind.
+
+        Returns:
+            ``params``: whole parameters and ZeRO slices. Quantized layers count at their
+            stored size, scales included. ``peak``: the most held at once since the engine was
+            built or :meth:`reset_peak_memory`, gathered blocks included.
+            ``peak_gathered_params``: of which gathered at once. With NVMe offload,
+            ``offloaded_nvme``: the bytes in files, not in ``params``.
+        """
         report = {"params": self._resident_bytes(), "peak": self.meter.peak}
         elem = max((g.shard.element_size() for g in self.sharding.groups), default=0)
         report["peak_gathered_params"] = self.sharding.peak_live_numel * elem
@@ -448,11 +533,20 @@ class InferenceEngine(nn.Module):
         self.meter.reset_peak()
         self.sharding.reset_peak()
 
-    def save_quantized(self, path: str | os.PathLike) -> Path:
-        """Write the weights as they are held (quantized layers as their int8 / packed int4
-        tensors and scales) to one ``.safetensors`` file that :func:`ds_strategy.init_inference`
-        loads, quantized as it is; the quantization is recorded in the file's metadata.
-        Collective; rank 0 writes (tensor-parallel parts and ZeRO slices are joined first)."""
+    def save_quantized(self, path: str | os.PathLike[str]) -> Path:
+        """Write the weights as they are held to one ``.safetensors`` file.
+
+        Quantized layers are written as their int8 / packed int4 tensors and scales. The
+        file's metadata records the quantization. :func:`ds_strategy.init_inference` loads
+        the file, quantized as it is. Collective: tensor-parallel parts and ZeRO slices are
+        joined first, then rank 0 writes.
+
+        Args:
+            path: the ``.safetensors`` file to write.
+
+        Returns:
+            The file written.
+        """
         path = Path(path)
         if path.suffix != ".safetensors":
             raise ValueError(f"save_quantized({str(path)!r}): write a .safetensors file")
@@ -479,19 +573,23 @@ class InferenceEngine(nn.Module):
             self._offload.close()
 
 
-def _encode(tokenizer: Any, text: str) -> torch.Tensor:
+def _encode(tokenizer: CharTokenizer | TextTokenizer, text: str) -> torch.Tensor:
     if isinstance(tokenizer, CharTokenizer):
         return torch.tensor([tokenizer.encode(text)])
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def _decode(tokenizer: Any, ids: list[int]) -> str:
+def _decode(tokenizer: CharTokenizer | TextTokenizer, ids: list[int]) -> str:
     if isinstance(tokenizer, CharTokenizer):
         return tokenizer.decode(ids)
     return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def _config(config: Any, tensor_parallel: Any, quantization: Any) -> ZeroConfig:
+def _config(
+    config: ConfigSource | DictConfig,
+    tensor_parallel: int | Mapping[str, object] | None,
+    quantization: int | Mapping[str, object] | None,
+) -> ZeroConfig:
     cfg = load_config(config)
     if tensor_parallel is not None:
         tp = (
@@ -530,7 +628,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _weights_path(loaded: LoadedModel, checkpoint: str | os.PathLike | None) -> Path | None:
+def _weights_path(loaded: LoadedModel, checkpoint: str | os.PathLike[str] | None) -> Path | None:
     if checkpoint is not None:
         return Path(checkpoint)
     if loaded.weights is not None:

@@ -1,13 +1,15 @@
-"""The process-group layout of pipeline x data (x tensor) parallelism.
+"""The process groups of pipeline x data (x tensor) parallelism, from the rank layout.
 
-[Note: rank order]
+[Note: pipeline rank order]
 As in DeepSpeed's ``PipeDataParallelTopology`` (axes ``pipe``, ``data``), the data-parallel
 index varies faster than the stage; with tensor parallelism the tensor-parallel index varies
 fastest of all: global rank ``r`` runs pipeline stage ``r // (D*T)`` as data-parallel rank
-``r // T % D`` and tensor-parallel rank ``r % T`` (the ``"pp"``, ``"dp"``, ``"tp"`` dimensions
-of :class:`~ds_strategy.core.mesh.ParallelMesh`). The ``D*T`` ranks of one stage (consecutive
-ranks, usually one node) train it together: ZeRO over ``D``, the layers split over ``T``. The
-``P`` ranks with the same place in their stage (its *lane*) form one pipeline.
+``r // T % D`` and tensor-parallel rank ``r % T`` (the ``"pp"``, ``"dp"``, ``"tp"``
+dimensions of :class:`~ds_strategy.core.layout.RankLayout`; see [Note: rank order] in
+``core/parallel_dims.py``). The ``D*T`` ranks of one stage (consecutive ranks, usually one
+node) train it together: ZeRO over ``D``, the layers split over ``T``. The ``P`` ranks with
+the same place in their stage (its *lane*) form one pipeline. The layout creates every
+group; a ``Mesh`` holds the ones the pipeline engine uses.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ...config import ConfigError
+from ..collectives import Comm, is_distributed
+from ..layout import RankLayout
 from ..mesh import ParallelMesh
+from ..parallel_dims import ParallelDims
 
 __all__ = ["Mesh", "loader_micro_batch"]
 
@@ -65,6 +69,12 @@ class Mesh:
     tp_size: int = 1
     stage_group: dist.ProcessGroup | None = None  # the D*T ranks of this stage (T > 1)
     parallel: ParallelMesh | None = None  # the device mesh (T > 1)
+    layout: RankLayout | None = None  # what made the groups (None: a mesh read without them)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The sizes, as the rank layout holds them."""
+        return ParallelDims(self.world_size, pp=self.pp_size, tp=self.tp_size)
 
     @property
     def world_size(self) -> int:
@@ -86,81 +96,72 @@ class Mesh:
 
     @property
     def dp_rank(self) -> int:
-        return self.lane // self.tp_size
+        return self.dims.coordinates(self.rank)["dp"]
 
     @property
     def tp_rank(self) -> int:
-        return self.lane % self.tp_size
+        return self.dims.coordinates(self.rank)["tp"]
 
     @property
     def coordinates(self) -> dict[str, int]:
-        """This rank's place, as ``ParallelMesh.coordinates``: ``{"pp": .., "dp": .., "tp": ..}``."""
-        return {"pp": self.stage, "dp": self.dp_rank, "tp": self.tp_rank}
+        """This rank's place, as ``ParallelMesh.coordinates``: ``{"pp", "dp", "tp"}``."""
+        where = self.dims.coordinates(self.rank)
+        return {k: where[k] for k in ("pp", "dp", "tp")}
 
     def global_rank(self, stage: int, dp_rank: int | None = None) -> int:
         """The global rank running ``stage`` as data-parallel rank ``dp_rank`` (default: ours)
         with our tensor-parallel rank."""
         dp = self.dp_rank if dp_rank is None else dp_rank
-        return stage * self.stage_size + dp * self.tp_size + self.tp_rank
+        return self.dims.rank_of({"pp": stage, "dp_shard": dp, "tp": self.tp_rank})
 
     def pp_ranks(self) -> list[int]:
-        return [self.global_rank(s) for s in range(self.pp_size)]
+        return self.dims.ranks("pp", self.rank)
 
     def dp_ranks(self) -> list[int]:
-        return [self.global_rank(self.stage, d) for d in range(self.dp_size)]
+        return self.dims.ranks("dp", self.rank)
 
-    def new_cross_stage_groups(self, stages: list[int]) -> dist.ProcessGroup | None:
-        """Collective on every rank: one group per lane joining ``stages``; returns the one
-        this rank belongs to (None when it runs none of ``stages``)."""
-        mine = None
-        for lane in range(self.stage_size):
-            group = dist.new_group([s * self.stage_size + lane for s in stages])
-            if lane == self.lane and self.stage in stages:
-                mine = group
-        return mine
+    def new_cross_stage_groups(self, stages: list[int]) -> Comm | None:
+        """This rank's group of its lane on ``stages`` (``RankLayout.cross_stage``).
+
+        None when it runs none of them. Collective over the ranks of ``stages``, in the
+        same order on each.
+
+        Args:
+            stages: pipeline stages, ascending.
+        """
+        assert self.layout is not None, "build the mesh with Mesh.build"
+        return self.layout.cross_stage(stages)
 
     @classmethod
     def build(cls, pp_size: int, tp_size: int = 1, device: torch.device | None = None) -> Mesh:
-        """Split the default group into ``pp_size`` stages of ``tp_size``-way tensor parallel
-        ranks; collective on every rank."""
-        if not (dist.is_available() and dist.is_initialized()):
+        """Split the default group into ``pp_size`` stages of ``tp_size``-way tensor parallel ranks.
+
+        A :class:`RankLayout` makes the groups, and its device mesh when ``tp_size > 1``.
+        Collective on every rank.
+
+        Args:
+            pp_size: pipeline stages.
+            tp_size: tensor-parallel ranks per group.
+            device: where DTensor's layers run (the device mesh's type; cpu by default).
+        """
+        if not is_distributed():
             raise RuntimeError(
                 "pipeline parallelism needs torch.distributed: start the script with "
                 "torchrun / accelerate launch (or call torch.distributed.init_process_group)"
             )
-        world, rank = dist.get_world_size(), dist.get_rank()
+        layout = RankLayout.over(pp=pp_size, tp=tp_size)  # an error unless P x T divides it
+        parallel = stage_group = None
         if tp_size > 1:
-            parallel = ParallelMesh.build(world, tp_size, device or torch.device("cpu"), pp_size)
-            stage_group = None
-            for s in range(pp_size):
-                g = dist.new_group(list(range(s * world // pp_size, (s + 1) * world // pp_size)))
-                if s == parallel.coordinates["pp"]:
-                    stage_group = g
-            return cls(
-                pp_size,
-                parallel.dp,
-                rank,
-                parallel.group("pp"),
-                parallel.group("dp"),
-                tp_size,
-                stage_group,
-                parallel,
-            )
-        if world % pp_size:
-            raise ConfigError(
-                f"pipeline.stages: the world size {world} is not divisible by {pp_size} "
-                f"stages; use a number of stages dividing {world}, or launch a multiple of "
-                f"{pp_size} ranks",
-                key="pipeline.stages",
-            )
-        dp_size = world // pp_size
-        pp_group = dp_group = None
-        for s in range(pp_size):
-            g = dist.new_group([s * dp_size + d for d in range(dp_size)])
-            if s == rank // dp_size:
-                dp_group = g
-        for d in range(dp_size):
-            g = dist.new_group([s * dp_size + d for s in range(pp_size)])
-            if d == rank % dp_size:
-                pp_group = g
-        return cls(pp_size, dp_size, rank, pp_group, dp_group)
+            parallel = ParallelMesh.of(layout, device or torch.device("cpu"))
+            stage_group = layout.group("stage")
+        return cls(
+            pp_size,
+            layout.dims.dp,
+            layout.rank,
+            layout.group("pp"),
+            layout.group("dp"),
+            tp_size,
+            stage_group,
+            parallel,
+            layout,
+        )

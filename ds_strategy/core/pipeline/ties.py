@@ -38,8 +38,8 @@ class TiedParam:
 def find_tied(
     layers: Sequence[nn.Module], stage_of_layer: list[int], mesh: Mesh
 ) -> list[TiedParam]:
-    """Parameters used by layers on two or more pipeline ranks; builds their groups
-    (collective on every rank, in layer order, so all ranks agree)."""
+    """Parameters used by layers on two or more pipeline ranks; builds their groups (the
+    rank layout's ``cross_stage``: collective in layer order, so all ranks agree)."""
     owners: dict[int, tuple[nn.Parameter, list[int]]] = {}
     for layer, stage in zip(layers, stage_of_layer, strict=True):
         for p in layer.parameters():
@@ -51,8 +51,7 @@ def find_tied(
         if len(stages) < 2:
             continue
         stages = sorted(stages)
-        group = mesh.new_cross_stage_groups(stages)
-        out.append(TiedParam(p, stages, Comm(group) if group is not None else None))
+        out.append(TiedParam(p, stages, mesh.new_cross_stage_groups(stages)))
     return out
 
 

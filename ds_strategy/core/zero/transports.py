@@ -16,10 +16,11 @@ two is decided once, from the config and the topology, and handed to the group w
   blocks, in two levels whenever the ranks span machines, as DeepSpeed's qgZ does even
   without ``topology.hierarchical``;
 - ZeRO++ hpZ (``zero_hpz_partition_size``): a secondary shard inside the machine serves the
-  gathers after the first one of a step (see [Note: hpZ's secondary shard] in flat_group.py).
+  gathers after the first one of a step (see [Note: hpZ's secondary shard] in flat_params.py).
 
 Each path is a small object that carries its comm and returns the collective in flight
-(``Gather``, ``Work``), in the style of ``inflight.py``.
+(``Gather``, ``Work``), in the style of ``inflight.py``. hpZ's and qgZ's groups come from the
+engine's rank layout (``core/layout.py``), the only code that creates groups.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from typing import Protocol
 import torch
 
 from ...config import ZeroConfig
-from ..collectives import Comm, Work, subgroup
+from ..collectives import Comm, Work
 from ..hierarchical import HierarchicalComm
-from ..topology import Topology
+from ..layout import RankLayout
 from .inflight import Gather
 from .quantized import quantized_all_gather, quantized_reduce_scatter
 
@@ -52,7 +53,8 @@ __all__ = [
 class GatherPath(Protocol):
     """Fills a group's full buffer from every rank's shard."""
 
-    comm: Comm
+    @property
+    def comm(self) -> Comm: ...
 
     def __call__(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Gather: ...
 
@@ -60,7 +62,8 @@ class GatherPath(Protocol):
 class ReducePath(Protocol):
     """Sums a group's full-size gradients over the ranks, this rank's slice into ``out``."""
 
-    comm: Comm
+    @property
+    def comm(self) -> Comm: ...
 
     def __call__(self, out: torch.Tensor, full: torch.Tensor) -> Work: ...
 
@@ -123,37 +126,47 @@ class Transport:
         return Gather(self.secondary.all_gather(full, part, async_op=async_op), part)
 
 
-def hpz_comm(comm: Comm, size: int, topology: Topology | None = None) -> Comm | None:
-    """ZeRO++ hpZ's group: this rank and the ``size - 1`` ranks after or before it that share
-    its block of ``size`` consecutive group ranks (one machine, when ``size`` is the ranks per
-    machine), its link from ``topology``. ``None`` for ``size`` 1 or the whole group (nothing
-    to save; ``size`` divides the group's ranks: a rule of config/rules.py). Collective."""
-    world = comm.world_size
-    if size == 1 or size >= world:
+def hpz_comm(comm: Comm, size: int, layout: RankLayout) -> Comm | None:
+    """ZeRO++ hpZ's group: this rank's block of ``size`` consecutive group ranks.
+
+    One machine, when ``size`` is the ranks per machine; its link from the layout's
+    topology. ``None`` for ``size`` 1 or the whole group (nothing to save; ``size`` divides
+    the group's ranks: a rule of config/rules.py). Collective.
+
+    Args:
+        comm: the group stage 3 shards over.
+        size: ``zero_hpz_partition_size``.
+        layout: the rank layout, which creates the group (``RankLayout.blocks``).
+    """
+    if size == 1 or size >= comm.world_size:
         return None
-    ranks = comm.global_ranks()
-    start = comm.rank // size * size
-    mine = ranks[start : start + size]
-    link = topology.link(mine) if topology is not None else "intra"
-    return Comm(subgroup(mine), link=link, parent=comm)
+    return layout.blocks(comm, size)
 
 
-def _two_level(comm: Comm, topology: Topology | None) -> Comm:
+def _two_level(comm: Comm, layout: RankLayout) -> Comm:
     """``comm`` in two levels (its bytes still ``comm``'s) when its ranks span machines;
     ``comm`` itself when it already is, or lies within one machine. Collective."""
-    if topology is None or isinstance(comm, HierarchicalComm):
+    if isinstance(comm, HierarchicalComm):
         return comm
-    two = HierarchicalComm.build(comm.group, topology, parent=comm)
+    two = HierarchicalComm.build(comm.group, layout, parent=comm)
     return two if isinstance(two, HierarchicalComm) else comm
 
 
-def stage3_transport(comm: Comm, config: ZeroConfig, topology: Topology | None) -> Transport:
+def stage3_transport(comm: Comm, config: ZeroConfig, layout: RankLayout | None) -> Transport:
     """The transport of stage 3's unit groups over ``comm``: ZeRO++'s paths as
-    ``zero_optimization`` configures them (see the note). Collective: hpZ's and qgZ's groups."""
+    ``zero_optimization`` configures them (see the note). Collective: hpZ's and qgZ's groups.
+
+    Args:
+        comm: the group stage 3 shards over.
+        config: the engine's config.
+        layout: the engine's rank layout, which creates the groups and knows the machines;
+            None: one over ``comm``, on one machine.
+    """
     zc = config.zero_optimization
-    secondary = hpz_comm(comm, zc.zero_hpz_partition_size, topology)
+    layout = layout if layout is not None else RankLayout.over(comm)
+    secondary = hpz_comm(comm, zc.zero_hpz_partition_size, layout)
     gather: GatherPath = QuantizedGather(comm) if zc.zero_quantized_weights else PlainGather(comm)
     reduce: ReducePath = PlainReduceScatter(comm)
     if zc.zero_quantized_gradients:
-        reduce = QuantizedReduceScatter(_two_level(comm, topology))
+        reduce = QuantizedReduceScatter(_two_level(comm, layout))
     return Transport(gather, reduce, secondary)
