@@ -7,8 +7,9 @@ Model state is not constant through a step. Under ZeRO-2/3 full-size gradients e
 between the moment autograd produces them and the moment their reduce-scatter completes;
 ZeRO-3's parameters exist only while gathered; mixed precision adds an fp32 copy of the
 gradient shard during the optimizer step. A figure taken once, after the step, sees none of
-it. The meter is told of every such buffer where the engine allocates and frees it; the
-probe counts live tensors after forward, inside backward (at every parameter's gradient
+it. The meter is told of every such buffer by the object that holds it (a ``Held``, or a
+``CountedBuffer`` for one tensor): its bytes are counted when taken and uncounted when
+dropped, never paired by hand. The probe counts live tensors after forward, inside backward (at every parameter's gradient
 hook), after backward, inside the optimizer step and after it, so the two can be checked
 against each other and against the ZeRO formulas.
 """
@@ -23,15 +24,18 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from .memory_timeline import MemoryTimeline
 
 __all__ = [
+    "CountedBuffer",
+    "Held",
     "ModelStateMeter",
     "StepMemoryProbe",
     "file_size_limit",
@@ -100,10 +104,91 @@ class ModelStateMeter:
     def reset_peak(self) -> None:
         self.peak = self.current
 
+    def held(self) -> Held:
+        """A new owner of transient bytes in this meter, holding none yet."""
+        return Held(self)
+
+    def counted(self, tensor: torch.Tensor) -> CountedBuffer:
+        """``tensor`` as a transient buffer, counted from now until it is dropped.
+
+        Args:
+            tensor: the buffer just allocated.
+        """
+        return CountedBuffer(tensor, self)
+
     def _record(self, event: str, nbytes: int, transient: int | None = None) -> None:
         assert self.timeline is not None
         held = self.transient if transient is None else transient
         self.timeline.record(event, nbytes, resident=self.resident, transient=held, peak=self.peak)
+
+
+class Held:
+    """Transient bytes of one owner: counted when taken, uncounted together when dropped.
+
+    The object that holds a buffer takes its bytes, so frees are never paired by hand.
+    A collective in flight takes its input, output and receive buffer one by one and drops
+    them at once when it completes.
+
+    >>> meter = ModelStateMeter()
+    >>> held = meter.held()
+    >>> _ = held.take(torch.zeros(4)); held.take_bytes(8); meter.transient
+    24
+    >>> held.drop(); meter.transient, held.nbytes
+    (0, 0)
+    """
+
+    def __init__(self, meter: ModelStateMeter) -> None:
+        self.meter = meter
+        self.nbytes = 0
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count ``tensor``'s bytes as this owner's; returns ``tensor``.
+
+        Args:
+            tensor: a buffer this owner keeps alive from now on.
+        """
+        self.take_bytes(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def take_bytes(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (a storage grown in place, a collective's scratch).
+
+        Args:
+            nbytes: how many bytes; 0 is recorded too.
+        """
+        self.nbytes += int(nbytes)
+        self.meter.alloc(nbytes)
+
+    def take_over(self, other: Held) -> None:
+        """Make ``other``'s bytes this owner's; they stay counted, so no event is recorded.
+
+        Args:
+            other: the owner handing its bytes over; it holds none after.
+        """
+        self.nbytes += other.nbytes
+        other.nbytes = 0
+
+    def drop(self) -> None:
+        """Uncount every byte taken, in one event, and hold none."""
+        self.meter.free(self.nbytes)
+        self.nbytes = 0
+
+
+class CountedBuffer:
+    """One transient tensor and the bytes it holds in a meter (``ModelStateMeter.counted``).
+
+    Args:
+        tensor: the buffer, counted from construction.
+        meter: where it is counted.
+    """
+
+    def __init__(self, tensor: torch.Tensor, meter: ModelStateMeter) -> None:
+        self.held = meter.held()
+        self.tensor = self.held.take(tensor)
+
+    def drop(self) -> None:
+        """Uncount the buffer; its owner lets go of it too."""
+        self.held.drop()
 
 
 def live_tensor_bytes(device_type: str | None = None, exclude: set[int] | None = None) -> int:
@@ -180,7 +265,7 @@ class StepMemoryProbe:
         self.readings: dict[str, int] = {}
         self.armed = True
         self._saved: list[weakref.ref[torch.Tensor]] = []
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         for p in model.parameters():
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._in_backward))
@@ -194,14 +279,14 @@ class StepMemoryProbe:
         gc.collect()
         gc.freeze()
 
-    def _in_backward(self, *_: Any) -> None:
+    def _in_backward(self, *_: object) -> None:
         self.mark("in_backward")
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Read ``in_step`` right before every ``optimizer.step()``."""
         self._handles.append(optimizer.register_step_pre_hook(self._in_step))
 
-    def _in_step(self, *_: Any) -> None:
+    def _in_step(self, *_: object) -> None:
         self.mark("in_step")
 
     def mark(self, point: str) -> int:

@@ -27,12 +27,15 @@ from __future__ import annotations
 import csv
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
-__all__ = ["FIELDS", "MemoryTimeline", "timeline_path", "zero_formula_bytes"]
+if TYPE_CHECKING:
+    from .collectives import Comm
+
+__all__ = ["FIELDS", "MemoryTimeline", "TimelineEvent", "timeline_path", "zero_formula_bytes"]
 
 FIELDS = (
     "seq",
@@ -46,6 +49,21 @@ FIELDS = (
     "total",
     "peak",
 )
+
+
+class TimelineEvent(TypedDict):
+    """One allocation or free (see the module note for each field)."""
+
+    seq: int
+    time_s: float
+    step: int
+    phase: str
+    event: str
+    nbytes: int
+    resident: int
+    transient: int
+    total: int
+    peak: int
 
 
 class MemoryTimeline:
@@ -65,8 +83,8 @@ class MemoryTimeline:
         self.dropped = 0
         self.step = 0  # optimizer steps finished: the step under way is step + 1
         self.current_phase = "idle"
-        self._current: list[dict[str, Any]] = []
-        self._last: list[dict[str, Any]] = []
+        self._current: list[TimelineEvent] = []
+        self._last: list[TimelineEvent] = []
         self._seq = 0
         self._t0 = time.perf_counter()
 
@@ -105,7 +123,7 @@ class MemoryTimeline:
         self._last, self._current = self._current, []
         self.step = int(step)
 
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[TimelineEvent]:
         """The latest finished step's events (the step under way's before any finished)."""
         return list(self._last if self.step > 0 else self._current)
 
@@ -128,7 +146,34 @@ def timeline_path(output_path: str, job_name: str, rank: int) -> Path:
     return Path(output_path or ".", job_name, f"memory_timeline_{rank}.csv")
 
 
-def zero_formula_bytes(groups: Iterable[Any], mixed: bool) -> float:
+class _Sharding(Protocol):
+    @property
+    def shard_optimizer(self) -> bool: ...
+
+    @property
+    def shard_grads(self) -> bool: ...
+
+    @property
+    def shard_params(self) -> bool: ...
+
+
+class _Group(Protocol):
+    """What the formula reads of a flat group: its shapes, ranks, policy and trainability."""
+
+    @property
+    def shapes(self) -> Sequence[Iterable[int]]: ...
+
+    @property
+    def comm(self) -> Comm: ...
+
+    @property
+    def policy(self) -> _Sharding: ...
+
+    @property
+    def trainable(self) -> bool: ...
+
+
+def zero_formula_bytes(groups: Iterable[_Group], mixed: bool) -> float:
     """This rank's model state by the ZeRO paper's formula with Adam, over the engine's flat
     groups: per element ``P`` bytes of parameter, ``G`` of gradient (trainable groups) and
     ``K`` of optimizer state (fp32: P=G=4, K=8 for the two moments; mixed precision: P=G=2,
@@ -148,7 +193,7 @@ def zero_formula_bytes(groups: Iterable[Any], mixed: bool) -> float:
     return total
 
 
-def _numel(shape: Any) -> int:
+def _numel(shape: Iterable[int]) -> int:
     out = 1
     for d in shape:
         out *= int(d)

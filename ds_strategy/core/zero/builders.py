@@ -9,19 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ...config import ZeroConfig
 from ..collectives import Comm, Work
 from ..faults import together
+from ..layout import RankLayout
 from ..materialize import has_meta, loaded_later, materialize_modules, own_init
 from ..memory import ModelStateMeter
 from ..precision.policy import PrecisionPolicy
 from ..progress import Progress
-from ..topology import Topology
 from .flat_group import FlatParamGroup, GradScaling, GroupMaker, GroupPolicy
 from .inflight import ReductionQueue
 from .layout import split_into_buckets
@@ -58,15 +58,27 @@ class ShardingPlan:
     unset_buffers: list[str] = field(default_factory=list)
     meter: ModelStateMeter = field(default_factory=ModelStateMeter)
     overlap_gather: bool = False
+    # MiCS's replica group (None otherwise): see [Note: summing over the replicas]
+    replica: Comm | None = None
     _gathers: dict[int, Work] = field(default_factory=dict)
-    _hooks: list[Any] = field(default_factory=list)
+    _hooks: list[RemovableHandle] = field(default_factory=list)
 
     def finish_reduction(self) -> None:
+        """[Note: summing over the replicas]
+        Finish this step's reductions into the gradient shards. Under MiCS they ran inside
+        the shard group; each trainable group's shard is then summed over ``replica`` (one
+        all-reduce each, all in flight together). Every
+        rank then holds its slice summed over all ranks, as flat ZeRO's reduce-scatter
+        gives it: see [Note: MiCS's two groups] in ``core/mics.py``."""
         if self.stage3 is not None:
             self.stage3.flush_unreduced()
             self.stage3.finish()
         if self.reducer is not None:
             self.reducer.finish()
+        if self.replica is not None:
+            shards = [g.ensure_grad_shard() for g in self.groups if g.trainable]
+            for work in [self.replica.all_reduce(t, async_op=True) for t in shards]:
+                work.wait()
 
     def after_optimizer_step(self) -> None:
         if self.stage3 is not None:
@@ -251,7 +263,8 @@ def build_plan(
     *,
     meter: ModelStateMeter | None = None,
     store: Callable[[], ShardStore] | None = None,
-    topology: Topology | None = None,
+    replica: Comm | None = None,
+    layout: RankLayout | None = None,
 ) -> ShardingPlan:
     """The groups, reducer and (stage 3) runtime of ``model``; ``on_groups`` is handed each
     batch of groups as soon as they are built and bound (stage 3: unit by unit, so that
@@ -259,7 +272,8 @@ def build_plan(
 
     Every group is built with all it uses: the plan's ``meter``, a store from ``store`` (the
     offload tier's; on the device without one) and, at stage 3, the transport ZeRO++
-    configures (hpZ's and qgZ's groups placed by ``topology``)."""
+    configures (hpZ's and qgZ's groups from the rank ``layout``). Under MiCS, ``replica`` is
+    the replica group the plan sums the gradient shards over (``finish_reduction``)."""
     zc = config.zero_optimization
     meter = meter or ModelStateMeter()
     precision = precision or PrecisionPolicy()
@@ -274,7 +288,8 @@ def build_plan(
             should_reduce_every_backward,
             param_init_fn,
             on_groups,
-            stage3_transport(comm, config, topology),
+            stage3_transport(comm, config, layout),
+            replica,
         )
     replaced: dict[int, nn.Parameter] = {}
     unset: list[str] = []
@@ -302,7 +317,9 @@ def build_plan(
     when = should_reduce_every_backward if policy.shard_grads else should_reduce_at_boundary
     queue = ReductionQueue(max_in_flight(config, comm))
     reducer = GradReducer(groups, scaling, when, queue)
-    plan = ShardingPlan(groups, reducer, replaced=replaced, unset_buffers=unset, meter=meter)
+    plan = ShardingPlan(
+        groups, reducer, replaced=replaced, unset_buffers=unset, meter=meter, replica=replica
+    )
     if zc.overlap_comm and policy.shard_optimizer:
         plan.overlap_gather = True
         plan.install_gather_waits(model)
@@ -318,6 +335,7 @@ def _build_stage3(
     param_init_fn: Callable[[nn.Module], None] | None,
     on_groups: Callable[[list[FlatParamGroup]], None] | None,
     transport: Transport,
+    replica: Comm | None,
 ) -> ShardingPlan:
     zc = config.zero_optimization
     comm, device, precision = make.comm, make.device, make.precision
@@ -380,4 +398,5 @@ def _build_stage3(
         replaced=replaced,
         unset_buffers=unset,
         meter=make.meter,
+        replica=replica,
     )

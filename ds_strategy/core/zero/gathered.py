@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 from torch import nn
@@ -58,7 +58,7 @@ from .stage3 import Unit
 
 __all__ = ["ALL_RANKS", "GatheredParameters", "ModifierRank", "full_numels"]
 
-ALL_RANKS = "all"
+ALL_RANKS: Final = "all"
 ModifierRank = int | Literal["all"] | None
 
 

@@ -25,8 +25,17 @@ from typing import Protocol
 import torch
 
 from ..collectives import Work
+from ..memory import Held
 
-__all__ = ["Fold", "Gather", "GradScaling", "ReducingGroup", "Reduction", "ReductionQueue"]
+__all__ = [
+    "Fold",
+    "Gather",
+    "GradScaling",
+    "ReducingGroup",
+    "Reduction",
+    "ReductionOwner",
+    "ReductionQueue",
+]
 
 
 @dataclass(frozen=True)
@@ -45,9 +54,13 @@ class GradScaling:
 
 
 class ReducingGroup(Protocol):
-    """What a reduction needs of the group it reduces (a ``FlatParamGroup``)."""
+    """What the queue needs of a group it reduces (a ``FlatParamGroup``)."""
 
     def launch_reduce(self, scaling: GradScaling) -> Reduction | None: ...
+
+
+class ReductionOwner(Protocol):
+    """Whose gradients a reduction lands in (a group's gradient half, ``flat_grads.py``)."""
 
     def before_fold(self) -> None: ...
 
@@ -67,27 +80,29 @@ class Reduction:
     """One flat group's gradient reduction in flight.
 
     ``work`` is what it waits on; ``send`` (the full-size input) and ``out`` (where the
-    collective writes, when that is not ``dest`` itself) are dropped on completion, which
-    frees ``held`` bytes of model state; the result, multiplied by ``post``, ends in ``dest``
-    as ``fold`` says."""
+    collective writes, when that is not ``dest`` itself) are dropped on completion. Their
+    bytes, and a receive buffer's, are ``held``: ``group`` drops them once told the reduction
+    is done. The result, multiplied by ``post``, ends in ``dest`` as ``fold`` says."""
 
-    group: ReducingGroup
+    group: ReductionOwner
     work: Work
     send: torch.Tensor | None
     out: torch.Tensor | None
     dest: torch.Tensor
     fold: Fold
     post: float
-    held: int
+    held: Held
 
     def complete(self) -> None:
         self.work.wait()
         self.group.before_fold()
         if self.fold is Fold.ADD:
-            self.dest.add_(self.out, alpha=self.post)  # type: ignore[arg-type]
+            assert self.out is not None
+            self.dest.add_(self.out, alpha=self.post)
         else:
             if self.fold is Fold.REPLACE:
-                self.dest.copy_(self.out)  # type: ignore[arg-type]
+                assert self.out is not None
+                self.dest.copy_(self.out)
             if self.post != 1.0:
                 self.dest.mul_(self.post)
         self.send = self.out = None

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from ..collectives import Comm
-from ..mics import MiCSComm
 from ..optim.norms import NeedsParamNorms, ParamNorms
 from .flat_group import FlatParamGroup
 
@@ -101,7 +100,9 @@ def rebuild_optimizer(
     return _construct(type(optimizer), new_groups, defaults), pieces
 
 
-def _construct(cls: type, groups: list[dict], defaults: dict[str, Any]) -> torch.optim.Optimizer:
+def _construct(
+    cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], defaults: dict[str, Any]
+) -> torch.optim.Optimizer:
     """Prefer torch's fused kernel when the user left the implementation to torch.
 
     [Note: fused by default] The pieces are plain dense tensors of one dtype on one device,
@@ -125,7 +126,17 @@ def _construct(cls: type, groups: list[dict], defaults: dict[str, Any]) -> torch
 
 
 class ShardedOptimizer:
-    """Grad masking, global-norm clipping and the step, over the pieces of all groups."""
+    """Grad masking, global-norm clipping and the step, over the pieces of all groups.
+
+    Args:
+        optimizer: the optimizer rebuilt over the pieces.
+        pieces: what it updates, one tensor per parameter piece.
+        groups: the plan's flat groups (the trainable ones are kept).
+        comm: the shard group; the norm and the gradient flags are all-reduced over it.
+        tp_norm: under tensor parallelism, each parameter's weight in the squared norm, and
+            the tensor-parallel ranks.
+        replica: MiCS's replica group, over which the flags are combined too; None otherwise.
+    """
 
     def __init__(
         self,
@@ -134,11 +145,14 @@ class ShardedOptimizer:
         groups: list[FlatParamGroup],
         comm: Comm,
         tp_norm: tuple[Callable[[torch.Tensor], float], Comm] | None = None,
+        replica: Comm | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.pieces = pieces
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
+        # MiCS's replica group (None otherwise): gradient flags are combined over it too
+        self.replica = replica
         self.sharded = any(g.policy.shard_optimizer for g in self.groups)
         # NVMe offload: a step that brings the swapped state in bucket by bucket (core/offload)
         self._stepper: Any = None
@@ -223,9 +237,9 @@ class ShardedOptimizer:
         packed = torch.cat(flags + [sq]) if flags else sq
         if self.sharded:
             self.comm.all_reduce(packed, kind="control")
-            if isinstance(self.comm, MiCSComm) and flags:
+            if self.replica is not None and flags:
                 # the norm is whole in each shard group; a gradient seen in another counts
-                self.comm.replica.all_reduce(packed, op="max", kind="control")
+                self.replica.all_reduce(packed, op="max", kind="control")
         elif flags:  # stage 0: gradients are identical everywhere, only flags need combining
             self.comm.all_reduce(packed[:-1], kind="control")
         if self.tp_norm is not None:

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .flat_group import FlatParamGroup, GradScaling
 from .inflight import ReductionQueue
@@ -68,7 +69,7 @@ class GradReducer:
         # set by the engine with gradient_compression: while active, backward reduces
         # nothing and finish() runs the compressed exchange instead
         self.compression: CompressedReduction | None = None
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(g, i)))
@@ -77,22 +78,11 @@ class GradReducer:
         def hook(param: nn.Parameter) -> None:
             if not self._in_backward:
                 self._start_backward()
-            if group.grad_full is not None and param.grad is not None:
-                self._keep_grad_in_bucket(group, index, param)
-            group.mark_ready(index)
+            group.mark_ready(index)  # moves or keeps the gradient where the group wants it
             if self._reducing:
                 self._launch_ready()
 
         return hook
-
-    @staticmethod
-    def _keep_grad_in_bucket(group: FlatParamGroup, index: int, param: nn.Parameter) -> None:
-        # Autograd replaces .grad instead of accumulating in place when create_graph=True
-        # or after the user set it to None; fold such a gradient back into the flat buffer.
-        view = group.grad_view(index)
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.add_(param.grad)
-            param.grad = view
 
     def _start_backward(self) -> None:
         self._in_backward = True

@@ -174,7 +174,7 @@ class Stage3Runtime:
     # tracing (``torch.compiler.disable``): they run eagerly between the compiled graphs, as
     # they do without compilation, where rebinding ``.data`` leaves the version alone and the
     # storage the graph saved is refilled in place before backward reads it (see the note on
-    # resizing in ``flat_group.py``). Each unit's body compiles as a whole; the graph breaks
+    # resizing in ``flat_params.py``). Each unit's body compiles as a whole; the graph breaks
     # are at its boundaries only.
 
     # [Note: a unit called outside the root]

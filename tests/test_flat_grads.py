@@ -1,0 +1,201 @@
+"""The gradient half of a flat group on one process: its states change only through the named
+transitions, an illegal one raises, each legal sequence ends where the note says, and every
+transient buffer it counted is uncounted by the time it is dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ds_strategy.core.collectives import Comm
+from ds_strategy.core.memory import ModelStateMeter
+from ds_strategy.core.zero.flat_grads import FullGrads, GradSpec, GradState
+from ds_strategy.core.zero.inflight import Fold, GradScaling, Reduction
+from ds_strategy.core.zero.layout import FlatLayout
+from ds_strategy.core.zero.sharded_grads import ShardedGrads
+from ds_strategy.core.zero.stores import DeviceStore
+from ds_strategy.core.zero.transports import PlainReduceScatter
+
+PLAIN = GradScaling(1.0, 1.0)
+SHAPES = [(3, 5), (7,)]
+
+
+def _spec(meter: ModelStateMeter, reduce_dtype: torch.dtype = torch.float32) -> GradSpec:
+    params = [nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    layout = FlatLayout([p.numel() for p in params], 1)
+    lo, hi = layout.shard_range(0)
+    step_like = torch.zeros(hi - lo)
+    return GradSpec(
+        params, layout, 0, torch.float32, torch.device("cpu"), reduce_dtype, meter, step_like
+    )
+
+
+def _sharded(meter: ModelStateMeter, reduce_dtype: torch.dtype = torch.float32) -> ShardedGrads:
+    spec = _spec(meter, reduce_dtype)
+    return ShardedGrads(spec, reduce=PlainReduceScatter(Comm()), store=DeviceStore())
+
+
+def _full(meter: ModelStateMeter, *, scatter: bool) -> FullGrads:
+    reduce = PlainReduceScatter(Comm()) if scatter else None
+    grads = FullGrads(_spec(meter), comm=Comm(), scatter=reduce)
+    grads.bind()
+    return grads
+
+
+def _backward(grads: ShardedGrads | FullGrads, value: float) -> None:
+    """What autograd and the hooks do in one backward: a gradient for every parameter."""
+    grads.begin_backward()
+    for i, p in enumerate(grads.params):
+        if p.grad is None:
+            p.grad = torch.full_like(p, value)
+        else:  # stages 0/1: accumulated into the flat buffer
+            p.grad.add_(value)
+        grads.mark_ready(i)
+
+
+def _reduce(grads: ShardedGrads | FullGrads) -> Reduction:
+    reduction = grads.launch_reduce(PLAIN)
+    assert reduction is not None
+    assert grads.state is GradState.REDUCING
+    reduction.complete()
+    return reduction
+
+
+def test_sharded_grads_reduce_in_place_first_then_add() -> None:
+    meter = ModelStateMeter()
+    grads = _sharded(meter)
+    assert grads.state is GradState.EMPTY
+    _backward(grads, 1.0)
+    assert grads.state is GradState.ACCUMULATING and grads.all_ready
+    assert meter.transient == 22 * 4  # the bucket
+    assert _reduce(grads).fold is Fold.IN_PLACE  # the first reduction writes the shard itself
+    assert grads.state is GradState.REDUCED and meter.transient == 0
+    assert grads.launch_reduce(PLAIN) is None  # once per backward
+    _backward(grads, 2.0)  # gradient accumulation: added by the next reduction
+    assert grads.state is GradState.REDUCED
+    assert _reduce(grads).fold is Fold.ADD
+    assert torch.equal(grads.step_grad(), torch.full((22,), 3.0))
+    # the resident shard, the second bucket and the reduction's output
+    assert meter.transient == 0 and meter.peak == 3 * 22 * 4
+    grads.zero_grad()
+    assert grads.state is GradState.EMPTY and not grads.holds_grads()
+    _backward(grads, 5.0)
+    assert _reduce(grads).fold is Fold.IN_PLACE  # zero_grad: in place again
+    assert torch.equal(grads.grad_shard, torch.full((22,), 5.0))
+
+
+def test_a_converted_send_replaces_the_bucket_in_the_meter() -> None:
+    meter = ModelStateMeter()
+    grads = _sharded(meter, reduce_dtype=torch.bfloat16)
+    _backward(grads, 1.0)
+    reduction = grads.launch_reduce(PLAIN)
+    assert reduction is not None and reduction.fold is Fold.ADD  # dtypes differ: never in place
+    assert meter.transient == 22 * 2 + 22 * 2  # the bf16 send and the bf16 output
+    reduction.complete()
+    assert meter.transient == 0 and meter.peak == 22 * 4 + 22 * 4 + 22 * 2  # shard, bucket, send
+    assert torch.equal(grads.grad_shard, torch.ones(22))
+
+
+def test_transient_grad_shards_are_counted_while_they_exist() -> None:
+    meter = ModelStateMeter()
+    grads = _sharded(meter)
+    grads.free_grads()
+    assert grads.transient and grads.grad_shard.untyped_storage().nbytes() == 0
+    _backward(grads, 1.0)
+    _reduce(grads)
+    assert meter.transient == 22 * 4 and meter.resident == 0  # the shard, counted transient
+    assert grads.resident_bytes() == 0
+    grads.zero_grad()
+    assert meter.transient == 0 and grads.grad_shard.untyped_storage().nbytes() == 0
+
+
+def test_full_grads_stage1_accumulation_form_round_trip() -> None:
+    meter = ModelStateMeter()
+    grads = _full(meter, scatter=True)
+    scaling = GradScaling(2.0, 0.5)  # divide by 2 before, by 2 again after: a world of 4
+    _backward(grads, 4.0)
+    assert grads.state is GradState.ACCUMULATING
+    reduction = grads.launch_reduce(scaling)
+    assert reduction is not None and reduction.fold is Fold.REPLACE
+    reduction.complete()
+    assert grads.state is GradState.REDUCED and meter.transient == 0
+    assert torch.equal(grads.grad_shard, torch.full((22,), 1.0))  # 4 / 2 * 0.5
+    grads.to_accumulation_form(scaling)
+    assert grads.state is GradState.ACCUMULATION_FORM
+    assert torch.equal(grads.grad_shard, torch.full((22,), 4.0))  # the unscaled sum
+    _backward(grads, 4.0)  # a second backward adds to it, the form is kept
+    assert grads.state is GradState.ACCUMULATION_FORM
+    grads.to_final_form(scaling)
+    assert grads.state is GradState.REDUCED
+    grads.to_final_form(scaling)  # nothing left to undo
+    assert grads.state is GradState.REDUCED
+    grads.zero_grad()
+    assert grads.state is GradState.EMPTY and torch.equal(grads.flat, torch.zeros(22))
+    assert all(p.grad is not None for p in grads.params)  # bound to the buffer again
+
+
+def test_full_grads_stage0_all_reduces_in_place_and_keeps_no_form() -> None:
+    meter = ModelStateMeter()
+    grads = _full(meter, scatter=False)
+    _backward(grads, 1.0)
+    assert _reduce(grads).fold is Fold.IN_PLACE
+    grads.to_accumulation_form(PLAIN)  # the mean composes with more gradients as it is
+    assert grads.state is GradState.REDUCED
+    _backward(grads, 1.0)
+    assert grads.state is GradState.REDUCED  # added to what was reduced
+
+
+def test_compressed_exchange_goes_through_reducing() -> None:
+    meter = ModelStateMeter()
+    grads = _sharded(meter)
+    _backward(grads, 1.0)
+    local = grads.take_local_grad()
+    assert grads.state is GradState.REDUCING and torch.equal(local, torch.ones(22))
+    assert meter.transient == 22 * 4  # the bucket, held until the result is set
+    grads.set_reduced_grad((torch.tensor([0, 21]), torch.tensor([2.0, 3.0])))
+    assert grads.state is GradState.REDUCED and meter.transient == 0
+    assert grads.grad_shard[0] == 2.0 and grads.grad_shard[21] == 3.0
+    assert float(grads.grad_shard[1:21].abs().sum()) == 0.0
+    full = _full(meter, scatter=True)
+    _backward(full, 1.0)
+    assert full.take_local_grad() is full.flat
+    full.set_reduced_grad(None)  # an overflow somewhere: NaN, the step is skipped
+    assert full.state is GradState.REDUCED and bool(full.grad_shard.isnan().all())
+
+
+def test_illegal_transitions_raise() -> None:
+    meter = ModelStateMeter()
+    grads = _sharded(meter)
+    _backward(grads, 1.0)
+    reduction = grads.launch_reduce(PLAIN)
+    assert reduction is not None
+    grads.begin_backward()  # a new backward while the last reduction is still in flight
+    with pytest.raises(AssertionError, match="REDUCING"):
+        grads.launch_reduce(PLAIN)
+    with pytest.raises(AssertionError, match="REDUCING"):
+        grads.take_local_grad()
+    with pytest.raises(AssertionError, match="in flight"):
+        grads.to_final_form(PLAIN)
+    reduction.complete()
+    with pytest.raises(AssertionError, match="REDUCED"):
+        grads.reduction_done(reduction)  # completed twice
+    with pytest.raises(AssertionError, match="REDUCED"):
+        grads.set_reduced_grad(None)  # nothing was taken for a compressed exchange
+    full = _full(meter, scatter=True)
+    with pytest.raises(AssertionError, match="EMPTY"):
+        full.to_accumulation_form(PLAIN)  # nothing reduced yet
+    _backward(full, 1.0)
+    with pytest.raises(AssertionError, match="ACCUMULATING"):
+        full.to_accumulation_form(PLAIN)
+
+
+def test_zero_grad_drops_a_bucket_no_reduction_took() -> None:
+    """Gradients kept by ``no_sync`` and never reduced: zero_grad uncounts their bucket."""
+    meter = ModelStateMeter()
+    grads = _sharded(meter)
+    _backward(grads, 1.0)
+    assert meter.transient == 22 * 4
+    grads.zero_grad()
+    assert grads.state is GradState.EMPTY and meter.transient == 0
+    assert all(p.grad is None for p in grads.params)
