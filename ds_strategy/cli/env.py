@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..core.collectives import backend_available, distributed_available
+
 __all__ = [
     "NVME_ENV",
     "OPTIONAL_PACKAGES",
@@ -118,8 +120,7 @@ def _python_section() -> dict[str, Any]:
 
 
 def _torch_section() -> dict[str, Any]:
-    dist = torch.distributed
-    has_dist = dist.is_available()
+    has_dist = distributed_available()
     out: dict[str, Any] = {
         "version": torch.__version__,
         "location": str(Path(torch.__file__).parent),
@@ -132,15 +133,14 @@ def _torch_section() -> dict[str, Any]:
         "distributed_available": has_dist,
     }
     for backend in ("gloo", "nccl", "mpi"):
-        probe = getattr(dist, f"is_{backend}_available", None)
-        out[f"{backend}_backend"] = bool(has_dist and probe is not None and probe())
+        out[f"{backend}_backend"] = backend_available(backend)
     out["devices"] = _devices(out["device_count"]) if out["cuda_available"] else {}
     return out
 
 
 def _nccl_version() -> str | None:
     """NCCL's version as ``"2.21.5"``; None on a build without NCCL (every CPU build)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+    if not backend_available("nccl"):
         return None
     try:
         version = torch.cuda.nccl.version()

@@ -85,9 +85,7 @@ def _config(args: Any) -> dict[str, Any]:
 
 
 def run_cli(args: Any) -> int:
-    import torch
-
-    from ds_strategy.core.collectives import init_process_group_from_env
+    from ds_strategy.core.collectives import destroy_default_group, init_process_group_from_env
 
     if (args.prompt is None) == (args.prompt_ids is None):
         print("ds-strategy generate: give --prompt or --prompt-ids", file=sys.stderr)
@@ -104,7 +102,7 @@ def run_cli(args: Any) -> int:
         return 2
     finally:
         if started:  # a clean shutdown, not the process group's destructor at exit
-            torch.distributed.destroy_process_group()
+            destroy_default_group()
 
 
 def _check_options(args: Any) -> str | None:
@@ -170,6 +168,8 @@ def _generate(args: Any) -> int:
 def _generate_with(engine: Any, args: Any) -> int:
     import torch
 
+    from ds_strategy.core.collectives import world_rank
+
     options = dict(
         do_sample=args.sample,
         temperature=args.temperature,
@@ -209,6 +209,6 @@ def _generate_with(engine: Any, args: Any) -> int:
         text = engine.decode(out)
     else:
         text = ",".join(str(t) for t in out)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if world_rank() == 0:
         print(text, flush=True)
     return 0

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from .warnings import PerformanceWarning
 from .zero.units import plan_units
 
 __all__ = [
+    "CompileBackend",
+    "CompileReport",
     "CompileWatch",
     "check_skipped_compiles",
     "compile_backend",
@@ -30,8 +33,21 @@ __all__ = [
 
 COMPILE_KWARGS = frozenset({"fullgraph", "dynamic", "mode", "options", "disable"})
 
+# torch.compile's backend: a registered name, or a callable compiling an FX graph
+CompileBackend = str | Callable[..., object]
 
-def compile_backend(backend: Any) -> Any:
+
+class CompileReport(TypedDict):
+    """What :meth:`CompileWatch.report` counts (see ``ZeroEngine.compile_report``)."""
+
+    compiled_units: int
+    graphs: int
+    graph_breaks: int
+    break_reasons: dict[str, int]
+    last_new_graph_step: int | None
+
+
+def compile_backend(backend: object) -> CompileBackend:
     """torch.compile's ``backend``: a callable, a registered name, or
     ``"package.module.function"`` imported (as DeepSpeed reads ``compile.backend``)."""
     if callable(backend):
@@ -67,7 +83,7 @@ def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
-def compile_units(module: nn.Module, backend: Any, kwargs: dict[str, Any]) -> None:
+def compile_units(module: nn.Module, backend: CompileBackend, kwargs: dict[str, Any]) -> None:
     """Compile each outermost block that ZeRO-3 gathers as one (the same blocks at every
     stage), or ``module`` whole when it has none; a unit whose ``forward`` is torch's own and
     holds units of its own (an ``nn.Sequential`` block of layers that are units too) is
@@ -189,9 +205,10 @@ class CompileWatch:
                     stacklevel=3,
                 )
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> CompileReport:
+        """The counts since the engine was built (see :class:`CompileReport`)."""
         graphs, breaks = _dynamo_counts()
-        reasons = {}
+        reasons: dict[str, int] = {}
         for reason, n in breaks.items():
             n -= self._breaks0.get(reason, 0)
             if n > 0:  # the reason's first line names it; the rest are hints

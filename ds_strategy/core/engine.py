@@ -9,53 +9,77 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, SupportsInt, TypedDict, cast
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from .._logging import report as show_report
 from ..config import ZeroConfig
+from ..config.loop import ConfigSource
 from .assembly import EngineBuilder, EngineParts, LoopHooks
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.pretrained import LoadedWeights, load_pretrained, pending_weights
+from .checkpoint.records import ScalerState
 from .checkpoint.seam import ShardedState
 from .checkpoint.weights_file import write_weights
-from .collectives import Comm, init_process_group_from_env
-from .compiled import CompileWatch, check_compile_kwargs, compile_backend, compile_units
-from .compression.onebit_reduce import OneBitReduction
-from .compression.zeroone_reduce import ZeroOneReduction
+from .collectives import Comm, init_process_group_from_env, world_rank
+from .compiled import (
+    CompileBackend,
+    CompileReport,
+    CompileWatch,
+    check_compile_kwargs,
+    compile_backend,
+    compile_units,
+)
+from .compression.reduction import GradientCompression
 from .engine_shards import sharded_state
 from .generation import sync_generation
 from .materialize import refuse_unset_forward
 from .memory import ModelStateMeter
-from .memory_timeline import MemoryTimeline, timeline_path, zero_formula_bytes
-from .mics import MiCSComm
+from .memory_timeline import MemoryTimeline, TimelineEvent, timeline_path, zero_formula_bytes
 from .monitor import TrainingMonitor
 from .names import plain_names, unwrapped
 from .offload.streaming import SwapFiles
-from .optim.onebit import CompressedExchange
 from .ownership import claim_parameters, release_parameters
-from .profiling.comms import CommsLogger, format_summary
+from .profiling.comms import CommsLogger, CommsReport, format_summary
 from .profiling.flops import FlopsProfiler
+from .profiling.summary import FlopsReport
 from .quant.export import write_quantized_state
 from .quant.scheme import QuantScheme
 from .schedulers import load_scheduler_state
 from .stage_context import StageContext
-from .start_summary import RankLayout, start_summary
+from .start_summary import RankCounts, start_summary
 from .step_line import report_progress
-from .timers import phase
+from .timers import StepTimers, phase
 from .zero.builders import ShardingPlan
 from .zero.gathered import GatheredParameters, ModifierRank
 from .zero.optimizer import OptimizerLike, OptimizerPiece
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["ZeroEngine"]
 
 log = logging.getLogger(__name__)
 
-SchedulerLike = Any  # an LRScheduler bound to the user's optimizer, or optimizer -> scheduler
+# an LRScheduler bound to the user's optimizer, or a callable building one on the rebuilt one
+SchedulerLike = LRScheduler | Callable[[torch.optim.Optimizer], LRScheduler]
+# called after each optimizer step with the steps taken so far (``global_steps``)
+PostStep = Callable[[int], None]
+
+
+class LoopState(TypedDict):
+    """The training loop's state, as :meth:`ZeroEngine.checkpoint_state` returns it."""
+
+    global_steps: int
+    micro_steps: int
+    skipped_steps: int
+    lr_scheduler: dict[str, object] | None  # the scheduler's ``state_dict()``
+    loss_scaler: ScalerState | None  # the fp16 loss scaler's ``state_dict()``
 
 
 class ZeroEngine(nn.Module):
@@ -71,13 +95,28 @@ class ZeroEngine(nn.Module):
         loss = engine(torch.randn(4, 8)).square().mean()
         engine.backward(loss)
         engine.step()
+
+    Args:
+        model: the model; its parameters are sharded in place. It may live on the meta
+            device: ZeRO-3 then materialises it one unit at a time.
+        optimizer: a ``torch.optim.Optimizer`` over ``model.parameters()``, or a callable
+            ``params -> Optimizer``. It is rebuilt over this rank's shards with the same
+            param groups. None: the config's ``optimizer`` section, or an evaluation engine.
+        config: a dict keyed like DeepSpeed's JSON, a path to a ``.json`` or ``.yaml`` file,
+            a preset's name, a :class:`~ds_strategy.ZeroConfig` or an omegaconf node.
+        lr_scheduler: a scheduler built on ``optimizer`` (moved to the rebuilt one), or a
+            callable ``optimizer -> scheduler``.
+        process_group: the data-parallel group (None: the default group).
+        param_init_fn: initialises a module materialised from the meta device, for modules
+            without ``reset_parameters()``.
+        pipeline_stage: set by a ``PipelineEngine`` for its stage's engine.
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: OptimizerLike | None,
-        config: Any = None,
+        config: ConfigSource | DictConfig = None,
         *,
         lr_scheduler: SchedulerLike | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
@@ -128,6 +167,7 @@ class ZeroEngine(nn.Module):
         self.keep_foreign_grads = False
         self._claimed = claim_parameters(self.module, self)
         self.flops_profiler = self._build_flops_profiler()
+        self._post_step = self._post_step_consumers()
         if self.config.compile.enabled:
             self.compile()
         self._log_start()
@@ -141,15 +181,17 @@ class ZeroEngine(nn.Module):
             self._load_weights(path, strict, prefix)
 
     def _log_start(self) -> None:
-        """One INFO line on the job's first rank once the engine is built (a pipeline: on each
-        stage's first rank, its stages holding different layers): stage, ranks, precision,
-        offload and this rank's model state (``core/start_summary.py``); local figures only,
-        no collective."""
+        """One INFO line on the job's first rank, once the engine is built.
+
+        A pipeline logs it on each stage's first rank: its stages hold different layers. It
+        says stage, ranks, precision, offload and this rank's model state
+        (``core/start_summary.py``). Local figures only: no collective.
+        """
         tp, ctx = self.tensor_parallel, self.pipeline_stage
         first = self.rank == 0 and (tp is None or tp.comm.rank == 0)
         if not first or not log.isEnabledFor(logging.INFO):
             return
-        ranks = RankLayout(
+        ranks = RankCounts(
             self.world_size,
             self.shard_comm.world_size,
             tp.size if tp is not None else 1,
@@ -192,20 +234,25 @@ class ZeroEngine(nn.Module):
         self.checkpoint_io: SwapFiles | None = None
         self.precision = parts.precision.policy
         self._scaler = parts.precision.scaler
-        self.gradient_accumulation_steps: int = parts.config.gradient_accumulation_steps
-        self.timers = parts.timers
+        accumulation = parts.config.gradient_accumulation_steps
+        assert accumulation is not None  # the resolved config has every batch size
+        self.gradient_accumulation_steps: int = accumulation
+        self.timers: StepTimers | None = parts.timers
         self._offload = parts.offload
         self.plan: ShardingPlan = parts.plan
         refuse_unset_forward(self.module, self.plan.unset_buffers)
-        self.optimizer = parts.optimizer.optimizer
+        self.optimizer: torch.optim.Optimizer = parts.optimizer.optimizer
         self._sharded_opt = parts.optimizer.sharded
-        self.lr_scheduler = parts.optimizer.lr_scheduler
+        self.lr_scheduler: LRScheduler | None = parts.optimizer.lr_scheduler
         self.trainable = parts.optimizer.trainable
-        self.compression = parts.compression
+        self.compression: GradientCompression | None = parts.compression
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward; under mixed precision floating-point inputs are cast
-        to the compute dtype and floating-point outputs come back in fp32."""
+        """The wrapped module's forward.
+
+        Under mixed precision, floating-point inputs are cast to the compute dtype.
+        Floating-point outputs then come back in fp32.
+        """
         with phase(self.timers, "forward"), self._memory_phase("forward"):
             args, kwargs = self.precision.cast_inputs((args, kwargs))
             with self._flops("forward", args):
@@ -228,45 +275,68 @@ class ZeroEngine(nn.Module):
             world_size=self.world_size * tp * pp,
             mp_size=tp * pp,
             stage=None if ctx is None else ctx.stage,
-            micro_batches=self.config.gradient_accumulation_steps if ctx is not None else 1,
+            micro_batches=self.gradient_accumulation_steps if ctx is not None else 1,
         )
 
-    def _flops(self, phase_name: str, *args: Any) -> contextlib.AbstractContextManager[Any]:
+    def _flops(self, phase_name: str, *args: object) -> contextlib.AbstractContextManager[object]:
         profiler = self.flops_profiler
         if profiler is None:
             return contextlib.nullcontext()
         return getattr(profiler, phase_name)(self.global_steps, *args)
 
-    def flops_report(self) -> dict[str, Any]:
-        """With ``flops_profiler.enabled``, once its ``profile_step`` has run: this rank's
-        profile of that step (``core/profiling/flops.py``): ``params``, ``fwd_flops``,
-        ``fwd_macs``, ``bwd_flops``, ``train_flops``, the latencies (``fwd_latency_s`` ...
-        ``iter_latency_s``), ``fwd_tflops`` ... ``achieved_tflops``, ``peak_tflops`` with
-        ``peak_source``, ``mfu``, ``samples_per_second``, ``batch_size``, ``world_size``,
-        ``dp_size``, ``mp_size``, ``step`` and ``modules`` (per ``named_modules()`` name, the
-        root as ``""``: ``type``, ``depth``, ``params``, ``flops``, ``macs``, ``latency_s``);
-        else ``{}``."""
-        return dict(self.flops_profiler.report) if self.flops_profiler is not None else {}
+    def flops_report(self) -> FlopsReport | dict[str, object]:
+        """This rank's profile of the ``flops_profiler``'s ``profile_step``.
+
+        Empty until that step has run, and without ``flops_profiler.enabled``. Its keys (see
+        ``core/profiling/flops.py``):
+
+        - ``params``, ``fwd_flops``, ``fwd_macs``, ``bwd_flops``, ``train_flops``;
+        - the latencies, ``fwd_latency_s`` ... ``iter_latency_s``;
+        - the rates, ``fwd_tflops`` ... ``achieved_tflops``;
+        - ``peak_tflops`` with ``peak_source``, and ``mfu``;
+        - ``samples_per_second``, ``batch_size``, ``world_size``, ``dp_size``, ``mp_size``,
+          ``step``;
+        - ``modules``: per ``named_modules()`` name (the root as ``""``), its ``type``,
+          ``depth``, ``params``, ``flops``, ``macs`` and ``latency_s``.
+        """
+        return self.flops_profiler.report.copy() if self.flops_profiler is not None else {}
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next :meth:`step` runs the optimizer: every
-        ``gradient_accumulation_steps``-th micro-step, unless
-        :meth:`set_gradient_accumulation_boundary` says otherwise."""
+        """True when the next :meth:`step` runs the optimizer.
+
+        That is every ``gradient_accumulation_steps``-th micro-step, unless
+        :meth:`set_gradient_accumulation_boundary` says otherwise.
+        """
         if self._boundary is not None:
             return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """Let the training loop decide the accumulation boundary (as DeepSpeed's method of
-        the same name): ``True`` makes the next backward reduce for an optimizer step and
-        the next :meth:`step` run the optimizer, ``False`` makes them accumulate; ``None``
-        returns to counting micro-steps. Front ends whose framework owns accumulation
-        (Accelerate's ``sync_gradients``) set it before every backward."""
+        """Let the training loop decide the accumulation boundary, as DeepSpeed's method does.
+
+        Front ends whose framework owns accumulation (Accelerate's ``sync_gradients``) set
+        it before every backward.
+
+        Args:
+            is_boundary: ``True``: the next backward reduces for an optimizer step, and the
+                next :meth:`step` runs the optimizer. ``False``: both accumulate. ``None``:
+                back to counting micro-steps.
+        """
         self._boundary = None if is_boundary is None else bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of ``loss`` divided by the accumulation steps (and multiplied by the fp16
-        loss scale); gradients are reduced bucket by bucket while backward runs."""
+        """Backward of ``loss``, divided by the accumulation steps.
+
+        The fp16 loss scale multiplies it too. Gradients are reduced bucket by bucket while
+        backward runs.
+
+        Args:
+            loss: this micro-batch's loss, as the model gave it.
+            retain_graph: keep the graph for another backward, as in ``Tensor.backward``.
+
+        Returns:
+            ``loss`` divided by the accumulation steps.
+        """
         if self.monitor is not None:
             self.monitor.add_loss(loss)
         if self.gradient_accumulation_steps > 1:
@@ -293,11 +363,14 @@ class ZeroEngine(nn.Module):
         return loss
 
     def _drop_foreign_grads(self) -> None:
-        """Gradients that reached this model since its last step from a backward this engine
-        did not start (another engine's loss through this model: a GAN's generator loss
-        through the discriminator) are not this step's: dropped, as the ``zero_grad()`` a
-        torch loop calls before its backward drops them (a front end's ``optimizer.zero_grad()``
-        does not reach the engine). Logged once per engine (logger ``ds_strategy.core.engine``)."""
+        """Drop gradients from a backward this engine did not start.
+
+        Another engine's loss may run through this model (a GAN's generator loss through
+        the discriminator). Those gradients are not this step's. A torch loop's
+        ``zero_grad()`` before its backward drops them; a front end's
+        ``optimizer.zero_grad()`` does not reach the engine, so this does. Logged once per
+        engine (logger ``ds_strategy.core.engine``).
+        """
         if not self._logged_foreign:
             self._logged_foreign = True
             log.info(
@@ -312,12 +385,14 @@ class ZeroEngine(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally without reducing them (like DDP's ``no_sync``).
-        The first backward outside the context (or the next optimizer step) reduces the
-        accumulated gradients. Under stages 2/3 this gives up their memory bound: every
-        full-size gradient bucket stays alive from the first backward inside the context
-        until that reduction (without ``no_sync``, each micro-step reduce-scatters into the
-        gradient shard and at most two buckets are alive at any moment)."""
+        """Accumulate gradients locally without reducing them, like DDP's ``no_sync``.
+
+        The first backward outside the context, or the next optimizer step, reduces them.
+        Under stages 2/3 this gives up their memory bound. Every full-size gradient bucket
+        stays alive from the first backward inside until that reduction. Without
+        ``no_sync``, each micro-step reduce-scatters into the gradient shard, and at most
+        two buckets are alive at any moment.
+        """
         previous, self._no_sync = self._no_sync, True
         try:
             yield
@@ -325,46 +400,72 @@ class ZeroEngine(nn.Module):
             self._no_sync = previous
 
     def step(self, grad_norm: float | None = None) -> None:
-        """At an accumulation boundary: finish gradient reduction, clip by the global norm,
-        run the optimizer and the lr scheduler, rebuild full parameters, zero gradients; a
-        non-finite norm skips the step instead. Then the config's periodic checkpoint.
+        """The optimizer step, at an accumulation boundary.
 
-        ``grad_norm`` replaces the norm of this engine's gradients for clipping and overflow
-        detection: a caller that trains a larger model of which this engine holds one part
-        (a pipeline stage) passes the whole model's L2 norm, loss scale included, after
-        :meth:`reduced_grad_norm`. It must be the same on every rank of this engine."""
-        if self.is_gradient_accumulation_boundary():
+        It finishes the gradient reduction and clips by the global norm. It runs the
+        optimizer and the lr scheduler, rebuilds full parameters and zeroes gradients. A
+        non-finite norm skips the step instead. Then the post-step work runs: timers,
+        progress line, monitors, the config's periodic checkpoint.
+
+        Args:
+            grad_norm: replaces the norm of this engine's gradients, for clipping and
+                overflow detection. A caller training a larger model, of which this engine
+                holds one part (a pipeline stage), passes the whole model's L2 norm. It
+                includes the loss scale, comes after :meth:`reduced_grad_norm`, and is the
+                same on every rank of this engine.
+        """
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             with phase(self.timers, "step"), self._flops("step"), self._memory_phase("step"):
                 self._optimizer_step(grad_norm)
             self.global_steps += 1
-            self._end_memory_step()
-            self._compile_watch.after_step(self.global_steps)
-            if self.timers is not None:
-                self.timers.end_step(self.global_steps)
-            report_progress(
-                self.config.steps_per_print,
-                self.global_steps,
-                self.skipped_steps,
-                self.optimizer.param_groups,
-            )
-            if self.monitor is not None:
-                self.monitor.after_step(self)
         elif grad_norm is not None:
             raise RuntimeError(
                 "step(grad_norm=...) between accumulation boundaries: there is no optimizer "
                 "step for the norm to apply to; pass it at a boundary only"
             )
         self.micro_steps += 1
-        self._checkpoints.after_step()  # the config's checkpoint.save_interval
+        if boundary:
+            for consumer in self._post_step:
+                consumer(self.global_steps)
+
+    def _post_step_consumers(self) -> list[PostStep]:
+        """What runs after each optimizer step, in this order.
+
+        The memory timeline closes the step, torch.compile's graphs are counted, the step
+        timers report, the progress line prints, the monitors write, and the config's
+        periodic checkpoint is saved. A feature that is off has no entry. They run once
+        ``micro_steps`` counts the step, since a periodic save records the counters.
+        """
+        consumers: list[PostStep] = []
+        if self._timeline is not None:
+            consumers.append(self._end_memory_step)
+        consumers.append(self._compile_watch.after_step)
+        if self.timers is not None:
+            consumers.append(self.timers.end_step)
+        if self.config.steps_per_print is not None:
+            consumers.append(self._report_progress)
+        monitor, checkpoints = self.monitor, self._checkpoints
+        if monitor is not None:
+            consumers.append(lambda step: monitor.after_step(self))
+        consumers.append(lambda step: checkpoints.after_step())  # checkpoint.save_interval
+        return consumers
+
+    def _report_progress(self, step: int) -> None:
+        """DeepSpeed's progress line, every ``steps_per_print`` steps."""
+        groups = self.optimizer.param_groups
+        report_progress(self.config.steps_per_print, step, self.skipped_steps, groups)
 
     def reduced_grad_norm(self) -> float:
-        """Finish this boundary's gradient reduction (once; later calls return the same value)
-        and return the global L2 norm of the gradients over this engine's ranks, as reduced,
-        loss scale included. Collective; call it at an accumulation boundary, before
-        :meth:`step`, on every rank.
+        """Finish this boundary's gradient reduction and return the gradients' global L2 norm.
 
-        The norm is all-reduced, so an inf/nan gradient on any rank makes it non-finite on
-        every rank: all ranks agree to skip without a separate overflow collective."""
+        The norm is over this engine's ranks, as reduced, loss scale included. It is
+        computed once; later calls return the same value. Collective: call it on every rank,
+        at an accumulation boundary, before :meth:`step`.
+
+        The norm is all-reduced, so an inf/nan gradient on any rank makes it non-finite
+        everywhere. All ranks thus agree to skip without an overflow collective of their own.
+        """
         if not self.is_gradient_accumulation_boundary():
             raise RuntimeError(
                 "reduced_grad_norm() between accumulation boundaries: the gradients are still "
@@ -372,23 +473,27 @@ class ZeroEngine(nn.Module):
             )
         if self._ready_norm is None:
             self.plan.wait_params()  # the optimizer writes slices a late all-gather still reads
-            self.plan.finish_reduction()
-            if isinstance(self.shard_comm, MiCSComm):
-                shards = [g.ensure_grad_shard() for g in self.plan.groups if g.trainable]
-                self.shard_comm.sum_over_replicas(shards)
+            self.plan.finish_reduction()  # MiCS's sum over replicas included
             self._ready_norm = self._sharded_opt.sync_grad_flags_and_norm()
         return self._ready_norm
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients of this optimizer step by their global L2 norm, like
-        ``torch.nn.utils.clip_grad_norm_`` over the full (unsharded) gradients, and return
-        that norm before clipping (loss scale removed; inf/nan on an fp16 overflow, whose
-        step :meth:`step` then skips).
+        """Clip this optimizer step's gradients by their global L2 norm.
 
-        Call it at an accumulation boundary, after the last backward and before :meth:`step`:
-        it finishes the gradient reduction, so the optimizer step that follows only applies
-        the clipped gradients (the config's ``gradient_clipping``, if set, clips on top as a
-        second clip would). Calling it twice clips twice, as torch does."""
+        It acts like ``torch.nn.utils.clip_grad_norm_`` over the full, unsharded gradients.
+        Call it at an accumulation boundary, after the last backward and before
+        :meth:`step`. It finishes the gradient reduction, so the step applies only the
+        clipped gradients. The config's ``gradient_clipping``, if set, clips on top, as a
+        second clip would. Calling it twice clips twice, as torch does.
+
+        Args:
+            max_norm: the largest norm the gradients keep; must be > 0.
+            norm_type: must be 2: ZeRO clips by the L2 norm only.
+
+        Returns:
+            The norm before clipping, loss scale removed. It is inf/nan on an fp16
+            overflow, whose step :meth:`step` then skips.
+        """
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): ZeRO clips by L2 norm only")
         if not float(max_norm) > 0:
@@ -447,7 +552,7 @@ class ZeroEngine(nn.Module):
 
     def _exchanged_step(self) -> bool:
         """This step's gradients came from a 1-bit / 0-1 optimizer's compressed exchange."""
-        return isinstance(self.optimizer, CompressedExchange) and self.optimizer.exchanged
+        return self.compression is not None and self.compression.exchanged
 
     def _skip_step(self, norm: float) -> None:
         """An overflow: weights, optimizer state and lr schedule stay untouched."""
@@ -482,7 +587,12 @@ class ZeroEngine(nn.Module):
         """The current fp16 loss scale (1.0 without fp16)."""
         return self._scaler.scale if self._scaler is not None else 1.0
 
-    def zero_grad(self) -> None:
+    def zero_grad(self) -> None:  # type: ignore[override]
+        """Drop every gradient of this engine, reduced or not.
+
+        Unlike ``nn.Module.zero_grad`` it takes no ``set_to_none``: the flat gradient
+        buffers are the engine's to keep or free.
+        """
         self._ready_norm = self._clipped_norm = None
         self._own_grads = False
         for g in self.plan.groups:
@@ -503,16 +613,22 @@ class ZeroEngine(nn.Module):
 
     @property
     def optimizer_pieces(self) -> tuple[OptimizerPiece, ...]:
-        """The tensors :attr:`optimizer` updates on this rank, one per piece of a trainable
-        parameter that this rank owns (its ``group``, parameter ``index``, ``tensor``, and
-        ``start``, its offset in the flattened parameter); ``piece.grad()`` is its reduced
-        gradient. Checkpoints save the optimizer state by these; read-only."""
+        """The tensors :attr:`optimizer` updates on this rank; read-only.
+
+        There is one per piece of a trainable parameter that this rank owns. Each has its
+        ``group``, parameter ``index``, ``tensor``, and ``start`` (its offset in the
+        flattened parameter). ``piece.grad()`` is its reduced gradient. Checkpoints save
+        the optimizer state by these.
+        """
         return tuple(self._sharded_opt.pieces)
 
     def checkpoint_shards(self) -> ShardedState:
-        """This rank's weights, optimizer slots and compression buffers, each with its place
-        in the whole parameter (``checkpoint/seam.py``): views of the live storage, once the
-        in-flight parameter gathers have landed. What a checkpoint saves and loads into."""
+        """This rank's weights, optimizer slots and compression buffers.
+
+        Each comes with its place in the whole parameter (``checkpoint/seam.py``). They are
+        views of the live storage, once the in-flight parameter gathers have landed. A
+        checkpoint saves them, and loads into them.
+        """
         return sharded_state(
             self.plan,
             self.module,
@@ -529,46 +645,63 @@ class ZeroEngine(nn.Module):
         self.plan.after_load()
 
     def checkpoint_partial_window(self) -> int:
-        """Micro-batches whose gradients are accumulated but not yet stepped (0 at an
-        accumulation boundary): a checkpoint holds no gradients, so a save now drops them."""
+        """Micro-batches whose gradients are accumulated but not yet stepped.
+
+        It is 0 at an accumulation boundary. A checkpoint holds no gradients, so a save now
+        drops them.
+        """
         if not any(g.holds_grads() for g in self.plan.groups):
             return 0
         return self.micro_steps % self.gradient_accumulation_steps or 1
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """The training-loop state a checkpoint records besides weights and optimizer state:
-        ``global_steps``, ``micro_steps``, ``skipped_steps``, the lr scheduler's and the fp16
-        loss scaler's ``state_dict()`` (``None`` without one). Plain data, the same on every
-        rank; :meth:`restore_checkpoint_state` puts it back."""
-        sched = self.lr_scheduler
+    def checkpoint_state(self) -> LoopState:
+        """The training-loop state a checkpoint records besides weights and optimizer state.
+
+        Its keys are ``global_steps``, ``micro_steps`` and ``skipped_steps``, then the lr
+        scheduler's and the fp16 loss scaler's ``state_dict()`` (``None`` without one). It is
+        plain data, the same on every rank. :meth:`restore_checkpoint_state` puts it back.
+        """
+        sched, scaler = self.lr_scheduler, self._scaler
         return {
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
             "lr_scheduler": sched.state_dict() if sched is not None else None,
-            "loss_scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "loss_scaler": cast(ScalerState, scaler.state_dict()) if scaler is not None else None,
         }
 
-    def restore_checkpoint_state(self, state: dict[str, Any], *, lr_scheduler: bool = True) -> None:
-        """Put back what :meth:`checkpoint_state` returned (keys missing from an older
-        checkpoint keep their defaults). ``lr_scheduler=False`` leaves the schedule alone: it
-        belongs to the optimizer, which a weights-only load does not restore."""
-        self.global_steps = int(state["global_steps"])
-        self.micro_steps = int(state["micro_steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        sched_state = state.get("lr_scheduler")
+    def restore_checkpoint_state(
+        self, state: Mapping[str, object], *, lr_scheduler: bool = True
+    ) -> None:
+        """Put back what :meth:`checkpoint_state` returned.
+
+        Args:
+            state: that dict. Keys an older checkpoint lacks keep their defaults.
+            lr_scheduler: ``False`` leaves the schedule alone. It belongs to the optimizer,
+                which a weights-only load does not restore.
+        """
+        # plain data read from disk: counters as the record holds them, states as saved
+        self.global_steps = int(cast(SupportsInt, state["global_steps"]))
+        self.micro_steps = int(cast(SupportsInt, state["micro_steps"]))
+        self.skipped_steps = int(cast(SupportsInt, state.get("skipped_steps", 0)))
+        sched_state = cast("dict[str, Any] | None", state.get("lr_scheduler"))
         if lr_scheduler and self.lr_scheduler is not None and sched_state is not None:
             load_scheduler_state(self.lr_scheduler, sched_state)
-        if self._scaler is not None and state.get("loss_scaler") is not None:
-            self._scaler.load_state_dict(state["loss_scaler"])
+        scaler_state = cast("ScalerState | None", state.get("loss_scaler"))
+        if self._scaler is not None and scaler_state is not None:
+            self._scaler.load_state_dict(dict(scaler_state))
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights on every rank: the keys and shapes of the original
-        ``model.state_dict()`` (buffers and every name of a tied weight included); for a
-        model given inside ``torch.compile`` or DDP, the names of the model inside, without
-        ``_orig_mod.`` or ``module.``. Collective. ``rank0_only=True`` gathers them to rank 0
-        alone (the other ranks get ``{}`` and never hold a full-size copy), for exports that
-        rank 0 writes."""
+        """Consolidated fp32 weights, on every rank. Collective.
+
+        The keys and shapes are those of the original ``model.state_dict()``, buffers and
+        every name of a tied weight included. A model given inside ``torch.compile`` or DDP
+        gets the names of the model inside, without ``_orig_mod.`` or ``module.``.
+
+        Args:
+            rank0_only: gather the weights to rank 0 alone, for exports that rank 0 writes.
+                The other ranks get ``{}`` and never hold a full-size copy.
+        """
         tp = self.tensor_parallel
         plain = plain_names(self.module)  # a compiled or DDP-wrapped model: its model's names
         with self._offload_resident(dirty=False, optimizer_state=False):
@@ -578,7 +711,7 @@ class ZeroEngine(nn.Module):
             # every rank gathers its tensor-parallel part over the data-parallel ranks, then
             # the parts are joined over the tensor-parallel ranks (original names and shapes)
             state = tp.full_state_dict(self.plan.full_state_dict(self.module, False, self.rank))
-        if rank0_only and torch.distributed.get_rank() != 0:
+        if rank0_only and world_rank() != 0:
             return {}
         return {plain(k): v for k, v in state.items()}
 
@@ -587,12 +720,13 @@ class ZeroEngine(nn.Module):
         params: nn.Parameter | Iterable[nn.Parameter] | None = None,
         modifier_rank: ModifierRank = None,
     ) -> GatheredParameters:
-        """A ``with`` block inside which ``params`` hold their full values on every rank, as
-        DeepSpeed's ``zero.GatheredParameters``. Collective: every rank enters and leaves it.
+        """A ``with`` block inside which ``params`` hold their full values on every rank.
 
-        Values written inside are kept only with ``modifier_rank``: they go into the shards
-        and into the fp32 masters the optimizer steps, so training and saving afterwards see
-        them (see ``core/zero/gathered.py``). Do not run the model's forward inside.
+        It is DeepSpeed's ``zero.GatheredParameters``. Collective: every rank enters and
+        leaves it. Values written inside are kept only with ``modifier_rank``. They then go
+        into the shards and into the fp32 masters the optimizer steps. Training and saving
+        afterwards see them (see ``core/zero/gathered.py``). Do not run the model's forward
+        inside.
 
         Args:
             params: a parameter of the model, several, or ``None`` (every parameter).
@@ -610,8 +744,15 @@ class ZeroEngine(nn.Module):
         return GatheredParameters(self.plan, self.comm, self.module, params, modifier_rank)
 
     def save_weights(self, path: str | os.PathLike) -> Path:
-        """Write the consolidated fp32 weights (:meth:`full_state_dict`) to one file:
-        ``.safetensors`` by suffix, else ``torch.save``. Collective; rank 0 gathers and writes.
+        """Write the consolidated fp32 weights (:meth:`full_state_dict`) to one file.
+
+        Collective: rank 0 gathers and writes.
+
+        Args:
+            path: the file: ``.safetensors`` by suffix, else ``torch.save``.
+
+        Returns:
+            ``path``.
 
         >>> engine.save_weights("model.safetensors")  # doctest: +SKIP
         """
@@ -621,19 +762,19 @@ class ZeroEngine(nn.Module):
             write_weights(state, path)
         self.comm.barrier()
         if self.tensor_parallel is not None:
-            torch.distributed.barrier()
+            Comm().barrier()  # the tensor-parallel ranks too: every rank of the job
         return path
 
     def load_weights(self, path: str | os.PathLike, *, strict: bool = True) -> LoadedWeights:
-        """Read pretrained weights into the shards: the counterpart of :meth:`save_weights`,
-        and of DeepSpeed's ``zero.Init`` with ``from_pretrained``. Collective.
+        """Read pretrained weights into the shards. Collective.
 
-        Each rank reads only the bytes of its own shard, straight into it (with NVMe
-        offload, into its swap file), so a model built on the meta device never exists
-        whole on any rank. Persistent buffers are read too. Buffers the files do not hold
-        (a rotary ``inv_freq``) keep what the model's initialisation computed at
-        ``initialize``; one that nothing computed is an error naming it. The optimizer
-        state and step counters are left as they are.
+        It is the counterpart of :meth:`save_weights`, and of DeepSpeed's ``zero.Init``
+        with ``from_pretrained``. Each rank reads only the bytes of its own shard, straight
+        into it (with NVMe offload, into its swap file). So a model built on the meta device
+        never exists whole on any rank. Persistent buffers are read too. Buffers the files
+        do not hold (a rotary ``inv_freq``) keep what the model's initialisation computed at
+        ``initialize``. One that nothing computed is an error naming it. The optimizer state
+        and step counters are left as they are.
 
         Args:
             path: a ``.safetensors`` or ``torch.save`` file, or a directory as
@@ -665,11 +806,19 @@ class ZeroEngine(nn.Module):
         return result
 
     def save_quantized(self, path: str | os.PathLike) -> Path:
-        """Write the consolidated weights in the quantized inference format of the config's
-        ``quantization`` section (``bits``, ``group_size``, ``symmetric``,
-        ``modules_to_not_convert``): after quantization-aware training (``qat: true``) these
-        are exactly the integers training computed with. ``ds_strategy.init_inference(model,
-        checkpoint=path)`` loads the file as stored. Collective; rank 0 gathers and writes.
+        """Write the consolidated weights in a quantized inference format.
+
+        The format is the config's ``quantization`` section: ``bits``, ``group_size``,
+        ``symmetric``, ``modules_to_not_convert``. After quantization-aware training
+        (``qat: true``) these are exactly the integers training computed with.
+        ``ds_strategy.init_inference(model, checkpoint=path)`` loads the file as stored.
+        Collective: rank 0 gathers and writes.
+
+        Args:
+            path: a ``.safetensors`` file.
+
+        Returns:
+            ``path``.
 
         >>> engine.save_quantized("model-int4.safetensors")  # doctest: +SKIP
         """
@@ -692,32 +841,39 @@ class ZeroEngine(nn.Module):
             )
         self.comm.barrier()
         if self.tensor_parallel is not None:
-            torch.distributed.barrier()
+            Comm().barrier()  # the tensor-parallel ranks too: every rank of the job
         return path
 
     def save_checkpoint(
         self,
         path: str | os.PathLike,
         tag: str | None = None,
-        client_state: Any = None,
+        client_state: object = None,
         save_latest: bool = True,
         *,
         include_optimizer: bool = True,
         async_save: bool | None = None,
     ) -> Path:
-        """Write the whole training state; every rank writes its own shards in parallel.
-        Collective: call it on every rank. Returns the checkpoint directory.
+        """Write the whole training state. Collective: call it on every rank.
 
-        With ``tag`` (DeepSpeed's layout) ``path`` is a root: the checkpoint goes to
-        ``path/tag`` and ``path/latest`` names it (unless ``save_latest=False``); the config's
-        ``checkpoint.keep_last`` prunes older tags. Without ``tag``, ``path`` is the
-        checkpoint directory itself (or, if it holds a ``latest`` file, a root and the tag is
-        ``global_step<N>``). The directory appears atomically (a crash mid-save leaves the
-        previous checkpoint and ``latest`` intact) and loads into any world size or ZeRO
-        stage. ``client_state`` (any picklable object) comes back from
-        :meth:`load_checkpoint`. ``include_optimizer=False`` writes a weights-only checkpoint.
-        ``async_save=True`` (default: the config's ``checkpoint.async_save``) copies the state
-        and writes it in the background; see :meth:`wait_for_checkpoint`.
+        Every rank writes its own shards, in parallel. The directory appears atomically: a
+        crash mid-save leaves the previous checkpoint and ``latest`` intact. It loads into
+        any world size or ZeRO stage.
+
+        Args:
+            path: with ``tag``, a root (DeepSpeed's layout). Without, the checkpoint
+                directory itself; if it holds a ``latest`` file, a root again, and the tag
+                is ``global_step<N>``.
+            tag: the checkpoint goes to ``path/tag``, and ``path/latest`` names it. The
+                config's ``checkpoint.keep_last`` prunes older tags.
+            client_state: any picklable object; :meth:`load_checkpoint` returns it.
+            save_latest: ``False``: ``path/latest`` keeps naming the previous tag.
+            include_optimizer: ``False`` writes a weights-only checkpoint.
+            async_save: copy the state and write it in the background (see
+                :meth:`wait_for_checkpoint`). None: the config's ``checkpoint.async_save``.
+
+        Returns:
+            The checkpoint directory.
 
         >>> engine.save_checkpoint("ckpt", tag="step100", client_state={"epoch": 3})  # doctest: +SKIP
         """
@@ -744,52 +900,73 @@ class ZeroEngine(nn.Module):
         require_checksums: bool = True,
         trust_checkpoint: bool = False,
     ) -> Any:
-        """Restore weights, optimizer state, lr scheduler, step counters and RNG state from a
-        checkpoint written by :meth:`save_checkpoint`, at any world size or stage: ``path/tag``,
-        the checkpoint a root's ``latest`` file names, or the directory ``path``; or a
-        pipeline's checkpoint (its root, holding ``stage_<k>``), whatever its stages. Returns
-        the saved ``client_state``. ``load_optimizer=False`` restores the weights (and counters)
-        only, into an engine whose optimizer may differ, e.g. one built for evaluation. A
-        damaged or foreign checkpoint raises on every rank, naming the file; so does one that
-        records no checksums, unless ``require_checksums=False``, and one whose ``latest`` or
-        metadata points outside its directory. Nothing in the checkpoint can run code:
-        metadata and saved objects are read by allow-listing unpicklers, so a
-        ``client_state`` (or scheduler state) holding objects other than tensors and plain
-        data is refused, naming the type, unless ``trust_checkpoint=True``."""
+        """Restore a checkpoint written by :meth:`save_checkpoint`, at any world size or stage.
+
+        It restores weights, optimizer state, lr scheduler, step counters and RNG state. A
+        damaged or foreign checkpoint raises on every rank, naming the file. So does one
+        whose ``latest`` or metadata points outside its directory. Nothing in the checkpoint
+        can run code: metadata and saved objects are read by allow-listing unpicklers.
+
+        Args:
+            path: a root whose ``latest`` file names the checkpoint, or the checkpoint
+                directory. A pipeline's checkpoint (its root, holding ``stage_<k>``) loads
+                too, whatever its stages.
+            tag: the checkpoint ``path/tag``.
+            load_optimizer: ``False`` restores the weights and counters only. The engine's
+                optimizer may then differ, e.g. in an engine built for evaluation.
+            require_checksums: ``False`` accepts a checkpoint that records no checksums.
+            trust_checkpoint: ``True`` accepts a ``client_state`` (or scheduler state)
+                holding objects other than tensors and plain data. Otherwise such a state
+                is refused, naming the type.
+
+        Returns:
+            The saved ``client_state``, as it was given.
+        """
         with self._streamed(load=True):
             client_state = self._checkpoints.load(
                 path, tag, load_optimizer, require_checksums, trust_checkpoint
             )
-        if isinstance(self.compression, (OneBitReduction, ZeroOneReduction)):
+        if self.compression is not None:
             self.compression.reset()  # errors restart; 1-bit momenta come from the loaded state
         self._count_resident()
         return client_state
 
     def compile(  # type: ignore[override]
-        self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None
+        self, backend: CompileBackend | None = None, compile_kwargs: dict[str, Any] | None = None
     ) -> None:
-        """``torch.compile`` the model one unit at a time, as DeepSpeed's ``engine.compile``:
-        each block that ZeRO-3 gathers as one (the same blocks at every stage), or the whole
-        model when it has none (which blocks: ``compile_units`` in ``core/compiled.py``). The gather and
-        release around a unit run eagerly between its compiled graphs (see [Note: compiled
-        units] in ``zero/stage3.py``). ``backend`` and ``compile_kwargs`` (``mode``,
-        ``dynamic``, ``fullgraph``, ``options``): torch.compile's; by default the config's
-        ``compile`` section's. A unit compiled already, or a model compiled as a whole, is
-        left as it is. The config's ``compile.enabled`` calls this at ``initialize``."""
+        """``torch.compile`` the model one unit at a time, as DeepSpeed's ``engine.compile``.
+
+        A unit is a block that ZeRO-3 gathers as one, the same blocks at every stage. A model
+        without blocks is compiled whole (``compile_units`` in ``core/compiled.py``). The
+        gather and release around a unit run eagerly between its compiled graphs (see [Note:
+        compiled units] in ``zero/stage3.py``). A unit compiled already, or a model compiled
+        as a whole, is left as it is. The config's ``compile.enabled`` calls this at
+        ``initialize``.
+
+        Args:
+            backend: torch.compile's backend. None: the config's ``compile.backend``.
+            compile_kwargs: torch.compile's ``mode``, ``dynamic``, ``fullgraph``,
+                ``options``. None: the config's ``compile.kwargs``.
+        """
         section = self.config.compile
         fn = compile_backend(section.backend if backend is None else backend)
         kwargs = dict(section.kwargs if compile_kwargs is None else compile_kwargs)
         check_compile_kwargs(kwargs)
         compile_units(self.module, fn, kwargs)
 
-    def compile_report(self) -> dict[str, Any]:
-        """What torch.compile did since the engine was built: ``compiled_units`` (modules
-        that run compiled), ``graphs`` (graphs Dynamo compiled; 0 when the units reuse the
-        graphs compiled for an earlier engine's copy of the model), ``graph_breaks`` and
-        ``break_reasons`` (the first line of each reason, with its count), and
-        ``last_new_graph_step`` (the optimizer step during which the latest graph was compiled,
-        ``None`` if none was; a model whose guards hold compiles nothing after its first train
-        and evaluation steps). Dynamo counts per process: see ``core/compiled.py``."""
+    def compile_report(self) -> CompileReport:
+        """What torch.compile did since the engine was built.
+
+        Dynamo counts per process: see ``core/compiled.py``. The keys:
+
+        - ``compiled_units``: modules that run compiled;
+        - ``graphs``: graphs Dynamo compiled. It is 0 when the units reuse the graphs
+          compiled for an earlier engine's copy of the model;
+        - ``graph_breaks``, and ``break_reasons``: each reason's first line, with its count;
+        - ``last_new_graph_step``: the optimizer step that compiled the latest graph (None if
+          none did). A model whose guards hold compiles nothing after its first train and
+          evaluation steps.
+        """
         return self._compile_watch.report()
 
     @property
@@ -798,9 +975,11 @@ class ZeroEngine(nn.Module):
         return self._checkpoints
 
     def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save has been written, renamed into place and
-        ``latest`` updated; re-raise its error if it failed. Call it (or :meth:`destroy`)
-        before destroying the process group: the writer's collectives need it."""
+        """Block until an asynchronous save is written, renamed into place and in ``latest``.
+
+        A save that failed re-raises its error here. Call this (or :meth:`destroy`) before
+        destroying the process group: the writer's collectives need it.
+        """
         self._checkpoints.wait()
 
     @contextlib.contextmanager
@@ -826,32 +1005,41 @@ class ZeroEngine(nn.Module):
         return self._offload.resident(dirty, optimizer_state)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of model state this rank holds now: ``params``, ``grads``,
-        ``optimizer_state`` and ``compression_state`` (top-k residuals, 1-bit momenta and
-        errors; ``total`` is their sum; bytes swapped to NVMe files are not in
-        it, ``offloaded_nvme`` counts them, and ``swap_buffers`` the host bytes of swapped tensors
-        back in memory now: a step's buckets, shards read for a gather); ``peak``, the most model-state bytes held at
-        any moment since the engine was built or :meth:`reset_peak_memory` was called,
-        transient buffers included (ZeRO-3's gathered parameters, full-size gradient
-        buckets, reductions in flight, the step's fp32 gradient copies; with NVMe offload
-        the gradient shards, in memory only during a step, are counted there and not in
-        ``grads``); and ``peak_gathered_params``, the bytes of ZeRO-3 parameters
-        gathered at once."""
+        """Bytes of model state this rank holds now.
+
+        The keys:
+
+        - ``params``, ``grads``, ``optimizer_state``;
+        - ``compression_state``: top-k residuals, 1-bit momenta and errors;
+        - ``total``: the sum of the four. Bytes swapped to NVMe files are not in it;
+        - ``offloaded_nvme``: those bytes in files;
+        - ``swap_buffers``: host bytes of swapped tensors back in memory now (a step's
+          buckets, shards read for a gather);
+        - ``peak``: the most model-state bytes held at any moment since the engine was built,
+          or since :meth:`reset_peak_memory`. Transient buffers count: ZeRO-3's gathered
+          parameters, full-size gradient buckets, reductions in flight, the step's fp32
+          gradient copies. With NVMe offload the gradient shards, in memory only during a
+          step, count there and not in ``grads``;
+        - ``peak_gathered_params``: the most bytes of ZeRO-3 parameters gathered at once.
+        """
         report = self._resident_report()
         if self._offload is not None:  # bytes moved out to files: not in total
             report.update(self._offload.report())
         report["peak"] = self.plan.meter.peak
         return report
 
-    def memory_timeline(self) -> list[dict[str, Any]]:
-        """With the config's ``memory_timeline.enabled``: the model-state meter's events of
-        the latest finished optimizer step (of the step under way before the first one ends),
-        each a dict of ``seq``, ``time_s``, ``step``, ``phase`` (``forward``, ``backward``,
-        ``step`` or ``idle``), ``event`` (``alloc``, ``free``, ``resident``, ``touch``),
-        ``nbytes`` and the bytes held after it: ``resident``, ``transient``, ``total``, and
-        the ``peak`` so far (see ``core/memory_timeline.py``); else ``[]``. With
-        ``csv_monitor`` on, every rank also writes them to ``memory_timeline_<rank>.csv`` in
-        the monitor's directory every ``steps_per_print`` steps and at :meth:`destroy`."""
+    def memory_timeline(self) -> list[TimelineEvent]:
+        """The model-state meter's events of the latest finished optimizer step.
+
+        Before the first step ends, those of the step under way. Empty without the config's
+        ``memory_timeline.enabled``. Each event has ``seq``, ``time_s``, ``step``, ``phase``
+        (``forward``, ``backward``, ``step`` or ``idle``) and ``event`` (``alloc``,
+        ``free``, ``resident``, ``touch``). Then ``nbytes``, and the bytes held after it:
+        ``resident``, ``transient``, ``total``, and the ``peak`` so far (see
+        ``core/memory_timeline.py``). With ``csv_monitor`` on, every rank also writes them
+        to ``memory_timeline_<rank>.csv`` in the monitor's directory. It does so every
+        ``steps_per_print`` steps and at :meth:`destroy`.
+        """
         return self._timeline.events() if self._timeline is not None else []
 
     def _build_memory_timeline(self) -> MemoryTimeline | None:
@@ -862,15 +1050,16 @@ class ZeroEngine(nn.Module):
         self.plan.meter.timeline = timeline
         return timeline
 
-    def _memory_phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+    def _memory_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         timeline = self._timeline
         return contextlib.nullcontext() if timeline is None else timeline.phase(name)
 
-    def _end_memory_step(self) -> None:
+    def _end_memory_step(self, step: int) -> None:
+        """The timeline's step ends; every ``steps_per_print`` steps it is written out."""
         if self._timeline is None:
             return
-        self._timeline.end_step(self.global_steps)
-        if self.global_steps % self.config.report_every == 0:
+        self._timeline.end_step(step)
+        if step % self.config.report_every == 0:
             self._write_memory_timeline()
 
     def _write_memory_timeline(self) -> None:
@@ -878,15 +1067,15 @@ class ZeroEngine(nn.Module):
         csv_section = self.config.csv_monitor
         if self._timeline is None or csv_section.enabled is not True:
             return
-        dist = torch.distributed
-        rank = dist.get_rank() if dist.is_initialized() else self.rank
-        path = timeline_path(csv_section.output_path, csv_section.job_name, rank)
+        path = timeline_path(csv_section.output_path, csv_section.job_name, world_rank())
         mixed = self.precision.param_dtype != torch.float32
         self._timeline.write_csv(path, zero_formula_bytes(self.plan.groups, mixed))
 
     def reset_peak_memory(self) -> None:
-        """Start ``memory_report()["peak"]`` and ``["peak_gathered_params"]`` again from the
-        bytes held now."""
+        """Start ``memory_report()``'s two peaks again from the bytes held now.
+
+        They are ``peak`` and ``peak_gathered_params``.
+        """
         self.plan.meter.reset_peak()
         if self.plan.stage3 is not None:
             self.plan.stage3.peak_live_numel = self.plan.stage3.live_numel
@@ -908,40 +1097,56 @@ class ZeroEngine(nn.Module):
         self.plan.meter.set_resident(self._resident_report()["total"])
 
     def timing_report(self) -> dict[str, float]:
-        """With ``wall_clock_breakdown``: the latest per-step means of the forward / backward
-        / reduce / gather / step milliseconds (``<phase>_ms``; a pipeline stage adds
-        ``schedule_ms``, see ``timers.py``) and bytes sent per collective kind
-        (``<kind>_bytes``), refreshed every ``steps_per_print`` steps; else ``{}``."""
+        """The latest per-step means of each phase's time, with ``wall_clock_breakdown``.
+
+        Empty without it. The phases are forward, backward, reduce, gather and step, as
+        ``<phase>_ms``; a pipeline stage adds ``schedule_ms`` (see ``timers.py``). Bytes
+        sent per collective kind come as ``<kind>_bytes``. All are refreshed every
+        ``steps_per_print`` steps.
+        """
         return dict(self.timers.last_report) if self.timers is not None else {}
 
     def comm_report(self) -> dict[str, int]:
-        """Bytes this rank sent per collective kind since the previous call; with tensor
-        parallelism the tensor-parallel group's kinds are prefixed ``tp_`` (the rest are the
-        data-parallel group's) and ``total`` counts both. ``intra_machine`` and
-        ``inter_machine`` split ``total`` by the link of the group each was sent on (a group
-        with ranks on several machines is ``inter``, see ``core/topology.py``)."""
+        """Bytes this rank sent per collective kind since the previous call.
+
+        With tensor parallelism the tensor-parallel group's kinds are prefixed ``tp_``. The
+        rest are the data-parallel group's, and ``total`` counts both. ``intra_machine`` and
+        ``inter_machine`` split ``total`` by the link of the group each was sent on. A group
+        with ranks on several machines is ``inter`` (see ``core/topology.py``).
+        """
         report = self.comm.take_report()
         report.update(self.comm.take_links())
         if self.tensor_parallel is not None:
             self.tensor_parallel.comm.take_into(report, "tp_")
         return report
 
-    def comms_report(self) -> dict[str, Any]:
-        """With ``comms_logger.enabled``: per collective kind of the engine's data-parallel
-        groups since the engine was built, ``count``, ``msg_bytes``, ``sent_bytes`` (the bytes
-        :meth:`comm_report` counts), ``total_ms``, ``avg_ms``, ``algbw_gbps``, ``busbw_gbps``
-        and the straggler gap ``straggler_ms`` (every rank's total in ``rank_total_ms``), see
-        ``core/profiling/comms.py``; a collective, called on every rank. Disabled:
-        ``{"enabled": False, ...}`` with no ops, and no collective."""
+    def comms_report(self) -> CommsReport:
+        """The ``comms_logger``'s timings, per collective kind, since the engine was built.
+
+        They cover the engine's data-parallel groups (see ``core/profiling/comms.py``). Per
+        kind: ``count``, ``msg_bytes``, and ``sent_bytes`` (what :meth:`comm_report`
+        counts). Then ``total_ms``, ``avg_ms``, ``algbw_gbps``, ``busbw_gbps``, and the
+        straggler gap ``straggler_ms``, with every rank's total in ``rank_total_ms``. A
+        collective: call it on every rank. Without ``comms_logger.enabled`` it is
+        ``{"enabled": False, ...}`` with no ops, and no collective.
+        """
         logger = self.comm.comms_logger
         if logger is None:
             return CommsLogger.disabled_report()
         return logger.report(self.comm.all_gather_object)
 
-    def log_summary(self, show_straggler: bool = True) -> dict[str, Any]:
-        """:meth:`comms_report`, printed on rank 0 as DeepSpeed's ``comm.log_summary`` prints
-        it (with the straggler breakdown unless ``show_straggler`` is false; a report of the
-        ``ds_strategy.core.engine`` logger, see ``ds_strategy/_logging.py``); a collective."""
+    def log_summary(self, show_straggler: bool = True) -> CommsReport:
+        """:meth:`comms_report`, printed on rank 0 as DeepSpeed's ``comm.log_summary`` does.
+
+        The table is a report of the ``ds_strategy.core.engine`` logger (see
+        ``ds_strategy/_logging.py``). A collective.
+
+        Args:
+            show_straggler: include the straggler breakdown.
+
+        Returns:
+            The :meth:`comms_report`.
+        """
         report = self.comms_report()
         if report["enabled"] and self.comm.rank == 0:
             show_report(log, format_summary(report, show_straggler))

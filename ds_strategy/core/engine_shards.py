@@ -9,14 +9,12 @@ in the records is the live storage, so a load writes straight into the shards.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from .checkpoint.seam import ExtraState, OptimizerSlot, Placement, Run, ShardedState, WeightPiece
-from .compression.topk_reduce import TopKReduction
-from .compression.zeroone_reduce import ZeroOneReduction
+from .compression.reduction import GradientCompression
 from .names import plain_names
 from .tp import TensorParallel
 from .zero.builders import ShardingPlan
@@ -75,14 +73,17 @@ def _weights(plan: ShardingPlan, module: nn.Module, places: _Places) -> list[Wei
     return out
 
 
-def _extra(compression: Any, places: _Places) -> list[ExtraState]:
-    """Top-k compression's buffers (residual, momentum-correction velocity) per parameter;
-    the 1-bit errors restart at a load, as in DeepSpeed, so they are not saved."""
-    if not isinstance(compression, TopKReduction):
+def _extra(compression: GradientCompression | None, places: _Places) -> list[ExtraState]:
+    """The buffers gradient compression saves, per parameter.
+
+    Top-k saves its residual and momentum-correction velocity. The 1-bit errors restart at
+    a load, as in DeepSpeed, so they are not saved.
+    """
+    if compression is None:
         return []
     out = []
-    for g, st in zip(compression.groups, compression.states, strict=True):
-        for kind, buf in st.state_dict().items():
+    for g, buffers in compression.saved_buffers():
+        for kind, buf in buffers.items():
             for p, slot in zip(g.params, g.layout.slots, strict=True):
                 view = buf[slot.offset : slot.offset + slot.numel]
                 out.append(ExtraState("compression", places.names[id(p)], kind, view))
@@ -94,7 +95,7 @@ def sharded_state(
     module: nn.Module,
     tensor_parallel: TensorParallel | None,
     pieces: Sequence[OptimizerPiece],
-    compression: Any,
+    compression: GradientCompression | None,
     *,
     stage: int,
     world_size: int,
@@ -121,5 +122,5 @@ def sharded_state(
         stage=stage,
         world_size=world_size,
         tp_degree=tp_degree,
-        replicas_from_rank0=isinstance(compression, ZeroOneReduction),
+        replicas_from_rank0=compression is not None and compression.replicas_drift,
     )

@@ -15,19 +15,19 @@ precision) as if they were there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from ..config import ZeroOptimizationConfig
 from .memory import human_bytes
 from .precision.loss_scaler import LossScaler
 from .precision.policy import PrecisionPolicy
 
-__all__ = ["RankLayout", "start_summary"]
+__all__ = ["RankCounts", "start_summary"]
 
 _NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass(frozen=True)
-class RankLayout:
+class RankCounts:
     """How many ranks the engine runs on: ``dp`` data-parallel ranks, of which ZeRO shards
     over ``shard`` (fewer under MiCS), ``tp`` tensor-parallel ranks each, and, in a pipeline,
     stage ``stage`` of ``stages``."""
@@ -41,10 +41,10 @@ class RankLayout:
 
 def start_summary(
     stage: int,
-    ranks: RankLayout,
+    ranks: RankCounts,
     precision: PrecisionPolicy,
     scaler: LossScaler | None,
-    zero_config: Any,
+    zero_config: ZeroOptimizationConfig,
     memory: dict[str, int],
     formula_bytes: float,
 ) -> str:
@@ -59,7 +59,7 @@ def start_summary(
     return f"ds_strategy: {what}; {_memory(memory, formula_bytes, stage)}"
 
 
-def _ranks(r: RankLayout) -> str:
+def _ranks(r: RankCounts) -> str:
     plural = "s" if r.dp != 1 else ""
     if r.tp == 1 and r.stage is None:
         out = f"{r.dp} rank{plural}"
@@ -84,7 +84,7 @@ def _precision(policy: PrecisionPolicy, scaler: LossScaler | None) -> str:
     return name
 
 
-def _offload(zc: Any) -> str:
+def _offload(zc: ZeroOptimizationConfig) -> str:
     parts = []
     for what, section in (("optimizer", zc.offload_optimizer), ("parameter", zc.offload_param)):
         device = str(section.device)

@@ -15,9 +15,8 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import torch
-
 from .._logging import report
+from .collectives import world_rank
 
 __all__ = ["progress_line", "report_progress"]
 
@@ -49,7 +48,6 @@ def report_progress(
     """The progress line on global rank 0 at every ``steps_per_print``-th step; else nothing."""
     if steps_per_print is None or step % steps_per_print:
         return
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if world_rank() != 0:
         return
     report(log, progress_line(step, skipped, param_groups))

@@ -38,13 +38,16 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .._logging import report
 from .collectives import Comm
 from .profiling.ranges import profiling, range_name, record_function
+
+if TYPE_CHECKING:
+    from ..config import ZeroConfig
 
 __all__ = ["OPTIONAL_PHASES", "PHASES", "StepTimers", "format_report", "phase"]
 
@@ -74,7 +77,7 @@ def _log_line(line: str) -> None:
     report(log, line)
 
 
-def phase(timers: StepTimers | None, name: str) -> contextlib.AbstractContextManager[Any]:
+def phase(timers: StepTimers | None, name: str) -> contextlib.AbstractContextManager[None]:
     """``timers.phase(name)``, or a no-op when the breakdown is off; while a profiler records,
     inside the range ``ds_strategy::<name>`` too (``step``: ``::optimizer_step``; see
     ``core/profiling/ranges.py``)."""
@@ -112,7 +115,7 @@ class StepTimers:
         comm.wait_timer = self.record_wait
 
     @classmethod
-    def from_config(cls, config: Any, comm: Comm, device: torch.device) -> StepTimers | None:
+    def from_config(cls, config: ZeroConfig, comm: Comm, device: torch.device) -> StepTimers | None:
         """A ``StepTimers`` when ``config.wall_clock_breakdown`` is true, else None."""
         if config.wall_clock_breakdown is not True:
             return None

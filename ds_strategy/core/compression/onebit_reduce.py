@@ -36,6 +36,7 @@ import torch
 
 from ..collectives import Comm
 from .onebit import compressed_all_reduce
+from .reduction import SavedBuffers
 
 if TYPE_CHECKING:
     from ..optim.onebit import MomentumCompressed
@@ -85,7 +86,12 @@ def unscaled_and_clipped(
 
 
 class OneBitReduction:
-    """Momentum, errors and the compressed exchange of a plan's trainable flat groups."""
+    """Momentum, errors and the compressed exchange of a plan's trainable flat groups.
+
+    None of it is saved: a load takes the momentum from the optimizer again.
+    """
+
+    replicas_drift = False
 
     def __init__(
         self,
@@ -116,11 +122,20 @@ class OneBitReduction:
         """Compressed from the first step after the optimizer's ``freeze_step`` dense ones."""
         return self.optimizer_steps() >= self.optimizer.freeze_step
 
+    @property
+    def exchanged(self) -> bool:
+        """The optimizer's coming step takes the exchanged momentum."""
+        return self.optimizer.exchanged
+
     def reset(self) -> None:
         """After a checkpoint load: the momentum is taken from the optimizer again and the
         errors start from zero."""
         self.momenta = None
         self.scales = None
+
+    def saved_buffers(self) -> SavedBuffers:
+        """None: the errors restart at a load, as DeepSpeed's do."""
+        return []
 
     def state_bytes(self) -> int:
         tensors = [*(self.momenta or []), *self.worker_errors, *self.server_errors]

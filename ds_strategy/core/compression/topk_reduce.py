@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..collectives import Comm
+from .reduction import SavedBuffers
 from .topk import TopK
 
 if TYPE_CHECKING:
@@ -35,7 +36,15 @@ __all__ = ["TopKReduction"]
 
 
 class TopKReduction:
-    """The compression state of a plan's trainable flat groups and the compressed exchange."""
+    """The compression state of a plan's trainable flat groups and the compressed exchange.
+
+    The step clips its gradients as after a dense reduction (``exchanged`` is never true).
+    The residuals are checkpoint state: a load restores them, so :meth:`reset` has nothing
+    to do.
+    """
+
+    exchanged = False
+    replicas_drift = False
 
     def __init__(
         self,
@@ -64,6 +73,13 @@ class TopKReduction:
         return sum(
             t.numel() * t.element_size() for st in self.states for t in st.state_dict().values()
         )
+
+    def reset(self) -> None:
+        """Nothing: a checkpoint load has written the residuals."""
+
+    def saved_buffers(self) -> SavedBuffers:
+        """Each group's residual (and momentum-correction velocity)."""
+        return [(g, st.state_dict()) for g, st in zip(self.groups, self.states, strict=True)]
 
     def reduce(self) -> None:
         """Steps 1-4 of [Note: one compressed step], for every group. Collective."""

@@ -30,6 +30,7 @@ import torch
 from ..collectives import Comm
 from .onebit import compressed_all_reduce
 from .onebit_reduce import finite_everywhere, padded_size, unscaled_and_clipped
+from .reduction import SavedBuffers
 
 if TYPE_CHECKING:
     from ..optim.zeroone import StepKind, ZeroOneAdam
@@ -39,7 +40,12 @@ __all__ = ["ZeroOneReduction"]
 
 
 class ZeroOneReduction:
-    """Errors and exchanges of 0/1 Adam over a plan's trainable flat groups."""
+    """Errors and exchanges of 0/1 Adam over a plan's trainable flat groups.
+
+    Between syncs each rank steps on its own gradient, so the replicas drift apart.
+    """
+
+    replicas_drift = True
 
     def __init__(
         self,
@@ -70,9 +76,18 @@ class ZeroOneReduction:
         """Backward reduces nothing: every step but a variance step."""
         return self.kind != "dense"
 
+    @property
+    def exchanged(self) -> bool:
+        """The optimizer's coming step takes what the exchange gave."""
+        return self.optimizer.exchanged
+
     def reset(self) -> None:
         """After a checkpoint load: every error restarts from zero."""
         self.grad_errors, self.sync_errors = [], None
+
+    def saved_buffers(self) -> SavedBuffers:
+        """None: the errors restart at a load, as DeepSpeed's do."""
+        return []
 
     def state_bytes(self) -> int:
         pairs = [*self.grad_errors, *([self.sync_errors] if self.sync_errors else [])]

@@ -36,20 +36,53 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..collectives import Comm
+from ..collectives import Comm, world_rank
+from ..timers import StepTimers
 from .base import Event, Monitor, require_package
 from .comet_monitor import CometMonitor
 from .csv_monitor import CSVMonitor
 from .tensorboard_monitor import INSTALL, TensorBoardMonitor
 from .wandb_monitor import WandbMonitor
 
+if TYPE_CHECKING:
+    from ...config import ZeroConfig
+
 __all__ = ["TIMING_EVENTS", "TrainingMonitor", "build_monitors", "engine_comms"]
 
 log = logging.getLogger(__name__)
+
+
+class _TensorParallel(Protocol):
+    @property
+    def comm(self) -> Comm: ...
+
+
+class MonitoredEngine(Protocol):
+    """What the monitor reads of a ``ZeroEngine``: its public surface, nothing more."""
+
+    @property
+    def global_steps(self) -> int: ...
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    @property
+    def timers(self) -> StepTimers | None: ...
+
+    @property
+    def comm(self) -> Comm: ...
+
+    @property
+    def tensor_parallel(self) -> _TensorParallel | None: ...
+
+    def get_lr(self) -> list[float]: ...
+
+    def memory_report(self) -> dict[str, int]: ...
+
 
 PREFIX = "Train/Samples/"
 # DeepSpeed's timing event (without PREFIX and "elapsed_time_ms_") -> the timers' report key
@@ -69,12 +102,7 @@ _PACKAGES = {
 _COMET_START = ("api_key", "project", "workspace", "experiment_key", "mode", "online")
 
 
-def _global_rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def build_monitors(config: Any, rank: int) -> list[Monitor]:
+def build_monitors(config: ZeroConfig, rank: int) -> list[Monitor]:
     """The writers of the config's enabled monitor sections: on ``rank`` 0 only (the others
     get ``[]``), after checking on every rank that their packages are installed."""
     enabled = [s for s in ("tensorboard", "csv_monitor", "wandb", "comet") if _on(config, s)]
@@ -97,7 +125,7 @@ def build_monitors(config: Any, rank: int) -> list[Monitor]:
     return [make[section]() for section in enabled]
 
 
-def _on(config: Any, section: str) -> bool:
+def _on(config: ZeroConfig, section: str) -> bool:
     return getattr(config, section).enabled is True
 
 
@@ -127,19 +155,21 @@ class TrainingMonitor:
         self._sent_seen: tuple[dict[str, int], int] = ({}, 0)  # (bytes sent, step) last written
 
     @classmethod
-    def from_config(cls, config: Any, comm: Comm, device: torch.device) -> TrainingMonitor | None:
+    def from_config(
+        cls, config: ZeroConfig, comm: Comm, device: torch.device
+    ) -> TrainingMonitor | None:
         """A monitor when one of the config's monitor sections is enabled, else None."""
         if not any(_on(config, s) for s in ("tensorboard", "csv_monitor", "wandb", "comet")):
             return None
         batch = config.train_batch_size
-        if batch is None and _global_rank() == 0:
+        if batch is None and world_rank() == 0:
             log.warning(
                 "monitor: the config gives no batch size (train_batch_size or "
                 "train_micro_batch_size_per_gpu), so the events' x axis counts optimizer "
                 "steps, not samples"
             )
         return cls(
-            build_monitors(config, _global_rank()),
+            build_monitors(config, world_rank()),
             comm,
             device,
             steps_per_print=config.report_every,
@@ -154,7 +184,10 @@ class TrainingMonitor:
         self._loss_count += 1
 
     def after_step(
-        self, engine: Any, loss: float | None = None, comms: Sequence[Comm] | None = None
+        self,
+        engine: MonitoredEngine,
+        loss: float | None = None,
+        comms: Sequence[Comm] | None = None,
     ) -> None:
         """An optimizer step finished (``engine.global_steps`` counts it): write when due.
         ``loss``: the step's mean loss over every rank when the caller knows it (a pipeline),
@@ -179,7 +212,7 @@ class TrainingMonitor:
         return total / count if count else math.nan
 
     def events(
-        self, engine: Any, step: int, loss: float, sent: dict[str, float] | None = None
+        self, engine: MonitoredEngine, step: int, loss: float, sent: dict[str, float] | None = None
     ) -> list[Event]:
         """This step's events (see the module note), read from the engine's public surface;
         ``sent``: the bytes-sent events (:meth:`_sent_per_step`), left out when None."""
@@ -209,7 +242,7 @@ class TrainingMonitor:
         steps = max(1, step - last_step)
         return {k: (v - last_sent.get(k, 0)) / steps for k, v in sent.items()}
 
-    def write(self, events: list[Event], engine: Any) -> None:
+    def write(self, events: list[Event], engine: MonitoredEngine) -> None:
         """Hand ``events`` to every writer (timings left out where a framework has them)."""
         timed_elsewhere = engine.timers is not None and bool(engine.timers.sinks)
         untimed = [e for e in events if "/elapsed_time_ms_" not in e.name]
@@ -221,7 +254,7 @@ class TrainingMonitor:
             monitor.close()
 
 
-def engine_comms(engine: Any) -> list[Comm]:
+def engine_comms(engine: MonitoredEngine) -> list[Comm]:
     """The groups a ``ZeroEngine``'s ``comm_report()`` counts: data-parallel and, with tensor
     parallelism, the tensor-parallel one."""
     comms = [engine.comm]

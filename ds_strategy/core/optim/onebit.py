@@ -43,7 +43,10 @@ class CompressedExchange:
     does not clip it again, and ``clip_grad_norm_`` is refused. Each optimizer overrides
     it from its own record of the step."""
 
-    exchanged: bool = False
+    @property
+    def exchanged(self) -> bool:
+        """This step's ``.grad`` is what the exchange gave (never, unless overridden)."""
+        return False
 
 
 class MomentumCompressed(CompressedExchange):
@@ -69,6 +72,7 @@ class MomentumCompressed(CompressedExchange):
 
     @property
     def exchanged(self) -> bool:
+        """The coming step's ``.grad`` is the exchanged momentum."""
         return self.momentum_given
 
     def take_momentum_given(self) -> bool:

@@ -157,6 +157,7 @@ class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
 
     @property
     def exchanged(self) -> bool:
+        """The coming step's ``.grad`` is what the engine's exchange gave."""
         return self.given is not None
 
     @torch.no_grad()
@@ -171,7 +172,7 @@ class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
             for w in group["params"]:
                 state = self.state[w]
                 if w.grad is not None:
-                    self._update(group, w, state, given)
+                    self._update(group, w, w.grad, state, given)
                 # a parameter without a gradient at the sync still owes its earlier local steps
                 if given == "sync" and "momentum_accumulator" in state:
                     syncing.append((w, state, self._denominator(group, state["exp_avg_sq"])))
@@ -180,19 +181,24 @@ class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
         return loss
 
     def _update(
-        self, group: dict[str, Any], w: torch.Tensor, state: dict[str, Any], given: str | None
+        self,
+        group: dict[str, Any],
+        w: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        given: str | None,
     ) -> None:
         """One step of ``w`` of the kind ``given`` (None: a variance step), see the note."""
         b1, b2 = group["betas"]
         if given is None:  # a variance step: plain Adam on the averaged gradient
-            m, v = advance_moments(state, w, w.grad, (b1, b2))
+            m, v = advance_moments(state, w, grad, (b1, b2))
         else:
             if not state:
                 advance_moments(state, w, torch.zeros_like(w), (b1, b2))
             else:
                 state["step"] += 1
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.mul_(b1).add_(w.grad, alpha=1 - b1).masked_fill_(v == 0, 0.0)
+            m.mul_(b1).add_(grad, alpha=1 - b1).masked_fill_(v == 0, 0.0)
         u = m / self._denominator(group, v)
         if group["weight_decay"]:
             u.add_(w, alpha=group["weight_decay"])

@@ -3,23 +3,24 @@ data-parallel by a :class:`~ds_strategy.core.engine.ZeroEngine` over its ranks.
 
 [Note: one training step]
 1. The ``torch.distributed.pipelining`` schedule runs forward and backward of
-   ``gradient_accumulation_steps`` micro-batches, each chunk through the stage's module (so
-   the stage engine's hooks see every micro-batch); the loss it runs backward from is the
-   micro-batch's share of the mean, times the fp16 loss scale. Under ZeRO 0-2 the stage's
-   ``ZeroEngine`` is in ``no_sync`` and gradients accumulate locally; under ZeRO-3 each
-   micro-batch gathers a layer's parameters for its forward and backward (prefetching the
-   next) and reduce-scatters that layer's gradients as its backward finishes.
+   ``gradient_accumulation_steps`` micro-batches. Each chunk runs through the stage's
+   module, so the stage engine's hooks see every micro-batch. The loss it runs backward
+   from is the micro-batch's share of the mean, times the fp16 loss scale. Under ZeRO 0-2
+   the stage's ``ZeroEngine`` is in ``no_sync``: gradients accumulate locally. Under ZeRO-3
+   each micro-batch gathers a layer's parameters for its forward and backward, prefetching
+   the next. It reduce-scatters that layer's gradients as its backward finishes.
 2. Tied weights sum their gradients across the stages that hold them.
-3. ``engine.reduced_grad_norm()`` reduces (ZeRO-1: all-reduce into the sharded slice; ZeRO-2:
-   reduce-scatter of the accumulated bucket; ZeRO-3: already reduced) over the stage's
-   data-parallel group and returns the stage's gradient norm.
-4. The squared gradient norms of all stages are summed over the pipeline group (each tied
-   weight counted once), and ``engine.step(grad_norm=...)`` clips by that global norm of the
-   whole model, or skips the step on every rank when it is not finite (an fp16 overflow on
-   any rank of any stage: every rank lowers its loss scale alike). The stage engine's own
-   step does the rest: offloaded optimizer state, lr scheduler, counters,
-   ``max_consecutive_skipped_steps``, ``wall_clock_breakdown`` and the periodic checkpoint (``checkpoint.save_interval``, into
-   ``<save_dir>/stage_<k>``, which :meth:`PipelineEngine.load_checkpoint` reads).
+3. ``engine.reduced_grad_norm()`` reduces over the stage's data-parallel group and returns
+   the stage's gradient norm. ZeRO-1 all-reduces into the sharded slice, ZeRO-2
+   reduce-scatters the accumulated bucket, ZeRO-3 has reduced already.
+4. The squared gradient norms of all stages are summed over the pipeline group, each tied
+   weight counted once. ``engine.step(grad_norm=...)`` clips by that global norm of the
+   whole model. When it is not finite, every rank skips the step: an fp16 overflow on any
+   rank of any stage lowers every rank's loss scale alike. The stage engine's own step
+   does the rest: offloaded optimizer state, lr scheduler, counters,
+   ``max_consecutive_skipped_steps`` and ``wall_clock_breakdown``. Its periodic checkpoint
+   (``checkpoint.save_interval``) goes to ``<save_dir>/stage_<k>``, which
+   :meth:`PipelineEngine.load_checkpoint` reads.
 
 The stage engine treats every ``step()`` as an accumulation boundary: the schedule, not the
 engine, counts micro-batches.
@@ -34,36 +35,44 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..._logging import report as show_report
 from ...config import ZeroConfig, load_config
+from ...config.loop import ConfigSource
 from ...config.rules import Facts, check_rules
 from ..assembly import pick_device
 from ..checkpoint.manager import write_latest
 from ..checkpoint.validate import CheckpointError
 from ..checkpoint.weights_file import write_weights
-from ..collectives import Comm, init_process_group_from_env
-from ..engine import ZeroEngine
+from ..collectives import Comm, init_process_group_from_env, world_rank
+from ..compiled import CompileBackend, CompileReport
+from ..engine import SchedulerLike, ZeroEngine
 from ..faults import together
 from ..materialize import has_meta, materialize_modules
 from ..monitor import TrainingMonitor
 from ..monitor.events import engine_comms
 from ..precision.policy import PrecisionPolicy
-from ..profiling.comms import CommsLogger, format_summary
+from ..profiling.comms import CommsLogger, CommsReport, format_summary
 from ..profiling.flops import FlopsProfiler
+from ..profiling.summary import FlopsReport
 from ..stage_context import StageContext
 from ..timers import phase
+from ..zero.optimizer import OptimizerLike
 from ..zero.stage3 import Stage3Runtime
 from .mesh import Mesh
 from .partition import partition_layers
 from .schedules import bubble_fraction, make_schedule, stage_indices, stage_layers
 from .ties import broadcast_tied, duplicate_sq_norm, find_tied, sum_tied_grads
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["PipelineEngine"]
 
@@ -75,7 +84,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LayerBuilder = Callable[[], nn.Module]
 
 
-def _as_layers(model: Any) -> tuple[list[nn.Module], list[LayerBuilder | None]]:
+def _as_layers(model: object) -> tuple[list[nn.Module], list[LayerBuilder | None]]:
     """The layers, and for each one given as a callable, that callable (its layer here is
     built on the meta device: shapes for partitioning, no storage)."""
     if isinstance(model, nn.Sequential):
@@ -104,7 +113,7 @@ def _as_layers(model: Any) -> tuple[list[nn.Module], list[LayerBuilder | None]]:
     )
 
 
-def _built(layer: Any, index: int) -> nn.Module:
+def _built(layer: object, index: int) -> nn.Module:
     if not isinstance(layer, nn.Module):
         raise TypeError(
             f"pipeline layer {index}: its builder returned {type(layer).__name__}, not an "
@@ -117,8 +126,8 @@ class PipelineEngine:
     """Pipeline stages over ``pipeline.stages`` ranks times ZeRO data parallelism over the rest.
 
     Build it with ``ds_strategy.initialize(model, optimizer, config, loss_fn=fn)`` on every
-    rank; a rank keeps only its stage's layers, and builds only those when the model is on
-    the meta device or a list of layer builders (callables returning one layer each).
+    rank. A rank keeps only its stage's layers. It builds only those when the model is on
+    the meta device, or a list of layer builders (callables returning one layer each).
     Example, under ``torchrun --nproc-per-node=4`` (2 stages x 2 data-parallel ranks)::
 
         model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
@@ -129,16 +138,26 @@ class PipelineEngine:
              "zero_optimization": {"stage": 1}},
             loss_fn=torch.nn.functional.mse_loss)
         loss = engine.train_batch(x, y)   # x, y: this data-parallel rank's 8 samples
+
+    Args:
+        model: an ``nn.Sequential`` whose layers each take the previous layer's output. Or
+            a list of layers, whose items may be callables building one layer each.
+        optimizer: as for :class:`~ds_strategy.ZeroEngine`: an optimizer over the whole
+            model's parameters, a callable ``params -> Optimizer``, or None (the config's).
+        config: as for :class:`~ds_strategy.ZeroEngine`, with a ``pipeline`` section.
+        loss_fn: ``(output, target) -> scalar loss``, run on the last stage.
+        lr_scheduler: as for :class:`~ds_strategy.ZeroEngine`.
+        param_init_fn: initialises a layer materialised from the meta device.
     """
 
     def __init__(
         self,
-        model: nn.Sequential | Sequence[nn.Module],
-        optimizer: Any,
-        config: Any,
+        model: nn.Sequential | Sequence[nn.Module | LayerBuilder],
+        optimizer: OptimizerLike | None,
+        config: ConfigSource | DictConfig,
         loss_fn: LossFn,
         *,
-        lr_scheduler: Any = None,
+        lr_scheduler: SchedulerLike | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
         if not callable(loss_fn):
@@ -154,7 +173,9 @@ class PipelineEngine:
         pc = self.config.pipeline
         self.schedule_name: str = pc.schedule
         self.chunks = chunks = pc.stages_per_rank or (2 if pc.schedule == "interleaved_1f1b" else 1)
-        self.micro_batches: int = self.config.gradient_accumulation_steps
+        micro_batches = self.config.gradient_accumulation_steps
+        assert micro_batches is not None  # the resolved config has every batch size
+        self.micro_batches: int = micro_batches
         self.micro_batch_size: int | None = self.config.train_micro_batch_size_per_gpu
         n_chunks = self.mesh.pp_size * chunks
         self.bounds = partition_layers(layers, n_chunks, pc.partition_method)
@@ -203,10 +224,10 @@ class PipelineEngine:
     def _build_stage_engine(
         self,
         layers: list[nn.Module],
-        builders: Any,
+        builders: list[LayerBuilder | None],
         device: torch.device,
-        optimizer: Any,
-        lr_scheduler: Any,
+        optimizer: OptimizerLike | None,
+        lr_scheduler: SchedulerLike | None,
         param_init_fn: Callable[[nn.Module], None] | None,
         n_chunks: int,
     ) -> None:
@@ -262,7 +283,7 @@ class PipelineEngine:
     def _stage_config(self) -> ZeroConfig:
         """This stage's data-parallel part of the config; its periodic checkpoints go to
         ``<save_dir>/stage_<k>``, where :meth:`load_checkpoint` looks."""
-        changes: dict[str, Any] = {"pipeline.stages": 1}
+        changes: dict[str, int | str] = {"pipeline.stages": 1}
         save_dir = self.config.checkpoint.save_dir
         if save_dir:
             changes["checkpoint.save_dir"] = str(Path(save_dir) / f"stage_{self.stage_id}")
@@ -296,7 +317,7 @@ class PipelineEngine:
         return self.engine.optimizer
 
     @property
-    def lr_scheduler(self) -> Any:
+    def lr_scheduler(self) -> LRScheduler | None:
         """The stage engine's lr scheduler (stepped at every ``train_batch``), or None."""
         return self.engine.lr_scheduler
 
@@ -321,7 +342,7 @@ class PipelineEngine:
         times the fp16 loss scale (1 without fp16), which :meth:`_mean_loss` takes out again."""
         return self._loss_fn(output, target) * (self.engine.loss_scale / self.micro_batches)
 
-    def _check_batch(self, inputs: Any, targets: Any) -> None:
+    def _check_batch(self, inputs: object, targets: object) -> None:
         """Every rank checks what it reads (the first stage its inputs, the last its
         targets), so a wrong batch fails on all stages instead of leaving some waiting."""
         m, mb = self.micro_batches, self.micro_batch_size
@@ -343,13 +364,14 @@ class PipelineEngine:
                     "share of the global batch or change those keys"
                 )
 
-    def _run(self, inputs: Any, targets: Any, train: bool) -> torch.Tensor:
+    def _run(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None, train: bool
+    ) -> torch.Tensor:
         self._check_batch(inputs, targets)
         args = (inputs,) if self._has_first else ()
         losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self._has_last:
-            kwargs = {"target": targets, "losses": losses}
+        # the last stage computes the loss; the others pass neither (the schedule's default)
+        target, collected = (targets, losses) if self._has_last else (None, None)
         if train:
             # Stages 0-2 accumulate the micro-batches' gradients locally and reduce once, in
             # _step; ZeRO-3 reduce-scatters each micro-batch's as its backward runs, so no
@@ -358,10 +380,10 @@ class PipelineEngine:
             accumulate = e.no_sync() if e.stage < 3 else nullcontext()
             profiled = e.flops_profiler.schedule(e.global_steps) if e.flops_profiler else None
             with accumulate, phase(e.timers, "schedule"), profiled or nullcontext():
-                self._schedule.step(*args, **kwargs)
+                self._schedule.step(*args, target=target, losses=collected)
         else:
             with torch.no_grad():
-                self._schedule.eval(*args, **kwargs)
+                self._schedule.eval(*args, target=target, losses=collected)
         return self._mean_loss(losses)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -374,11 +396,21 @@ class PipelineEngine:
         self._dp.all_reduce(loss)
         return (loss / self.data_parallel_size).float().squeeze(0)
 
-    def train_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        """One optimizer step over this data-parallel rank's share of the batch (its
-        ``gradient_accumulation_steps`` micro-batches); returns the global batch's mean loss
-        on every rank. Collective: call it on every rank (inputs are read on the first
-        stage, targets on the last)."""
+    def train_batch(
+        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One optimizer step over this data-parallel rank's share of the batch.
+
+        That share is ``gradient_accumulation_steps`` micro-batches. Collective: call it on
+        every rank.
+
+        Args:
+            inputs: the first layer's input, batch first; read on the first stage.
+            targets: the loss's targets, batch first; read on the last stage.
+
+        Returns:
+            The global batch's mean loss, on every rank.
+        """
         loss = self._run(inputs, targets, train=True)
         self._step()
         if self.monitor is not None:
@@ -386,8 +418,18 @@ class PipelineEngine:
             self.monitor.after_step(self.engine, loss=float(loss), comms=comms)
         return loss
 
-    def eval_batch(self, inputs: Any = None, targets: Any = None) -> torch.Tensor:
-        """Forward only over the micro-batches; returns the mean loss on every rank."""
+    def eval_batch(
+        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Forward only, over the micro-batches. Collective.
+
+        Args:
+            inputs: as for :meth:`train_batch`.
+            targets: as for :meth:`train_batch`.
+
+        Returns:
+            The mean loss, on every rank.
+        """
         return self._run(inputs, targets, train=False)
 
     def _step(self) -> None:
@@ -397,7 +439,7 @@ class PipelineEngine:
             sum_tied_grads(self.tied, e.plan.groups)
             stage_norm = e.reduced_grad_norm()  # over this stage's data-parallel group
             dup = torch.tensor(
-                [duplicate_sq_norm(self.tied, e.optimizer_pieces, self.stage_id)],
+                [duplicate_sq_norm(self.tied, list(e.optimizer_pieces), self.stage_id)],
                 dtype=torch.float64,
             )
             if e.stage > 0:  # the pieces are this rank's slices: sum them over the group
@@ -442,7 +484,7 @@ class PipelineEngine:
         with together(world, CheckpointError):  # every stage's part committed, or the error
             self.engine.wait_for_checkpoint()
         with together(world, CheckpointError):
-            if dist.get_rank() == 0:
+            if world.rank == 0:
                 write_latest(root, tag)
 
     def get_global_grad_norm(self) -> float | None:
@@ -450,10 +492,13 @@ class PipelineEngine:
         return self.engine.get_global_grad_norm()
 
     def comm_report(self) -> dict[str, int]:
-        """Bytes this rank sent per kind since the previous call: the stage engine's
-        (data-parallel, and ``tp_*`` with tensor parallelism, see ``ZeroEngine.comm_report``)
-        and, prefixed ``pp_``, the pipeline group's: ``pp_send`` the activations and gradients
-        sent to the neighbouring stages, the rest the small norm and loss reductions."""
+        """Bytes this rank sent per kind since the previous call.
+
+        The stage engine's kinds come first: data-parallel, and ``tp_*`` with tensor
+        parallelism (see ``ZeroEngine.comm_report``). The pipeline group's follow, prefixed
+        ``pp_``. ``pp_send`` is the activations and gradients sent to the neighbouring
+        stages; the rest are the small norm and loss reductions.
+        """
         report = self.engine.comm_report()
         self._pp.take_into(report, "pp_")
         return report
@@ -462,12 +507,15 @@ class PipelineEngine:
         """This rank's model-state bytes: its stage's (see ``ZeroEngine.memory_report``)."""
         return self.engine.memory_report()
 
-    def comms_report(self) -> dict[str, Any]:
-        """With ``comms_logger.enabled``: the stage engine's report (its data-parallel
-        collectives, see ``ZeroEngine.comms_report``) and, prefixed ``pp_``, the pipeline
-        group's: the loss broadcast and the norm exchange, timed, and ``pp_send``, the
-        activations and gradients sent to the neighbouring stages, counted with their bytes
-        but not timed (the schedule waits on them, inside ``fwd+bwd``). A collective."""
+    def comms_report(self) -> CommsReport:
+        """The ``comms_logger``'s timings: the stage engine's, and the pipeline group's.
+
+        The stage engine's cover its data-parallel collectives (see
+        ``ZeroEngine.comms_report``). The pipeline group's kinds are prefixed ``pp_``. The
+        loss broadcast and the norm exchange are timed. ``pp_send``, the activations and
+        gradients sent to the neighbouring stages, is counted with its bytes but not timed:
+        the schedule waits on it, inside ``fwd+bwd``. A collective.
+        """
         report = self.engine.comms_report()
         logger = self._pp.comms_logger
         if logger is not None:
@@ -475,73 +523,119 @@ class PipelineEngine:
             report["ops"].update({f"pp_{kind}": k for kind, k in pipeline.items()})
         return report
 
-    def log_summary(self, show_straggler: bool = True) -> dict[str, Any]:
-        """:meth:`comms_report`, printed on global rank 0 as DeepSpeed's ``log_summary``
-        prints it (see ``ZeroEngine.log_summary``); a collective."""
+    def log_summary(self, show_straggler: bool = True) -> CommsReport:
+        """:meth:`comms_report`, printed on global rank 0 as DeepSpeed's ``log_summary`` does.
+
+        A collective (see ``ZeroEngine.log_summary``).
+
+        Args:
+            show_straggler: include the straggler breakdown.
+
+        Returns:
+            The :meth:`comms_report`.
+        """
         report = self.comms_report()
         if report["enabled"] and Comm().rank == 0:
             show_report(log, format_summary(report, show_straggler))
         return report
 
-    def flops_report(self) -> dict[str, Any]:
-        """With ``flops_profiler.enabled``, once its ``profile_step`` has run: this stage's
-        profile (see [Note: a pipeline stage's profile] in core/profiling/flops.py)."""
+    def flops_report(self) -> FlopsReport | dict[str, object]:
+        """This stage's profile of the ``flops_profiler``'s ``profile_step``.
+
+        Empty until that step has run, and without ``flops_profiler.enabled``. See [Note: a
+        pipeline stage's profile] in ``core/profiling/flops.py``.
+        """
         return self.engine.flops_report()
 
-    def compile(self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None) -> None:
-        """``torch.compile`` this stage's layers one at a time (see ``ZeroEngine.compile``);
-        the schedule's sends and receives stay eager between them."""
+    def compile(
+        self, backend: CompileBackend | None = None, compile_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """``torch.compile`` this stage's layers one at a time (see ``ZeroEngine.compile``).
+
+        The schedule's sends and receives stay eager between them.
+
+        Args:
+            backend: torch.compile's backend. None: the config's ``compile.backend``.
+            compile_kwargs: torch.compile's keyword arguments. None: the config's
+                ``compile.kwargs``.
+        """
         self.engine.compile(backend, compile_kwargs)
 
-    def compile_report(self) -> dict[str, Any]:
+    def compile_report(self) -> CompileReport:
         """What torch.compile did on this rank (see ``ZeroEngine.compile_report``)."""
         return self.engine.compile_report()
 
     def timing_report(self) -> dict[str, float]:
-        """With ``wall_clock_breakdown``: the stage engine's per-step means (see
-        ``ZeroEngine.timing_report``); ``schedule_ms`` is the forward and backward of all
-        micro-batches, which a pipeline schedule interleaves. Else ``{}``."""
+        """The stage engine's per-step means, with ``wall_clock_breakdown`` (else ``{}``).
+
+        See ``ZeroEngine.timing_report``. ``schedule_ms`` is the forward and backward of all
+        micro-batches, which a pipeline schedule interleaves.
+        """
         return self.engine.timing_report()
 
     # -- state -----------------------------------------------------------------------------------
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights of the whole model, keyed like the original
-        ``nn.Sequential``'s ``state_dict()``, on every rank (``rank0_only``: on global rank 0
-        alone, the others get ``{}``). Collective."""
+        """Consolidated fp32 weights of the whole model, on every rank. Collective.
+
+        They are keyed like the original ``nn.Sequential``'s ``state_dict()``.
+
+        Args:
+            rank0_only: on global rank 0 alone; the others get ``{}``.
+        """
         mine = self.engine.full_state_dict()
         if rank0_only and self.mesh.lane != 0:
             return {}  # global rank 0's pipeline gathers; the other lanes hold the same
-        parts: list[Any] = [None] * self.num_stages
-        dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
-        if rank0_only and dist.get_rank() != 0:
+        parts = self._pp.all_gather_object(mine)  # every stage's, in stage order
+        if rank0_only and world_rank() != 0:
             return {}
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
-            merged.update(part)
+            merged.update(cast(dict[str, torch.Tensor], part))
         return dict(sorted(merged.items(), key=_key_order))  # layer order, then each layer's
 
     def save_weights(self, path: str | os.PathLike) -> Path:
-        """The whole model's consolidated fp32 weights to one file (``.safetensors`` by
-        suffix, else ``torch.save``), written by global rank 0. Collective."""
+        """Write the whole model's consolidated fp32 weights to one file. Collective.
+
+        Global rank 0 writes it.
+
+        Args:
+            path: the file: ``.safetensors`` by suffix, else ``torch.save``.
+
+        Returns:
+            ``path``.
+        """
         state = self.full_state_dict(rank0_only=True)
         path = Path(path)
-        if dist.get_rank() == 0:
+        if world_rank() == 0:
             write_weights(state, path)
-        dist.barrier()
+        Comm().barrier()
         return path
 
     def save_checkpoint(
         self,
         path: str | os.PathLike,
         tag: str | None = None,
-        client_state: Any = None,
+        client_state: object = None,
         *,
         include_optimizer: bool = True,
     ) -> Path:
-        """Every stage writes its ZeRO checkpoint to ``path/stage_<k>`` (``path/stage_<k>/tag``
-        with a tag). Collective. Loads into a pipeline of any layout and into a plain engine
-        (``load_checkpoint(path)``); ``ds_strategy.consolidate(path, file)`` exports it."""
+        """Every stage writes its ZeRO checkpoint to ``path/stage_<k>``. Collective.
+
+        It loads into a pipeline of any layout, and into a plain engine
+        (``load_checkpoint(path)``). ``ds_strategy.consolidate(path, file)`` exports it.
+
+        Args:
+            path: the checkpoint's root.
+            tag: each stage's checkpoint goes to ``path/stage_<k>/tag``, and the root's
+                ``latest`` names it once every stage has written its part.
+            client_state: any picklable object; :meth:`load_checkpoint` returns it.
+            include_optimizer: must be ``True``. A pipeline writes no weights-only
+                checkpoint: :meth:`save_weights` writes the weights.
+
+        Returns:
+            The root, ``path``.
+        """
         if not include_optimizer:
             raise ValueError(
                 "weights-only checkpoints are not available with a pipeline config; save a "
@@ -565,11 +659,20 @@ class PipelineEngine:
         load_optimizer: bool = True,
         trust_checkpoint: bool = False,
     ) -> Any:
-        """Restore a checkpoint; returns its ``client_state`` (see
-        ``ZeroEngine.load_checkpoint`` for the keywords). ``path``: what
-        :meth:`save_checkpoint` wrote (its root, with the ``stage_<k>`` checkpoints), from a
-        pipeline of any number of stages, data-parallel size or ZeRO stage, or a plain
-        engine's checkpoint; each stage reads its own layers' weights and optimizer state."""
+        """Restore a checkpoint. Each stage reads its own layers' weights and optimizer state.
+
+        Args:
+            path: what :meth:`save_checkpoint` wrote (the root, with the ``stage_<k>``
+                checkpoints), or a plain engine's checkpoint. The pipeline that wrote it may
+                have any number of stages, data-parallel size or ZeRO stage.
+            tag: the checkpoint of that tag (see ``ZeroEngine.load_checkpoint``).
+            load_optimizer: ``False`` restores the weights and counters only.
+            trust_checkpoint: accept a ``client_state`` holding objects other than tensors
+                and plain data.
+
+        Returns:
+            The saved ``client_state``.
+        """
         self._commit(wait=True)  # a save still being written first
         with together(self._pp):  # agreed within the stage by the engine, across stages here
             return self.engine.load_checkpoint(
@@ -580,9 +683,11 @@ class PipelineEngine:
             )
 
     def wait_for_checkpoint(self) -> None:
-        """Block until this stage's asynchronous save (``checkpoint.async_save``) is written;
-        re-raise its error (see ``ZeroEngine.wait_for_checkpoint``); then the root's
-        ``latest`` names it. Collective."""
+        """Block until this stage's asynchronous save is written. Collective.
+
+        A save that failed re-raises its error (see ``ZeroEngine.wait_for_checkpoint``).
+        Then the root's ``latest`` names the save.
+        """
         self.engine.wait_for_checkpoint()
         self._commit(wait=True)
 
@@ -605,10 +710,13 @@ def _build_own(
     config: ZeroConfig,
     param_init_fn: Callable[[nn.Module], None] | None,
 ) -> dict[int, nn.Parameter]:
-    """Build this rank's layers, one at a time: a builder's on ``device``; a layer on the meta
-    device materialised there (``reset_parameters()`` or ``param_init_fn``), except under
-    ZeRO-3, where the stage engine materialises and shards it one unit at a time. The other
-    stages' layers stay on the meta device. Returns old parameter -> materialised one."""
+    """Build this rank's layers, one at a time.
+
+    A builder's layer is built on ``device``. A layer on the meta device is materialised
+    there (``reset_parameters()`` or ``param_init_fn``). Under ZeRO-3 the stage engine does
+    that instead, one unit at a time, as it shards them. The other stages' layers stay on the
+    meta device. Returns old parameter -> materialised one.
+    """
     replaced: dict[int, nn.Parameter] = {}
     for i in own:
         builder = builders[i]
@@ -622,11 +730,13 @@ def _build_own(
 
 
 class _StageModule(nn.Sequential):
-    """A rank's layers under their index in the whole model (``"3"``: the fourth layer), so
-    its ``state_dict`` keys are the original ``nn.Sequential``'s; ``forward(x, chunk=k)`` runs
-    the ``k``-th chunk this rank holds (one, or several under the interleaved schedule).
-    Every chunk runs through this module's ``__call__``: the stage engine's module hooks
-    (ZeRO-3's gather / release around a forward) see each micro-batch of each chunk."""
+    """A rank's layers under their index in the whole model (``"3"``: the fourth layer).
+
+    Its ``state_dict`` keys are thus the original ``nn.Sequential``'s. ``forward(x,
+    chunk=k)`` runs the ``k``-th chunk this rank holds (one, or several under the
+    interleaved schedule). Every chunk runs through this module's ``__call__``. So the stage
+    engine's module hooks (ZeRO-3's gather and release) see each micro-batch of each chunk.
+    """
 
     def __init__(self, chunks: list[list[tuple[str, nn.Module]]]) -> None:
         super().__init__(OrderedDict(item for chunk in chunks for item in chunk))
@@ -639,12 +749,15 @@ class _StageModule(nn.Sequential):
 
 
 class _Chunk(nn.Module):
-    """One chunk of a stage as the schedule runs it, under mixed precision as
-    ``ZeroEngine.forward`` runs a model: floating-point inputs in the compute dtype (the first
-    chunk's data; later chunks receive activations already in it, and send theirs and their
-    gradients in it), the last chunk's outputs back in fp32 for the loss. The stage module
-    is not registered as a child: the schedule sees no parameters of its own. With the
-    config's ``flops_profiler`` the stage module's call is measured at the profile step."""
+    """One chunk of a stage as the schedule runs it.
+
+    Mixed precision applies as ``ZeroEngine.forward`` applies it. Floating-point inputs come
+    in the compute dtype: the first chunk's data is cast. Later chunks receive activations
+    already in it, and send theirs and their gradients in it. The last chunk's outputs come
+    back in fp32 for the loss. The stage module is not registered as a child, so the
+    schedule sees no parameters of its own. With the config's ``flops_profiler``, the stage
+    module's call is measured at the profile step.
+    """
 
     def __init__(
         self,
@@ -671,17 +784,28 @@ class _CountingStage(PipelineStage):
     """A stage that counts what it sends (activations forward, their gradients backward).
 
     Under ZeRO-3 its first step's shape inference runs a backward for the input gradients
-    only, which never produces the parameter gradients whose reduction releases a layer;
-    the runtime is told, so that it releases each layer once backward has passed it and the
-    stage's parameters are never all gathered at once."""
+    only. That backward never produces the parameter gradients whose reduction releases a
+    layer. So the runtime is told: it then releases each layer once backward has passed it,
+    and the stage's parameters are never all gathered at once.
+    """
 
     def __init__(
-        self, *args: Any, comm: Comm, stage3: Stage3Runtime | None = None, **kwargs: Any
+        self,
+        submodule: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        group: dist.ProcessGroup | None,
+        comm: Comm,
+        stage3: Stage3Runtime | None = None,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(submodule, stage_index, num_stages, device, group=group)
         self._comm = comm
         self._stage3 = stage3
 
+    # torch's private method: its arguments and result pass through as they are, whatever
+    # the torch release names them
     def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         if self._stage3 is None:
             return super()._backward_metadata_inference(*args, **kwargs)
