@@ -72,26 +72,40 @@ def initialize(
     """Wrap ``model`` and ``optimizer`` in a :class:`ZeroEngine` sharded as ``config`` says.
 
     Args:
-        model: the model; may live on the meta device (then every module needs
-            ``reset_parameters()`` or ``param_init_fn``), which ZeRO-3 materialises one unit
-            at a time. With a pipeline config: an ``nn.Sequential`` or a list of layers, whose
-            items may also be callables building one layer each; each rank builds (or
-            materialises from meta) only its own stage's layers.
-        optimizer: a ``torch.optim.Optimizer`` built on ``model.parameters()`` (rebuilt over
-            this rank's shards with the same param groups and hyper-parameters), a callable
-            ``params -> Optimizer``, or None to build one from the config's ``optimizer``
-            section.
+        model: the model. It may live on the meta device; then every module needs
+            ``reset_parameters()`` or ``param_init_fn``. ZeRO-3 materialises it one unit at a
+            time. A pipeline config takes an ``nn.Sequential`` or a list of layers. Its items
+            may also be callables that build one layer each. Each rank builds (or materialises
+            from meta) only its own stage's layers.
+        optimizer: a ``torch.optim.Optimizer`` built on ``model.parameters()``. The engine
+            rebuilds it over this rank's shards, with the same param groups and
+            hyper-parameters. Or a callable ``params -> Optimizer``. Or None, to build one from
+            the config's ``optimizer`` section.
         config: a dict, a path to a ``.json``/``.yaml`` file, a :class:`ZeroConfig` or an
-            omegaconf node; keys follow DeepSpeed's config names.
+            omegaconf node. Keys follow DeepSpeed's config names.
         lr_scheduler: an lr scheduler built on ``optimizer``, or a callable
-            ``optimizer -> scheduler``; stepped at every optimizer step.
-        process_group: the data-parallel group (default: the default group, initialised from
-            ``torchrun`` / ``accelerate launch`` / SLURM variables when none exists).
+            ``optimizer -> scheduler``. It steps at every optimizer step.
+        process_group: the data-parallel group. Default: the default group. When none exists,
+            it is initialised from ``torchrun`` / ``accelerate launch`` / SLURM variables.
         param_init_fn: ``fn(module)`` initialising a module's own parameters after
             materialisation from the meta device.
-        loss_fn: ``fn(output, target) -> loss`` of one micro-batch; giving it (with an
-            ``nn.Sequential`` model and a ``pipeline`` config section) returns a
-            :class:`~ds_strategy.core.pipeline.PipelineEngine` driven by ``train_batch``.
+        loss_fn: ``fn(output, target) -> loss`` of one micro-batch. Give it with an
+            ``nn.Sequential`` model and a ``pipeline`` config section.
+
+    Returns:
+        A :class:`ZeroEngine`. With ``loss_fn``, a
+        :class:`~ds_strategy.core.pipeline.PipelineEngine`, driven by ``train_batch``.
+
+    Example:
+        >>> import torch, ds_strategy
+        >>> model = torch.nn.Linear(4, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> engine = ds_strategy.initialize(model, optimizer, {"zero_optimization": {"stage": 2}})
+        >>> loss = engine(torch.randn(8, 4)).square().mean()
+        >>> _ = engine.backward(loss)
+        >>> engine.step()
+        >>> engine.stage
+        2
     """
     init_process_group_from_env()
     with together(Comm(process_group)):  # a config one rank cannot read fails every rank
@@ -122,29 +136,37 @@ def init_inference(
     require_checksums: bool = True,
     trust_remote_code: bool = False,
 ) -> InferenceEngine:
-    """A model ready for inference: ``engine(inputs)``, ``engine.generate(input_ids, ...)``,
-    ``engine.memory_report()``, ``engine.save_quantized(path)``, ``engine.destroy()``.
+    """A model ready for inference.
+
+    The engine runs ``engine(inputs)`` and ``engine.generate(input_ids, ...)``. It also has
+    ``engine.memory_report()``, ``engine.save_quantized(path)`` and ``engine.destroy()``.
 
     Args:
-        model: an ``nn.Module`` (with its weights, or on the meta device with ``checkpoint``),
-            a callable building one, ``'package.module:factory'``, a Hugging Face model
-            directory, or a directory with a ``ds_model.json`` (what the example job saves).
-            Its parameters are built on the meta device; each rank reads only its part.
-        config: the training config format (dict, path, ``ZeroConfig``): a ``zero_optimization``
-            section with ``stage: 3`` (and ``offload_param``) for ZeRO-Inference, a
-            ``tensor_parallel`` section, a ``quantization`` section (``bits``: 8 or 4,
-            ``group_size``, ``symmetric``, ``modules_to_not_convert``); ``bf16`` / ``fp16``
-            set the dtype.
-        dtype: ``torch.float32`` / ``bfloat16`` / ``float16`` (or ``"fp32"`` ...); overrides
-            the config's.
+        model: an ``nn.Module``, with its weights or on the meta device with ``checkpoint``.
+            Or a callable building one, or ``'package.module:factory'``. Or a Hugging Face
+            model directory, or a directory with a ``ds_model.json`` (what the example job
+            saves). Its parameters are built on the meta device; each rank reads only its part.
+        config: the training config format (dict, path, ``ZeroConfig``). Its
+            ``zero_optimization`` section with ``stage: 3`` (and ``offload_param``) gives
+            ZeRO-Inference. It may hold a ``tensor_parallel`` section. It may hold a
+            ``quantization`` section: ``bits`` (8 or 4), ``group_size``, ``symmetric``,
+            ``modules_to_not_convert``. ``bf16`` / ``fp16`` set the dtype.
+        dtype: ``torch.float32`` / ``bfloat16`` / ``float16`` (or ``"fp32"`` ...). It
+            overrides the config's.
         tensor_parallel: the tensor-parallel size (or a ``tensor_parallel`` section).
         quantization: the bits (or a ``quantization`` section).
-        checkpoint: the weights: a ds_strategy checkpoint (any world size, stage or
-            tensor-parallel layout it was trained in), a ``.safetensors`` file or a directory
-            of them.
+        checkpoint: the weights: a ds_strategy checkpoint, a ``.safetensors`` file or a
+            directory of them. The checkpoint may come from any world size, stage or
+            tensor-parallel layout.
+        process_group: the ranks that hold and run the model. Default: the default group.
+        require_checksums: refuse a checkpoint that records no checksums. ``False`` accepts
+            one.
         trust_remote_code: let a model directory's ``ds_model.json`` name a factory outside
-            ``ds_strategy`` (code the directory's author chose, imported and run here); off,
-            such a directory is refused with the factory's name.
+            ``ds_strategy``. That is code the directory's author chose, imported and run here.
+            When off, such a directory is refused with the factory's name.
+
+    Returns:
+        An :class:`InferenceEngine`.
 
     >>> import torch, ds_strategy
     >>> engine = ds_strategy.init_inference(torch.nn.Sequential(torch.nn.Linear(64, 8)),

@@ -4,6 +4,8 @@ only what the layer table (docs/concepts/layering.md) allows (the front ends nev
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -150,38 +152,63 @@ def test_each_front_end_uses_the_front_end_layer(front: str) -> None:
         assert any(_layer(t) == "frontends" for t in used), f"{front} bypasses the layer"
 
 
+def _code_lines(path: Path) -> int:
+    """Lines of ``path`` that hold code: not blank, not a comment, not a docstring. A budget
+    on adapters counts what they do; the documentation every public method carries
+    (``Args:``, ``tests/test_docstrings.py``) is not held against it."""
+    source = path.read_text()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, kinds) and node.body:
+            first = node.body[0]
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    lines: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip and tok.type != tokenize.ENDMARKER:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def test_code_lines_leave_out_docstrings_comments_and_blanks(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        '"""Doc."""\n\n# note\ndef f(x):\n    """Doc\n    more."""\n    return (x +\n        1)\n'
+    )
+    assert _code_lines(path) == 3  # def, and the two lines of the return
+
+
 def test_front_end_size_budget() -> None:
     """The front ends stay adapters that map each framework's hooks onto the engines: the
-    Trainer's and Fabric's strategies with their precision plugins, the Trainer's pipeline steps
-    and model summary, Accelerate's accelerator (``prepare`` of several models, ``save_state``
-    and where it writes: ``output_dir`` or automatic naming with ``total_limit``, the pipeline
-    loop), the front-end layer and the lazy registration (``_lightning_hook.py``, over the
-    generic ``_after_import.py``), within 3,000 lines (2,500 until ``save_state`` got its one
-    commit point, the commit itself being the core's, ``core/checkpoint/bundle.py``; 2,600
-    until fine-tuning brought Lightning's ``load_from_checkpoint`` of a sharded directory,
-    PEFT's counts and merge on the model a front end prepares, ``frontends/peft.py``, and
-    Accelerate's sharded evaluation-only models, TRL's reference; the reading, merging and
-    gathering themselves are the core's: ``core/checkpoint/consolidate.py``,
-    ``core/zero/gathered.py``). What needs no framework is the
-    core's, shared with plain PyTorch loops (``core/loop.py``; ``core/job.py``: the engines of
-    one job; ``core/several.py``: several models or optimizers, and the pending steps of a loop
-    deciding its own boundaries; ``core/root.py``; ``core/pipeline/loop.py``: a pipeline's
-    steps, the model a loop holds for it and the calls its schedule makes itself); the
-    loop-flag policy is the config's (``config/loop.py``: also the hidden size a model's config
-    gives, and the precision flag named in an engine's rejection)."""
+    Trainer's and Fabric's strategies with their precision plugins, the Trainer's pipeline
+    steps and model summary, Accelerate's accelerator (``prepare`` of several models,
+    ``save_state`` and where it writes, the pipeline loop), the front-end layer and the lazy
+    registration (``_lightning_hook.py``, over the generic ``_after_import.py``), within
+    2,000 lines of code. (Counted with docstrings and comments the budget was 3,000 lines;
+    2,963 of them held 1,917 lines of code when every public method got its ``Args:``.)
+
+    What needs no framework is the core's, shared with plain PyTorch loops
+    (``core/loop.py``, ``core/job.py``, ``core/several.py``, ``core/root.py``,
+    ``core/pipeline/loop.py``), and so are the reading, merging and gathering behind
+    fine-tuning (``core/checkpoint/consolidate.py``, ``core/zero/gathered.py``); the
+    loop-flag policy is the config's (``config/loop.py``)."""
     paths = [PACKAGE / "_lightning_hook.py"]
     paths += [p for d in (*FRONT_ENDS, "frontends") for p in (PACKAGE / d).rglob("*.py")]
-    lines = sum(len(p.read_text().splitlines()) for p in paths)
-    assert lines <= 3000, f"the front ends are {lines} lines"
+    lines = sum(_code_lines(p) for p in paths)
+    assert lines <= 2000, f"the front ends are {lines} lines of code"
 
 
 def test_hf_front_end_size_budget() -> None:
-    """The Trainer front end is a thin subclass over the Accelerate one (450 lines), plus what
-    the Hugging Face stack needs around it: any Trainer subclass made one (TRL's, ``zero()``),
-    the check that no ZeRO variable goes unheeded by a plain Trainer, and a pretrained model
-    built on the meta device for the engine to load (750 lines in all)."""
-    lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / HF).rglob("*.py"))
-    assert lines <= 750, f"ds_strategy/hf is {lines} lines"
+    """The Trainer front end is a thin subclass over the Accelerate one, plus what the Hugging
+    Face stack needs around it: any Trainer subclass made one (TRL's, ``zero()``), the check
+    that no ZeRO variable goes unheeded by a plain Trainer, and a pretrained model built on the
+    meta device for the engine to load: 420 lines of code (750 lines with docstrings and
+    comments before; 730 of them held 400 lines of code)."""
+    lines = sum(_code_lines(p) for p in (PACKAGE / HF).rglob("*.py"))
+    assert lines <= 420, f"ds_strategy/hf is {lines} lines of code"
 
 
 def test_only_ds_strategy_hf_imports_transformers() -> None:
@@ -202,12 +229,16 @@ def test_only_ds_strategy_hf_imports_transformers() -> None:
 
 def test_no_function_in_the_package_is_over_80_lines() -> None:
     """Long functions are parts waiting for names: the engine is assembled in named steps,
-    the CLIs parse, check and print in separate functions."""
+    the CLIs parse, check and print in separate functions. A docstring is not code: the
+    lines of one (a public function's ``Args:``) are not counted."""
     long = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                first = node.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                    lines -= first.end_lineno - first.lineno + 1  # type: ignore[operator]
                 if lines > 80:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines})")
     assert not long, long

@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -164,6 +164,25 @@ class Front:
         raise ValueError(
             f"ZeroAccelerator.prepare needs {self.model_kind} together with its optimizer"
         )
+
+    # Each kind of engine's front answers these (``_engine.py``, ``_pipeline.py``).
+
+    def prepare_loader(self, loader: DataLoader) -> object:
+        raise NotImplementedError
+
+    def is_model(self, obj: object) -> bool:
+        raise NotImplementedError
+
+    def build(self, model: Any, optimizer: object, sched: object) -> tuple[object, ...]:
+        """The engine of ``model`` (what this front's :meth:`is_model` accepts): what
+        ``prepare`` returns for the model and the optimizer, then for the engine's scheduler."""
+        raise NotImplementedError
+
+    def scheduler_alone(self) -> NoReturn:
+        raise NotImplementedError
+
+    def prepare_scheduler(self, scheduler: LRScheduler) -> object:
+        raise NotImplementedError
 
     def facts(
         self, optimizer: Any, world_size: int, micro_batch: int | None, **more: Any

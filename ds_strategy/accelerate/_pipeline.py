@@ -168,7 +168,9 @@ class PipelineFront(Front):
         optimizer = torch_optimizer(cfg, user_optimizer)
         if isinstance(sched, DummyScheduler):  # the engine builds its scheduler from the callable
             sched = sched.lr_scheduler_callable
-        engine = PipelineEngine(layers, optimizer, cfg, self.plugin.loss_fn, lr_scheduler=sched)
+        loss_fn = self.plugin.loss_fn
+        assert loss_fn is not None  # (__init__ refused a plugin without one)
+        engine = PipelineEngine(layers, optimizer, cfg, loss_fn, lr_scheduler=sched)
         fix = f"write `{LOOP}` (or model.eval_batch(inputs, targets) for the loss without training)"
         self.trained, self.model = engine, PipelineModel(engine, fix)
         for size in self.batch_sizes:  # loaders prepared before the model

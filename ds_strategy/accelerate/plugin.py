@@ -45,7 +45,16 @@ class ZeroPlugin:
     loss_fn: Callable[[Any, Any], Any] | None = None
 
     def load(self, environ: Mapping[str, str] | None = None) -> ZeroConfig:
-        """The validated config, ``"auto"`` values kept (see the note on precedence). Raises
-        :class:`~ds_strategy.config.ConfigError` naming the key, file or variable at fault."""
+        """The validated config, ``"auto"`` values kept (see the note on precedence).
+
+        Args:
+            environ: the environment variables to read. Default: ``os.environ``.
+
+        Returns:
+            The loaded config.
+
+        Raises:
+            ConfigError: a bad key, file or variable; the message names it.
+        """
         env = os.environ if environ is None else environ
         return code_or_env_config(self.config, env, self.overrides, "ZeroPlugin")

@@ -68,7 +68,10 @@ def _env_value(name: str, text: str) -> Any:
     if not text.strip():
         return text
     try:
-        return OmegaConf.to_container(OmegaConf.create(f"v: {text}"))["v"]  # type: ignore[index]
+        data = OmegaConf.to_container(OmegaConf.create(f"v: {text}"))
+        if not isinstance(data, dict):
+            raise TypeError(f"read as a {type(data).__name__}")
+        return data["v"]
     except Exception as err:  # noqa: BLE001 - the YAML parser's errors, named for the user
         raise ConfigError(f"{name}={text!r}: not a YAML scalar ({err})", key=name) from None
 

@@ -571,17 +571,25 @@ def _load(source: Any, stacklevel: int, strict: bool | None = None) -> ZeroConfi
 def load_config(source: Any = None, *, strict: bool | None = None) -> ZeroConfig:
     """Load and validate a config from any supported source.
 
-    ``source`` is ``None`` (all defaults), a dict keyed like DeepSpeed's JSON, a ``str`` /
-    ``os.PathLike`` path to a ``.json`` / ``.yaml`` / ``.yml`` file, a preset's name
-    (``"zero3_offload"``, see ``config/presets.py``; an existing file of that name wins), an
-    omegaconf ``DictConfig`` or a :class:`ZeroConfig` (returned as is). Bad values raise :class:`ConfigError` naming
-    the dotted key (and the file); DeepSpeed keys that are not implemented warn with
-    :class:`UnsupportedConfigWarning` and are ignored.
+    DeepSpeed keys that are not implemented warn with :class:`UnsupportedConfigWarning` and
+    are ignored. An unknown key close to a known one is a :class:`ConfigError` suggesting it.
+    Any other unknown key warns (:class:`UnknownConfigKeyWarning`) and is ignored, as DeepSpeed
+    ignores it.
 
-    An unknown key close to a known one is a :class:`ConfigError` suggesting it; any other
-    unknown key warns (:class:`UnknownConfigKeyWarning`) and is ignored, as DeepSpeed ignores
-    it. ``strict=True`` makes every unknown key an error; ``strict=None`` (the default) reads
-    the environment variable ``DS_STRATEGY_STRICT_CONFIG`` (``1``: strict).
+    Args:
+        source: ``None`` (all defaults), a dict keyed like DeepSpeed's JSON, or a ``str`` /
+            ``os.PathLike`` path to a ``.json`` / ``.yaml`` / ``.yml`` file. Also a preset's
+            name (``"zero3_offload"``, see ``config/presets.py``); an existing file of that
+            name wins. Also an omegaconf ``DictConfig``, or a :class:`ZeroConfig` (returned as
+            is).
+        strict: ``True`` makes every unknown key an error. ``None`` (the default) reads the
+            environment variable ``DS_STRATEGY_STRICT_CONFIG`` (``1``: strict).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: a bad value or key. The message names the dotted key (and the file).
 
     >>> cfg = load_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8},
     ...                    "bf16": {"enabled": True}})
@@ -630,12 +638,14 @@ def _mirror(cls: type) -> type:
             specs.append((name, Any, dataclasses.field(default=plain)))
         elif f.kind == "section":
             assert f.section is not None
-            mirror = _mirror(f.section)
+            sub = _mirror(f.section)
             if f.optional:
-                specs.append((name, mirror | None, dataclasses.field(default=None)))
+                # typeshed types field() as its default's type (for a class body), not a Field
+                none = dataclasses.field(default=None)
+                specs.append((name, sub | None, none))  # type: ignore[arg-type]
             else:
                 make = functools.partial(_mirror_value, f.default)
-                specs.append((name, mirror, dataclasses.field(default_factory=make)))
+                specs.append((name, sub, dataclasses.field(default_factory=make)))
         else:
             hint = typing.get_type_hints(cls)[name]
             specs.append((name, hint, dataclasses.field(default_factory=f.field.default_factory)))
@@ -649,9 +659,10 @@ def _mirror_value(make: Callable[[], Any]) -> Any:
     return _mirror_of(make())
 
 
-def _mirror_of(obj: Any) -> Any:
+def _mirror_of(obj: object) -> Any:
+    cls: type = type(obj)
     out: dict[str, Any] = {}
-    for name, f in _schema(type(obj)).items():
+    for name, f in _schema(cls).items():
         value = getattr(obj, name)
         if f.kind == "section" and value is not None:
             out[name] = _mirror_of(value)
@@ -659,7 +670,7 @@ def _mirror_of(obj: Any) -> Any:
             out[name] = value.value
         else:
             out[name] = copy.deepcopy(value)
-    return _mirror(type(obj))(**out)
+    return _mirror(cls)(**out)
 
 
 def _make_writable(node: DictConfig) -> None:

@@ -36,7 +36,8 @@ def _auto_default(f: _Field, key: str, default_obj: Any, fills: Mapping[str, Any
 def _required_params(cls: type, data: Mapping[str, Any]) -> tuple[str, ...]:
     if cls is not SchedulerConfig:
         return ()
-    return SCHEDULER_REQUIRED_PARAMS.get(data.get("type"), ())  # type: ignore[arg-type]
+    kind = data.get("type")
+    return SCHEDULER_REQUIRED_PARAMS.get(kind, ()) if isinstance(kind, str) else ()
 
 
 def _fill_autos(

@@ -90,9 +90,14 @@ AUTO = "auto"
 class ConfigError(ValueError):
     """A config value, key or file is invalid; the message names the key (and file).
 
-    Attributes:
-        key: dotted config key the error is about (``None`` when it is about the whole file).
+    Args:
+        message: what is wrong, where, and what to do.
+        key: the dotted config key the error is about. ``None`` when it is about the whole file.
         path: the config file, when the config was loaded from one.
+
+    Attributes:
+        key: the dotted config key, or ``None``.
+        path: the config file, or ``None``.
     """
 
     def __init__(self, message: str, *, key: str | None = None, path: str | None = None) -> None:
@@ -1325,11 +1330,11 @@ class Layout(NamedTuple):
 class ZeroConfig:
     """The whole configuration: top-level DeepSpeed keys plus one field per section.
 
-    Build it with :func:`load_config` / :meth:`from_any` (validated), or from keywords with
-    :func:`zero_config`, rather than the constructor. ``gradient_clipping`` <= 0 means no
-    clipping, as in DeepSpeed (a negative value is stored as 0.0);
-    ``communication_data_type`` is case-insensitive, as in DeepSpeed. Values may be ``"auto"`` until :meth:`resolve` fills them in and settles the
-    batch sizes for a data-parallel world size.
+    Build it with :func:`load_config` or :meth:`from_any`, which validate. From keywords, use
+    :func:`zero_config`. Avoid the constructor. As in DeepSpeed, ``gradient_clipping`` <= 0
+    means no clipping; a negative value is stored as 0.0. ``communication_data_type`` is
+    case-insensitive, as in DeepSpeed. Values may be ``"auto"`` until :meth:`resolve` fills
+    them in. It also settles the batch sizes for a data-parallel world size.
 
     >>> cfg = ZeroConfig.from_any({"zero_optimization": {"stage": 3},
     ...                            "train_micro_batch_size_per_gpu": 4})
@@ -1507,6 +1512,13 @@ class ZeroConfig:
     def from_any(cls, source: Any = None, *, strict: bool | None = None) -> ZeroConfig:
         """Same as :func:`load_config`: a dict, a .json/.yaml path, an omegaconf node or a config.
 
+        Args:
+            source: what to load; ``None`` gives the defaults.
+            strict: make every unknown key an error. ``None`` reads ``DS_STRATEGY_STRICT_CONFIG``.
+
+        Returns:
+            The validated config.
+
         >>> ZeroConfig.from_any({"bf16": {"enabled": True}}).bf16.enabled
         True
         """
@@ -1522,8 +1534,10 @@ class ZeroConfig:
 
     @property
     def report_every(self) -> int:
-        """How many optimizer steps apart the monitors write and the breakdown and the memory
-        timeline report: ``steps_per_print``, or 10 when the config does not give it.
+        """How many optimizer steps apart the monitors and reports write.
+
+        The reports are the breakdown and the memory timeline. It is ``steps_per_print``, or
+        10 when the config does not give it.
 
         >>> (ZeroConfig().report_every, ZeroConfig.from_any({"steps_per_print": 5}).report_every)
         (10, 5)
@@ -1532,16 +1546,21 @@ class ZeroConfig:
 
     @property
     def layout(self) -> Layout:
-        """The ZeRO stage, pipeline stages and tensor-parallel ranks, read before resolving as
-        :meth:`resolve` settles them (an ``"auto"`` is the field's default: no loop fact fills
-        these): what a loop needs before the engine exists, to count its data-parallel ranks.
+        """The ZeRO stage, pipeline stages and tensor-parallel ranks, read before resolving.
+
+        They read as :meth:`resolve` settles them: an ``"auto"`` is the field's default, since
+        no loop fact fills these. A loop needs them before the engine exists, to count its
+        data-parallel ranks.
 
         >>> cfg = {"pipeline": {"stages": 2}, "tensor_parallel": {"tp_size": "auto"}}
         >>> ZeroConfig.from_any(cfg).layout
         Layout(stage=0, stages=2, tp=1)
         """
-        read = ((self.zero_optimization, "stage"), (self.pipeline, "stages"))
-        read += ((self.tensor_parallel, "autotp_size"),)
+        read = (
+            (self.zero_optimization, "stage"),
+            (self.pipeline, "stages"),
+            (self.tensor_parallel, "autotp_size"),
+        )
         settled = []
         for section, key in read:
             value = getattr(section, key)
@@ -1563,13 +1582,23 @@ class ZeroConfig:
     def resolve(self, world_size: int, auto_values: Mapping[str, Any] | None = None) -> ZeroConfig:
         """Fill every ``"auto"`` and settle the batch sizes for ``world_size`` data-parallel ranks.
 
-        Each ``"auto"`` takes ``auto_values[dotted_key]`` when given, else the field's default;
-        an ``"auto"`` entry of ``optimizer.params`` / ``scheduler.params`` without a value is
-        dropped, so the optimizer's own default applies. Then, like DeepSpeed, of
-        ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
-        world_size`` any two given determine the third; one batch size alone implies
-        ``gradient_accumulation_steps = 1``. Raises :class:`ConfigError` showing the arithmetic
-        when the given values disagree or do not divide.
+        Each ``"auto"`` takes ``auto_values[dotted_key]`` when given, else the field's default.
+        An ``"auto"`` entry of ``optimizer.params`` / ``scheduler.params`` without a value is
+        dropped, so the optimizer's own default applies. Then the batch sizes settle as in
+        DeepSpeed. ``train_batch_size = train_micro_batch_size_per_gpu *
+        gradient_accumulation_steps * world_size``: any two given determine the third. One
+        batch size alone implies ``gradient_accumulation_steps = 1``.
+
+        Args:
+            world_size: the number of data-parallel ranks.
+            auto_values: a value for each ``"auto"`` key, by dotted key.
+
+        Returns:
+            A new config with no ``"auto"`` left.
+
+        Raises:
+            ConfigError: the given batch sizes disagree or do not divide. The message shows the
+                arithmetic.
 
         >>> cfg = ZeroConfig.from_any({"train_batch_size": 32, "gradient_clipping": "auto"})
         >>> r = cfg.resolve(4, {"gradient_clipping": 1.0})

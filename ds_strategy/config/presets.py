@@ -58,7 +58,7 @@ def _read(entry: Any, what: str) -> dict[str, Any]:
     data = OmegaConf.to_container(OmegaConf.create(entry.read_text(encoding="utf-8")))
     if not isinstance(data, dict):
         raise ConfigError(f"{what}: the preset file is not a mapping of config keys")
-    return data
+    return {str(k): v for k, v in data.items()}
 
 
 def preset(name: str) -> dict[str, Any]:

@@ -186,7 +186,8 @@ def _offload_optimizer_stage(cfg: ZeroConfig, facts: Facts) -> str | None:
 
 
 def _one_nvme_directory(cfg: ZeroConfig, facts: Facts) -> str | None:
-    paths = {c.nvme_path for _, c in _offloads(cfg) if c.device == "nvme"}
+    # (a directory each: "NVMe offload needs a directory" refused the config at load otherwise)
+    paths = {c.nvme_path for _, c in _offloads(cfg) if c.device == "nvme" and c.nvme_path}
     if len(paths) > 1:
         return (
             "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path differ "
@@ -382,7 +383,8 @@ def _chunks_need_interleaving(cfg: ZeroConfig, facts: Facts) -> str | None:
 
 def _interleaved_micro_batches(cfg: ZeroConfig, facts: Facts) -> str | None:
     pp_size, micro_batches = cfg.pipeline.stages, cfg.gradient_accumulation_steps
-    if cfg.pipeline.schedule == "interleaved_1f1b" and micro_batches % pp_size:
+    interleaved = cfg.pipeline.schedule == "interleaved_1f1b"
+    if interleaved and micro_batches is not None and micro_batches % pp_size:
         return (
             f"gradient_accumulation_steps: the interleaved 1F1B schedule needs a number "
             f"of micro-batches divisible by pipeline.stages ({pp_size}), got "

@@ -22,7 +22,8 @@ import contextlib
 import contextvars
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -98,13 +99,17 @@ def select_modules(
     return out[every - 1 :: every]
 
 
-def _to_cpu(x: Any) -> Any:
+def _to_cpu(x: object) -> object:
     return x.to("cpu", non_blocking=True) if torch.is_tensor(x) else x
 
 
 def _checkpointed_forward(
-    module: nn.Module, original: Any, cpu: bool, *args: Any, **kwargs: Any
-) -> Any:
+    module: nn.Module,
+    original: Callable[..., object],
+    cpu: bool,
+    *args: object,
+    **kwargs: Any,  # the forward's own, beside checkpoint()'s typed keywords
+) -> object:
     if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to recompute
         return original(*args, **kwargs)
     _note_held((args, kwargs))
@@ -113,7 +118,7 @@ def _checkpointed_forward(
     devices = [t.device for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
     device = devices[0] if devices else torch.device("cpu")
 
-    def run(*a: Any, **kw: Any) -> Any:
+    def run(*a: object, **kw: object) -> object:
         a, kw = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, (a, kw))
         return original(*a, **kw)
 
@@ -187,7 +192,7 @@ _METER: contextvars.ContextVar[SavedTensorMeter | None] = contextvars.ContextVar
 )
 
 
-def _note_held(tree: Any) -> None:
+def _note_held(tree: object) -> None:
     if torch.compiler.is_compiling():
         return  # Dynamo cannot read a ContextVar: a compiled region's inputs are not metered
     meter = _METER.get()
@@ -249,5 +254,10 @@ class SavedTensorMeter:
         self._ctx = self._active()
         return self._ctx.__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
-        self._ctx.__exit__(*exc)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._ctx.__exit__(exc_type, exc, tb)

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
+from ..config import ZeroConfig
 from .collectives import Comm
 
 __all__ = ["check_ranks_agree", "describe"]
 
 
-def describe(config: Any, model: nn.Module) -> list[str]:
+def describe(config: ZeroConfig, model: nn.Module) -> list[str]:
     """One line per config leaf and per parameter (name, shape, dtype, requires_grad)."""
     lines = [f"config {key} = {value!r}" for key, value in _leaves(dataclasses.asdict(config))]
     for name, p in model.named_parameters():
@@ -34,7 +34,7 @@ def describe(config: Any, model: nn.Module) -> list[str]:
     return lines
 
 
-def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _leaves(tree: Mapping[str, object], prefix: str = "") -> Iterator[tuple[str, object]]:
     for key, value in tree.items():
         if isinstance(value, dict) and value:
             yield from _leaves(value, f"{prefix}{key}.")
@@ -42,7 +42,7 @@ def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]
             yield f"{prefix}{key}", value
 
 
-def check_ranks_agree(comm: Comm, config: Any, model: nn.Module) -> None:
+def check_ranks_agree(comm: Comm, config: ZeroConfig, model: nn.Module) -> None:
     """Raise on every rank, naming the first difference and the ranks, unless every rank
     has the same resolved config and the same parameters."""
     if comm.world_size == 1:
@@ -54,7 +54,10 @@ def check_ranks_agree(comm: Comm, config: Any, model: nn.Module) -> None:
     comm.all_gather(every, mine)
     if bool((every == every[0]).all()):
         return
-    described = comm.all_gather_object(lines)
+    described: list[list[str]] = []
+    for theirs in comm.all_gather_object(lines):
+        assert isinstance(theirs, list)  # every rank gathers its describe()
+        described.append(theirs)
     raise ValueError(_first_difference(described))
 
 

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 SYNCED_GPUS = "synced_gpus"
 
 
-def _signature(fn: Any) -> inspect.Signature | None:
+def _signature(fn: Callable[..., object]) -> inspect.Signature | None:
     try:
         return inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or a callable without one
@@ -84,7 +84,7 @@ class SyncedGenerate:
         model.generate(input_ids)  # as model.generate(input_ids, synced_gpus=True)
     """
 
-    def __init__(self, inner: Callable[..., Any]) -> None:
+    def __init__(self, inner: Callable[..., Any]) -> None:  # a model's generate
         self.inner = inner
         functools.update_wrapper(self, inner)  # its name, docstring and signature
         sig = _signature(inner)
@@ -96,7 +96,7 @@ class SyncedGenerate:
                         self._position = i
                     break
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:  # generate's own output
         at = self._position
         if at is not None and len(args) > at:  # given positionally
             if args[at] is None:

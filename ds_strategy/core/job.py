@@ -12,7 +12,7 @@ or by an optimizer; with one engine set up, a call needs to name none.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
@@ -21,6 +21,8 @@ from .loop import PendingClip
 from .several import SeveralEngines
 
 __all__ = ["JobEngines"]
+
+SetUp = TypeVar("SetUp", ZeroEngine, SeveralEngines)
 
 
 class JobEngines:
@@ -33,7 +35,9 @@ class JobEngines:
         job.step(engine.optimizer)
 
     ``not_set_up``: the error of a call before any set-up; ``say_which``: how the loop names the
-    engine a call is for, when several are set up and the call names none of them."""
+    engine a call is for, when several are set up and the call names none of them. An
+    optimizer is named by identity: the engine's own, or a framework's wrapper holding it as
+    ``.optimizer`` (Lightning's ``LightningOptimizer``)."""
 
     def __init__(
         self, not_set_up: str, say_which: str = "pass the model or optimizer set up"
@@ -45,7 +49,7 @@ class JobEngines:
         # SeveralEngines' trained ones
         self.clips: dict[ZeroEngine, PendingClip] = {}
 
-    def add(self, setup: Any) -> Any:
+    def add(self, setup: SetUp) -> SetUp:
         """Record what one set-up built (an engine, or :class:`SeveralEngines`); returns it."""
         self.setups.append(setup)
         if isinstance(setup, SeveralEngines):
@@ -68,7 +72,7 @@ class JobEngines:
         """The engines with a clip request, in set-up order (the first is a job's engine)."""
         return list(self.clips)
 
-    def several_of(self, module: Any = None) -> SeveralEngines | None:
+    def several_of(self, module: nn.Module | None = None) -> SeveralEngines | None:
         """The engines of ``module``, set up with several optimizers (``module`` None: the
         only set-up, if it is one)."""
         module = getattr(module, "_orig_mod", module)
@@ -78,7 +82,7 @@ class JobEngines:
                 return setup
         return None
 
-    def engine_of(self, module: Any = None, optimizer: Any = None) -> ZeroEngine:
+    def engine_of(self, module: nn.Module | None = None, optimizer: object = None) -> ZeroEngine:
         """The engine ``module`` is (a compiled one: the engine it compiles) or ``optimizer``
         (or a wrapper's ``.optimizer``) belongs to; the only one when one is set up."""
         engines = self.trained
@@ -97,7 +101,12 @@ class JobEngines:
         )
 
     def backward(
-        self, loss: Tensor, *args: Any, module: Any = None, optimizer: Any = None, **kwargs: Any
+        self,
+        loss: Tensor,
+        *args: Any,  # a framework's backward arguments, for ZeroEngine.backward
+        module: nn.Module | None = None,
+        optimizer: object = None,
+        **kwargs: Any,
     ) -> None:
         """The backward of the engines of ``module`` (several optimizers: see
         :meth:`SeveralEngines.backward`), else of :meth:`engine_of` ``(module, optimizer)``."""
@@ -107,13 +116,17 @@ class JobEngines:
         else:
             self.engine_of(module, optimizer).backward(loss, *args, **kwargs)
 
-    def step(self, optimizer: Any) -> bool:
+    def step(self, optimizer: object) -> bool:
         """``optimizer``'s engine steps, clipping as asked; whether it was a boundary."""
         engine = self.engine_of(optimizer=optimizer)
         return self.clips[engine].step(engine)
 
     def clip(
-        self, max_norm: float, module: Any = None, optimizer: Any = None, wait: bool = False
+        self,
+        max_norm: float,
+        module: nn.Module | None = None,
+        optimizer: object = None,
+        wait: bool = False,
     ) -> float | None:
         """Clip the gradients of :meth:`engine_of` ``(module, optimizer)`` to the global norm
         ``max_norm``: at a boundary now, returning the norm before clipping, else at its step
@@ -124,7 +137,7 @@ class JobEngines:
             return None
         return self.clips[engine].clip(engine, max_norm)
 
-    def named(self, state: Mapping[str, Any]) -> tuple[dict[str, ZeroEngine], list[str]]:
+    def named(self, state: Mapping[str, object]) -> tuple[dict[str, ZeroEngine], list[str]]:
         """The engines of the models in a checkpoint's ``state`` by name (an engine under its
         key; a model set up with several optimizers under ``key.optimizer_<i>`` and
         ``key.frozen``), and the keys of the other entries (not a model set up here or an

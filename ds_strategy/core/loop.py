@@ -84,7 +84,7 @@ class PendingClip:
 def save_all(
     engines: Mapping[str, TrainingEngine],
     path: str | Path,
-    client_state: Any = None,
+    client_state: object = None,
     include_optimizer: bool = True,
 ) -> None:
     """Save the engines of one job to the directory ``path``: one engine in its own layout,
@@ -101,7 +101,7 @@ def load_all(
     path: str | Path,
     load_optimizer: bool = True,
     trust_checkpoint: bool = False,
-) -> Any:
+) -> Any:  # the caller's own client_state, as it saved it
     """Restore what :func:`save_all` wrote (a one-engine job also from several engines'
     directory, which then names the engine); returns the client state. Collective."""
     if len(engines) == 1 and not holds_engines(Path(path)):

@@ -155,7 +155,7 @@ def materialize_modules(
             _init(m, param_init_fn, where)
         if unset is not None:
             prefix = "" if where == "<root>" else where + "."
-            unset.extend(prefix + n for n in marked if _is_marked(m._buffers[n]))
+            unset.extend(prefix + n for n in marked if _is_marked(m.get_buffer(n)))
 
 
 def _init(m: nn.Module, param_init_fn: ParamInit | None, where: str) -> None:

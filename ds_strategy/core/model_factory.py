@@ -18,9 +18,8 @@ import importlib
 import inspect
 import sys
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from torch import nn
 __all__ = ["build_with", "import_factory", "params_on_meta"]
 
 
-def import_factory(spec: str, what: str = "--model") -> Callable[..., Any]:
+def import_factory(spec: str, what: str = "--model") -> Callable[..., object]:
     """The callable ``spec`` names (``'package.module:attr'``); errors name ``what``."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -45,7 +44,7 @@ def import_factory(spec: str, what: str = "--model") -> Callable[..., Any]:
             f"{what} {spec!r}: cannot import {module_name!r} ({err}); run from the directory "
             "that contains it or install its package"
         ) from None
-    obj: Any = module
+    obj: object = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{what} {spec!r}: {module_name} has no attribute {attr!r}")
@@ -56,9 +55,9 @@ def import_factory(spec: str, what: str = "--model") -> Callable[..., Any]:
 
 
 def build_with(
-    factory: Callable[..., Any],
-    kwargs: dict[str, Any],
-    context: Callable[[], contextlib.AbstractContextManager[Any]],
+    factory: Callable[..., object],
+    kwargs: Mapping[str, object],
+    context: Callable[[], contextlib.AbstractContextManager[object]],
 ) -> nn.Module:
     """``factory(**kwargs)`` inside ``context()``. A factory whose first parameter is a config
     object (e.g. ``GPT(config)``) gets one built from its annotation's type."""
@@ -85,7 +84,7 @@ def build_failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def _checked_module(obj: Any) -> nn.Module:
+def _checked_module(obj: object) -> nn.Module:
     if not isinstance(obj, nn.Module):
         raise ValueError(f"the model factory returned {type(obj).__name__}, not an nn.Module")
     return obj
@@ -110,5 +109,5 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def meta_device() -> contextlib.AbstractContextManager[Any]:
+def meta_device() -> contextlib.AbstractContextManager[torch.device]:
     return torch.device("meta")

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.optimizer import ParamsT
 
-from ..config import ConfigError, OptimizerConfig, SchedulerConfig
+from ..config import ConfigError, OptimizerConfig, SchedulerConfig, ZeroConfig
 from .optim import Adam, Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 
 __all__ = [
@@ -50,7 +52,26 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+OptimizerFactory = Callable[[ParamsT], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
+Given = TypeVar("Given")
+
+
+class Optimizing(Protocol):
+    """What :func:`move_schedulers` asks of an engine: its config and its rebuilt optimizer."""
+
+    @property
+    def config(self) -> ZeroConfig: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+
+class Scheduling(Protocol):
+    """A loop's lr scheduler, as :func:`move_schedulers` moves it: its optimizer."""
+
+    optimizer: torch.optim.Optimizer
+
 
 # DeepSpeed's optimizer types that torch.optim lacks, implemented in core/optim
 _OWN: dict[str, type[torch.optim.Optimizer]] = {
@@ -171,7 +192,10 @@ def _checked(section: OptimizerConfig | None) -> tuple[type[torch.optim.Optimize
     return cls, params
 
 
-def _construct(cls: type[torch.optim.Optimizer], params: Any, kwargs: dict) -> Any:
+def _construct(
+    cls: type[torch.optim.Optimizer], params: ParamsT, kwargs: dict[str, Any]
+) -> torch.optim.Optimizer:
+    # kwargs: the config's ``optimizer.params``, values as the user wrote them
     try:
         return cls(params, **kwargs)
     except TypeError as err:  # a value of the wrong type, say
@@ -182,9 +206,7 @@ def _construct(cls: type[torch.optim.Optimizer], params: Any, kwargs: dict) -> A
         ) from None
 
 
-def build_optimizer(
-    section: OptimizerConfig | None, params: Iterable[Any]
-) -> torch.optim.Optimizer:
+def build_optimizer(section: OptimizerConfig | None, params: ParamsT) -> torch.optim.Optimizer:
     """The optimizer a config's ``optimizer`` section (``cfg.optimizer``) describes, over
     ``params`` (parameters or param groups, whose per-group settings are kept).
 
@@ -197,12 +219,13 @@ def build_optimizer(
     (``key="optimizer.type"``), for keys the class does not take and for a value its
     constructor rejects (``key="optimizer.params"``)."""
     cls, kwargs = _checked(section)
-    return _construct(cls, list(params), kwargs)
+    # a list of the same parameters or groups: mypy loses the union's kind through list()
+    return _construct(cls, cast(ParamsT, list(params)), kwargs)
 
 
 def optimizer_to_shard(
-    section: OptimizerConfig | None, optimizer: Any, stand_in: type, named: str, call: str
-) -> Any:
+    section: OptimizerConfig | None, optimizer: Given, stand_in: type, named: str, call: str
+) -> Given | torch.optim.Optimizer:
     """What a loop's engine shards: the config's ``optimizer`` section built over the params
     of a ``stand_in`` (Accelerate's ``DummyOptim``, spelt ``named`` in errors), else the loop's
     own optimizer; a stand-in without a section, or a section beside the loop's own optimizer
@@ -224,8 +247,11 @@ def optimizer_to_shard(
 
 
 def engine_schedule(
-    section: SchedulerConfig | None, stand_in: Any, callable_: Any, named: str
-) -> Any:
+    section: SchedulerConfig | None,
+    stand_in: object,
+    callable_: SchedulerFactory | None,
+    named: str,
+) -> SchedulerFactory | None:
     """What the engine builds its lr scheduler from: ``None`` under a ``scheduler`` section
     (a ``stand_in``, Accelerate's ``DummyScheduler`` spelt ``named``, then only gives its
     ``"auto"`` step counts), else the stand-in's ``callable_``; one of the two, not both."""
@@ -253,7 +279,7 @@ def optimizer_factory(section: OptimizerConfig | None) -> OptimizerFactory:
     """
     cls, kwargs = _checked(section)
 
-    def factory(params: Any) -> torch.optim.Optimizer:
+    def factory(params: ParamsT) -> torch.optim.Optimizer:
         return _construct(cls, params, kwargs)
 
     return factory
@@ -269,7 +295,7 @@ def track_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     >>> opt.step._wrapped_by_lr_sched
     True
     """
-    step: Any = optimizer.step
+    step: Callable[..., object] = optimizer.step
     if getattr(step, "_wrapped_by_lr_sched", False):
         return
 
@@ -281,7 +307,7 @@ def track_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper  # type: ignore[method-assign,assignment]
 
 
-def move_schedulers(engine: Any, schedulers: list[Any]) -> None:
+def move_schedulers(engine: Optimizing, schedulers: Sequence[Scheduling]) -> None:
     """Point a loop's lr schedulers at ``engine.optimizer``, the one the engine rebuilt over
     its shards (the groups keep ``initial_lr``); refused when the config schedules the lr."""
     if schedulers and engine.config.scheduler is not None:
@@ -296,7 +322,7 @@ def move_schedulers(engine: Any, schedulers: list[Any]) -> None:
         track_optimizer_step(engine.optimizer)
 
 
-def evaluation_optimizer(params: Any) -> torch.optim.Optimizer:
+def evaluation_optimizer(params: ParamsT) -> torch.optim.Optimizer:
     """The optimizer of an engine that only evaluates (or has nothing to train): plain SGD at
     lr 0 keeps no state and changes nothing."""
     return torch.optim.SGD(params, lr=0.0)

@@ -6,12 +6,20 @@ policy's own weights) is refused when the second engine is built, naming the par
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Protocol
 
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["check_parameters_free", "claim_parameters", "release_parameters"]
+
+
+class Owner(Protocol):
+    """An engine as the table knows it: the module it was built over (named in errors)."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
 
 # parameter -> a weak reference to its engine (kept off the parameter: a deepcopy of the
 # model must not carry it, and both sides are weak: neither is kept alive by this table)
@@ -34,7 +42,7 @@ def check_parameters_free(model: nn.Module) -> None:
             )
 
 
-def claim_parameters(model: nn.Module, engine: Any) -> list[weakref.ref]:
+def claim_parameters(model: nn.Module, engine: Owner) -> list[weakref.ref[nn.Parameter]]:
     """Mark ``model``'s parameters as ``engine``'s (once it is built: a constructor that
     raised claims nothing). Returns what :func:`release_parameters` releases."""
     claimed = []
@@ -44,7 +52,7 @@ def claim_parameters(model: nn.Module, engine: Any) -> list[weakref.ref]:
     return claimed
 
 
-def release_parameters(claimed: list[weakref.ref], engine: Any) -> None:
+def release_parameters(claimed: list[weakref.ref[nn.Parameter]], engine: Owner) -> None:
     for ref in claimed:
         p = ref()
         owner = _OWNERS.get(p) if p is not None else None

@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Protocol
 
 __all__ = ["Progress", "progress_enabled"]
 
@@ -46,6 +46,14 @@ def _every() -> float:
         return 10.0
 
 
+class _Bar(Protocol):
+    """What :class:`Progress` asks of a tqdm bar."""
+
+    def update(self, n: int) -> object: ...
+
+    def close(self) -> None: ...
+
+
 class Progress:
     """``what: done/total unit (pct%), elapsed`` lines for one operation (see the module)."""
 
@@ -60,7 +68,7 @@ class Progress:
         self.logged = False
         self.bar = self._bar() if self.on else None
 
-    def _bar(self) -> Any:
+    def _bar(self) -> _Bar | None:
         """A tqdm bar when rank 0 writes to a terminal, else None (log lines)."""
         if not sys.stderr.isatty():
             return None

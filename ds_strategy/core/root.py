@@ -26,6 +26,8 @@ class SharedRoot(nn.Module):
     True
     """
 
+    module: nn.Module
+
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "module", module)  # not a child: its tables are ours
@@ -34,7 +36,7 @@ class SharedRoot(nn.Module):
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         self._modules = module._modules
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:  # the model's own output
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> SharedRoot:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,10 +49,11 @@ __all__ = [
     "load_scheduler_state",
 ]
 
+PerGroup = float | list[float] | tuple[float, ...]
+"""One value for every param group, or one per group (a list or a tuple)."""
 
-def _per_group(
-    opt: torch.optim.Optimizer, value: float | Sequence[float], name: str
-) -> list[float]:
+
+def _per_group(opt: torch.optim.Optimizer, value: PerGroup, name: str) -> list[float]:
     if isinstance(value, (list, tuple)):
         if len(value) != len(opt.param_groups):
             raise ValueError(
@@ -92,8 +92,8 @@ class WarmupLR(LRScheduler):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_min_lr: PerGroup = 0.0,
+        warmup_max_lr: PerGroup = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -119,8 +119,8 @@ class WarmupDecayLR(WarmupLR):
         self,
         optimizer: torch.optim.Optimizer,
         total_num_steps: int,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_min_lr: PerGroup = 0.0,
+        warmup_max_lr: PerGroup = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -173,7 +173,7 @@ class WarmupCosineLR(LRScheduler):
         cosine = (1.0 + math.cos(math.pi * min(done, span) / span)) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
-    def get_lr(self) -> list[float]:  # type: ignore[override]
+    def get_lr(self) -> list[float | torch.Tensor]:
         r = self.ratio(self.last_epoch)
         return [base * r for base in self.base_lrs]
 
@@ -187,7 +187,7 @@ class LRRangeTest(LRScheduler):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_min_lr: PerGroup = 1e-3,
         lr_range_test_step_size: int = 2000,
         lr_range_test_step_rate: float = 1.0,
         lr_range_test_staircase: bool = False,
@@ -228,8 +228,8 @@ class OneCycle(LRScheduler):
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        cycle_min_lr: float | Sequence[float],
-        cycle_max_lr: float | Sequence[float],
+        cycle_min_lr: PerGroup,
+        cycle_max_lr: PerGroup,
         decay_lr_rate: float = 0.0,
         cycle_first_step_size: int = 2000,
         cycle_second_step_size: int | None = None,
@@ -237,8 +237,8 @@ class OneCycle(LRScheduler):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float | Sequence[float] = 0.8,
-        cycle_max_mom: float | Sequence[float] = 0.9,
+        cycle_min_mom: PerGroup = 0.8,
+        cycle_max_mom: PerGroup = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
@@ -379,7 +379,9 @@ def _scheduler_class(type_name: str) -> type[LRScheduler]:
 
 
 def build_scheduler(
-    type_name: str, params: dict[str, Any], optimizer: torch.optim.Optimizer
+    type_name: str,
+    params: dict[str, Any],  # the config's scheduler.params, values as written
+    optimizer: torch.optim.Optimizer,
 ) -> LRScheduler:
     """The scheduler a config's ``scheduler`` section names, on ``optimizer``; errors name the
     bad type or parameter and what is accepted."""
@@ -416,7 +418,10 @@ def build_scheduler(
 # ``LRRangeTest`` match DeepSpeed step for step, so ``last_epoch = n + 1``.
 
 
-def load_scheduler_state(scheduler: Any, state: dict[str, Any]) -> None:
+def load_scheduler_state(
+    scheduler: LRScheduler,
+    state: dict[str, Any],  # a state_dict(), torch's or DeepSpeed's
+) -> None:
     """``scheduler.load_state_dict(state)``, or for DeepSpeed's ``{"last_batch_iteration": n}``
     the same position of the schedule (see [Note: DeepSpeed's scheduler position]); the
     optimizer's param groups already hold the learning rate of the next step."""

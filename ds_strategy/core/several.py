@@ -29,12 +29,13 @@ Checkpoints hold every engine under one commit point (``checkpoint/engines.py``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from .checkpoint.weights_file import write_weights
 from .engine import ZeroEngine
@@ -59,7 +60,12 @@ class _Part(nn.ModuleDict):
     ``ModuleDict`` has no forward, so under ZeRO-3 each submodule is a unit of its own."""
 
     def __init__(self, module: nn.Module, names: list[str]) -> None:
-        super().__init__({name: module._modules[name] for name in names})
+        children: dict[str, nn.Module] = {}
+        for name in names:
+            child = module._modules[name]
+            assert child is not None  # names of module.named_children(), which skips None
+            children[name] = child
+        super().__init__(children)
 
 
 def split_by_optimizer(
@@ -113,9 +119,9 @@ def split_by_optimizer(
     return parts, frozen
 
 
-def param_groups(optimizer: Any) -> list[dict[str, Any]]:
+def param_groups(optimizer: object) -> list[dict[str, Any]]:
     """A torch optimizer's param groups, or a stand-in's (Accelerate's ``DummyOptim``: an
-    object with ``params``, parameters or groups) as groups."""
+    object with ``params``, parameters or groups) as groups. A group is torch's plain dict."""
     if isinstance(optimizer, Optimizer):
         return optimizer.param_groups
     params = list(getattr(optimizer, "params", []))
@@ -124,7 +130,7 @@ def param_groups(optimizer: Any) -> list[dict[str, Any]]:
 
 def pair_optimizers(
     models: list[nn.Module],
-    optimizers: list[Any],
+    optimizers: Sequence[object],
     front: str = "ZeroAccelerator",
     call: str = "prepare()",
 ) -> list[int | None]:
@@ -289,16 +295,19 @@ def _zeroing(engine: ZeroEngine) -> None:
     )
 
 
-def _casting(module: nn.Module, engine: ZeroEngine) -> list[Any]:
+def _casting(module: nn.Module, engine: ZeroEngine) -> list[RemovableHandle]:
     """Mixed precision: ``module`` casts its inputs to the compute dtype and its outputs to
     fp32, as the engine's own forward does."""
     if not engine.precision.mixed:
         return []
 
-    def cast_in(_: nn.Module, args: Any, kwargs: Any) -> Any:
+    # the module's arguments and output pass through whole: only their tensors are cast
+    def cast_in(
+        _: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         return engine.precision.cast_inputs((args, kwargs))
 
-    def cast_out(_: nn.Module, args: Any, output: Any) -> Any:
+    def cast_out(_: nn.Module, args: tuple[object, ...], output: object) -> object:
         return engine.precision.cast_outputs(output)
 
     return [
@@ -316,7 +325,7 @@ class SeveralEngines:
         self,
         module: nn.Module,
         optimizers: list[Optimizer],
-        build: Callable[[nn.Module, Any], ZeroEngine],
+        build: Callable[[nn.Module, Optimizer | None], ZeroEngine],
     ) -> None:
         """``build(part, optimizer)``: the engine of a part (``optimizer`` None: the frozen
         part's, for evaluation), built as the front end builds one."""
@@ -324,7 +333,7 @@ class SeveralEngines:
         self.module = module
         self.engines: dict[str, ZeroEngine] = {}
         self.clips: dict[ZeroEngine, PendingClip] = {}
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._toggled: ZeroEngine | None = None
         self._trainable: dict[ZeroEngine, list[nn.Parameter]] = {}
         try:
@@ -352,7 +361,12 @@ class SeveralEngines:
         """The engines with an optimizer, in optimizer order."""
         return list(self.clips)
 
-    def engine_of(self, optimizer: Any) -> ZeroEngine:
+    def engine_of(self, optimizer: object) -> ZeroEngine:
+        """The engine of ``optimizer``, or of the optimizer a wrapper holds, found by identity.
+
+        Args:
+            optimizer: an optimizer the engines built, or a framework's wrapper of one.
+        """
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer
         for engine in self.clips:
             if engine.optimizer is optimizer:
@@ -364,8 +378,12 @@ class SeveralEngines:
 
     # -- toggle_optimizer -------------------------------------------------------------------
 
-    def toggle(self, optimizer: Any) -> None:
-        """Only ``optimizer``'s model gets gradients until :meth:`untoggle`."""
+    def toggle(self, optimizer: object) -> None:
+        """Only ``optimizer``'s model gets gradients until :meth:`untoggle`.
+
+        Args:
+            optimizer: as :meth:`engine_of` takes it.
+        """
         self._toggled = self.engine_of(optimizer)
         for engine, params in self._trainable.items():
             for p in params:
@@ -380,6 +398,7 @@ class SeveralEngines:
     # -- the loop ---------------------------------------------------------------------------
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        # args and kwargs: a framework's backward arguments, for ZeroEngine.backward
         active = [self._toggled] if self._toggled is not None else self.trained
         if len(active) > 1 and any(e.config.fp16.enabled is True for e in active):
             raise ValueError(
@@ -392,10 +411,11 @@ class SeveralEngines:
 
     # -- checkpoints and weights ------------------------------------------------------------
 
-    def save(self, path: Path, client_state: Any, include_optimizer: bool) -> None:
+    def save(self, path: Path, client_state: object, include_optimizer: bool) -> None:
         save_all(self.engines, path, client_state, include_optimizer)
 
     def load(self, path: Path, load_optimizer: bool, trust_checkpoint: bool) -> Any:
+        # the caller's own client_state, as it saved it
         return load_all(self.engines, path, load_optimizer, trust_checkpoint)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, Tensor]:

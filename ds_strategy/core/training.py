@@ -19,33 +19,37 @@ __all__ = ["TrainingEngine"]
 
 
 class TrainingEngine(Protocol):
-    config: ZeroConfig
-    module: nn.Module
+    # read-only here: a pipeline's module is its stage (a subclass of nn.Module)
+    @property
+    def config(self) -> ZeroConfig: ...
+
+    @property
+    def module(self) -> nn.Module: ...
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
 
     def save_checkpoint(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         tag: str | None = None,
-        client_state: Any = None,
+        client_state: object = None,
         *,
         include_optimizer: bool = True,
     ) -> Path: ...
 
     def load_checkpoint(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         tag: str | None = None,
         *,
         load_optimizer: bool = True,
         trust_checkpoint: bool = False,
-    ) -> Any: ...
+    ) -> Any: ...  # the caller's own client_state, as it saved it
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]: ...
 
-    def save_weights(self, path: str | os.PathLike) -> Path: ...
+    def save_weights(self, path: str | os.PathLike[str]) -> Path: ...
 
     def wait_for_checkpoint(self) -> None: ...
 

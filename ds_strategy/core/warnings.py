@@ -22,7 +22,7 @@ by default only in code run as ``__main__`` (and pytest shows always).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TypeVar
 
 from ..config import DsStrategyWarning  # the root: the config's warnings are kinds of it too
 
@@ -34,6 +34,8 @@ __all__ = [
     "PerformanceWarning",
     "renamed_argument",
 ]
+
+T = TypeVar("T")
 
 
 class PerformanceWarning(DsStrategyWarning, RuntimeWarning):
@@ -57,7 +59,9 @@ class DsStrategyDeprecationWarning(DeprecationWarning):
     what replaces it."""
 
 
-def renamed_argument(owner: str, old: str, new: str, old_value: Any, new_value: Any) -> Any:
+def renamed_argument(
+    owner: str, old: str, new: str, old_value: T | None, new_value: T | None
+) -> T | None:
     """The value of argument ``new`` of ``owner``, given under its deprecated name ``old``
     (warned as :class:`DsStrategyDeprecationWarning`) or its new one; both is an error.
 

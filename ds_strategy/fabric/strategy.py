@@ -36,10 +36,12 @@ __all__ = ["ZeroFabricPrecision", "ZeroStrategy"]
 
 
 class ZeroFabricPrecision(FlagPrecision, Precision):
-    """Carries ``Fabric(precision=...)`` to the ZeRO strategy, which maps it onto its config::
+    """Carries ``Fabric(precision=...)`` to the ZeRO strategy.
 
-    fabric = Fabric(strategy="zero3", precision="32-true")
-    assert fabric.strategy.precision.precision == "32-true"
+    The strategy maps it onto its config::
+
+        fabric = Fabric(strategy="zero3", precision="32-true")
+        assert fabric.strategy.precision.precision == "32-true"
     """
 
     front = "Fabric"
@@ -60,13 +62,13 @@ class _EngineSyncControl(BackwardSyncControl):
 
 
 class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
-    """ZeRO stage 0-3 for ``lightning.Fabric`` (registered as ``zero1`` ... ``zero3_offload``;
-    arguments: :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`).
+    """ZeRO stage 0-3 for ``lightning.Fabric``.
 
-    A ``strategy="ddp"`` loop runs unchanged: ``fabric.setup`` returns the engine and its rebuilt
-    optimizer (a scheduler moves onto it), ``fabric.save``/``load`` use a sharded directory.
-    ``clip_gradients`` clips by global norm at an accumulation boundary (before one, the request
-    waits and None is returned); ``zero_grad()`` is unnecessary. Example::
+    It is registered as ``zero1`` ... ``zero3_offload``. A ``strategy="ddp"`` loop runs
+    unchanged. ``fabric.setup`` returns the engine and its rebuilt optimizer; a scheduler moves
+    onto it. ``fabric.save`` and ``fabric.load`` use a sharded directory. ``clip_gradients``
+    clips by global norm at an accumulation boundary. Before one, the request waits and None is
+    returned. ``zero_grad()`` is unnecessary. Example::
 
         fabric = L.Fabric(strategy="zero3", accelerator="cpu", devices=2)
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
@@ -86,10 +88,16 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         set_backward_sync_control(self, _EngineSyncControl())
 
     precision_class = ZeroFabricPrecision
-    precision = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
+    precision = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """Stage 3 (or ``empty_init=True``): meta device until ``fabric.setup`` builds units."""
+        """Create modules on the meta device under stage 3, until ``fabric.setup`` builds units.
+
+        Not with tensor parallelism, which splits real weights.
+
+        Args:
+            empty_init: ``True`` uses the meta device at any stage; ``False`` never does.
+        """
         if not self._meta_init(empty_init):
             return super().module_init_context(empty_init)
         return torch.device("meta")
@@ -100,9 +108,19 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
     ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        """Wrap ``module`` and its optimizer in a :class:`~ds_strategy.ZeroEngine`; with several
-        optimizers, one engine each over the submodules holding its parameters (the module
-        comes back as it is, its submodules sharded)."""
+        """Wrap ``module`` and its optimizer in a :class:`~ds_strategy.ZeroEngine`.
+
+        With several optimizers, each gets an engine over the submodules holding its
+        parameters. The module then comes back as it is, its submodules sharded.
+
+        Args:
+            module: the model.
+            optimizers: its optimizers, built on its parameters.
+            scheduler: an lr scheduler; it moves onto the engine's optimizer.
+
+        Returns:
+            The engine (or the module), the engines' optimizers, and the scheduler.
+        """
         scheds = [scheduler] if scheduler is not None else []
         if len(optimizers) > 1:
             several = self._add(self._build_several(module, optimizers, scheds, None))
@@ -111,8 +129,16 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         move_schedulers(engine, scheds)
         return engine, [engine.optimizer], scheduler
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        """Wrap ``module`` for evaluation (no optimizer state is kept)."""
+    # the engine, never DDP: the strategy takes only DDPStrategy's process handling
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
+        """Wrap ``module`` for evaluation (no optimizer state is kept).
+
+        Args:
+            module: the model.
+
+        Returns:
+            The engine.
+        """
         return self._setup(module, evaluation_optimizer)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -123,8 +149,11 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
 
     @property
     def engines(self) -> list[ZeroEngine]:
-        """The engines of every ``fabric.setup`` call, in order (one per optimizer where a
-        model was set up with several, then its frozen submodules' one)."""
+        """The engines of every ``fabric.setup`` call, in order.
+
+        A model set up with several optimizers has one per optimizer, then its frozen
+        submodules' one.
+        """
         return self._job.engines
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -133,7 +162,12 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         self.precision.post_backward(tensor, module)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The engine's step (at accumulation boundaries, clipping as configured or asked)."""
+        """The engine's step, at accumulation boundaries, clipping as configured or asked.
+
+        Args:
+            optimizer: an optimizer ``fabric.setup`` returned.
+            **kwargs: a ``closure`` is refused.
+        """
         if kwargs.get("closure") is not None:
             raise ValueError("the ZeRO strategy cannot run optimizer.step(closure)")
         self._job.step(optimizer)
@@ -146,8 +180,19 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor | None:
-        """Clip the global L2 norm and return it before clipping, as ``clip_grad_norm_`` (an fp16
-        overflow's non-finite norm is returned, not raised); None before a boundary."""
+        """Clip the gradients by their global L2 norm, as ``clip_grad_norm_`` does.
+
+        Args:
+            module: the model ``fabric.setup`` returned.
+            optimizer: its optimizer.
+            max_norm: the largest norm allowed.
+            norm_type: 2; ZeRO clips by L2 norm only.
+            error_if_nonfinite: ignored. An fp16 overflow's non-finite norm is returned, not
+                raised.
+
+        Returns:
+            The norm before clipping; None before an accumulation boundary.
+        """
         if float(norm_type) != 2.0:
             raise ValueError(norm_only(f"norm_type={norm_type}", "norm_type=2"))
         norm = self._job.clip(float(max_norm), module, optimizer)
@@ -176,9 +221,18 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """One sharded checkpoint directory (collective); entries other than the models and
-        their optimizers travel as its ``client_state``. Several models (or a model set up with
-        several optimizers): every engine under one commit point."""
+        """Save one sharded checkpoint directory. Collective.
+
+        Entries other than the models and their optimizers travel as its ``client_state``.
+        Several models, or a model set up with several optimizers, save every engine under one
+        commit point.
+
+        Args:
+            path: the directory; rank 0's name is used on every rank.
+            state: the models set up here, their optimizers and any other entries, by name.
+            storage_options: not supported; leave it ``None``.
+            filter: not supported; leave it ``None``.
+        """
         if storage_options is not None or filter is not None:
             raise TypeError(
                 "fabric.save(..., storage_options/filter) is not supported by the ZeRO strategy: "
@@ -195,8 +249,18 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy, Sharded):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Restore the engines, then the other entries of ``state``, from :meth:`save_checkpoint`'s
-        directory; returns the saved entries ``state`` did not ask for."""
+        """Restore the engines, then the other entries of ``state``. Collective.
+
+        Args:
+            path: the directory :meth:`save_checkpoint` wrote. A file is loaded as Fabric
+                loads one.
+            state: the models set up here and the other entries to restore, by name.
+            strict: an entry of ``state`` the checkpoint lacks is an error.
+            weights_only: only ``False`` (a trusted file) unpickles arbitrary data.
+
+        Returns:
+            The saved entries ``state`` did not ask for.
+        """
         path = self._checkpoint_path(path)
         if not path.is_dir():
             return super().load_checkpoint(path, state, strict, weights_only)

@@ -41,7 +41,7 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -50,6 +50,22 @@ from ..core.engine import ZeroEngine
 from ..core.zero.gathered import ALL_RANKS, full_numels
 
 __all__ = ["adapt_peft_model", "merged_base_state"]
+
+
+class _PeftModel(Protocol):
+    """What is read and replaced on a ``PeftModel`` (an instance attribute shadows the
+    method)."""
+
+    base_model: nn.Module
+    get_nb_trainable_parameters: Callable[[], tuple[int, int]]
+
+
+class _Tuner(Protocol):
+    """What is read and replaced on a PEFT ``BaseTuner``."""
+
+    model: nn.Module
+    merge_and_unload: Callable[..., nn.Module]
+    unload: Callable[..., nn.Module]
 
 
 def _peft_classes() -> tuple[tuple[type, ...], type, type] | None:
@@ -87,13 +103,17 @@ def adapt_peft_model(engine: ZeroEngine) -> bool:
     _, base_tuner, _ = classes
     if isinstance(model.__dict__.get("get_nb_trainable_parameters"), _FullCounts):
         return True
+    # (isinstance against classes imported at run time cannot narrow the type)
+    peft_model = cast(_PeftModel, model)
     # instance attributes: nn.Module.__setattr__ keeps a callable in __dict__
-    model.get_nb_trainable_parameters = _FullCounts(engine, model.get_nb_trainable_parameters)
-    tuner = model.base_model
+    counts = _FullCounts(engine, peft_model.get_nb_trainable_parameters)
+    peft_model.get_nb_trainable_parameters = counts
+    tuner = peft_model.base_model
     if isinstance(tuner, base_tuner):  # prompt learning has no tuner layers to merge
         handed = _HandedOver()
-        tuner.merge_and_unload = _Unloading(engine, tuner.merge_and_unload, True, handed)
-        tuner.unload = _Unloading(engine, tuner.unload, False, handed)
+        unloading = cast(_Tuner, tuner)
+        unloading.merge_and_unload = _Unloading(engine, unloading.merge_and_unload, True, handed)
+        unloading.unload = _Unloading(engine, unloading.unload, False, handed)
     return True
 
 
@@ -122,12 +142,12 @@ def merged_base_state(
     if classes is None or not isinstance(model, classes[0]):
         return None
     _, base_tuner, tuner_layer = classes
-    tuner = model.base_model
+    tuner = cast(_PeftModel, model).base_model  # (a PeftModel: see adapt_peft_model)
     if not isinstance(tuner, base_tuner) or any(
         isinstance(m, tuner_layer) for m in model.modules()
     ):
         return None
-    base = tuner.model
+    base = cast(_Tuner, tuner).model
     prefix = next(name for name, m in model.named_modules() if m is base) + "."
     renamed = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
     return base, renamed
@@ -142,9 +162,18 @@ class _EngineMethod:
         self.inner = inner
         functools.update_wrapper(self, inner)  # its name, docstring and signature
 
+    if TYPE_CHECKING:  # each kind of method answers its own call
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    @property
+    def owner(self) -> object:
+        """The PEFT object ``inner`` is bound to."""
+        return getattr(self.inner, "__self__", None)
+
     def live_engine(self) -> ZeroEngine | None:
         engine = self.engine()
-        owner = getattr(self.inner, "__self__", None)
+        owner = self.owner
         if engine is None or not any(m is owner for m in engine.module.modules()):
             return None  # a deep copy of the model, or an engine freed
         return engine
@@ -159,7 +188,9 @@ class _FullCounts(_EngineMethod):
             return self.inner()
         numels = full_numels(engine.plan)
         trainable = total = 0
-        for _, p in self.inner.__self__.named_parameters():
+        owner = self.owner
+        assert isinstance(owner, nn.Module)  # (live_engine found it in the engine's model)
+        for _, p in owner.named_parameters():
             n = numels.get(id(p), p.numel())
             total += n
             trainable += n if p.requires_grad else 0

@@ -34,12 +34,12 @@ __all__ = ["zero"]
 
 
 def zero(trainer_class: type[Trainer]) -> type[ZeroTrainer]:
-    """``trainer_class`` training through the ZeRO engine: a subclass of both it and
-    :class:`~ds_strategy.hf.ZeroTrainer`, made once per class.
+    """``trainer_class``, training through the ZeRO engine.
 
-    The class takes ``trainer_class``'s arguments, plus ``config=`` (as ``ZeroTrainer``'s:
-    a preset's name, a dict, a ``.json``/``.yaml`` path; ``None`` reads ``DS_STRATEGY_CONFIG``
-    and the other ``DS_STRATEGY_*`` variables).
+    The result subclasses both it and :class:`~ds_strategy.hf.ZeroTrainer`, made once per
+    class. It takes ``trainer_class``'s arguments, plus ``config=`` as ``ZeroTrainer`` does.
+    That is a preset's name, a dict, or a ``.json``/``.yaml`` path. ``None`` reads
+    ``DS_STRATEGY_CONFIG`` and the other ``DS_STRATEGY_*`` variables.
 
     Args:
         trainer_class: ``transformers.Trainer`` or a subclass of it. A ``ZeroTrainer``
@@ -65,7 +65,8 @@ def zero(trainer_class: type[Trainer]) -> type[ZeroTrainer]:
         )
     if issubclass(trainer_class, ZeroTrainer):
         return trainer_class
-    return _combined(trainer_class)
+    cls: type = trainer_class  # (mypy reads Trainer's class as unhashable: it is hashable)
+    return _combined(cls)
 
 
 @functools.cache

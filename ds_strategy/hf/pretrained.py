@@ -50,16 +50,22 @@ def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
 def from_pretrained(
     name_or_path: str | os.PathLike, cls: Any = None, *, strict: bool = True, **config: Any
 ) -> nn.Module:
-    """The model at ``name_or_path`` built on the meta device and marked so that the engine
-    built on it (any front end: ``ZeroTrainer``, ``ZeroAccelerator``, Lightning, Fabric,
-    ``ds_strategy.initialize``) reads its weights straight into the shards.
+    """The model at ``name_or_path``, built on the meta device and marked to load its weights.
+
+    The engine built on it reads its weights straight into the shards. Any front end builds
+    such an engine: ``ZeroTrainer``, ``ZeroAccelerator``, Lightning, Fabric,
+    ``ds_strategy.initialize``.
 
     Args:
         name_or_path: a directory ``save_pretrained`` wrote, or a Hub id.
-        cls: the model class (``AutoModelForSequenceClassification``, ``LlamaForCausalLM``);
-            default: the one ``config.json`` names (see the note).
-        strict: a parameter the files lack is an error (else it keeps its initialisation).
-        config: overrides of ``config.json`` values, as ``from_pretrained`` takes them.
+        cls: the model class (``AutoModelForSequenceClassification``, ``LlamaForCausalLM``).
+            Default: the one ``config.json`` names (see the note).
+        strict: a parameter the files lack is an error. Otherwise it keeps its
+            initialisation.
+        **config: overrides of ``config.json`` values, as ``from_pretrained`` takes them.
+
+    Returns:
+        The model, on the meta device.
 
     >>> model = ds_strategy.hf.from_pretrained("meta-llama/Llama-3.2-1B")  # doctest: +SKIP
     >>> engine = ds_strategy.initialize(model, torch.optim.AdamW, "zero3")  # doctest: +SKIP

@@ -74,11 +74,11 @@ class ZeroTrainer(TrainerHooks, Trainer):
     Takes every argument ``Trainer`` takes, plus:
 
     Args:
-        config: a DeepSpeed-style config (a preset's name, a dict, a ``.json``/``.yaml``
-            path, a :class:`~ds_strategy.ZeroConfig`), ``"auto"`` values allowed and filled
-            from ``args`` as transformers fills them for DeepSpeed. ``None``: from
+        config: a DeepSpeed-style config: a preset's name, a dict, a ``.json``/``.yaml``
+            path, or a :class:`~ds_strategy.ZeroConfig`. ``"auto"`` values are allowed. They
+            are filled from ``args`` as transformers fills them for DeepSpeed. ``None``: from
             ``DS_STRATEGY_CONFIG`` and ``DS_STRATEGY_*`` variables (see ``ZeroPlugin``).
-            ``zero_config=``: its old name.
+        zero_config: the old name of ``config``; deprecated.
 
     Start it as any Trainer script, with ``torchrun`` or ``accelerate launch``::
 
@@ -87,10 +87,10 @@ class ZeroTrainer(TrainerHooks, Trainer):
         trainer.train()
         trainer.save_model("out")  # model.safetensors, loads with from_pretrained
 
-    With an ``optimizer`` section the engine builds that optimizer over all trainable
-    parameters (as DeepSpeed does); without one it shards the Trainer's own (``args.optim``,
-    its weight-decay groups). A ``scheduler`` section is built and stepped by the engine;
-    without one the Trainer's ``lr_scheduler_type`` applies.
+    With an ``optimizer`` section, the engine builds that optimizer over all trainable
+    parameters, as DeepSpeed does. Without one, it shards the Trainer's own (``args.optim``,
+    its weight-decay groups). The engine builds and steps a ``scheduler`` section. Without
+    one, the Trainer's ``lr_scheduler_type`` applies.
     """
 
     def __init__(
@@ -132,8 +132,17 @@ class ZeroTrainer(TrainerHooks, Trainer):
         return values
 
     def create_optimizer(self, model: Any = None) -> Any:
-        """The config's ``"auto"`` values are filled here, just before the engine is built; an
-        ``optimizer`` section makes the engine build that optimizer (a ``DummyOptim`` stands in)."""
+        """Fill the config's ``"auto"`` values, just before the engine is built.
+
+        An ``optimizer`` section makes the engine build that optimizer; a ``DummyOptim`` stands
+        in for it here.
+
+        Args:
+            model: as in ``Trainer.create_optimizer``.
+
+        Returns:
+            The Trainer's optimizer, or the ``DummyOptim``.
+        """
         acc = self.accelerator
         if acc.zero_engine is None and self._max_steps is not None:
             tp = self._loaded_config.layout.tp
@@ -152,13 +161,24 @@ class ZeroTrainer(TrainerHooks, Trainer):
                 f"the ZeRO config has an optimizer section ({section.type}) and Trainer was given "
                 f"an optimizer ({type(self.optimizer).__name__}); keep one of them"
             )
+        assert self.model is not None  # (a Trainer is given its model, or a model_init)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = DummyOptim(params, lr=self.args.learning_rate)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """A config ``scheduler`` is the engine's (wrapped so the Trainer's ``step()`` is a
-        no-op); otherwise the Trainer's, moved onto the engine's optimizer."""
+        """The engine's scheduler for a config ``scheduler``; otherwise the Trainer's.
+
+        The engine's is wrapped so that the Trainer's ``step()`` is a no-op. The Trainer's
+        moves onto the engine's optimizer.
+
+        Args:
+            num_training_steps: as in ``Trainer.create_scheduler``.
+            optimizer: as in ``Trainer.create_scheduler``.
+
+        Returns:
+            The scheduler the Trainer steps.
+        """
         engine = self.accelerator.zero_engine
         if engine is None:
             return super().create_scheduler(num_training_steps, optimizer)
@@ -173,14 +193,20 @@ class ZeroTrainer(TrainerHooks, Trainer):
     # -- saving and loading ---------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Consolidated fp32 weights written with ``save_pretrained`` (safetensors), whatever the
-        stage; a PEFT model's adapters, or after its ``merge_and_unload`` the merged base model
-        (loads with the base architecture's ``from_pretrained``). Collective once training has
-        begun: call it on every rank."""
+        """Write consolidated fp32 weights with ``save_pretrained`` (safetensors), at any stage.
+
+        A PEFT model writes its adapters. After its ``merge_and_unload``, it writes the merged
+        base model, which loads with the base architecture's ``from_pretrained``. Collective
+        once training has begun: call it on every rank.
+
+        Args:
+            output_dir: the directory. Default: ``args.output_dir``.
+        """
         engine = self.accelerator.zero_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        assert output_dir is not None  # (TrainingArguments fills in its default)
         state = engine.full_state_dict(rank0_only=not self.args.save_on_each_node)
         merged = merged_base_state(engine.module, state)  # after PEFT's merge_and_unload
         if merged is None:
@@ -195,17 +221,34 @@ class ZeroTrainer(TrainerHooks, Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def save_engine_state(self, output_dir: str) -> bool:
-        """In a Trainer checkpoint, the engine's instead of ``optimizer.pt`` (see the note)."""
+        """In a Trainer checkpoint, save the engine's state instead of ``optimizer.pt``.
+
+        See the module's note on checkpoints. Collective.
+
+        Args:
+            output_dir: the Trainer checkpoint's directory.
+
+        Returns:
+            False when there is no engine yet.
+        """
         engine = self.accelerator.zero_engine
         if engine is None:
             return False
         engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))  # collective
         if self.args.should_save and engine.config.scheduler is None:
+            assert self.lr_scheduler is not None  # (the Trainer creates it with the optimizer)
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         return True
 
     def load_engine_state(self, checkpoint: str | None) -> bool:
-        """Resume the engine from the Trainer checkpoint directory ``checkpoint``; False if none."""
+        """Resume the engine from a Trainer checkpoint. Collective.
+
+        Args:
+            checkpoint: the Trainer checkpoint's directory, or None.
+
+        Returns:
+            False when there is no engine or no checkpoint.
+        """
         engine = self.accelerator.zero_engine
         if engine is None or checkpoint is None:
             return False
@@ -214,12 +257,15 @@ class ZeroTrainer(TrainerHooks, Trainer):
         if engine.config.scheduler is not None:
             return True
         saved = os.path.join(checkpoint, SCHEDULER_NAME)
+        scheduler = self.lr_scheduler  # (the Trainer creates it with the optimizer)
         if deepspeed is not None:  # there, the Trainer's scheduler is saved by DeepSpeed
             state = model_state(deepspeed).get("lr_scheduler")
             if state:
-                load_scheduler_state(self.lr_scheduler, state)
+                assert scheduler is not None
+                load_scheduler_state(scheduler, state)
         elif os.path.isfile(saved):
-            self.lr_scheduler.load_state_dict(torch.load(saved, weights_only=True))
+            assert scheduler is not None
+            scheduler.load_state_dict(torch.load(saved, weights_only=True))
         return True
 
     def load_best_engine_state(self) -> bool:
@@ -247,7 +293,7 @@ def _pretrained_model(
     else:
         return args, kwargs
     takes_reference = any(  # zero(DPOTrainer)'s own __init__ is ZeroTrainer's
-        "ref_model" in inspect.signature(c.__init__).parameters
+        "ref_model" in inspect.signature(vars(c)["__init__"]).parameters
         for c in cls.__mro__
         if "__init__" in vars(c)
     )

@@ -29,8 +29,10 @@ __all__ = ["LightningPipeline", "PipelineModule", "build_pipeline"]
 
 
 class PipelineModule(pl.LightningModule):
-    """A LightningModule defined by its layers and loss, split into stages under a ``pipeline``
-    config and trained as it is by any other strategy::
+    """A LightningModule defined by its layers and its loss.
+
+    Under a ``pipeline`` config it is split into stages. Any other strategy trains it as it
+    is::
 
         class Net(PipelineModule):
             def __init__(self):
@@ -52,7 +54,12 @@ class PipelineModule(pl.LightningModule):
         raise TypeError(f"{type(self).__name__} must implement pipeline_layers()")
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The (mean) loss of one batch or micro-batch."""
+        """The (mean) loss of one batch or micro-batch.
+
+        Args:
+            output: the last layer's output.
+            target: the batch's targets.
+        """
         raise TypeError(f"{type(self).__name__} must implement pipeline_loss(output, target)")
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:

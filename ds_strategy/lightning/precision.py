@@ -25,14 +25,20 @@ _warnings = WarningCache()
 
 
 class ZeroPrecision(FlagPrecision, Precision):
-    """Forwards ``backward``/``optimizer_step``/``clip_gradients`` to the engine; built by
-    :class:`~ds_strategy.lightning.ZeroStrategy` from the Trainer's ``precision``::
+    """Forwards ``backward``, ``optimizer_step`` and ``clip_gradients`` to the engine.
+
+    :class:`~ds_strategy.lightning.ZeroStrategy` builds it from the Trainer's ``precision``::
 
         trainer = Trainer(strategy="zero2", precision="32-true")
         assert trainer.strategy.precision_plugin.precision == "32-true"
     """
 
     def __init__(self, precision: str = "32-true") -> None:
+        """Keep the flag, once checked.
+
+        Args:
+            precision: the Trainer's precision flag, such as ``"bf16-mixed"``.
+        """
         super().__init__(precision)
         # ZeroStrategy's engines, once it sets the model up
         self.job = JobEngines("ZeroPrecision drives a ZeroEngine: use it with ZeroStrategy only")
@@ -86,7 +92,13 @@ class ZeroPrecision(FlagPrecision, Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Remember a clip-by-norm request for the next step, where the global norm exists."""
+        """Remember a clip-by-norm request for the next step, where the global norm exists.
+
+        Args:
+            optimizer: the optimizer whose engine clips.
+            clip_val: the largest norm allowed; 0 clips nothing.
+            gradient_clip_algorithm: ``"norm"``; ZeRO clips by norm only.
+        """
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             call = "clip_gradients(gradient_clip_algorithm='value')"
             raise ValueError(norm_only(call, "gradient_clip_algorithm='norm'"))

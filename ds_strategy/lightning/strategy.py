@@ -46,17 +46,23 @@ from .precision import ZeroPrecision
 __all__ = ["ZeroStrategy"]
 
 
-_STEP_HOOKS = ("training_step", "validation_step", "test_step", "predict_step", "backward")
-_STEP_HOOKS += ("optimizer_step",)
+_STEP_HOOKS = (
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "backward",
+    "optimizer_step",
+)
 
 
 class ZeroStrategy(LightningZeroBase, DDPStrategy):
-    """ZeRO stage 0-3 for ``lightning.Trainer`` (registered as ``zero1`` ... ``zero3_offload``;
-    arguments: :class:`~ds_strategy.frontends.lightning_base.LightningZeroBase`).
+    """ZeRO stage 0-3 for ``lightning.Trainer``.
 
-    ``precision``, ``accumulate_grad_batches`` and ``gradient_clip_val`` map onto the config; a
-    config value contradicting a flag is an error naming both. ``trainer.strategy.engine`` is
-    the :class:`~ds_strategy.ZeroEngine`; checkpoints are sharded directories. Example::
+    It is registered as ``zero1`` ... ``zero3_offload``. The Trainer's ``precision``,
+    ``accumulate_grad_batches`` and ``gradient_clip_val`` map onto the config. A config value
+    contradicting a flag is an error naming both. ``trainer.strategy.engine`` is the
+    :class:`~ds_strategy.ZeroEngine`. Checkpoints are sharded directories. Example::
 
         trainer = L.Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2,
                             accumulate_grad_batches=2, gradient_clip_val=1.0, max_epochs=2)
@@ -77,8 +83,11 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
 
     @property
     def engines(self) -> list[ZeroEngine]:
-        """Every engine: one per optimizer of ``configure_optimizers`` (then one for the
-        frozen submodules) when it returns several, see ``core/several.py``; else the one."""
+        """Every engine; one unless ``configure_optimizers`` returns several optimizers.
+
+        Then there is one engine per optimizer, and one for the frozen submodules (see
+        ``core/several.py``).
+        """
         return self._job.engines or [self.engine]
 
     @property
@@ -96,7 +105,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         return self._engine
 
     precision_class = ZeroPrecision
-    precision_plugin = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)  # type: ignore[assignment]
+    precision_plugin = property(LightningZeroBase.plugin, LightningZeroBase.set_plugin)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -112,9 +121,21 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Stage 3 (or ``empty_init=True``): on the meta device until :meth:`setup` builds units."""
+        """Create modules on the meta device under stage 3, until :meth:`setup` builds units.
+
+        Not with tensor parallelism, which splits real weights.
+
+        Args:
+            empty_init: ``True`` uses the meta device at any stage; ``False`` never does.
+        """
         meta = self._meta_init(empty_init)
         with torch.device("meta") if meta else super().tensor_init_context(empty_init):
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """The Trainer's name for :meth:`module_sharded_context`."""
+        with self.module_sharded_context():
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -199,7 +220,7 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         engine, owner = self._engine, self._engine_module
         self._engine, self._engine_module = None, None
         self._job = JobEngines(self.not_set_up, self.say_which)
-        self.precision_plugin.job = self._job  # type: ignore[attr-defined]
+        self.precision_plugin.job = self._job
         self._use_steps(None)
         if engine is None or owner is not pl_module:
             return  # another module's engine: that module stays as it is
@@ -253,10 +274,19 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         return {}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing: :meth:`load_checkpoint` restored the engine's weights already."""
+        """Nothing: :meth:`load_checkpoint` restored the engine's weights already.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict (unused).
+            strict: unused.
+        """
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Nothing: :meth:`load_checkpoint` restored the optimizer state already."""
+        """Nothing: :meth:`load_checkpoint` restored the optimizer state already.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict (unused).
+        """
 
     def save_checkpoint(
         self,
@@ -264,8 +294,16 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
         filepath: str | os.PathLike,
         storage_options: Any | None = None,
     ) -> None:
-        """One sharded checkpoint directory (collective); Lightning's other entries travel as
-        its ``client_state``."""
+        """Save one sharded checkpoint directory. Collective.
+
+        Lightning's other entries travel as its ``client_state``.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict. Without ``optimizer_states`` (a
+                weights-only checkpoint), no optimizer state is saved.
+            filepath: the directory; rank 0's name is used on every rank.
+            storage_options: not supported; leave it ``None``.
+        """
         if storage_options is not None:
             raise TypeError(
                 "ZeroStrategy does not use a CheckpointIO plugin, so storage_options cannot "
@@ -283,8 +321,15 @@ class ZeroStrategy(LightningZeroBase, DDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Restore what :meth:`save_checkpoint` wrote (any world size or stage); returns
-        Lightning's dict. Only ``weights_only=False`` (a trusted file) unpickles arbitrary data."""
+        """Restore what :meth:`save_checkpoint` wrote, at any world size or stage.
+
+        Args:
+            checkpoint_path: the checkpoint directory.
+            weights_only: only ``False`` (a trusted file) unpickles arbitrary data.
+
+        Returns:
+            Lightning's checkpoint dict.
+        """
         path = self._checkpoint_path(checkpoint_path)
         if not path.is_dir():
             raise ValueError(

@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from ..collectives import Comm
 from ..faults import together
@@ -56,7 +56,17 @@ from .errors import CheckpointError
 from .lock import LOCK_FILE, acquire, release
 from .pinned import META_FILE, crc32_of
 
-__all__ = ["Bundle", "named", "prune"]
+__all__ = ["Bundle", "BundleManifest", "named", "prune"]
+
+
+class BundleManifest(TypedDict):
+    """A bundle's manifest: its step, each engine's step, and every file's size (and CRC-32,
+    unless the engine's own ``ds_strategy.json`` records it)."""
+
+    format: str
+    step: int
+    engines: dict[str, int]
+    files: dict[str, dict[str, int]]
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,7 @@ class Bundle:
     def commit(self, tmp: Path, final: Path, step: int, engine_steps: Mapping[str, int]) -> None:
         """Rank 0, once every rank has written into ``tmp``: steps 1-4 of the note (pruning
         aside)."""
-        manifest = {
+        manifest: BundleManifest = {
             "format": self.format,
             "step": step,
             "engines": dict(engine_steps),
@@ -204,7 +214,7 @@ class Bundle:
         between steps 2 and 3 (``swap.committed``, with the manifest as the mark)."""
         return swap.committed(final, self.manifest, self.what)
 
-    def check(self, path: Path) -> dict[str, Any]:
+    def check(self, path: Path) -> BundleManifest:
         """The manifest of the bundle ``path``, once every file it lists is there with its
         size and CRC-32 and every engine checkpoint records the step the manifest does.
         Raises :class:`CheckpointError` naming the file and what is wrong."""
@@ -214,7 +224,7 @@ class Bundle:
         self._check_engine_steps(path, manifest["engines"])
         return manifest
 
-    def _read(self, path: Path) -> dict[str, Any]:
+    def _read(self, path: Path) -> BundleManifest:
         where = path / self.manifest
         try:
             manifest = json.loads(where.read_bytes().decode())
@@ -245,7 +255,8 @@ class Bundle:
                 f"{where}: not a {self.what} manifest this ds_strategy reads (format {fmt!r}, "
                 f"expected {self.format!r})"
             )
-        return manifest
+        checked: BundleManifest = manifest  # (every key of the record checked above)
+        return checked
 
     def _check_file(self, path: Path, rel: str, want: dict[str, int]) -> None:
         listing = path / self.manifest

@@ -11,7 +11,6 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -19,6 +18,7 @@ from ..collectives import Comm
 from ..warnings import CheckpointWarning
 from .flat_piece import FlatPiece
 from .keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, OPTIMIZER_KINDS, EntryKey, rng_key
+from .records import CheckpointMeta, Layout, RngState
 from .seam import CheckpointedEngine, ExtraState, Placement, ShardedState
 from .trust import pack
 from .validate import FORMAT, optimizer_class
@@ -31,11 +31,11 @@ class RankState:
     """One rank's part of a checkpoint: the per-parameter entries by key, the entries that
     stand alone by name (packed), and the ``ds_strategy.json`` record (rank 0 writes it)."""
 
-    entries: dict[EntryKey, Any]
-    singles: dict[str, Any]
-    meta: dict[str, Any]
+    entries: dict[EntryKey, torch.Tensor]  # a FlatPiece, or a whole tensor
+    singles: dict[str, torch.Tensor]  # each packed (``trust.pack``)
+    meta: CheckpointMeta
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         """What DCP writes: every entry under its name on disk."""
         return {**{key.text: v for key, v in self.entries.items()}, **self.singles}
 
@@ -46,7 +46,7 @@ class RankState:
         for v in [*self.entries.values(), *self.singles.values()]:
             if isinstance(v, FlatPiece):
                 total += v.piece_nbytes
-            elif torch.is_tensor(v):
+            else:
                 total += v.numel() * v.element_size()
         return total
 
@@ -60,10 +60,10 @@ class RankState:
         )
 
 
-def _copy(v: Any) -> Any:
+def _copy(v: torch.Tensor) -> torch.Tensor:
     if isinstance(v, FlatPiece):
         return v.snapshot()
-    return v.detach().clone() if torch.is_tensor(v) else v
+    return v.detach().clone()
 
 
 def flat_piece(where: Placement, local: torch.Tensor) -> FlatPiece:
@@ -73,9 +73,9 @@ def flat_piece(where: Placement, local: torch.Tensor) -> FlatPiece:
     return FlatPiece(local, runs[0][1] if runs else 0, where.numel, runs=runs)
 
 
-def weight_entries(shards: ShardedState) -> dict[EntryKey, Any]:
+def weight_entries(shards: ShardedState) -> dict[EntryKey, torch.Tensor]:
     """This rank's pieces of every parameter and the persistent buffers."""
-    out: dict[EntryKey, Any] = {
+    out: dict[EntryKey, torch.Tensor] = {
         EntryKey("model", w.placement.name): flat_piece(w.placement, w.tensor)
         for w in shards.weights
     }
@@ -83,10 +83,12 @@ def weight_entries(shards: ShardedState) -> dict[EntryKey, Any]:
     return out
 
 
-def optimizer_entries(shards: ShardedState, optimizer: Any) -> dict[EntryKey, Any]:
+def optimizer_entries(
+    shards: ShardedState, optimizer: torch.optim.Optimizer
+) -> dict[EntryKey, torch.Tensor]:
     """The optimizer's state of this rank's slots: per-element state placed like its slot,
     other tensors (identical on every owner of the parameter: DCP keeps one) and objects."""
-    out: dict[EntryKey, Any] = {}
+    out: dict[EntryKey, torch.Tensor] = {}
     for slot in shards.optimizer:
         name = slot.placement.name
         for k, v in optimizer.state.get(slot.tensor, {}).items():
@@ -117,11 +119,13 @@ def extra_entries(shards: ShardedState, comm: Comm) -> dict[EntryKey, FlatPiece]
     return out
 
 
-def _param_groups(optimizer: Any, shards: ShardedState) -> list[dict[str, Any]]:
+def _param_groups(
+    optimizer: torch.optim.Optimizer, shards: ShardedState
+) -> list[dict[str, object]]:
     """The optimizer's param groups: their hyper-parameters, and the names of the parameters
     each holds (``param_names``; an export to another layout needs the grouping)."""
     names = {id(slot.tensor): slot.placement.name for slot in shards.optimizer}
-    out = []
+    out: list[dict[str, object]] = []
     for g in optimizer.param_groups:
         held = dict.fromkeys(names[id(p)] for p in g["params"] if id(p) in names)
         out.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": list(held)})
@@ -151,7 +155,7 @@ def warn_partial_window(where: Path, dropped: int, saving: bool) -> None:
     )
 
 
-def _layout(shards: ShardedState) -> dict[str, Any]:
+def _layout(shards: ShardedState) -> Layout:
     return {
         "format": FORMAT,
         "stage": shards.stage,
@@ -160,15 +164,15 @@ def _layout(shards: ShardedState) -> dict[str, Any]:
     }
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rng_state() -> RngState:
+    state: RngState = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def collect_state(
-    engine: CheckpointedEngine, client_state: Any = None, include_optimizer: bool = True
+    engine: CheckpointedEngine, client_state: object = None, include_optimizer: bool = True
 ) -> RankState:
     """What this rank saves (views of the live storage) and the ``ds_strategy.json`` record."""
     shards = engine.checkpoint_shards()
@@ -182,7 +186,7 @@ def collect_state(
         # (weights with their accumulators), never a mix of the ranks' copies
         dropped = ("model", *OPTIMIZER_KINDS)
         entries = {k: v for k, v in entries.items() if k.kind not in dropped}
-    singles: dict[str, Any] = {}
+    singles: dict[str, torch.Tensor] = {}
     if comm.rank == 0:  # the same on every rank (client_state: rank 0's, as in DeepSpeed)
         if include_optimizer:
             singles[OPTIMIZER_GROUPS] = pack(_param_groups(engine.optimizer, shards))
@@ -191,11 +195,12 @@ def collect_state(
         config = engine.config
         if config.comet.api_key is not None:  # a credential stays out of checkpoint files
             config = config.replace(**{"comet.api_key": None})
+        # records.EngineRecord: the layout, the engine's checkpoint_state() and the config
         state = {**_layout(shards), **engine.checkpoint_state(), "config": config.to_dict()}
         singles[ENGINE] = pack(state)
         singles[CLIENT_STATE] = pack(client_state)
     singles[rng_key(comm.rank)] = pack(_rng_state())
-    meta = {
+    meta: CheckpointMeta = {
         **_layout(shards),
         "global_steps": engine.global_steps,
         "shapes": {name: list(shape) for name, shape in shards.shapes.items()},
@@ -203,7 +208,7 @@ def collect_state(
     }
     if include_optimizer:
         meta["optimizer_class"] = optimizer_class(engine.optimizer)
-    dropped = partial_window(engine)
-    if dropped:
-        meta["partial_window"] = dropped
+    window = partial_window(engine)
+    if window:
+        meta["partial_window"] = window
     return RankState(entries, singles, meta)

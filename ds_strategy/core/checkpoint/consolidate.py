@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -179,52 +179,64 @@ def consolidate(
     trust_checkpoint: bool = False,
     plain_weights: bool = False,
 ) -> Path:
-    """Write the weights of a sharded checkpoint, ours or DeepSpeed's, to one ``.safetensors``
-    or ``.pt`` file, or to shards of it as Hugging Face writes them.
+    """Write a sharded checkpoint's weights to one ``.safetensors`` or ``.pt`` file.
 
-    >>> ds_strategy.consolidate("ckpt/step100", "model.safetensors")  # doctest: +SKIP
-    >>> ds_strategy.consolidate(  # doctest: +SKIP
-    ...     "ds_run", "out/model.safetensors", tag="global_step500", max_shard_size="5GB"
-    ... )
+    The checkpoint may be ours or DeepSpeed's. The output may also be shards of that file, as
+    Hugging Face writes them. It runs in one process, with no process group, and without
+    DeepSpeed installed. Any world size may have written the checkpoint.
 
-    Runs in one process, with no process group, whatever world size wrote the checkpoint, and
-    without DeepSpeed installed. ``checkpoint_dir`` may be a checkpoint directory, a checkpoint
-    root (its ``latest``, or ``tag``), a pipeline checkpoint's root (its stages' layers
-    together, as one model), or DeepSpeed's save directory or tag directory; which one is told
-    by content. ``dtype`` converts floating-point tensors (``None`` keeps the saved dtype; a
-    DeepSpeed checkpoint's trained parameters are its fp32 master weights).
+    Our checkpoints: every file is first checked against the sizes and checksums recorded at
+    save time. Tied weights appear once, under their first name.
+    ``load_state_dict(strict=False)``, or re-tying after loading, restores the other name.
 
-    ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"10KB"``) writes shards of at most
-    that size, filled as ``transformers`` fills them, for ``out/model.safetensors``:
-    ``out/model-00001-of-0000N.safetensors`` ... and ``out/model.safetensors.index.json``; a
-    tensor larger than the limit gets a shard of its own; when everything fits in one shard it
-    is just ``output_path``. Returns the file written, or the index of the shards.
+    DeepSpeed's: the file holds what DeepSpeed's ``zero_to_fp32.py`` gives. That is buffers,
+    frozen and trained parameters, and each tied weight under every name. Its pickles load
+    DeepSpeed's few classes as records. Any other object is refused unless
+    ``trust_checkpoint=True``.
 
-    ``exclude_frozen_parameters`` leaves out the parameters that did not train: DeepSpeed's
-    ``frozen_param_shapes``; ours, the weights without optimizer state (a checkpoint saved
-    without optimizer state does not record them, and is refused).
-
-    Our checkpoints: every file is checked against the sizes and checksums recorded at save
-    time first; ``require_checksums=False`` accepts one that records no checksums. Tied weights
-    appear once, under their first name; ``load_state_dict(strict=False)`` or re-tying after
-    loading restores the other name. DeepSpeed's: the file holds what DeepSpeed's
-    ``zero_to_fp32.py`` gives (buffers, frozen and trained parameters, and each tied weight
-    under every name); its pickles load DeepSpeed's few classes as records and refuse any
-    other object unless ``trust_checkpoint=True``.
-
-    A checkpoint a Lightning ``Trainer`` saved under ``ZeroStrategy``, written to one
-    ``.ckpt``, ``.pt``, ``.pth`` or ``.bin`` file (no ``max_shard_size``), is written as
-    Lightning's own checkpoint file, which ``LightningModule.load_from_checkpoint`` reads: the
-    Trainer's entries as saved (``pytorch-lightning_version``, ``hyper_parameters``, loops,
-    callbacks; no optimizer state) with the weights under ``state_dict``, as Lightning's
-    ``convert_zero_checkpoint_to_fp32_state_dict`` writes a DeepSpeed one.
-    ``plain_weights=True`` writes the weights alone (``{name: tensor}``) instead. Those entries
-    are read as plain data; any other object in them needs ``trust_checkpoint=True``, and
-    without it the weights alone are written, with a warning.
+    Lightning's: a ``Trainer`` saved it under ``ZeroStrategy``. Written to one ``.ckpt``,
+    ``.pt``, ``.pth`` or ``.bin`` file (no ``max_shard_size``), it becomes Lightning's own
+    checkpoint file. ``LightningModule.load_from_checkpoint`` reads that file. It holds the
+    Trainer's entries as saved: ``pytorch-lightning_version``, ``hyper_parameters``, loops,
+    callbacks, and no optimizer state. The weights go under ``state_dict``, as Lightning's
+    ``convert_zero_checkpoint_to_fp32_state_dict`` writes a DeepSpeed one. Those entries are
+    read as plain data. Any other object in them needs ``trust_checkpoint=True``. Without it,
+    the weights alone are written, with a warning.
 
     A long export logs its progress, tensors written so far, to the
-    ``ds_strategy.core.progress`` logger (see ``core/progress.py``; ``DS_STRATEGY_PROGRESS=0``
-    silences it).
+    ``ds_strategy.core.progress`` logger (see ``core/progress.py``). ``DS_STRATEGY_PROGRESS=0``
+    silences it.
+
+    Args:
+        checkpoint_dir: a checkpoint directory, or a checkpoint root (its ``latest``, or
+            ``tag``). Or a pipeline checkpoint's root: its stages' layers together, as one
+            model. Or DeepSpeed's save directory or tag directory. The content tells which.
+        output_path: the file to write.
+        dtype: converts floating-point tensors. ``None`` keeps the saved dtype. A DeepSpeed
+            checkpoint's trained parameters are its fp32 master weights.
+        require_checksums: refuse one of our checkpoints that records no checksums.
+            ``False`` accepts it.
+        tag: a tag under the root, other than the one its ``latest`` names.
+        max_shard_size: bytes, or ``"5GB"``, ``"500MB"``, ``"10KB"``. It writes shards of at
+            most that size, filled as ``transformers`` fills them. For
+            ``out/model.safetensors`` they are ``out/model-00001-of-0000N.safetensors`` ...
+            and ``out/model.safetensors.index.json``. A tensor larger than the limit gets a
+            shard of its own. When everything fits in one shard, it is just ``output_path``.
+        exclude_frozen_parameters: leave out the parameters that did not train. DeepSpeed's
+            are its ``frozen_param_shapes``. Ours are the weights without optimizer state. A
+            checkpoint saved without optimizer state does not record them, and is refused.
+        trust_checkpoint: load pickled objects other than plain data (see above).
+        plain_weights: for a Lightning checkpoint, write the weights alone
+            (``{name: tensor}``) instead.
+
+    Returns:
+        The file written, or the index of the shards.
+
+    Example:
+        >>> ds_strategy.consolidate("ckpt/step100", "model.safetensors")  # doctest: +SKIP
+        >>> ds_strategy.consolidate(  # doctest: +SKIP
+        ...     "ds_run", "out/model.safetensors", tag="global_step500", max_shard_size="5GB"
+        ... )
     """
     out = _output(output_path)
     if max_shard_size is not None:
@@ -254,7 +266,7 @@ def consolidated_state(
     tag: str | None = None,
     require_checksums: bool = True,
     trust_checkpoint: bool = False,
-) -> tuple[dict[str, torch.Tensor], Any]:
+) -> tuple[dict[str, torch.Tensor], object]:
     """One of our checkpoints in memory: its weights and buffers by name, and the
     ``client_state`` it was saved with. Runs in this process alone, with no process group.
 
@@ -297,7 +309,7 @@ def _checkpoint_dir(checkpoint_dir: str | os.PathLike) -> Path:
     return path
 
 
-def _client_state(src: PinnedCheckpoint, trusted: bool) -> Any:
+def _client_state(src: PinnedCheckpoint, trusted: bool) -> object:
     """The ``client_state`` saved in ``src`` (of a pipeline's stages, or several engines'
     parts, the first holds it)."""
     md = _reader(src).read_metadata().state_dict_metadata.get(CLIENT_STATE)
@@ -309,7 +321,7 @@ def _client_state(src: PinnedCheckpoint, trusted: bool) -> Any:
     return unpack(packed, f"{src.path}: '{CLIENT_STATE}'", trusted)
 
 
-def _lightning_entries(src: PinnedCheckpoint, trusted: bool) -> dict[str, Any] | None:
+def _lightning_entries(src: PinnedCheckpoint, trusted: bool) -> dict[str, object] | None:
     """The Lightning Trainer's entries of ``src`` but optimizer state (None: another
     saver's checkpoint, or entries that need trust to read, with a warning)."""
     try:
@@ -333,7 +345,7 @@ def _write(
     weights: DeepSpeedWeights | _OwnWeights,
     out: Path,
     max_shard_size: int | str | None,
-    lightning: dict[str, Any] | None = None,
+    lightning: dict[str, object] | None = None,
 ) -> Path:
     # one process: it reports as rank 0 (core/progress.py)
     progress = Progress(f"consolidating {path.name}", len(weights.entries), 0, "tensors")
@@ -353,7 +365,10 @@ def _write(
 
 
 def _write_lightning(
-    out: Path, entries: list[WeightEntry], read: Any, lightning: dict[str, Any]
+    out: Path,
+    entries: list[WeightEntry],
+    read: Callable[[str], torch.Tensor],
+    lightning: dict[str, object],
 ) -> Path:
     """Lightning's checkpoint file: its entries, the weights under ``state_dict``
     (atomically: ``weights_file.py``, [Note: a weights file is whole or absent])."""

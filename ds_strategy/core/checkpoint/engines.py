@@ -23,7 +23,7 @@ import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from ..faults import together
 from . import swap
@@ -36,12 +36,20 @@ MANIFEST = "engines.json"
 _FORMAT = "ds_strategy-engines-1"
 
 
+class Manifest(TypedDict):
+    """``engines.json``: the committed tag, and the engines that hold it."""
+
+    format: str
+    tag: str
+    engines: list[str]
+
+
 def holds_engines(path: Path) -> bool:
     """Whether ``path`` is a checkpoint of several engines (it holds ``engines.json``)."""
     return (Path(path) / MANIFEST).is_file()
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> Manifest:
     """``engines.json`` of ``path``: its tag and engine names, checked."""
     where = Path(path) / MANIFEST
     try:
@@ -74,7 +82,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     for name in (tag, *names):
         if not name or "/" in name or name in (".", "..") or "\\" in name:
             raise CheckpointError(f"{where}: {name!r} is not a plain directory name")
-    return manifest
+    checked: Manifest = manifest  # (every key of the record checked above)
+    return checked
 
 
 def _next_tag(path: Path) -> str:
@@ -89,7 +98,7 @@ def _next_tag(path: Path) -> str:
 def save_engines(
     engines: Mapping[str, CheckpointedEngine],
     path: str | Path,
-    client_state: Any = None,
+    client_state: object = None,
     *,
     include_optimizer: bool = True,
 ) -> Path:
@@ -121,7 +130,7 @@ def save_engines(
         )
     with together(comm, CheckpointError):
         if comm.rank == 0:
-            manifest = {"format": _FORMAT, "tag": tag, "engines": list(engines)}
+            manifest: Manifest = {"format": _FORMAT, "tag": tag, "engines": list(engines)}
             tmp = path / (MANIFEST + ".tmp")
             swap.write_synced(tmp, json.dumps(manifest, indent=1))
             tmp.replace(path / MANIFEST)  # the commit point
@@ -138,7 +147,7 @@ def load_engines(
     *,
     load_optimizer: bool = True,
     trust_checkpoint: bool = False,
-) -> Any:
+) -> object:
     """Restore ``engines`` from :func:`save_engines`'s directory, at any world size or stage
     (each engine's part reshards as one engine's checkpoint does); returns the client state.
     Engines built for evaluation load their weights only. Collective."""
@@ -158,7 +167,7 @@ def load_engines(
                 f"{path}: {MANIFEST} names {tag!r}, which is incomplete in {missing}; the "
                 "directory was changed after the save committed it"
             )
-    client_state = None
+    client_state: object = None
     for i, (name, engine) in enumerate(engines.items()):
         state = engine.load_checkpoint(
             path / name,

@@ -13,7 +13,8 @@ carries data and is never used in computation.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -22,6 +23,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 __all__ = ["FlatPiece"]
 
@@ -54,12 +58,21 @@ class FlatPiece(torch.Tensor):
         t._runs = runs
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's stubs declare both hooks as plain functions, while subclasses define them as
+    # below, as torch documents and its own subclasses (DTensor) do
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: OpOverload,
+        types: Iterable[type],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> NoReturn:
         raise RuntimeError(f"FlatPiece only carries checkpoint data; {func} is not supported on it")
 
+    # (mypy reads torch's unannotated Tensor.__repr__ as incompatible with any override)
     def __repr__(self) -> str:  # type: ignore[override]
         spans = ", ".join(f"[{at}, {at + n})" for _, at, n in self._runs)
         return f"FlatPiece({spans} of {self.shape[0]})"
@@ -85,7 +98,7 @@ class FlatPiece(torch.Tensor):
 
     # -- the DCP protocol ---------------------------------------------------------------------
 
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size([at])),

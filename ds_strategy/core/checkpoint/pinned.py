@@ -34,14 +34,18 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..collectives import Comm
 from ..faults import together
 from .errors import CheckpointError, not_a_checkpoint
+from .records import CheckpointMeta
 from .trust import SafeReader
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 __all__ = [
     "DCP_META",
@@ -63,7 +67,7 @@ TRIES = 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def parse_meta(raw: bytes, meta_path: Path) -> dict[str, Any]:
+def parse_meta(raw: bytes, meta_path: Path) -> CheckpointMeta:
     """``ds_strategy.json``'s content ``raw`` (read from ``meta_path``), checked."""
     try:
         meta = json.loads(raw.decode())
@@ -76,7 +80,8 @@ def parse_meta(raw: bytes, meta_path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{meta_path}: checkpoint format {fmt!r}, this ds_strategy reads {FORMAT!r}"
         )
-    return meta
+    record: CheckpointMeta = meta  # our format: the record collect.py wrote
+    return record
 
 
 def crc32_of(fd: int, chunk: int = 1 << 22) -> int:
@@ -128,7 +133,7 @@ class _PreadFile(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: WriteableBuffer) -> int:
         view = memoryview(buffer).cast("B")
         data = os.pread(self._fd, len(view), self._pos)
         view[: len(data)] = data

@@ -40,15 +40,20 @@ __all__ = ["LoadedWeights", "load_pretrained", "pending_weights", "pretrained"]
 
 
 def pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Mark ``model`` (typically built on the meta device) so that the engine built on it reads
-    the weights at ``path`` into its shards as soon as it is built
-    (:meth:`~ds_strategy.ZeroEngine.load_weights`), whichever front end builds it: the
-    counterpart of DeepSpeed's ``zero.Init`` with ``from_pretrained``. Returns ``model``.
+    """Mark ``model`` so that its engine reads the weights at ``path`` into its shards.
+
+    The engine reads them as soon as it is built
+    (:meth:`~ds_strategy.ZeroEngine.load_weights`), whichever front end builds it. The model
+    is typically built on the meta device. This is the counterpart of DeepSpeed's
+    ``zero.Init`` with ``from_pretrained``.
 
     Args:
         model: the model the engine will be built on.
         path: a weights file or a ``save_pretrained`` directory.
         strict: as in ``load_weights``.
+
+    Returns:
+        ``model``, marked.
 
     >>> with torch.device("meta"):  # doctest: +SKIP
     ...     model = ds_strategy.pretrained(MyModel(), "weights.safetensors")
@@ -77,9 +82,15 @@ def pending_weights(model: nn.Module) -> list[tuple[str, Path, bool]]:
 
 @dataclass(frozen=True)
 class LoadedWeights:
-    """What :meth:`~ds_strategy.ZeroEngine.load_weights` did: the parameters and buffers it
-    loaded (the model's names), those the files lack (left as initialised), and the files'
-    tensors the model has no place for (ignored, as ``from_pretrained`` does)."""
+    """What :meth:`~ds_strategy.ZeroEngine.load_weights` did.
+
+    Attributes:
+        path: the weights file or directory read.
+        loaded: the parameters and buffers it loaded, by the model's names.
+        missing: those the files lack, left as initialised.
+        unexpected: the files' tensors the model has no place for. They are ignored, as
+            ``from_pretrained`` does.
+    """
 
     path: Path
     loaded: list[str] = field(default_factory=list)
@@ -219,7 +230,7 @@ def _read_piece(
         return  # missing, and allowed (strict=False)
     for run in where.runs:
         located = files.find(tensor, run.offset, run.length) if files is not None else None
-        if located is None:
+        if files is None or located is None:
             source.read(name, run.start, tensor[run.offset : run.offset + run.length])
             continue
         swap, offset, _ = located  # out in a swap file: a bounded buffer at a time
@@ -228,7 +239,7 @@ def _read_piece(
         for i in range(0, run.length, CHUNK):
             part = buf[: min(CHUNK, run.length - i)]
             source.read(name, run.start + i, part)
-            files.write((swap, offset + i * step, part.numel()), part)  # type: ignore[union-attr]
+            files.write((swap, offset + i * step, part.numel()), part)
 
 
 def _read_whole(source: PretrainedFiles, name: str, buf: torch.Tensor, path: Path) -> None:

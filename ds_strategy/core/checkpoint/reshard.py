@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, TensorStorageMetadata
 
 from ..faults import together
 from ..names import saved_name
@@ -39,14 +39,14 @@ class Saved:
     the directory each is read from (the first holding it), the name on disk of each entry
     renamed so, and the optimizer entries by parameter name, read once into records."""
 
-    metadata: dict[str, Any]
+    metadata: dict[str, STORAGE_TYPES]
     source: dict[str, int]
     optimizer: dict[str, list[EntryKey]]
     disk: dict[str, str]
 
     @staticmethod
-    def of(metas: list[dict[str, Any]]) -> Saved:
-        metadata: dict[str, Any] = {}
+    def of(metas: list[dict[str, STORAGE_TYPES]]) -> Saved:
+        metadata: dict[str, STORAGE_TYPES] = {}
         source: dict[str, int] = {}
         disk: dict[str, str] = {}
         for i, md in enumerate(metas):
@@ -66,6 +66,13 @@ class Saved:
 
     def __contains__(self, key: EntryKey | str) -> bool:
         return (key.text if isinstance(key, EntryKey) else key) in self.metadata
+
+    def tensor(self, key: str) -> TensorStorageMetadata:
+        """DCP's metadata of the saved tensor ``key`` (every entry we save is one)."""
+        md = self.metadata[key]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"'{key}' is saved as bytes, not as a tensor")
+        return md
 
     def resolve(self, key: EntryKey, aliases: dict[str, str]) -> EntryKey:
         """``key``, or the same entry under its parameter's alias when only that is saved (a
@@ -89,11 +96,11 @@ class OptimizerEntry:
 
 def load_engine(
     engine: CheckpointedEngine,
-    paths: str | os.PathLike | list[Path] | Callable[[], list[Path]],
+    paths: str | os.PathLike[str] | list[Path] | Callable[[], list[Path]],
     load_optimizer: bool = True,
     require_checksums: bool = True,
     trust_checkpoint: bool = False,
-) -> Any:
+) -> object:
     """Restore ``engine`` from ``paths`` (any world size or stage); returns ``client_state``.
 
     ``paths``: one checkpoint directory, or several that together hold the model (a pipeline
@@ -117,7 +124,7 @@ def _load_pinned(
     load_optimizer: bool,
     require_checksums: bool,
     trust_checkpoint: bool,
-) -> Any:
+) -> object:
     dirs = [p.path for p in pins]
     comm, aliases = engine.checkpoint_comm, engine.checkpoint_aliases
     shards = engine.checkpoint_shards()
@@ -133,16 +140,19 @@ def _load_pinned(
                 f"{path}: this checkpoint was saved without optimizer state "
                 "(include_optimizer=False); load it with load_optimizer=False"
             )
-        state = {saved.resolve(k, aliases).text: v for k, v in weight_entries(shards).items()}
-        after_extra = _loaded_as_is
+        state: dict[str, torch.Tensor | None] = {
+            saved.resolve(k, aliases).text: v for k, v in weight_entries(shards).items()
+        }
+        after_extra: Callable[[], None] = _loaded_as_is
         if load_optimizer:
             optimizer, installs = _optimizer_destinations(engine, shards, saved)
             state.update(optimizer)
             extra, after_extra = _extra_destinations(engine, shards, saved)
             state.update(extra)
         for key in packed:
-            md = saved.metadata.get(key)
-            state[key] = torch.empty(md.size, dtype=torch.uint8) if md is not None else None
+            state[key] = (
+                torch.empty(saved.tensor(key).size, dtype=torch.uint8) if key in saved else None
+            )
         missing = [k for k in state if k not in saved]
         if missing:
             raise ValueError(
@@ -155,16 +165,21 @@ def _load_pinned(
     _read_dirs(engine, pins, state, saved)
     # an untrusted object on one rank (its own RNG entry, say) fails every rank
     with together(comm, CheckpointError):
+        objects: dict[str, object] = {}
         for key in packed:
-            state[key] = unpack(state[key], f"{path}: '{key}'", trust_checkpoint)
+            packed_tensor = state[key]
+            assert packed_tensor is not None  # (a missing entry was refused above)
+            objects[key] = unpack(packed_tensor, f"{path}: '{key}'", trust_checkpoint)
         if load_optimizer:
-            _install_optimizer_state(engine, installs, state, path, trust_checkpoint)
-            after_extra(state)
-        _restore_engine(engine, state, rng, load_optimizer)
+            _install_optimizer_state(
+                engine, installs, state, objects[OPTIMIZER_GROUPS], path, trust_checkpoint
+            )
+            after_extra()
+        _restore_engine(engine, objects, rng, load_optimizer, path)
     engine.checkpoint_loaded()
     if comm.rank == 0:
         warn_partial_window(path, int(pins[0].meta.get("partial_window", 0)), saving=False)
-    return state[CLIENT_STATE]
+    return objects[CLIENT_STATE]
 
 
 def _saved_entries(
@@ -207,7 +222,7 @@ def _check_buffers(shards: ShardedState, saved: Saved, path: Path) -> None:
 def _read_dirs(
     engine: CheckpointedEngine,
     pins: list[PinnedCheckpoint],
-    state: dict[str, Any],
+    state: dict[str, torch.Tensor | None],
     saved: Saved,
 ) -> None:
     """Fill ``state`` in place from the pinned directories, each entry under its name on
@@ -233,16 +248,16 @@ def _read_dirs(
 
 def _optimizer_destinations(
     engine: CheckpointedEngine, shards: ShardedState, saved: Saved
-) -> tuple[dict[str, Any], list[OptimizerEntry]]:
+) -> tuple[dict[str, torch.Tensor], list[OptimizerEntry]]:
     """Tensors to load the optimizer state into: this rank's pieces of per-element state
     (created if the optimizer has not stepped yet) and placeholders for the rest, which
     :func:`_install_optimizer_state` puts in place once read."""
     opt, files = engine.optimizer, engine.checkpoint_io
-    out: dict[str, Any] = {}
+    out: dict[str, torch.Tensor] = {}
     installs = []
     for i, slot in enumerate(shards.optimizer):
         for key in saved.optimizer_of(slot.placement.name, engine.checkpoint_aliases):
-            md = saved.metadata[key.text]
+            md = saved.tensor(key.text)
             if key.kind != "optim":
                 out[key.text] = torch.empty(md.size, dtype=md.properties.dtype)
                 installs.append(OptimizerEntry(slot, key))
@@ -262,17 +277,30 @@ def _optimizer_destinations(
 def _install_optimizer_state(
     engine: CheckpointedEngine,
     installs: list[OptimizerEntry],
-    state: dict[str, Any],
+    state: Mapping[str, torch.Tensor | None],
+    groups: object,
     path: Path,
     trust: bool,
 ) -> None:
+    """Put the optimizer's other state and its param groups' hyper-parameters in place.
+
+    Args:
+        engine: the engine loaded into.
+        installs: the entries read into placeholders (scalars and packed objects).
+        state: every entry as read, by name.
+        groups: the saved param groups, unpacked.
+        path: the checkpoint, for messages.
+        trust: unpickle objects other than tensors and plain data.
+    """
     opt = engine.optimizer
     for entry in installs:
-        value = state[entry.key.text]
+        value: object = state[entry.key.text]
         if entry.key.kind == "optim_obj":
+            assert isinstance(value, torch.Tensor)
             value = unpack(value, f"{path}: optimizer state", trust)
         opt.state[entry.slot.tensor][entry.key.state] = value
-    groups = state[OPTIMIZER_GROUPS]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointError(f"{path}: '{OPTIMIZER_GROUPS}' is not a list of param groups")
     if len(groups) != len(opt.param_groups):
         raise ValueError(
             f"checkpoint has {len(groups)} optimizer param groups, this optimizer has "
@@ -282,13 +310,13 @@ def _install_optimizer_state(
         live.update({k: v for k, v in dict(saved).items() if k != "param_names"})
 
 
-def _loaded_as_is(state: dict[str, Any]) -> None:
+def _loaded_as_is() -> None:
     """Nothing to do after loading: the entries went straight into place."""
 
 
 def _extra_destinations(
     engine: CheckpointedEngine, shards: ShardedState, saved: Saved
-) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """What to load the residuals into, and what to do once loaded: nothing when the
     checkpoint has none (a dense run's: the residuals start at zero) or the same world size;
     the mean over the saved ranks' rows otherwise (see [Note: compression residuals in a
@@ -298,12 +326,12 @@ def _extra_destinations(
     if not held:
         return {}, _loaded_as_is
     first = held[0]
-    saved_world = saved.metadata[extra_key(first).text].size.numel() // first.tensor.numel()
+    saved_world = saved.tensor(extra_key(first).text).size.numel() // first.tensor.numel()
     if saved_world == comm.world_size:
         return {k.text: v for k, v in extra_entries(shards, comm).items()}, _loaded_as_is
     rows = {extra_key(x).text: torch.empty(saved_world * x.tensor.numel()) for x in held}
 
-    def average(state: dict[str, Any]) -> None:
+    def average() -> None:
         for x in held:
             n = x.tensor.numel()
             x.tensor.copy_(rows[extra_key(x).text].view(saved_world, n).mean(0))
@@ -312,11 +340,17 @@ def _extra_destinations(
 
 
 def _restore_engine(
-    engine: CheckpointedEngine, state: dict[str, Any], rng: str, with_optimizer: bool
+    engine: CheckpointedEngine,
+    objects: dict[str, object],
+    rng: str,
+    with_optimizer: bool,
+    path: Path,
 ) -> None:
+    record, rng_state = objects[ENGINE], objects.get(rng)
+    if not isinstance(record, dict) or not isinstance(rng_state, (dict, type(None))):
+        raise CheckpointError(f"{path}: '{ENGINE}' or '{rng}' is not a record of this library")
     # the lr schedule belongs to the optimizer it drives
-    engine.restore_checkpoint_state(state[ENGINE], lr_scheduler=with_optimizer)
-    rng_state = state.get(rng)
+    engine.restore_checkpoint_state(record, lr_scheduler=with_optimizer)
     if rng_state is not None:
         torch.set_rng_state(rng_state["torch"])
         random.setstate(rng_state["python"])

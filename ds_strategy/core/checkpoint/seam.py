@@ -18,10 +18,11 @@ save or a load (NVMe offload): nothing is cut from it until the checkpoint write
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -111,17 +112,50 @@ class ShardedState:
 
 class CheckpointedEngine(Protocol):
     """An engine as a checkpoint sees it: its shards as records, its optimizer and counters,
-    and the few facts of its place in a job that a checkpoint records or needs."""
+    and the few facts of its place in a job that a checkpoint records or needs.
 
-    config: ZeroConfig
-    optimizer: Any  # a torch optimizer over the optimizer slots' tensors
-    global_steps: int
-    trainable: bool
-    checkpoint_comm: Comm  # every rank holding a part of the state
-    checkpoint_io: SwapFiles | None  # swap files read and written in place, during a save
-    checkpoint_partial: bool  # a pipeline stage: a checkpoint may hold more than its layers
-    checkpoint_stage: int | None  # which stage_<k> of a pipeline checkpoint is its own
-    checkpoint_aliases: dict[str, str]  # a tied weight's name in the whole model
+    Checkpoint code only reads these facts, so each is a read-only property here: an
+    engine's plain attribute of the same type (or a narrower one) satisfies it.
+    """
+
+    @property
+    def config(self) -> ZeroConfig: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the optimizer slots' tensors."""
+        ...
+
+    @property
+    def global_steps(self) -> int: ...
+
+    @property
+    def trainable(self) -> bool: ...
+
+    @property
+    def checkpoint_comm(self) -> Comm:
+        """Every rank holding a part of the state."""
+        ...
+
+    @property
+    def checkpoint_io(self) -> SwapFiles | None:
+        """Swap files read and written in place during a save or a load."""
+        ...
+
+    @property
+    def checkpoint_partial(self) -> bool:
+        """A pipeline stage: a checkpoint may hold more than its layers."""
+        ...
+
+    @property
+    def checkpoint_stage(self) -> int | None:
+        """Which ``stage_<k>`` of a pipeline checkpoint is its own."""
+        ...
+
+    @property
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """A tied weight's name in the whole model."""
+        ...
 
     def checkpoint_shards(self) -> ShardedState:
         """This rank's state (views of the live storage), once in-flight gathers landed."""
@@ -136,15 +170,62 @@ class CheckpointedEngine(Protocol):
         gradients are not in a checkpoint."""
         ...
 
-    def checkpoint_state(self) -> dict[str, Any]: ...
+    def checkpoint_state(self) -> Mapping[str, object]:
+        """Counters, lr scheduler and loss scaler state, as plain data (``records.py``)."""
+        ...
 
     def restore_checkpoint_state(
-        self, state: dict[str, Any], *, lr_scheduler: bool = True
-    ) -> None: ...
+        self, state: dict[str, object], *, lr_scheduler: bool = True
+    ) -> None:
+        """Put back what :meth:`checkpoint_state` returned, read from a checkpoint.
 
-    def save_checkpoint(self, path: str | Path, *args: Any, **kwargs: Any) -> Path: ...
+        Args:
+            state: the saved record; plain data read from disk.
+            lr_scheduler: restore the scheduler too (False: a weights-only load).
+        """
+        ...
 
-    def load_checkpoint(self, path: str | Path, *args: Any, **kwargs: Any) -> Any: ...
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: object = None,
+        save_latest: bool = True,
+        *,
+        include_optimizer: bool = True,
+        async_save: bool | None = None,
+    ) -> Path:
+        """Save into ``path`` (``path/tag`` with a tag); returns the directory.
+
+        Args:
+            path: the checkpoint directory, or the root of its tags.
+            tag: the directory under ``path`` (None: ``path`` itself).
+            client_state: any picklable object; the load returns it.
+            save_latest: name the tag in ``path/latest``.
+            include_optimizer: False writes the weights alone.
+            async_save: write in the background (None: the config's choice).
+        """
+        ...
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        tag: str | None = None,
+        *,
+        load_optimizer: bool = True,
+        require_checksums: bool = True,
+        trust_checkpoint: bool = False,
+    ) -> object:
+        """Restore from ``path``; returns the saved ``client_state``.
+
+        Args:
+            path: a checkpoint directory, or the root of its tags.
+            tag: the directory under ``path`` (None: the one ``latest`` names).
+            load_optimizer: False restores the weights and counters alone.
+            require_checksums: refuse a checkpoint that records no checksums.
+            trust_checkpoint: unpickle objects other than tensors and plain data.
+        """
+        ...
 
     def step(self, grad_norm: float | None = None) -> None: ...
 

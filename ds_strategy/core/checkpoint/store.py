@@ -15,7 +15,6 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,6 +27,7 @@ from ..memory import free_bytes, human_bytes
 from ..offload.streaming import SwapFiles
 from . import swap
 from .errors import first_failure
+from .records import CheckpointMeta
 from .streamed import StreamingSavePlanner
 from .validate import CheckpointError, merge_checksums, record_checksums
 
@@ -71,7 +71,7 @@ def total_bytes(comm: Comm, mine: int) -> int:
 
 
 def write(
-    state: dict[str, Any],
+    state: dict[str, torch.Tensor],
     tmp: Path,
     comm: Comm,
     final: Path,
@@ -173,7 +173,7 @@ def commit(
     comm: Comm,
     tmp: Path,
     final: Path,
-    meta: dict[str, Any],
+    meta: CheckpointMeta,
     needed: int,
     after_rename: Callable[[], None] | None = None,
 ) -> None:
@@ -186,8 +186,8 @@ def commit(
         record_checksums(tmp, comm.rank)
     with together(comm, CheckpointError), _as_write_error(tmp, final, needed, comm.rank):
         if comm.rank == 0:
-            meta = dict(meta, files=merge_checksums(tmp))
-            swap.put_in_place(tmp, final, json.dumps(meta, indent=2))
+            record: CheckpointMeta = {**meta, "files": merge_checksums(tmp)}
+            swap.put_in_place(tmp, final, json.dumps(record, indent=2))
             if after_rename is not None:
                 after_rename()
 

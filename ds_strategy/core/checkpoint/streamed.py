@@ -25,7 +25,8 @@ shard in, a group at a time, for ``FlatParamGroup.sync_from_master``.
 
 from __future__ import annotations
 
-from typing import Any
+import io
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -40,6 +41,9 @@ from torch.distributed.checkpoint.planner import (
 from ..offload.streaming import SwapFiles
 from ..progress import Progress
 from .flat_piece import FlatPiece
+
+if TYPE_CHECKING:
+    from ..offload.swap import SwappedTensor
 
 __all__ = ["StreamingLoadPlanner", "StreamingSavePlanner"]
 
@@ -59,7 +63,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
         self.progress = Progress("saving the checkpoint", len(plan.items), self.rank, "pieces")
         return plan
 
-    def resolve_data(self, write_item: WriteItem) -> Any:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         self.free()  # the serial writer saved the previous piece before asking for this one
         if self.progress is not None:
             self.progress.advance()
@@ -91,7 +95,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self.files = files
         self.rank = rank
-        self._pending: dict[int, Any] = {}
+        # a buffer's data_ptr -> where in its swap file the buffer goes (SwapFiles.find)
+        self._pending: dict[int, tuple[SwappedTensor, int, int]] = {}
         self.progress: Progress | None = None
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:

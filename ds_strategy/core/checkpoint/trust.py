@@ -25,7 +25,7 @@ import pickle
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -63,19 +63,22 @@ _ALLOWED = _METADATA_CLASSES | {
 
 
 class UntrustedContentError(ValueError):
-    """A checkpoint or model directory holds content that loading will not unpickle or run
-    without trust (a pickled object; a model card's factory from outside ds_strategy)."""
+    """A checkpoint or model directory holds content that needs trust to load.
+
+    Such content is a pickled object, or a model card's factory from outside ds_strategy.
+    Loading will not unpickle or run it without trust.
+    """
 
 
 UntrustedContentError.__module__ = "ds_strategy"
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, source: str) -> None:
+    def __init__(self, file: io.IOBase, source: str) -> None:
         super().__init__(file)
         self.source = source
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:  # a class, function or dtype
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -119,15 +122,16 @@ class SafeReader(FileSystemReader):
         if pinned is not None:
             self.fs = _PinnedFiles(pinned)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         path = Path(str(self.path)) / ".metadata"
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f, str(path)).load()
         if not isinstance(metadata, Metadata):
             raise UntrustedContentError(f"{path}: holds a {type(metadata).__name__}, not metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -147,7 +151,7 @@ def read_errors(path: Path) -> Iterator[None]:
         ) from None
 
 
-def pack(obj: Any) -> torch.Tensor:
+def pack(obj: object) -> torch.Tensor:
     """A Python object as a uint8 tensor (DCP would otherwise flatten nested dicts and lists
     into keys named after their contents), in ``torch.save``'s format."""
     buf = io.BytesIO()
@@ -155,12 +159,12 @@ def pack(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def unpack(t: torch.Tensor, where: str, trusted: bool) -> Any:
+def unpack(t: torch.Tensor, where: str, trusted: bool) -> object:
     """The object ``pack`` wrote; without ``trusted`` only tensors and plain data load."""
     return loads(t.numpy().tobytes(), where, trusted)
 
 
-def loads(data: bytes, where: str, trusted: bool) -> Any:
+def loads(data: bytes, where: str, trusted: bool) -> object:
     """An object ``torch.save`` wrote (``where`` names it in errors); without ``trusted``
     only tensors and plain data load. An empty or cut-short file (a save killed while
     writing it) is a ``CheckpointError`` saying so, never a question of trust."""

@@ -22,15 +22,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+import torch
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata
 
 from ..collectives import Comm
 from ..faults import together
 from ..names import saved_name
 from .errors import CheckpointError, not_a_checkpoint
 from .pinned import DCP_META, FORMAT, META_FILE, PinnedCheckpoint, crc32_of, parse_meta
+from .records import CheckpointMeta
 from .trust import SafeReader, UntrustedContentError
 
 __all__ = [
@@ -80,7 +81,7 @@ def validate(
     comm: Comm,
     shapes: dict[str, list[int]] | None,
     require_checksums: bool = True,
-) -> dict[str, Any]:
+) -> dict[str, STORAGE_TYPES]:
     """Check the pinned checkpoint on every rank (see the notes above); return DCP's
     ``state_dict_metadata``. ``shapes``: this model's parameter shapes, or None to skip that
     check. ``require_checksums=False`` accepts a checkpoint that records no checksums.
@@ -161,7 +162,7 @@ def has_optimizer_state(path: Path) -> bool:
         return True  # unreadable metadata: let the engine's load name the problem
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path) -> CheckpointMeta:
     if not path.is_dir():
         raise FileNotFoundError(
             f"{path}: no checkpoint directory here (pass the directory given to "
@@ -195,13 +196,13 @@ def _check_file(
 _ADAM = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "CPUAdam"}
 
 
-def optimizer_class(optimizer: Any) -> str:
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     """The name a checkpoint records for ``optimizer``'s class."""
     cls = type(optimizer)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def check_optimizer_class(saved: str | None, live: Any, path: Path) -> None:
+def check_optimizer_class(saved: str | None, live: torch.optim.Optimizer, path: Path) -> None:
     """Refuse to load optimizer state saved by another optimizer (an AdamW checkpoint into
     SGD would hand SGD AdamW's learning rate and weight decay, and leave its momentum empty);
     ``saved`` None: an older checkpoint that does not record it."""
@@ -221,7 +222,7 @@ def _family(name: str) -> str:
     return "Adam" if short in _ADAM else name
 
 
-def saved_shapes(meta: dict[str, Any]) -> dict[str, list[int]]:
+def saved_shapes(meta: CheckpointMeta) -> dict[str, list[int]]:
     """The parameter shapes a checkpoint records, by name (without the ``_orig_mod.`` an
     older save of a compiled model wrote: ``core/names.py``)."""
     return {saved_name(k): v for k, v in (meta.get("shapes") or {}).items()}

@@ -30,12 +30,15 @@ import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
 from ..memory import file_size_limit, free_bytes, human_bytes
 from .store import CheckpointWriteError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = [
     "ST_DTYPES",
@@ -140,7 +143,7 @@ class Output:
     def __init__(self, path: Path, nbytes: int, total: int | None = None) -> None:
         self.path, self.nbytes, self.total = path, nbytes, total
         self.tmp = path.with_name(path.name + ".tmp")
-        self._file: Any = None
+        self._file: BinaryIO | None = None
 
     def __enter__(self) -> Output:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,16 +170,17 @@ class Output:
         """Inside: an ``OSError`` (or one of ``kinds``, a writer's own) is raised as a
         :class:`WeightsWriteError` when it is a failed write (:func:`write_error`), once the
         ``.tmp`` is gone (the room it took is free again)."""
+        caught: tuple[type[BaseException], ...] = (OSError, *kinds)
         try:
             yield
-        except (OSError, *kinds) as e:
+        except caught as e:
             self._discard()
             out = write_error(e, self.path, self.nbytes, self.total)
             if out is None:
                 raise
             raise out from e
 
-    def write(self, data: memoryview | bytes | Any) -> None:
+    def write(self, data: Buffer) -> None:
         """Append ``data`` (anything with the buffer protocol)."""
         view = memoryview(data).cast("B")
         with self.failing():
@@ -208,7 +212,7 @@ def stream_safetensors(
     shape) to ``path``, atomically (see [Note: a weights file is whole or absent]). ``total``:
     the bytes of the whole output this file is part of (shards), whose room the caller
     checked; None: this file alone, checked here."""
-    header: dict[str, dict] = {}
+    header: dict[str, dict[str, object]] = {}
     offset = 0
     for name, dtype, shape in entries:
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
@@ -219,7 +223,7 @@ def stream_safetensors(
         }
         offset += nbytes
     if metadata:
-        header = {"__metadata__": dict(metadata), **header}  # type: ignore[dict-item]
+        header = {"__metadata__": {**metadata}, **header}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
     nbytes = 8 + len(blob) + offset
@@ -233,7 +237,7 @@ def stream_safetensors(
             if t is None or t.dtype != dtype or list(t.shape) != list(shape):
                 got = "nothing" if t is None else f"{t.dtype}{list(t.shape)}"
                 raise ValueError(f"{name}: got {got}, declared {dtype}{shape}")
-            out.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            out.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del t  # before the next tensor is produced: one in memory at a time
         if next(produced, None) is not None:
             raise ValueError(f"{path}: more tensors than the {len(entries)} declared")

@@ -97,7 +97,8 @@ def plan_shards(entries: list[WeightEntry], max_bytes: int | None) -> list[list[
     if max_bytes is None:
         shards = [primary]
     else:
-        shards, current, used = [], [], 0
+        shards, used = [], 0
+        current: list[WeightEntry] = []
         for e in primary:
             if e.nbytes > max_bytes:
                 shards.append([e])

@@ -21,7 +21,6 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -166,8 +165,8 @@ class PretrainedFiles:
 
     def __init__(self, path: Path, files: dict[str, Path]) -> None:
         self.path = path
-        self._files: dict[Path, Any] = {}
-        self._where: dict[str, Any] = {}
+        self._files: dict[Path, _SafetensorsFile | _TorchFile] = {}
+        self._where: dict[str, _SafetensorsFile | _TorchFile] = {}
         for name, file in files.items():
             if file not in self._files:
                 self._files[file] = _open_file(file)
@@ -206,7 +205,7 @@ class PretrainedFiles:
         self.close()
 
 
-def _open_file(path: Path) -> Any:
+def _open_file(path: Path) -> _SafetensorsFile | _TorchFile:
     return _SafetensorsFile(path) if path.suffix == ".safetensors" else _TorchFile(path)
 
 

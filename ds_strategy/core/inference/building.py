@@ -12,11 +12,12 @@ naming a factory, its keyword arguments, the weights file and the tokenizer (see
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
+import torch
 from torch import nn
 
 from ..checkpoint.trust import UntrustedContentError
@@ -27,6 +28,7 @@ __all__ = [
     "DirectoryLoader",
     "LoadedModel",
     "ModelFileError",
+    "TextTokenizer",
     "load_model",
     "params_on_meta",
     "write_model_card",
@@ -36,9 +38,11 @@ CARD = "ds_model.json"
 
 
 class ModelFileError(ValueError):
-    """A file of a model directory or of weights (``ds_model.json``, an index, a
-    ``.safetensors`` file and its metadata) is malformed, unsafe or does not match the rest;
-    the message names the file and, where there is one, the key."""
+    """A file of a model directory or of weights is malformed, unsafe or does not match the rest.
+
+    Such files are ``ds_model.json``, an index, or a ``.safetensors`` file and its metadata.
+    The message names the file and, where there is one, the key.
+    """
 
 
 class CharTokenizer:
@@ -61,24 +65,38 @@ class CharTokenizer:
         return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in ids)
 
 
+class Encoded(Protocol):
+    """What a Hugging Face tokenizer returns for one text: its token ids."""
+
+    input_ids: torch.Tensor
+
+
+class TextTokenizer(Protocol):
+    """What inference asks of a Hugging Face tokenizer: encode a text, decode ids."""
+
+    def __call__(self, text: str, *, return_tensors: str) -> Encoded: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
     weights: Path | None  # where its weights are, when the spec said
-    tokenizer: Any = None
+    tokenizer: CharTokenizer | TextTokenizer | None = None
 
 
 def write_model_card(
     directory: str | Path,
     factory: str,
-    kwargs: dict[str, Any],
+    kwargs: Mapping[str, object],
     *,
     weights: str = "model.safetensors",
     chars: str | None = None,
 ) -> Path:
     """``directory/ds_model.json``: how to build the model whose weights are ``weights`` there
     (``factory``: ``'package.module:callable'``; ``chars``: a character tokenizer's alphabet)."""
-    card: dict[str, Any] = {"factory": factory, "kwargs": kwargs, "weights": weights}
+    card: dict[str, object] = {"factory": factory, "kwargs": kwargs, "weights": weights}
     if chars is not None:
         card["tokenizer"] = {"type": "chars", "chars": chars}
     path = Path(directory) / CARD
@@ -90,8 +108,12 @@ def write_model_card(
 DirectoryLoader = Callable[[Path], "LoadedModel | None"]
 
 
+ModelSpec = nn.Module | str | Path | Callable[..., nn.Module]
+"""What ``init_inference`` accepts as a model (see the module docstring)."""
+
+
 def load_model(
-    spec: Any, loaders: Sequence[DirectoryLoader] = (), trust_remote_code: bool = False
+    spec: ModelSpec, loaders: Sequence[DirectoryLoader] = (), trust_remote_code: bool = False
 ) -> LoadedModel:
     """See the module docstring; errors name what was given and what is accepted.
     ``loaders``: more kinds of model directory (``ds_strategy.hf`` adds Hugging Face's), each
@@ -121,11 +143,11 @@ def load_model(
     )
 
 
-def _build(factory: Callable[..., Any], kwargs: dict[str, Any]) -> nn.Module:
+def _build(factory: Callable[..., object], kwargs: Mapping[str, object]) -> nn.Module:
     return build_with(factory, kwargs, params_on_meta)
 
 
-def inside(directory: Path, name: Any, what: str) -> Path:
+def inside(directory: Path, name: object, what: str) -> Path:
     """``directory / name`` when it stays inside ``directory`` once resolved (symbolic links
     followed): a model directory names files of its own, never ``../other`` or ``/etc``."""
     if not isinstance(name, str) or not name or "\x00" in name:
@@ -145,7 +167,9 @@ def inside(directory: Path, name: Any, what: str) -> Path:
     return target
 
 
-def card_factory(card_path: Path, factory: Any, trust_remote_code: bool) -> Callable[..., Any]:
+def card_factory(
+    card_path: Path, factory: object, trust_remote_code: bool
+) -> Callable[..., object]:
     """The card's factory. ds_strategy's own (``ds_strategy.*``) are always allowed; any other
     module is code that whoever wrote the directory chose, imported and run only with the
     user's consent (``trust_remote_code=True``, as transformers asks for a model's own code)."""
@@ -191,7 +215,9 @@ def _from_card(path: Path, trust_remote_code: bool = False) -> LoadedModel:
     if not isinstance(tok, dict):
         raise ModelFileError(f"{card_path} tokenizer: expected an object, got {tok!r}")
     chars = tok.get("chars")
-    if tok.get("type") == "chars" and not isinstance(chars, str):
-        raise ModelFileError(f"{card_path} tokenizer.chars: expected a string, got {chars!r}")
-    tokenizer = CharTokenizer(chars) if tok.get("type") == "chars" else None
+    tokenizer = None
+    if tok.get("type") == "chars":
+        if not isinstance(chars, str):
+            raise ModelFileError(f"{card_path} tokenizer.chars: expected a string, got {chars!r}")
+        tokenizer = CharTokenizer(chars)
     return LoadedModel(model, weights, tokenizer)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TypeGuard
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from ..collectives import Comm
@@ -30,18 +31,18 @@ from ..collectives import Comm
 __all__ = ["agreed_seed", "options_problem", "sample_loop", "pick"]
 
 
-def _whole(v: Any) -> bool:
+def _whole(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def options_problem(
-    max_new_tokens: Any,
-    top_k: Any,
-    top_p: Any,
-    temperature: Any,
+    max_new_tokens: object,
+    top_k: object,
+    top_p: object,
+    temperature: object,
     sampling: bool,
     name: Callable[[str], str] = str,
-    seed: Any = None,
+    seed: object = None,
 ) -> str | None:
     """What is wrong with generation options, naming the option as ``name`` spells it (the
     command line's ``--top-k`` for ``top_k``); None: nothing. ``temperature`` is checked only
@@ -99,15 +100,18 @@ def pick(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _accepts_cache(module: Any) -> bool:
-    if not callable(getattr(module, "new_cache", None)):
-        return False
-    return "cache" in inspect.signature(module.forward).parameters
+def _new_cache(module: nn.Module) -> object:
+    """The model's key/value cache, when it offers one (``new_cache()`` and a ``cache=``
+    argument); None: the loop recomputes the whole prefix every token."""
+    new_cache = getattr(module, "new_cache", None)
+    if not callable(new_cache) or "cache" not in inspect.signature(module.forward).parameters:
+        return None
+    return new_cache()
 
 
 def sample_loop(
-    forward: Callable[..., Any],
-    module: Any,
+    forward: Callable[..., torch.Tensor],  # the logits (batch, positions, vocab)
+    module: nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
@@ -126,7 +130,7 @@ def sample_loop(
     gen = None
     if do_sample:
         gen = torch.Generator(device=input_ids.device).manual_seed(seed)
-    cache = module.new_cache() if _accepts_cache(module) else None
+    cache = _new_cache(module)
     tokens = input_ids
     finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
     step_input, done = tokens, False

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -25,13 +25,22 @@ from .placement import Origin
 from .sources import WeightSource
 from .tp import Split
 
-__all__ = ["origins_for", "quant_metadata"]
+__all__ = ["QuantMeta", "origins_for", "quant_metadata"]
 
 _KINDS = ("qweight", "scales", "zeros")
 
 
+class QuantMeta(TypedDict):
+    """A quantized export's metadata entry, as :func:`quant_metadata` checked it."""
+
+    bits: int
+    group_size: int
+    symmetric: bool
+    modules: list[str]
+
+
 # key -> (accepts the value, what it must be); JSON's types as they are, no coercion
-_QUANT_SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
+_QUANT_SCHEMA: dict[str, tuple[Callable[[object], bool], str]] = {
     "bits": (lambda v: type(v) is int and v in (4, 8), "8 or 4"),
     "group_size": (lambda v: type(v) is int and v >= 1, "an integer >= 1"),
     "symmetric": (lambda v: type(v) is bool, "true or false (a JSON boolean)"),
@@ -42,7 +51,7 @@ _QUANT_SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def quant_metadata(source: WeightSource) -> dict[str, Any] | None:
+def quant_metadata(source: WeightSource) -> QuantMeta | None:
     """The scheme and layers of weights saved quantized (``engine.save_quantized``), checked:
     ``bits`` 8 or 4, ``group_size`` a positive integer, ``symmetric`` a JSON boolean,
     ``modules`` a list of names, and each module's stored tensors agreeing with the scheme
@@ -82,7 +91,12 @@ def quant_metadata(source: WeightSource) -> dict[str, Any] | None:
                 + ("stores zero-points" if has_zeros else "stores no zero-points")
                 + "; the metadata does not match the tensors (edited?)"
             )
-    return meta
+    return QuantMeta(
+        bits=meta["bits"],
+        group_size=meta["group_size"],
+        symmetric=meta["symmetric"],
+        modules=meta["modules"],
+    )
 
 
 def _candidates(name: str, prefix: str | None) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +18,7 @@ from torch import nn
 from ..checkpoint.weights_file import stream_safetensors
 from ..collectives import Comm
 from ..quant.export import quant_meta
+from ..quant.scheme import QuantScheme
 from ..zero.flat_group import FlatParamGroup
 
 __all__ = ["write_quantized"]
@@ -65,8 +65,8 @@ def write_quantized(
     module: nn.Module,
     groups: list[FlatParamGroup],
     comm: Comm,
-    scheme: Any,
-    modules: dict[str, Any],
+    scheme: QuantScheme,
+    modules: list[str],
     tensor_parallel: bool,
 ) -> None:
     """Collective: rank 0 writes ``module``'s weights, the sharded ones gathered group by

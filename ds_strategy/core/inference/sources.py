@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,6 +36,9 @@ from ..checkpoint.validate import META_FILE, validate
 from ..checkpoint.weights_source import SAFETENSORS_DTYPES
 from ..collectives import Comm
 from .building import ModelFileError, inside
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 __all__ = [
     "CheckpointSource",
@@ -120,6 +123,16 @@ class HFIndex:
         return cls(path, files)
 
 
+class _Slice(Protocol):
+    """What ``safe_open(...).get_slice`` returns (safetensors' stub leaves it untyped)."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def get_dtype(self) -> str: ...
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> torch.Tensor: ...
+
+
 class SafetensorsSource(WeightSource):
     """One or more ``.safetensors`` files, memory-mapped and read by slices."""
 
@@ -129,10 +142,10 @@ class SafetensorsSource(WeightSource):
         from safetensors import safe_open
 
         self.where = where
-        self._files: dict[str, Any] = {}
+        self._files: dict[str, safe_open] = {}
         self._handles = []
         self.metadata = {}
-        by_path: dict[Path, Any] = {}
+        by_path: dict[Path, safe_open] = {}
         for path in files:
             try:
                 handle = safe_open(str(path), framework="pt")
@@ -145,6 +158,7 @@ class SafetensorsSource(WeightSource):
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     self._files[key] = handle
         for name, path in (index.weight_map if index is not None else {}).items():
+            assert index is not None  # the loop runs over its weight_map only
             handle = by_path[path]
             if name not in handle.keys():  # noqa: SIM118
                 raise ModelFileError(
@@ -171,7 +185,7 @@ class SafetensorsSource(WeightSource):
     def close(self) -> None:
         self._files, self._handles = {}, []
 
-    def _slice(self, name: str) -> Any:
+    def _slice(self, name: str) -> _Slice:
         handle = self._files.get(name)
         if handle is None:
             raise KeyError(f"{self.where}: no tensor named {name!r}")

@@ -17,7 +17,6 @@ layers keep every kernel and quantization path a whole layer has.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -91,7 +90,9 @@ class TensorParallelInference:
             if style == "rowwise":
                 model.get_submodule(name).register_forward_hook(self._sum_partial_outputs)
 
-    def _sum_partial_outputs(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    def _sum_partial_outputs(
+        self, module: nn.Module, args: tuple[object, ...], out: torch.Tensor
+    ) -> None:
         self.comm.all_reduce(out, kind="tp_all_reduce")  # in place: the layer's output
 
     def _localize(self, name: str, module: nn.Module, style: str) -> nn.Module:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from .base import Event, Monitor, import_package
 
@@ -20,7 +19,7 @@ class CometMonitor(Monitor):
         self,
         samples_log_interval: int = 100,
         experiment_name: str | None = None,
-        **start: Any,
+        **start: object,
     ) -> None:
         comet_ml = import_package("comet", "comet_ml", "comet_ml")
         self.samples_log_interval = samples_log_interval

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .base import Event, Monitor, require_package
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["INSTALL", "TensorBoardMonitor"]
 
@@ -29,7 +32,7 @@ class TensorBoardMonitor(Monitor):
     def __init__(self, output_path: str | os.PathLike, job_name: str) -> None:
         require_package("tensorboard", "tensorboard", INSTALL)
         self.log_dir = Path(output_path or ".", job_name)
-        self._writer: Any = None
+        self._writer: SummaryWriter | None = None
 
     def write_events(self, events: Sequence[Event]) -> None:
         if self._writer is None:

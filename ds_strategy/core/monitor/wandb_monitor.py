@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import groupby
-from typing import Any
 
 from .base import Event, Monitor, import_package
 
@@ -26,7 +25,7 @@ class WandbMonitor(Monitor):
     framework's loggers receive already (``wall_clock/*``)."""
 
     def __init__(
-        self, project: str, group: str | None = None, team: str | None = None, **init: Any
+        self, project: str, group: str | None = None, team: str | None = None, **init: object
     ) -> None:
         wandb = import_package("wandb", "wandb", "wandb")
         self.shared = wandb.run is not None

@@ -17,7 +17,12 @@ shard in host memory from the start, so nothing is moved or replaced afterwards.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
+    from ..zero.stores import GradStore
 
 __all__ = ["HostStore"]
 
@@ -29,15 +34,18 @@ class HostStore:
 
     kind = "host"
     master_on_host = True
-    master_in_file = False
 
     def __init__(self, *, pin: bool, params: bool) -> None:
         self.pin = pin
         self.shard_on_host = params
 
     @property
-    def grads(self) -> None:
+    def grads(self) -> GradStore | None:
         return None
+
+    @property
+    def master_in_file(self) -> bool:
+        return False
 
     def for_gather(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
         if shard.device == device:

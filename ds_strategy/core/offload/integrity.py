@@ -54,7 +54,7 @@ class SwapWriteError(OSError):
     path: Path
 
 
-def block_crcs(*parts: memoryview) -> array:
+def block_crcs(*parts: memoryview) -> array[int]:
     """The CRC-32 of every :data:`BLOCK` bytes of ``parts`` end to end (the last block may be
     shorter): a block may span parts, as when a piece is read between its neighbours' bytes."""
     out, crc, filled = array("I"), 0, 0
@@ -81,7 +81,7 @@ def span(offset: int, nbytes: int, size: int) -> tuple[int, int]:
 _ZERO_CRC = zlib.crc32(bytes(BLOCK))
 
 
-def zero_crcs(nbytes: int) -> array:
+def zero_crcs(nbytes: int) -> array[int]:
     """The block CRCs of ``nbytes`` zero bytes (a new sparse file), computed without them."""
     full, rest = divmod(nbytes, BLOCK)
     out = array("I", [_ZERO_CRC]) * full
@@ -90,7 +90,7 @@ def zero_crcs(nbytes: int) -> array:
     return out
 
 
-def check_blocks(parts: list[memoryview], want: array | None, first: int, path: Path) -> None:
+def check_blocks(parts: list[memoryview], want: array[int] | None, first: int, path: Path) -> None:
     """``parts`` hold blocks ``first, first + 1, ...`` of ``path`` as read, end to end; raise
     :class:`SwapCorruptionError` unless each matches its CRC in ``want`` (every block's)."""
     if want is None:

@@ -115,9 +115,10 @@ def _reclaim_one(d: Path, prefix: str) -> int | None:
 
 def _owner_host(fd: int) -> str | None:
     try:
-        return json.loads(os.pread(fd, 4096, 0)).get("host")
+        host = json.loads(os.pread(fd, 4096, 0)).get("host")
     except (OSError, ValueError, AttributeError):
         return None
+    return host if isinstance(host, str) else None
 
 
 def _size(d: Path) -> int:

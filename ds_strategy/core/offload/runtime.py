@@ -15,12 +15,13 @@ import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
-from ...config import UnsupportedConfigWarning, ZeroConfig
+from ...config import OffloadConfig, UnsupportedConfigWarning, ZeroConfig
+from ..memory import ModelStateMeter
 from ..progress import Progress
 from .cpu import HostStore
 from .stepper import BucketedStep, StateSwaps
@@ -29,8 +30,22 @@ from .swap import SwapDir, SwappedTensor, SwapState, check_nvme_path, drive_of
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
     from ..zero.flat_group import FlatParamGroup
+    from ..zero.optimizer import ShardedOptimizer
 
 __all__ = ["Offload"]
+
+
+class Ranks(Protocol):
+    """What the tier asks of the engine's ranks (a ``Comm``): how many, and an exchange."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather_object(self, obj: object) -> list[object]: ...
+
+
+# a rank's drive (drive_of) and the swap bytes it needs there
+_DriveNeed = tuple[tuple[str, int] | None, int]
 
 _STATE_PER_ELEMENT = {"SGD": 1, "Adagrad": 1, "RMSprop": 2, "Adadelta": 2, "Rprop": 2}
 
@@ -90,11 +105,11 @@ class NvmeStore(HostStore):
         self.grads_file: _SwappedGrads | None = None
 
     @property
-    def grads(self) -> _SwappedGrads | None:  # type: ignore[override]
+    def grads(self) -> _SwappedGrads | None:
         return self.grads_file
 
     @property
-    def master_in_file(self) -> bool:  # type: ignore[override]
+    def master_in_file(self) -> bool:
         return self.master_file is not None
 
     def for_gather(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -197,7 +212,11 @@ class Offload:
     shards, ``attach`` after; ``None`` from :meth:`build` when nothing is offloaded."""
 
     def __init__(
-        self, config: ZeroConfig, groups: list[FlatParamGroup], rank: int, comm: Any = None
+        self,
+        config: ZeroConfig,
+        groups: list[FlatParamGroup],
+        rank: int,
+        comm: Ranks | None = None,
     ) -> None:
         zc = config.zero_optimization
         self.opt_cfg, self.param_cfg = zc.offload_optimizer, zc.offload_param
@@ -212,15 +231,15 @@ class Offload:
         self._writing: list[SwappedTensor] = []  # the latest groups' writes (streaming build)
         self.state: StateSwaps | None = None
         self.stepper: BucketedStep | None = None
-        self.meter: Any = None  # see set_meter
-        self.comm: Any = comm  # see build and _sharing
+        self.meter: ModelStateMeter | None = None  # see set_meter
+        self.comm = comm  # see build and _sharing
         self._files: SwapFiles | None = None  # inside streamed()
         self._stale: set[int] = set()  # groups whose master a streamed load rewrote
         self.adopt(groups)
 
     @staticmethod
     def build(
-        config: ZeroConfig, groups: list[FlatParamGroup], rank: int, comm: Any = None
+        config: ZeroConfig, groups: list[FlatParamGroup], rank: int, comm: Ranks | None = None
     ) -> Offload | None:
         """The offload tier of ``config`` (None when nothing is offloaded). ``comm``: the
         engine's ranks, asked for their swap space when the directory's room is checked
@@ -285,7 +304,11 @@ class Offload:
         return self.nvme_params
 
     def open_for_build(
-        self, shard_bytes: int, trainable_numel: int, optimizer: Any, checkpoint_marker: str
+        self,
+        shard_bytes: int,
+        trainable_numel: int,
+        optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None,
+        checkpoint_marker: str,
     ) -> None:
         """Open the swap directory before the model is built, checking there is room for its
         ``shard_bytes`` of parameter shards and masters and, with the optimizer offloaded,
@@ -338,6 +361,7 @@ class Offload:
                 continue
             if self._swaps_grads(g):
                 g.free_grads()
+                assert g.grad_shard is not None  # (a trainable group with sharded gradients)
                 swap = SwappedTensor(
                     g.grad_shard,
                     self.swap_dir.file(f"grad_{self._index[id(g)]}"),
@@ -362,7 +386,7 @@ class Offload:
             and g.grad_store is None
         )
 
-    def _key(self) -> tuple[Any, str]:
+    def _key(self) -> tuple[OffloadConfig, str]:
         if self.nvme_optimizer:
             return self.opt_cfg, "zero_optimization.offload_optimizer.nvme_path"
         return self.param_cfg, "zero_optimization.offload_param.nvme_path"
@@ -370,9 +394,10 @@ class Offload:
     def _open(self, needed: int, checkpoint_marker: str) -> None:
         # one directory for both tiers: a rule of config/rules.py
         cfg, key = self._key()
-        sharing = self._sharing(cfg.nvme_path, needed)
+        path = _nvme_path(cfg)
+        sharing = self._sharing(path, needed)
         self.swap_dir = SwapDir(
-            cfg.nvme_path, self.rank, needed, checkpoint_marker, key=key, sharing=sharing
+            path, self.rank, needed, checkpoint_marker, key=key, sharing=sharing
         )
 
     def _sharing(self, path: str, needed: int) -> tuple[int, int] | None:
@@ -382,25 +407,24 @@ class Offload:
         if self.comm is None or self.comm.world_size == 1:
             return None
         mine = drive_of(path)
-        everyone = self.comm.all_gather_object((mine, int(needed)))
+        # each rank gives the pair below: all_gather_object returns them as objects
+        everyone = cast("list[_DriveNeed]", self.comm.all_gather_object((mine, int(needed))))
         same = [n for drive, n in everyone if drive is not None and drive == mine]
         return sum(same), len(same)
 
-    def _needed_bytes(self, optimizer: torch.optim.Optimizer | None, groups: list[Any]) -> int:
+    def _needed_bytes(
+        self, optimizer: torch.optim.Optimizer | None, groups: list[FlatParamGroup]
+    ) -> int:
         """Swap space for ``groups``' shards, masters and gradients, and the optimizer's
         state."""
         total = sum(t.numel() * t.element_size() for _, _, t in self._swapped_group_tensors(groups))
-        total += sum(
-            g.grad_shard.numel() * g.grad_shard.element_size()
-            for g in groups
-            if self._swaps_grads(g)
-        )
+        total += sum(_nbytes(g.grad_shard) for g in groups if self._swaps_grads(g))
         if self.nvme_optimizer and optimizer is not None:
             per = _state_bytes_per_element(optimizer)
             total += sum(per * g.step_params.numel() * 4 for g in self.groups if g.trainable)
         return total
 
-    def attach(self, sharded_opt: Any | None, checkpoint_marker: str) -> None:
+    def attach(self, sharded_opt: ShardedOptimizer | None, checkpoint_marker: str) -> None:
         """Open the swap directory (checking it first), swap out what lives on disk and is
         not out yet, and give the optimizer its bucketed step (``None``: no optimizer, as in
         inference). After a streaming build the directory is open: the room left is checked
@@ -414,9 +438,9 @@ class Offload:
         else:
             cfg, key = self._key()
             needed = self._needed_bytes(optimizer, rest)
-            sharing = self._sharing(cfg.nvme_path, needed)
+            sharing = self._sharing(_nvme_path(cfg), needed)
             mine = self.swap_dir.path
-            check_nvme_path(cfg.nvme_path, needed, checkpoint_marker, key, sharing, mine)
+            check_nvme_path(_nvme_path(cfg), needed, checkpoint_marker, key, sharing, mine)
         out = len(self._swapped_group_tensors(rest))
         progress = Progress("writing the model to nvme_path", out, self.rank, "tensors")
         self._swap_out(rest, progress)
@@ -425,6 +449,7 @@ class Offload:
             self.wait()
             return
         cfg = self._key()[0]
+        assert self.swap_dir is not None  # (opened above)
         self.state = StateSwaps(sharded_opt, self.swap_dir) if self.nvme_optimizer else None
         if self.state is not None:
             self.state.meter = self.meter
@@ -520,7 +545,7 @@ class Offload:
             for s in swaps:
                 s.release(dirty=s.tensor is not group.master)
 
-    def set_meter(self, meter: Any) -> None:
+    def set_meter(self, meter: ModelStateMeter | None) -> None:
         """Count swapped bytes in ``meter`` (``alloc``/``free``) whenever they are back in
         memory: a shard read for its gather, a bucket of the step, a checkpoint's state."""
         self.meter = meter
@@ -547,7 +572,7 @@ class Offload:
             for s in out:
                 s.tensor.untyped_storage().resize_(0)
 
-    def is_swap_path(self, path: str | os.PathLike) -> bool:
+    def is_swap_path(self, path: str | os.PathLike[str]) -> bool:
         return self.swap_dir is not None and self.swap_dir.contains(path)
 
     def report(self) -> dict[str, int]:
@@ -573,3 +598,13 @@ class Offload:
                 self.wait()
             finally:
                 self.swap_dir.close()
+
+
+def _nvme_path(cfg: OffloadConfig) -> str:
+    # config/rules.py refuses device 'nvme' without nvme_path before any engine is built
+    assert cfg.nvme_path is not None
+    return cfg.nvme_path
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

@@ -18,15 +18,17 @@ from __future__ import annotations
 import collections
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..memory import ModelStateMeter
 from ..zero.layout import split_into_buckets
 from .swap import SwapDir, SwappedTensor
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
     from ..zero.flat_group import FlatParamGroup
+    from ..zero.optimizer import ShardedOptimizer
 
 __all__ = ["BucketedStep", "StateSwaps"]
 
@@ -34,12 +36,12 @@ __all__ = ["BucketedStep", "StateSwaps"]
 class StateSwaps:
     """The optimizer's per-element state tensors (Adam's moments) of every piece, in files."""
 
-    def __init__(self, sharded_opt: Any, swap_dir: SwapDir) -> None:
+    def __init__(self, sharded_opt: ShardedOptimizer, swap_dir: SwapDir) -> None:
         self.optimizer: torch.optim.Optimizer = sharded_opt.optimizer
         self.pieces = sharded_opt.pieces
         self.swap_dir = swap_dir
         self.swaps: dict[int, dict[str, SwappedTensor]] = {}
-        self.meter: Any = None  # the engine's meter (Offload.set_meter)
+        self.meter: ModelStateMeter | None = None  # the engine's meter (Offload.set_meter)
 
     def _per_element(self, i: int) -> dict[str, torch.Tensor]:
         t = self.pieces[i].tensor
@@ -62,7 +64,7 @@ class StateSwaps:
     def release(self, idxs: list[int], dirty: bool) -> list[SwappedTensor]:
         """Write back (when ``dirty``) and free; state the optimizer created meanwhile (its
         first step, or a checkpoint load) is adopted here. Returns the tensors released."""
-        out = []
+        out: list[SwappedTensor] = []
         for i in idxs:
             mine = self.swaps.setdefault(i, {})
             for k, v in self._per_element(i).items():
@@ -76,7 +78,7 @@ class StateSwaps:
                 out.append(s)
         return out
 
-    def _file(self, i: int, key: Any) -> Path:
+    def _file(self, i: int, key: str) -> Path:
         return self.swap_dir.file(f"state_{i}_{re.sub(r'[^A-Za-z0-9_]', '_', str(key))}")
 
     def new_in_file(
@@ -108,7 +110,7 @@ class BucketedStep:
 
     def __init__(
         self,
-        sharded_opt: Any,
+        sharded_opt: ShardedOptimizer,
         state: StateSwaps | None,
         group_swaps: dict[int, list[SwappedTensor]],
         bucket_numel: int,

@@ -59,7 +59,7 @@ class SwapFiles:
                 "a checkpoint entry has no bytes in memory and is not part of a swapped "
                 "tensor; this is a bug in ds_strategy's offload tier"
             )
-        first = base.storage_offset() - swap.tensor.storage_offset() + start
+        first = int(base.storage_offset() - swap.tensor.storage_offset()) + start
         return swap, first * base.element_size(), numel
 
     @staticmethod

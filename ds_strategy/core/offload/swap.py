@@ -29,12 +29,11 @@ import weakref
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ...config import ConfigError
-from ..memory import human_bytes
+from ..memory import ModelStateMeter, human_bytes
 from ..profiling.ranges import profile_range, ranged
 from . import leftovers
 from .integrity import block_crcs, check_blocks, write_error, write_file, zero_crcs
@@ -99,11 +98,11 @@ class SwappedTensor:
         self.holds = 1  # the creator is using it
         self.dirty = True  # the file (if any) is older than the tensor
         # block checksums of what the file holds (None: nothing written yet); see integrity.py
-        self.crcs: array | None = None
-        self._future: Future | None = None
+        self.crcs: array[int] | None = None
+        self._future: Future[None] | None = None
         # where the bytes are counted while they are back in memory (the engine's meter:
         # its peak then includes what a step or a gather read in); see ``_metered``
-        self.meter: Any = None
+        self.meter: ModelStateMeter | None = None
         self._counted = False
 
     @classmethod
@@ -251,7 +250,7 @@ class SwappedTensor:
 
 
 def check_nvme_path(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     needed_bytes: int,
     checkpoint_marker: str,
     key: str,
@@ -316,7 +315,7 @@ def _others(base: Path, mine: Path | None) -> str:
     )
 
 
-def drive_of(path: str | os.PathLike) -> tuple[str, int] | None:
+def drive_of(path: str | os.PathLike[str]) -> tuple[str, int] | None:
     """(this machine's name, the device number of ``path``'s file system): ranks whose swap
     files share a drive have the same; None where ``path`` is not there (its check says so)."""
     try:
@@ -368,7 +367,7 @@ class SwapDir:
 
     def __init__(
         self,
-        nvme_path: str | os.PathLike,
+        nvme_path: str | os.PathLike[str],
         rank: int,
         needed_bytes: int,
         checkpoint_marker: str,
@@ -390,7 +389,7 @@ class SwapDir:
     def file(self, name: str) -> Path:
         return self.path / f"{name}.bin"
 
-    def contains(self, other: str | os.PathLike) -> bool:
+    def contains(self, other: str | os.PathLike[str]) -> bool:
         """Whether ``other`` is this swap directory or lies inside it."""
         o = Path(other).expanduser().resolve()
         return o == self.path or self.path in o.parents

@@ -16,15 +16,17 @@ With ``bias_correction=True`` it is torch's Adam (``adam_w_mode=False``) or Adam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 __all__ = ["Adam"]
 
 
-def check_moments(name: str, lr: float, eps: float, weight_decay: float, betas: Any) -> None:
+def check_moments(
+    name: str, lr: float, eps: float, weight_decay: float, betas: Sequence[float]
+) -> None:
     """The hyper-parameter ranges Adam-family optimizers (Adam, Lamb) share."""
     if lr < 0 or eps < 0 or weight_decay < 0:
         raise ValueError(f"{name}: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
@@ -33,7 +35,7 @@ def check_moments(name: str, lr: float, eps: float, weight_decay: float, betas: 
 
 
 def advance_moments(
-    state: dict[str, Any], w: torch.Tensor, g: torch.Tensor, betas: tuple[float, float]
+    state: dict[str, torch.Tensor], w: torch.Tensor, g: torch.Tensor, betas: tuple[float, float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of the Adam-family state of ``w`` (created at its first step): the step count
     and the moving averages of ``g`` and ``g * g``, which it returns."""
@@ -63,7 +65,7 @@ class Adam(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),

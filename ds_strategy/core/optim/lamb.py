@@ -25,10 +25,11 @@ shard of memory) and applies it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from .adam import advance_moments, check_moments
 from .norms import ParamNorms
@@ -67,7 +68,7 @@ class Lamb(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -114,8 +115,11 @@ class Lamb(torch.optim.Optimizer):
         """The trust ratios of the last step, one per tensor stepped (DeepSpeed's name)."""
         return self._coeffs.tolist()
 
+    # a param group is torch's dict[str, Any]: hyper-parameters of several types, and "params"
     @staticmethod
-    def _update(group: dict[str, Any], w: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+    def _update(
+        group: dict[str, Any], w: torch.Tensor, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         v = state["exp_avg_sq"]
         if group["eps_inside_sqrt"]:
             denom = (v + group["eps"]).sqrt_()
@@ -163,7 +167,7 @@ class Lamb(torch.optim.Optimizer):
         return torch.where((w > 0) & (u > 0), ratio, torch.ones_like(ratio))
 
     @staticmethod
-    def _step_size(group: dict[str, Any], state: dict[str, Any]) -> float:
+    def _step_size(group: dict[str, Any], state: dict[str, torch.Tensor]) -> float:
         if not group["bias_correction"]:
             return float(group["lr"])
         b1, b2 = group["betas"]

@@ -16,15 +16,18 @@ them: :data:`SCHEDULE_DOES` says why, keyed by the call, and each front end adds
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from torch import Tensor, nn
+
+from ..training import TrainingEngine
 
 __all__ = [
     "LOOP",
     "SCHEDULE_DOES",
     "PipelineLoop",
     "PipelineModel",
+    "PipelineSteps",
     "refusing",
     "schedule_does",
     "split_batch",
@@ -59,13 +62,13 @@ def refusing(call: str, does: str, fix: str) -> Callable[..., NoReturn]:
     """A method raising :func:`schedule_does`'s error as a ``RuntimeError``, whatever its
     arguments: a front end's hook for a call the schedule makes itself."""
 
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
+    def refuse(self: object, *args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError(schedule_does(call, does, fix))
 
     return refuse
 
 
-def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
+def split_batch(batch: object, where: str) -> tuple[Any, Any]:  # the user's own values
     """A loop's batch as the ``(inputs, targets)`` that :meth:`PipelineEngine.train_batch`
     takes, or an error naming ``where`` it came from."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -74,6 +77,20 @@ def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
         f"{where}: under a pipeline config each batch must be (inputs, targets); got "
         f"{type(batch).__name__}"
     )
+
+
+class PipelineSteps(TrainingEngine, Protocol):
+    """What :class:`PipelineLoop` asks of a pipeline (a :class:`PipelineEngine`)."""
+
+    @property
+    def skipped_steps(self) -> int: ...
+
+    # inputs: the first stage's input; targets: the last stage's (None on the other stages)
+    def train_batch(
+        self, inputs: Tensor | None = None, targets: Tensor | None = None
+    ) -> Tensor: ...
+
+    def eval_batch(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> Tensor: ...
 
 
 class PipelineLoop:
@@ -86,11 +103,13 @@ class PipelineLoop:
         loss = loop.run_batch("val", (x, y))    # the mean loss, no step
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: PipelineSteps) -> None:
         self.engine = engine
         self.step_was_skipped = False  # by the last training step
 
-    def run(self, train: bool, inputs: Any = None, targets: Any = None) -> Tensor:
+    def run(
+        self, train: bool, inputs: Tensor | None = None, targets: Tensor | None = None
+    ) -> Tensor:
         """``train_batch`` with the stage in training mode, or ``eval_batch`` in evaluation
         mode; the global batch's mean loss on every rank (collective)."""
         engine = self.engine
@@ -102,7 +121,7 @@ class PipelineLoop:
         self.step_was_skipped = engine.skipped_steps != before
         return loss
 
-    def run_batch(self, kind: str, batch: Any) -> Tensor:
+    def run_batch(self, kind: str, batch: object) -> Tensor:
         """:meth:`run` on a loop's ``(inputs, targets)`` batch: a training step for ``kind``
         ``"train"``, else an evaluation step (``kind`` names the batch in errors)."""
         inputs, targets = split_batch(batch, f"{kind} batch")
@@ -116,14 +135,14 @@ class PipelineModel(nn.Module):
     stage; ``engine`` the pipeline, whose attributes this model answers too. Calling the model
     is refused, ``fix`` saying what to write instead."""
 
-    def __init__(self, engine: Any, fix: str) -> None:
+    def __init__(self, engine: PipelineSteps, fix: str) -> None:
         super().__init__()
         self.module = engine.module
         self.engine = engine
         self.loop = PipelineLoop(engine)
         self.fix = fix
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the pipeline's attribute, whatever it is
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -131,10 +150,10 @@ class PipelineModel(nn.Module):
                 raise
             return getattr(self.engine, name)
 
-    def train_batch(self, inputs: Any = None, targets: Any = None) -> Tensor:
+    def train_batch(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
         return self.loop.run(True, inputs, targets)
 
-    def eval_batch(self, inputs: Any = None, targets: Any = None) -> Tensor:
+    def eval_batch(self, inputs: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
         return self.loop.run(False, inputs, targets)
 
     @property
@@ -143,5 +162,5 @@ class PipelineModel(nn.Module):
         norm)."""
         return self.loop.step_was_skipped
 
-    def forward(self, *args: Any, **kwargs: Any) -> NoReturn:
+    def forward(self, *args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError(schedule_does("model(...)", "forward", self.fix))

@@ -9,15 +9,16 @@ interleaved schedule with ``v`` chunks per rank divides the bubble by ``v``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
+import torch
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 __all__ = ["bubble_fraction", "make_schedule", "stage_indices", "stage_layers"]
 
@@ -54,15 +55,18 @@ def stage_layers(bounds: list[int], stage: int, pp_size: int, chunks: int) -> li
 
 def make_schedule(
     name: str,
-    stages: list[PipelineStage],
+    stages: Sequence[PipelineStage],
     micro_batches: int,
-    loss_fn: Callable[..., Any] | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     pp_size: int,
-) -> Any:
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """A schedule object; gradients are not rescaled by it (``loss_fn`` averages already).
     The interleaved schedule's micro-batches divide among the stages: a rule of
     ``config/rules.py``."""
     if name == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
+        # a new list of the same stages: torch's signature names a list of their base class
+        return ScheduleInterleaved1F1B(
+            list(stages), micro_batches, loss_fn=loss_fn, scale_grads=False
+        )
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
     return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)

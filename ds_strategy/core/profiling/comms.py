@@ -34,13 +34,22 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from ..._logging import report
+from ...config._schema import CommsLoggerConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CommsLogger", "Timing", "bandwidth_factors", "format_summary"]
+__all__ = [
+    "CommKindReport",
+    "CommSizeRow",
+    "CommsLogger",
+    "CommsReport",
+    "Timing",
+    "bandwidth_factors",
+    "format_summary",
+]
 
 _COL = 20  # DeepSpeed's column width
 _HEADER = (
@@ -96,6 +105,40 @@ def trim_mean(values: list[float], trim: float = 0.1) -> float:
     k = int(round(len(data) * trim))
     kept = data[k : len(data) - k] or data
     return sum(kept) / len(kept)
+
+
+class CommSizeRow(TypedDict):
+    """The completed calls of one kind with one message size, as DeepSpeed prints them."""
+
+    count: int
+    total_latency_ms: float
+    avg_latency_ms: float  # trimmed means, as DeepSpeed's
+    tput_avg_gbps: float
+    busbw_avg_gbps: float
+
+
+class CommKindReport(TypedDict):
+    """One collective kind of :meth:`CommsLogger.report`."""
+
+    op: str
+    count: int
+    msg_bytes: int
+    sent_bytes: int
+    total_ms: float
+    avg_ms: float
+    algbw_gbps: float
+    busbw_gbps: float
+    straggler_ms: float
+    rank_total_ms: list[float]
+    sizes: dict[int, CommSizeRow]  # by message size in bytes
+
+
+class CommsReport(TypedDict):
+    """What :meth:`CommsLogger.report` returns: whether it ran, on how many ranks, per kind."""
+
+    enabled: bool
+    ranks: int
+    ops: dict[str, CommKindReport]
 
 
 @dataclass
@@ -177,7 +220,7 @@ class CommsLogger:
         self._kinds: dict[str, _Kind] = {}
 
     @classmethod
-    def from_config(cls, config: Any, rank: int) -> CommsLogger | None:
+    def from_config(cls, config: CommsLoggerConfig, rank: int) -> CommsLogger | None:
         """A logger for the config's ``comms_logger`` section when enabled, else None."""
         if not config.enabled:
             return None
@@ -232,7 +275,7 @@ class CommsLogger:
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def report(self, gather: Callable[[object], list[object]]) -> dict[str, Any]:
+    def report(self, gather: Callable[[object], list[object]]) -> CommsReport:
         """Per kind: ``op``, ``count``, ``msg_bytes``, ``sent_bytes`` (``comm_report()``'s
         bytes), ``total_ms``, ``avg_ms``, ``algbw_gbps``, ``busbw_gbps``, the straggler gap
         ``straggler_ms`` with every rank's ``rank_total_ms``, and DeepSpeed's per message size
@@ -242,7 +285,7 @@ class CommsLogger:
         ops = {name: self._kind_report(name, every) for name in self._kinds}
         return {"enabled": True, "ranks": len(every), "ops": ops}
 
-    def _kind_report(self, name: str, every: list[dict[str, float]]) -> dict[str, Any]:
+    def _kind_report(self, name: str, every: list[dict[str, float]]) -> CommKindReport:
         k = self._kinds[name]
         done = sum(row.count for row in k.sizes.values())
         totals = [rank.get(name, 0.0) * 1e3 for rank in every]
@@ -270,7 +313,7 @@ class CommsLogger:
         }
 
     @staticmethod
-    def disabled_report() -> dict[str, Any]:
+    def disabled_report() -> CommsReport:
         """What the engine reports with ``comms_logger`` off: nothing was timed."""
         return {"enabled": False, "ranks": 0, "ops": {}}
 
@@ -279,7 +322,7 @@ def _row(cells: tuple[object, ...]) -> str:
     return "".join(f"{c: <{_COL}}" for c in cells).rstrip()
 
 
-def format_summary(report: dict[str, Any], show_straggler: bool = True) -> str:
+def format_summary(report: CommsReport, show_straggler: bool = True) -> str:
     """``report`` (:meth:`CommsLogger.report`) as DeepSpeed's ``log_summary`` prints it: a
     row per kind, then one per message size; with ``show_straggler`` a breakdown of each
     kind's straggler gap."""

@@ -20,18 +20,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["ForwardCount", "ModuleStats"]
 
 
-def _sdpa_flops(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any) -> int:
+def _sdpa_flops(
+    q: torch.Size,
+    k: torch.Size,
+    v: torch.Size,
+    *args: object,
+    out_shape: object = None,
+    **kw: object,
+) -> int:
     # torch's formula for the CUDA attention kernels, whole (not halved for a causal mask,
-    # as torch and Megatron count it)
+    # as torch and Megatron count it); the counter passes the tensors' shapes, and the
+    # kernel's other arguments, which the formula does not need
     return int(sdpa_flop_count(q, k, v))
 
 
@@ -76,9 +84,10 @@ class ForwardCount:
         self._numel: dict[int, int] = {}
         self._latency: dict[str, float] = dict.fromkeys(self.names.values(), 0.0)
         self._started: dict[nn.Module, list[float]] = {}
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
         self._counter: FlopCounterMode | None = None
-        self._counts: dict[str, dict[Any, int]] = {}  # the entries' counts, added up
+        # the entries' counts per module and operator (torch's OpOverloadPacket), added up
+        self._counts: dict[str, dict[object, int]] = {}
         self._total = 0
         self._called: set[nn.Module] = set()
 
@@ -90,7 +99,7 @@ class ForwardCount:
         self._counter.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         counter, self._counter = self._counter, None
         assert counter is not None
         counter.__exit__(*exc)
@@ -108,13 +117,13 @@ class ForwardCount:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
+    def _pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         for p in module.parameters(recurse=False):
             self._numel[id(p)] = max(self._numel.get(id(p), 0), p.numel())
         self._called.add(module)
         self._started.setdefault(module, []).append(self._now())
 
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         start = self._started[module].pop()
         self._latency[self.names[module]] += self._now() - start
 

@@ -45,15 +45,22 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..._logging import report
+from ...config._schema import FlopsProfilerConfig
 from .counting import ForwardCount
 from .peak import peak_tflops
-from .summary import format_profile
+from .summary import (
+    FlopsReport,
+    ModuleProfile,
+    ProfileBase,
+    ProfileRates,
+    StageInfo,
+    format_profile,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,7 @@ class FlopsProfiler:
 
     def __init__(
         self,
-        config: Any,
+        config: FlopsProfilerConfig,
         model: nn.Module,
         *,
         device: torch.device,
@@ -88,7 +95,7 @@ class FlopsProfiler:
         self.rank, self.world_size, self.mp_size = rank, world_size, mp_size
         self.stage, self.micro_batches = stage, micro_batches  # a pipeline stage's (see note)
         self._chunks: set[int] | None = None  # the chunks counted so far in a schedule
-        self.report: dict[str, Any] = {}
+        self.report: FlopsReport | dict[str, object] = {}  # empty until the profiled step
         self.printed: str | None = None
         self._count: ForwardCount | None = None
         self._times: dict[str, float] = {}  # the profiled step's phases
@@ -102,7 +109,7 @@ class FlopsProfiler:
         """The step before the profiled one, timed without counting (see the note)."""
         return step == self.config.profile_step - 1 and not self.report
 
-    def forward(self, step: int, args: Any) -> contextlib.AbstractContextManager[Any]:
+    def forward(self, step: int, args: object) -> contextlib.AbstractContextManager[None]:
         """Around the module's forward; at the profile step it is measured (each micro-step
         starts over, so the last micro-batch of the step is the one reported)."""
         if self._before(step):
@@ -112,14 +119,14 @@ class FlopsProfiler:
         return self._forward(args)
 
     @contextlib.contextmanager
-    def _forward(self, args: Any) -> Iterator[None]:
+    def _forward(self, args: object) -> Iterator[None]:
         self._times.clear()
         self._batch = next((a.shape[0] for a in _tensors(args) if a.dim() > 0), 0)
         self._count = ForwardCount(self.model, sync=self.device.type == "cuda")
         with self._count, self._timed(self._times, "fwd"):
             yield
 
-    def schedule(self, step: int) -> contextlib.AbstractContextManager[Any]:
+    def schedule(self, step: int) -> contextlib.AbstractContextManager[None]:
         """Around a pipeline stage's schedule (see [Note: a pipeline stage's profile])."""
         if self._before(step):
             return self._timed(self._plain, "schedule")
@@ -136,7 +143,9 @@ class FlopsProfiler:
         finally:
             self._chunks = None
 
-    def chunk_forward(self, chunk: int, args: Any) -> contextlib.AbstractContextManager[Any]:
+    def chunk_forward(
+        self, chunk: int, args: object
+    ) -> contextlib.AbstractContextManager[ForwardCount | None]:
         """Around one forward of a pipeline stage's ``chunk`` (the stage module's call):
         inside a profiled :meth:`schedule`, each chunk's first forward is counted."""
         if self._chunks is None or chunk in self._chunks or self._count is None:
@@ -146,12 +155,12 @@ class FlopsProfiler:
         self._chunks.add(chunk)
         return self._count
 
-    def backward(self, step: int) -> contextlib.AbstractContextManager[Any]:
+    def backward(self, step: int) -> contextlib.AbstractContextManager[None]:
         if self._before(step):
             return self._timed(self._plain, "bwd")
         return self._timed(self._times, "bwd") if self._active(step) and self._count else _NULL
 
-    def step(self, step: int) -> contextlib.AbstractContextManager[Any]:
+    def step(self, step: int) -> contextlib.AbstractContextManager[None]:
         """Around the optimizer step; at the profile step's end the report is made."""
         if self._before(step):
             return self._timed(self._plain, "step")
@@ -176,10 +185,10 @@ class FlopsProfiler:
         into[name] = time.perf_counter() - start
 
     def _finish(self, count: ForwardCount) -> None:
-        self.report = self._build(count)
+        built = self.report = self._build(count)
         self._count = None
         text = format_profile(
-            self.report, self.config.module_depth, self.config.top_modules, self.config.detailed
+            built, self.config.module_depth, self.config.top_modules, self.config.detailed
         )
         if self.rank == 0:
             self.printed = text
@@ -191,8 +200,8 @@ class FlopsProfiler:
             else:  # stdout without logging set up, else the application's handlers
                 report(log, text)
 
-    def _build(self, count: ForwardCount) -> dict[str, Any]:
-        modules = {
+    def _build(self, count: ForwardCount) -> FlopsReport:
+        modules: dict[str, ModuleProfile] = {
             name: {
                 "type": s.type,
                 "depth": s.depth,
@@ -205,7 +214,7 @@ class FlopsProfiler:
         }
         fwd_flops = count.total_flops
         peak, source = peak_tflops(self.config.peak_tflops, self.device, self.dtype)
-        report = {
+        base: ProfileBase = {
             "step": self.config.profile_step,
             "world_size": self.world_size,
             "dp_size": self.world_size // self.mp_size,
@@ -219,12 +228,12 @@ class FlopsProfiler:
             "peak_source": source,
             "modules": modules,
         }
+        stage: StageInfo = {}
         if self.stage is not None:
-            report.update(pipeline_stage=self.stage, micro_batches=self.micro_batches)
-        report.update(self._rates(fwd_flops, peak))
-        return report
+            stage = {"pipeline_stage": self.stage, "micro_batches": self.micro_batches}
+        return {**base, **stage, **self._rates(fwd_flops, peak)}
 
-    def _rates(self, fwd_flops: int, peak: float) -> dict[str, Any]:
+    def _rates(self, fwd_flops: int, peak: float) -> ProfileRates:
         """Latencies, FLOPS and MFU from the phase times (see [Note: training FLOPs and MFU]);
         a pipeline stage's from its schedule and step (see [Note: a pipeline stage's
         profile]), over its ``micro_batches`` forwards (1 outside a pipeline)."""
@@ -255,7 +264,7 @@ class FlopsProfiler:
         }
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+def _tensors(tree: object) -> Iterator[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         yield tree
     elif isinstance(tree, (list, tuple)):

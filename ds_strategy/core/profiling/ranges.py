@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch.autograd.profiler import record_function
@@ -52,7 +52,8 @@ RANGES = (
 # the timers' phase names (core/timers.py) whose range is named differently
 _RENAMED = {"step": "optimizer_step"}
 _NULL = contextlib.nullcontext()
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 profiling = torch._C._autograd._profiler_enabled
 """Whether a profiler records on this thread (cheap: see the note above)."""
 
@@ -62,7 +63,7 @@ def range_name(phase: str) -> str:
     return PREFIX + _RENAMED.get(phase, phase)
 
 
-def profile_range(name: str) -> contextlib.AbstractContextManager[Any]:
+def profile_range(name: str) -> contextlib.AbstractContextManager[record_function | None]:
     """``record_function("ds_strategy::<name>")`` while a profiler records on this thread,
     else a shared no-op (see [Note: a range costs nothing while no profiler runs]).
 
@@ -74,7 +75,7 @@ def profile_range(name: str) -> contextlib.AbstractContextManager[Any]:
     return record_function(PREFIX + name)
 
 
-def ranged(name: str) -> Callable[[F], F]:
+def ranged(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a function to run inside ``profile_range(name)`` (a flag test when no
     profiler records).
 
@@ -86,14 +87,14 @@ def ranged(name: str) -> Callable[[F], F]:
     """
     full = PREFIX + name
 
-    def wrap(fn: F) -> F:
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
+        def inner(*args: P.args, **kwargs: P.kwargs) -> R:
             if not profiling():
                 return fn(*args, **kwargs)
             with record_function(full):
                 return fn(*args, **kwargs)
 
-        return inner  # type: ignore[return-value]
+        return inner
 
     return wrap

@@ -4,9 +4,69 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
+from typing import TypedDict
 
-__all__ = ["format_profile", "si"]
+__all__ = ["FlopsReport", "ModuleProfile", "format_profile", "si"]
+
+
+class ModuleProfile(TypedDict):
+    """One module's share of the profiled forward (its children included)."""
+
+    type: str
+    depth: int
+    params: int
+    flops: int
+    macs: int
+    latency_s: float
+
+
+class ProfileBase(TypedDict):
+    """What a profile states of the run and of the model's forward."""
+
+    step: int
+    world_size: int
+    dp_size: int
+    mp_size: int
+    batch_size: int
+    params: int
+    fwd_flops: int
+    fwd_macs: int
+    recompute_fwd_factor: float
+    peak_tflops: float
+    peak_source: str
+    modules: dict[str, ModuleProfile]  # by named_modules() name, the root as ""
+
+
+class StageInfo(TypedDict, total=False):
+    """A pipeline stage's profile only: the stage and the micro-batches of its step."""
+
+    pipeline_stage: int
+    micro_batches: int
+
+
+class ProfileRates(TypedDict):
+    """Latencies, FLOPS and MFU; forward and backward apart only outside a pipeline."""
+
+    bwd_flops: float
+    train_flops: float
+    fwd_latency_s: float | None
+    bwd_latency_s: float | None
+    fwd_bwd_latency_s: float
+    step_latency_s: float
+    iter_latency_s: float
+    fwd_tflops: float | None
+    bwd_tflops: float | None
+    fwd_bwd_tflops: float
+    achieved_tflops: float
+    mfu: float
+    samples_per_second: float
+    latency_step: int
+
+
+class FlopsReport(ProfileBase, StageInfo, ProfileRates):
+    """One profiled step, as :class:`~ds_strategy.core.profiling.flops.FlopsProfiler` keeps it."""
+
 
 _LINE = "{:<70}  {:<8}"
 _UNITS = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K"))
@@ -25,7 +85,7 @@ def si(value: float, unit: str = "", places: int = 2) -> str:
     return f"{round(value, places):g} {unit}".rstrip()
 
 
-def _summary(r: dict[str, Any]) -> list[str]:
+def _summary(r: FlopsReport) -> list[str]:
     f = r["recompute_fwd_factor"]
     rows = [
         ("world size:", r["world_size"]),
@@ -50,16 +110,20 @@ def _summary(r: dict[str, Any]) -> list[str]:
             ),
         ]
     else:
+        fwd, fwd_tf = r["fwd_latency_s"], r["fwd_tflops"]
+        bwd, bwd_tf = r["bwd_latency_s"], r["bwd_tflops"]
+        # outside a pipeline forward and backward are timed apart
+        assert fwd is not None and fwd_tf is not None and bwd is not None and bwd_tf is not None
         rows += [
-            ("fwd latency:", si(r["fwd_latency_s"], "s")),
+            ("fwd latency:", si(fwd, "s")),
             (
                 "fwd FLOPS per GPU = fwd flops per GPU / fwd latency:",
-                si(r["fwd_tflops"] * 1e12, "FLOPS"),
+                si(fwd_tf * 1e12, "FLOPS"),
             ),
-            ("bwd latency:", si(r["bwd_latency_s"], "s")),
+            ("bwd latency:", si(bwd, "s")),
             (
                 f"bwd FLOPS per GPU = {2 + f:g} * fwd flops per GPU / bwd latency:",
-                si(r["bwd_tflops"] * 1e12, "FLOPS"),
+                si(bwd_tf * 1e12, "FLOPS"),
             ),
             (
                 f"fwd+bwd FLOPS per GPU = {3 + f:g} * fwd flops per GPU / (fwd+bwd latency):",
@@ -81,7 +145,7 @@ def _summary(r: dict[str, Any]) -> list[str]:
     return [_LINE.format(label, str(value)) for label, value in rows]
 
 
-def _top(r: dict[str, Any], depth_limit: int, k: int) -> list[str]:
+def _top(r: FlopsReport, depth_limit: int, k: int) -> list[str]:
     """Per depth, the ``k`` module types with the most params, MACs and fwd latency."""
     by_depth: dict[int, dict[str, list[float]]] = defaultdict(
         lambda: defaultdict(lambda: [0, 0, 0])
@@ -102,16 +166,16 @@ def _top(r: dict[str, Any], depth_limit: int, k: int) -> list[str]:
     return lines
 
 
-def _best(types: dict[str, list[float]], i: int, k: int, fmt: Any) -> str:
+def _best(types: dict[str, list[float]], i: int, k: int, fmt: Callable[[float], str]) -> str:
     top = sorted(types.items(), key=lambda kv: -kv[1][i])[:k]
     return str({name: fmt(v[i]) for name, v in top})
 
 
-def _tree(r: dict[str, Any], depth_limit: int) -> list[str]:
+def _tree(r: FlopsReport, depth_limit: int) -> list[str]:
     mods = r["modules"]
     total = mods[""]
 
-    def stats(m: dict[str, Any]) -> str:
+    def stats(m: ModuleProfile) -> str:
         pct = lambda a, b: f"{100 * a / b:.2f}%" if b else "0.00%"  # noqa: E731
         flops = m["flops"] / m["latency_s"] if m["latency_s"] else 0.0
         return (
@@ -131,7 +195,7 @@ def _tree(r: dict[str, Any], depth_limit: int) -> list[str]:
 
 
 def format_profile(
-    r: dict[str, Any], module_depth: int = -1, top_modules: int = 1, detailed: bool = True
+    r: FlopsReport, module_depth: int = -1, top_modules: int = 1, detailed: bool = True
 ) -> str:
     """The whole printed profile of a report from :class:`FlopsProfiler`."""
     out = ["-------------------------- DeepSpeed Flops Profiler --------------------------"]

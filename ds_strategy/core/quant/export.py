@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -106,7 +105,7 @@ def write_quantized_state(
             continue
         ordered[name] = t.to(dtype) if t.is_floating_point() else t
     modules = [n for names in groups for n in names]
-    entries: list[tuple[str, Any, list[int]]] = [
+    entries: list[tuple[str, torch.dtype, list[int]]] = [
         (n, t.dtype, list(t.shape)) for n, t in ordered.items()
     ]
     stream_safetensors(path, entries, iter(ordered.values()), quant_meta(scheme, modules))

@@ -28,12 +28,12 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
+from torch.types import Device
 
 from ...config import ConfigError
 from ..warnings import PerformanceWarning
@@ -66,7 +66,8 @@ def _quiet_import() -> Iterator[None]:
 
 
 @functools.cache
-def _torchao_int8() -> Any:
+def _torchao_int8() -> Callable[..., torch.Tensor] | None:
+    """torchao's ``Int8Tensor`` class (its weight-only int8 tensor), None without torchao."""
     try:
         with _quiet_import():
             from torchao.quantization import Int8Tensor
@@ -107,7 +108,7 @@ def resolve_kernel(requested: str | None, scheme: QuantScheme) -> str:
     return requested
 
 
-def _param(shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> nn.Parameter:
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: Device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
@@ -120,7 +121,7 @@ class _Quantized(nn.Module):
     zeros: nn.Parameter | None
 
     def _init_quantized(
-        self, rows: int, cols: int, scheme: QuantScheme, device: Any, dtype: torch.dtype
+        self, rows: int, cols: int, scheme: QuantScheme, device: Device, dtype: torch.dtype
     ) -> None:
         """Scales and zero points are kept in the compute ``dtype`` (as torchao keeps them)."""
         self.scheme = scheme
@@ -152,7 +153,7 @@ class QuantizedLinear(_Quantized):
         scheme: QuantScheme,
         *,
         dtype: torch.dtype = torch.float32,
-        device: Any = None,
+        device: Device = None,
         kernel: str = "dequantize",
     ) -> None:
         super().__init__()
@@ -175,7 +176,9 @@ class QuantizedLinear(_Quantized):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "torchao":
-            w = _torchao_int8()(self.qweight, self.scales, [1, self.in_features], x.dtype)
+            int8_tensor = _torchao_int8()
+            assert int8_tensor is not None  # resolve_kernel chose torchao: it is installed
+            w = int8_tensor(self.qweight, self.scales, [1, self.in_features], x.dtype)
             return F.linear(x, w)
         if self.kernel == "torch":
             flat = x.reshape(-1, self.in_features)
@@ -195,7 +198,7 @@ class QuantizedEmbedding(_Quantized):
         *,
         padding_idx: int | None = None,
         dtype: torch.dtype = torch.float32,
-        device: Any = None,
+        device: Device = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -322,8 +325,8 @@ def fitting(
 
 
 def _replacement(m: nn.Module, scheme: QuantScheme, dtype: torch.dtype, kernel: str) -> _Quantized:
-    device = m.weight.device
     if isinstance(m, nn.Linear):
+        device = m.weight.device
         new: _Quantized = QuantizedLinear(
             m.in_features,
             m.out_features,
@@ -338,6 +341,7 @@ def _replacement(m: nn.Module, scheme: QuantScheme, dtype: torch.dtype, kernel: 
                 new.bias.copy_(m.bias)  # type: ignore[operator]
         return new
     assert isinstance(m, nn.Embedding)
+    device = m.weight.device
     return QuantizedEmbedding(
         m.num_embeddings,
         m.embedding_dim,

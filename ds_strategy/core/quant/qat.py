@@ -17,8 +17,6 @@ built over it): only the module around it changes.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -72,7 +70,7 @@ def _torchao(m: nn.Module, scheme: QuantScheme) -> nn.Module | None:
     except ImportError:
         return None
     dtype = torch.int8 if scheme.bits == 8 else torch.int4  # type: ignore[attr-defined]
-    config: Any
+    config: IntxFakeQuantizeConfig
     if scheme.bits == 8:
         config = IntxFakeQuantizeConfig(dtype, "per_channel", is_symmetric=True)
     else:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
@@ -218,10 +217,10 @@ class TensorParallel:
         def count(t: torch.Tensor) -> None:
             self.comm.record("all_reduce", factor * t.numel() * t.element_size())
 
-        def after_rowwise(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        def after_rowwise(module: nn.Module, args: tuple[object, ...], out: torch.Tensor) -> None:
             count(out)
 
-        def before_colwise(module: nn.Module, args: Any) -> None:
+        def before_colwise(module: nn.Module, args: tuple[object, ...]) -> None:
             x = args[0] if args else None
             if torch.is_grad_enabled() and torch.is_tensor(x) and x.requires_grad:
                 x.register_hook(lambda g: count(g))
@@ -239,7 +238,8 @@ class TensorParallel:
         for name, style in self.plan.items():
             parent = model.get_submodule(name.rpartition(".")[0])
             if style == "colwise_qkv" and hasattr(parent, "split_size"):
-                parent.split_size //= self.size
+                # an int (GPT-2's), which nn.Module's attribute typing cannot name
+                parent.split_size //= self.size  # type: ignore[operator, assignment]
 
     def _localize(
         self, module: nn.Module, mod_name: str, attr: str, p: DTensor, chunks: int
@@ -299,6 +299,7 @@ class TensorParallel:
                 stride=info.stride,
             ).full_tensor()
             if info.chunks > 1:  # the blocks back in their original order
+                assert info.dim is not None  # a fused layer is split (chunks > 1 needs a dim)
                 full = _uninterleave(full, info.dim, info.chunks, self.size)
             out[info.name] = full
         return out

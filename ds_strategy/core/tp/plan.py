@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Protocol, TypeGuard
 
 import torch
 from torch import nn
@@ -46,7 +47,15 @@ _GPT2_ATTENTION = {"c_attn": "colwise_qkv", "c_proj": "rowwise"}
 _GPT2_MLP = {"c_fc": "colwise", "c_proj": "rowwise"}
 
 
-def is_conv1d(module: nn.Module | None) -> bool:
+class Conv1DLike(Protocol):
+    """GPT-2's ``Conv1D``: a linear layer whose weight is stored (in, out)."""
+
+    nx: int  # in features
+    nf: int  # out features
+    weight: torch.Tensor
+
+
+def is_conv1d(module: nn.Module | None) -> TypeGuard[Conv1DLike]:
     """GPT-2's ``Conv1D`` (transformers.pytorch_utils), known by its shape, not imported: a
     linear layer whose weight is (in features ``nx``, out features ``nf``)."""
     weight = getattr(module, "weight", None)
@@ -62,7 +71,7 @@ def _features(module: nn.Module | None) -> tuple[int, int] | None:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if is_conv1d(module):
-        return int(module.nx), int(module.nf)  # type: ignore[union-attr]
+        return int(module.nx), int(module.nf)
     return None
 
 

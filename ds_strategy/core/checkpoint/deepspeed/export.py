@@ -47,34 +47,40 @@ def _foreign(module: str, name: str, base: type = object) -> type:
     return type(name, (base,), {"__module__": module, "__qualname__": name, "_foreign": True})
 
 
+class _Stage(int):
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        return (type(self), (int(self),))  # as an Enum member pickles
+
+
 LossScaler = _foreign("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 DynamicLossScaler = _foreign("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
-ZeroStageEnum = _foreign("deepspeed.runtime.zero.config", "ZeroStageEnum", int)
-ZeroStageEnum.__reduce__ = lambda self: (type(self), (int(self),))  # as an Enum member pickles
+ZeroStageEnum = _foreign("deepspeed.runtime.zero.config", "ZeroStageEnum", _Stage)
 FragmentAddress = _foreign("deepspeed.utils.tensor_fragment", "fragment_address")
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+class _Pickler(pickle._Pickler):
     """Writes a :func:`_foreign` class as a reference to DeepSpeed's, which it need not import."""
 
-    def save_global(self, obj: Any, name: str | None = None) -> None:
+    # typeshed leaves out the pure-Python pickler's write, memoize and save_global
+    def save_global(self, obj: object, name: str | None = None) -> None:
         if getattr(obj, "_foreign", False) and isinstance(obj, type):
-            self.write(pickle.GLOBAL + f"{obj.__module__}\n{obj.__qualname__}\n".encode())
-            self.memoize(obj)
+            message = f"{obj.__module__}\n{obj.__qualname__}\n".encode()
+            self.write(pickle.GLOBAL + message)  # type: ignore[attr-defined]
+            self.memoize(obj)  # type: ignore[attr-defined]
             return
-        super().save_global(obj, name)
+        super().save_global(obj, name)  # type: ignore[misc]
 
 
 _PICKLE = types.SimpleNamespace(Pickler=_Pickler, __name__="pickle")
 
 
-def _record(cls: type, **attrs: Any) -> Any:
-    obj = object.__new__(cls)
+def _record(cls: type, **attrs: object) -> object:
+    obj: object = object.__new__(cls)
     obj.__dict__.update(attrs)
     return obj
 
 
-def _save(obj: Any, path: Path) -> None:
+def _save(obj: object, path: Path) -> None:
     torch.save(obj, path, pickle_module=_PICKLE, _use_new_zipfile_serialization=True)
 
 
@@ -212,7 +218,9 @@ def _ds_config(saved: SavedCheckpoint, world: int, stage: int) -> dict[str, Any]
 
 def _write_ranks(job: _Export, tmp: Path) -> None:
     plan = (_parts3 if job.stage == 3 else _parts12)(job.groups, job.saved.shapes, job.world)
-    model_state = _model_state(job)
+    buffers = job.saved.buffers()
+    module = {n: job.saved.weight(n).to(job.dtype) for n in job.saved.shapes} | buffers
+    model_state = _model_state(job, module, list(buffers))
     prefix = "bf16_" if job.dtype == torch.bfloat16 else ""
     for rank in range(job.world):
         optim = _optimizer_state(job, plan, rank)
@@ -224,24 +232,24 @@ def _write_ranks(job: _Export, tmp: Path) -> None:
         _save(body, tmp / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         if job.stage == 3:
             _save(
-                _stage3_model_state(job, model_state, rank),
+                _stage3_model_state(job, model_state, module, set(buffers), rank),
                 tmp / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
             )
     if job.stage < 3:
         _save(model_state, tmp / "mp_rank_00_model_states.pt")
 
 
-def _model_state(job: _Export) -> dict[str, Any]:
+def _model_state(
+    job: _Export, module: dict[str, torch.Tensor], buffers: list[str]
+) -> dict[str, object]:
     """``mp_rank_00_model_states.pt`` (stage 3: each rank's, with empty parameters)."""
     saved, steps = job.saved, int(job.saved.engine_state["global_steps"])
-    buffers = saved.buffers()
-    module = {n: saved.weight(n).to(job.dtype) for n in saved.shapes} | buffers
     frozen = job.frozen
     micro = job.config.get("train_micro_batch_size_per_gpu")
     accumulation = job.config.get("gradient_accumulation_steps")
-    state = {
+    state: dict[str, object] = {
         "module": module,
-        "buffer_names": list(buffers),
+        "buffer_names": buffers,
         "optimizer": None,
         "param_shapes": [job.shapes(g) for g in job.groups],
         "frozen_param_shapes": job.shapes(frozen),
@@ -272,39 +280,48 @@ def _model_state(job: _Export) -> dict[str, Any]:
     return state
 
 
-def _stage3_model_state(job: _Export, state: dict[str, Any], rank: int) -> dict[str, Any]:
-    buffers = set(state["buffer_names"])
-    module = {
-        n: t if n in buffers else torch.empty(0, dtype=t.dtype) for n, t in state["module"].items()
-    }
-    fragments = OrderedDict()
+def _stage3_model_state(
+    job: _Export,
+    state: dict[str, object],
+    full: dict[str, torch.Tensor],
+    buffers: set[str],
+    rank: int,
+) -> dict[str, object]:
+    module = {n: t if n in buffers else torch.empty(0, dtype=t.dtype) for n, t in full.items()}
+    fragments: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name in job.frozen:
-        flat = state["module"][name].reshape(-1)
+        flat = full[name].reshape(-1)
         part = math.ceil(flat.numel() / job.world)
         piece = flat[rank * part : (rank + 1) * part]
         fragments[name] = torch.cat([piece, piece.new_zeros(part - piece.numel())])
     return {**state, "module": module, "frozen_param_fragments": fragments}
 
 
-def _scheduler_state(job: _Export) -> Any:
+def _scheduler_state(job: _Export) -> dict[str, object] | None:
     """Ours as DeepSpeed keeps it (the inverse of ``core/schedulers.load_scheduler_state``)."""
     state = job.saved.engine_state.get("lr_scheduler")
     kind = (job.config.get("scheduler") or {}).get("type")
     if state is None or kind not in _DEEPSPEED_SCHEDULES:
         return state  # a torch scheduler's own state_dict, which it loads as it is
-    step = int(state["last_epoch"])
+    last_epoch = state["last_epoch"]
+    if not isinstance(last_epoch, (int, float)):
+        raise CheckpointError(f"{job.saved.path}: the lr scheduler's last_epoch is not a number")
+    step = int(last_epoch)
     return {"last_batch_iteration": step - 1 if kind in ("OneCycle", "LRRangeTest") else step}
 
 
 def _optimizer_state(
     job: _Export, plan: list[tuple[int, list[list[_Part]]]], rank: int
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Rank ``rank``'s ``optimizer_state_dict``: its fp32 partitions and optimizer state."""
-    flats, states, mappings, steps = [], {}, [], 0
+    flats: list[torch.Tensor] = []
+    states: dict[int, dict[str, object]] = {}
+    mappings: list[OrderedDict[str, object]] = []
+    steps = 0
     for g, (size, ranks) in enumerate(plan):
         fp32 = torch.zeros(size)
         moments: dict[str, torch.Tensor] = {}
-        mapping = OrderedDict()
+        mapping: OrderedDict[str, object] = OrderedDict()
         for part in ranks[rank]:
             end = part.offset + part.length
             fp32[part.offset : end] = job.saved.weight(part.name).reshape(-1)[
@@ -323,10 +340,9 @@ def _optimizer_state(
         states[g] = {"step": steps, **moments}
         mappings.append(mapping)
     base = {"state": states, "param_groups": _param_groups(job)}
-    scaler = _loss_scaler(job)
     common = {
-        "loss_scaler": scaler,
-        "dynamic_loss_scale": scaler.dynamic,
+        "loss_scaler": _loss_scaler(job),
+        "dynamic_loss_scale": _dynamic_scale(job),
         "overflow": False,
         "zero_stage": ZeroStageEnum(job.stage),
     }
@@ -357,13 +373,13 @@ def _optimizer_state(
     }
 
 
-def _param_groups(job: _Export) -> list[dict[str, Any]]:
+def _param_groups(job: _Export) -> list[dict[str, object]]:
     """The saved groups' hyper-parameters, named as the optimizer DeepSpeed builds has them:
     its Adam's from an Adam/AdamW section; otherwise as saved (a torch optimizer's)."""
     kind = str((job.config.get("optimizer") or {}).get("type", "")).lower()
-    out = []
+    out: list[dict[str, object]] = []
     for i, g in enumerate(job.saved.param_groups):
-        hyper = {k: v for k, v in g.items() if k != "param_names"}
+        hyper: dict[str, object] = {k: v for k, v in g.items() if k != "param_names"}
         if kind in ("adam", "adamw"):
             hyper = {
                 "lr": g["lr"],
@@ -376,7 +392,12 @@ def _param_groups(job: _Export) -> list[dict[str, Any]]:
     return out
 
 
-def _loss_scaler(job: _Export) -> Any:
+def _dynamic_scale(job: _Export) -> bool:
+    state = job.saved.engine_state.get("loss_scaler")
+    return bool(state and state.get("dynamic"))  # as _loss_scaler's record says
+
+
+def _loss_scaler(job: _Export) -> object:
     """DeepSpeed's loss scaler with our scaler's state (the inverse of ``load.py``'s)."""
     state = job.saved.engine_state.get("loss_scaler")
     if not state or not state.get("dynamic"):
@@ -409,11 +430,25 @@ def convert(
     trust_checkpoint: bool = False,
     require_checksums: bool = True,
 ) -> Path:
-    """Write our checkpoint ``src`` in another library's layout under ``dst``; returns the
-    directory written. ``to="deepspeed"``: DeepSpeed's ``global_step<N>/`` and ``latest`` for
-    ``world_size`` data-parallel ranks at ZeRO ``stage``, which DeepSpeed's
-    ``engine.load_checkpoint(dst)`` resumes from (weights, Adam moments and steps, param
-    groups, lr-scheduler position, loss scale, counters, client state).
+    """Write our checkpoint ``src`` in another library's layout under ``dst``.
+
+    ``to="deepspeed"`` writes DeepSpeed's ``global_step<N>/`` and ``latest``, for
+    ``world_size`` data-parallel ranks at ZeRO ``stage``. DeepSpeed's
+    ``engine.load_checkpoint(dst)`` resumes from it. It holds the weights, Adam moments and
+    steps, param groups, lr-scheduler position, loss scale, counters and client state.
+
+    Args:
+        src: our checkpoint: a directory, or a root and its ``latest`` (or ``tag``).
+        dst: the directory to write under.
+        to: the layout to write; ``"deepspeed"`` is the one there is.
+        world_size: the data-parallel ranks the written checkpoint is for.
+        stage: the ZeRO stage (0-3) the written checkpoint is for.
+        tag: a tag under the root, other than the one its ``latest`` names.
+        trust_checkpoint: load pickled objects in ``src`` other than plain data.
+        require_checksums: refuse a checkpoint that records no checksums.
+
+    Returns:
+        The directory written, ``dst/global_step<N>``.
 
     >>> ds_strategy.convert("ckpt", "ds_ckpt", to="deepspeed", world_size=8, stage=3)  # doctest: +SKIP
     """

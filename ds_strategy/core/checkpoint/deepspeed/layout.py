@@ -194,7 +194,7 @@ class DeepSpeedCheckpoint:
         return torch.cat(parts)[: shape.numel()].view(shape)
 
     @property
-    def client_state(self) -> dict[str, Any]:
+    def client_state(self) -> dict[str, object]:
         return {k: v for k, v in self.model_state.items() if k not in _OWN_KEYS}
 
     @property
@@ -242,7 +242,7 @@ class DeepSpeedCheckpoint:
             return []
         return [k for k, v in first.items() if torch.is_tensor(v) and v.shape == flats[0].shape]
 
-    def scalar_state(self) -> dict[str, Any]:
+    def scalar_state(self) -> dict[str, object]:
         """The optimizer's other state of group 0 (``step``), the same for every group."""
         state = self.base_optimizer(0)["state"]
         first = state[min(state)] if state else {}

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...faults import together
+from ..records import ScalerState
 from ..seam import CheckpointedEngine, ShardedState
 from ..validate import CheckpointError
 from .layout import DeepSpeedCheckpoint
@@ -25,7 +26,7 @@ __all__ = ["load_deepspeed"]
 
 def load_deepspeed(
     engine: CheckpointedEngine, ckpt: DeepSpeedCheckpoint, load_optimizer: bool = True
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Restore ``engine`` from ``ckpt``; returns its client state (every top-level key of
     DeepSpeed's model-states file that is not DeepSpeed's own)."""
     shards = engine.checkpoint_shards()
@@ -80,8 +81,8 @@ def _put(engine: CheckpointedEngine, base: torch.Tensor, offset: int, values: to
     or in its swap file (NVMe offload)."""
     files = engine.checkpoint_io
     where = files.find(base, offset, values.numel()) if files is not None else None
-    if where is not None:
-        files.write(where, values.to(base.dtype))  # type: ignore[union-attr]
+    if files is not None and where is not None:
+        files.write(where, values.to(base.dtype))
     else:
         base[offset : offset + values.numel()].copy_(values)
 
@@ -150,7 +151,7 @@ def _like(current: Any, value: Any, ckpt: DeepSpeedCheckpoint, key: str) -> Any:
         ) from None
 
 
-def _engine_state(engine: CheckpointedEngine, ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
+def _engine_state(engine: CheckpointedEngine, ckpt: DeepSpeedCheckpoint) -> dict[str, object]:
     gas = ckpt.ds_config.get("gradient_accumulation_steps")
     gas = gas if isinstance(gas, int) else engine.config.gradient_accumulation_steps
     steps = ckpt.global_steps
@@ -159,15 +160,17 @@ def _engine_state(engine: CheckpointedEngine, ckpt: DeepSpeedCheckpoint) -> dict
         "micro_steps": steps * (gas if isinstance(gas, int) else 1),
         "skipped_steps": ckpt.skipped_steps,
         "lr_scheduler": ckpt.model_state.get("lr_scheduler") or None,  # see the module note
-        "loss_scaler": _loss_scaler(ckpt) if ckpt.loss_scaler is not None else None,
+        "loss_scaler": _loss_scaler(ckpt, scaler)
+        if (scaler := ckpt.loss_scaler) is not None
+        else None,
     }
 
 
-def _loss_scaler(ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
-    """DeepSpeed's loss-scaler attributes as ``LossScaler``'s state; a record without them, or
-    with values of another kind, is an error naming rank 0's file."""
+def _loss_scaler(ckpt: DeepSpeedCheckpoint, scaler: LossScalerState) -> ScalerState:
+    """DeepSpeed's loss-scaler attributes (``scaler``, of ``ckpt``) as ``LossScaler``'s state;
+    a record without them, or with values of another kind, is an error naming rank 0's file."""
     try:
-        return _scaler_state(ckpt.loss_scaler)  # type: ignore[arg-type]
+        return _scaler_state(scaler)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         where = ckpt.optim_paths[0] if ckpt.optim_paths else ckpt.directory
         raise CheckpointError(
@@ -176,20 +179,22 @@ def _loss_scaler(ckpt: DeepSpeedCheckpoint) -> dict[str, Any]:
         ) from None
 
 
-def _scaler_state(s: LossScalerState) -> dict[str, Any]:
+def _scaler_state(s: LossScalerState) -> ScalerState:
     state = vars(s)
-    out: dict[str, Any] = {
+    out: ScalerState = {
         "scale": float(state["cur_scale"]),
         "dynamic": bool(state.get("dynamic", False)),
     }
     if out["dynamic"]:
         out.update(
-            window=int(state["scale_window"]),
-            hysteresis=int(state["delayed_shift"]),
-            consecutive_hysteresis=bool(state["consecutive_hysteresis"]),
-            min_scale=float(state["min_scale"]),
-            iteration=int(state["cur_iter"]),
-            last_overflow=int(state["last_overflow_iter"]),
-            hysteresis_left=int(state["cur_hysteresis"]),
+            {
+                "window": int(state["scale_window"]),
+                "hysteresis": int(state["delayed_shift"]),
+                "consecutive_hysteresis": bool(state["consecutive_hysteresis"]),
+                "min_scale": float(state["min_scale"]),
+                "iteration": int(state["cur_iter"]),
+                "last_overflow": int(state["last_overflow_iter"]),
+                "hysteresis_left": int(state["cur_hysteresis"]),
+            }
         )
     return out

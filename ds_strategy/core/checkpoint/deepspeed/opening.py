@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
+from collections.abc import Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,10 @@ def model_state(tag_dir: Path, trust_checkpoint: bool = False) -> dict[str, Any]
     what needs no partition: no optimizer file is read."""
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if (tag_dir / name).is_file():
-            return load_pickle(tag_dir / name, trust_checkpoint)
+            state = load_pickle(tag_dir / name, trust_checkpoint)
+            if not isinstance(state, dict):
+                raise _damaged(tag_dir / name, "it holds no model state (not a model-states file)")
+            return state
     raise CheckpointError(f"{tag_dir}: no mp_rank_00 model-states file")
 
 
@@ -97,7 +101,7 @@ def _mp_rank(name: str) -> int | None:
 
 
 def _rank_files(
-    tag_dir: Path, files: dict[str, Path], pattern: re.Pattern, what: str
+    tag_dir: Path, files: dict[str, Path], pattern: re.Pattern[str], what: str
 ) -> list[Path]:
     by_rank: dict[int, Path] = {}
     for name, path in sorted(files.items()):
@@ -137,7 +141,7 @@ class _Short(reprlib.Repr):
     """A value in an error message, cut short; a huge integer as its size, since printing one
     of over 4,300 digits raises."""
 
-    def repr1(self, x: Any, level: int) -> str:
+    def repr1(self, x: object, level: int) -> str:
         if isinstance(x, int) and not isinstance(x, bool):  # ZeroStage too
             return f"<an integer of {x.bit_length()} bits>" if x.bit_length() > 64 else str(int(x))
         return super().repr1(x, level)
@@ -153,13 +157,13 @@ def _damaged(where: Path, what: str) -> CheckpointError:
     )
 
 
-def _int(value: Any, what: str, where: Path, low: int = 0, high: int = _MAX_INT) -> int:
+def _int(value: object, what: str, where: Path, low: int = 0, high: int = _MAX_INT) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise _damaged(where, f"{what} is {_SHORT.repr(value)}, not an integer {low}-{high}")
     return int(value)
 
 
-def _numel(shape: Any, what: str, where: Path) -> int:
+def _numel(shape: object, what: str, where: Path) -> int:
     """The element count of a declared ``shape``: a few sizes, each an integer >= 0."""
     if (
         not isinstance(shape, (list, tuple))
@@ -277,7 +281,7 @@ def _check_declared(ckpt: DeepSpeedCheckpoint) -> None:
     _check_frozen(ckpt)
 
 
-def _paddings(ckpt: DeepSpeedCheckpoint, counted: list[dict[str, int]]) -> list[list[int]]:
+def _paddings(ckpt: DeepSpeedCheckpoint, counted: Sequence[Sized]) -> list[list[int]]:
     where, found = ckpt.optim_paths[0], ckpt.optim[0].get("param_alignment_paddings")
     if not found:
         return [[0] * len(c) for c in counted]
@@ -343,7 +347,7 @@ def _element_keys(ckpt: DeepSpeedCheckpoint) -> list[str]:
 def _segments12(ckpt: DeepSpeedCheckpoint) -> dict[str, tuple[Segment, ...]]:
     """Stages 0-2: each group is flattened whole, then cut into equal partitions, one per rank;
     a parameter's segments are bounded by the ranks (``_check_declared`` came first)."""
-    paddings = _paddings(ckpt, [dict.fromkeys(g) for g in ckpt.groups])
+    paddings = _paddings(ckpt, ckpt.groups)
     out: dict[str, tuple[Segment, ...]] = {}
     base = 0  # where group g starts in a rank's groups laid end to end
     sizes = [t.numel() for t in ckpt.flat(0)]

@@ -6,7 +6,7 @@ an export to another layout reads (``export.py``)."""
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, EntryKey
 from ..pinned import PinnedCheckpoint
+from ..records import EngineRecord
 from ..store import single_process_ok
 from ..trust import SafeReader, unpack
 from ..validate import CheckpointError, check_files
@@ -52,25 +53,33 @@ class SavedCheckpoint:
             )
         return out
 
-    def packed(self, name: str) -> Any:
+    def packed(self, name: str) -> object:
         return unpack(self.read(name), f"{self.path}: '{name}'", self.trust)
 
     @cached_property
-    def engine_state(self) -> dict[str, Any]:
-        return self.packed(ENGINE)
+    def engine_state(self) -> EngineRecord:
+        state = self.packed(ENGINE)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{self.path}: its '{ENGINE}' entry is not a record")
+        # unpickled as a plain dict: the record collect.py packed
+        return cast(EngineRecord, state)
 
     @cached_property
-    def client_state(self) -> Any:
+    def client_state(self) -> object:
         return self.packed(CLIENT_STATE)
 
     @cached_property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups, each a torch param group (``param_names`` for
+        ``params``)."""
         if OPTIMIZER_GROUPS not in self.tensors:
             raise CheckpointError(
                 f"{self.path}: saved without optimizer state (include_optimizer=False), which "
                 "a resumable export needs"
             )
         groups = self.packed(OPTIMIZER_GROUPS)
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(f"{self.path}: '{OPTIMIZER_GROUPS}' is not a list of groups")
         names = list(self.shapes)
         if len(groups) == 1 and "param_names" not in groups[0]:  # saved before groups were named
             groups[0]["param_names"] = [n for n in names if self.has_optimizer_state(n)]

@@ -29,7 +29,6 @@ import pickle
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -69,7 +68,7 @@ RECORDS: dict[str, type] = {
 class _Unpickler(pickle.Unpickler):
     """For a trusted file: DeepSpeed's classes as records, anything else as pickle finds it."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:  # a class or function
         record = RECORDS.get(f"{module}.{name}")
         return record if record is not None else super().find_class(module, name)
 
@@ -77,7 +76,7 @@ class _Unpickler(pickle.Unpickler):
 _TRUSTED = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="pickle")
 
 
-def load_pickle(path: Path, trust_checkpoint: bool = False, mmap: bool = True) -> Any:
+def load_pickle(path: Path, trust_checkpoint: bool = False, mmap: bool = True) -> object:
     """The object ``torch.save`` wrote at ``path`` (tensors memory-mapped with ``mmap``), each
     of its tensors checked against the bytes stored for it (see [Note: a tensor holds no more
     than its file stores])."""
@@ -87,7 +86,7 @@ def load_pickle(path: Path, trust_checkpoint: bool = False, mmap: bool = True) -
     return obj
 
 
-def _load(path: Path, trust_checkpoint: bool, mmap: bool) -> Any:
+def _load(path: Path, trust_checkpoint: bool, mmap: bool) -> object:
     try:
         if trust_checkpoint:
             return torch.load(
@@ -113,11 +112,11 @@ def _load(path: Path, trust_checkpoint: bool, mmap: bool) -> Any:
         ) from None
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
     """Every tensor in ``obj``'s containers and records, each once (a pickle may share or
     nest them, even in a cycle)."""
     seen: set[int] = set()
-    todo = [obj]
+    todo: list[object] = [obj]
     while todo:
         x = todo.pop()
         if isinstance(x, (str, bytes, int, float)) or x is None or id(x) in seen:

@@ -130,7 +130,7 @@ class TensorParallelCheckpoint(DeepSpeedCheckpoint):
         return 1 if self._matches("parameter_with_row_parallelism_patterns", name) else 0
 
     @cached_property
-    def shapes(self) -> dict[str, torch.Size]:  # type: ignore[override]
+    def shapes(self) -> dict[str, torch.Size]:
         out = {}
         for name, shape in self.parts[0].shapes.items():
             dim = self.split_dim(name)
