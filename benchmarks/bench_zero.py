@@ -6,6 +6,7 @@
     python benchmarks/bench_zero.py --engines ddp zero1 zero1-bf16 zero2 zero2-bf16 zero3 zero3-bf16
     python benchmarks/bench_zero.py --world 1 --device cuda   # on a GPU
     python benchmarks/bench_zero.py --plot docs/images        # and draw the two tables
+    python benchmarks/bench_zero.py --json run.json           # and every reading, exact bytes
 
 Prints two tables. Memory: per-rank model state (counted from live tensors, activations
 excluded) after forward, inside backward (the worst of every gradient hook and block
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import json
 import os
 import queue as queue_mod
 import socket
@@ -278,6 +280,9 @@ def main() -> None:
         help="give DDP and FSDP2 torch's fused AdamW too (isolates the sharding engine)",
     )
     ap.add_argument("--plot", type=Path, help="also draw the tables as PNGs into this directory")
+    ap.add_argument(
+        "--json", type=Path, help="also write every reading (bytes, seconds) to this JSON file"
+    )
     args = ap.parse_args()
     if args.plot is not None:
         from ds_strategy.cli.plot import new_figure
@@ -317,6 +322,10 @@ def main() -> None:
     if args.plot is not None:
         for path in plot_rows(rows, psi, args.world, args.plot):
             print(f"wrote {path}")
+    if args.json is not None:  # exact bytes, to compare two builds reading for reading
+        readings = {name: {"step_s": t, "memory": mem, "sent": s} for name, t, mem, s in rows}
+        args.json.write_text(json.dumps({"psi": psi, "engines": readings}, indent=1))
+        print(f"wrote {args.json}")
 
 
 def print_memory(rows: list, psi: int, world: int) -> None:
