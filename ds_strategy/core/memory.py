@@ -9,9 +9,9 @@ ZeRO-3's parameters exist only while gathered; mixed precision adds an fp32 copy
 gradient shard during the optimizer step. A figure taken once, after the step, sees none of
 it. The meter is told of every such buffer by the object that holds it (a ``Held``, or a
 ``CountedBuffer`` for one tensor): its bytes are counted when taken and uncounted when
-dropped, never paired by hand. The probe counts live tensors after forward, inside backward (at every parameter's gradient
-hook), after backward, inside the optimizer step and after it, so the two can be checked
-against each other and against the ZeRO formulas.
+dropped, never paired by hand. The probe counts live tensors after forward, inside
+backward (at every parameter's gradient hook), after backward, inside the optimizer step
+and after it, so the two can be checked against each other and against the ZeRO formulas.
 """
 
 from __future__ import annotations
@@ -158,15 +158,6 @@ class Held:
         """
         self.nbytes += int(nbytes)
         self.meter.alloc(nbytes)
-
-    def take_over(self, other: Held) -> None:
-        """Make ``other``'s bytes this owner's; they stay counted, so no event is recorded.
-
-        Args:
-            other: the owner handing its bytes over; it holds none after.
-        """
-        self.nbytes += other.nbytes
-        other.nbytes = 0
 
     def drop(self) -> None:
         """Uncount every byte taken, in one event, and hold none."""

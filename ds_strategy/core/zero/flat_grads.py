@@ -7,7 +7,8 @@ FullGrads      0, 1    the flat buffer autograd accumulates into, reduced at the
                        boundary (stage 0 all-reduces it, stage 1 reduce-scatters it)
 ShardedGrads   2, 3    a full-size bucket per backward, reduce-scattered into this
                        rank's gradient shard (allocated at the first reduction; in a
-                       file between reductions under NVMe optimizer offload)
+                       file between reductions under NVMe optimizer offload;
+                       in ``sharded_grads.py``)
 =============  ======  ===============================================================
 
 A frozen group has no gradient half. Whichever class a group has, it never asks which stage
