@@ -8,20 +8,22 @@ them; :class:`RankPools` holds one pool per world size used, for the session (se
 whether its ranks are new.
 
 [Note: isolation between tests]
-Each test gets a new default process group (a new store on a free port, destroyed afterwards
-with every sub-group made on it), the parent's environment and working directory as they are
-when the test calls, the random generators as a new process has them, torch's thread count,
-default dtype and grad mode reset, warning filters restored (and the "already shown" registries
-invalidated, so a warning shows as it would in a new process), and any function of
-``torch.distributed``, ``os``, ``shutil`` or a ``ds_strategy`` module that the test replaced
-put back; Accelerate's singletons and torch's DTensor caches (which hold an earlier test's
-device mesh) are cleared. What cannot be put back makes the pool start again for the next
-test: a rank that raised while another did not finish, a rank that died (``os._exit``, a
-signal), a timeout, or a thread the test left running. A test that needs what only a new
-process has (an environment variable read at start-up, such as glibc's ``MALLOC_*``, or a peak
-RSS from a clean heap) says so: ``run_ranks(..., fresh=True)`` runs it on a pool of its own,
-started for that call, and the test is marked ``launcher``. At the end of a run pytest
-prints how often each pool's ranks were started and after which tests.
+Each test gets a new default process group (destroyed afterwards with every sub-group made on it),
+rendezvoused under a prefix of its own through one store the test process hosts for all its pools:
+a new store per test, on rank 0, cost up to 0.7 s whenever a rank knocked before it was up, and
+``MASTER_PORT`` still names a free port for a test that starts a group of its own. It also gets the
+parent's environment and working directory as they are when the test calls, the random generators
+as a new process has them, torch's thread count, default dtype and grad mode reset, warning filters
+restored (and the "already shown" registries invalidated, so a warning shows as it would in a new
+process), and any function of ``torch.distributed``, ``os``, ``shutil`` or a ``ds_strategy`` module
+that the test replaced put back; Accelerate's singletons and torch's DTensor caches (which hold an
+earlier test's device mesh) are cleared. What cannot be put back makes the pool start again for the
+next test: a rank that raised while another did not finish, a rank that died (``os._exit``, a
+signal), a timeout, or a thread the test left running. A test that needs what only a new process
+has (an environment variable read at start-up, such as glibc's ``MALLOC_*``, or a peak RSS from a
+clean heap) says so: ``run_ranks(..., fresh=True)`` runs it on a pool of its own, started for that
+call, and the test is marked ``launcher``. At the end of a run pytest prints how often each pool's
+ranks were started and after which tests.
 
 [Note: starting ranks]
 A new Python process that imports torch and the package takes 3 s of CPU on these cores. The
@@ -51,6 +53,7 @@ import ctypes
 import datetime
 import gc
 import io
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -196,14 +199,16 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _call(task: dict[str, Any], rank: int, world: int) -> tuple[str, bytes]:
-    """One test's function on this rank in a new process group: ("ok", the result saved by
-    ``torch.save``) or ("error", the exception and its traceback)."""
+def _call(task: dict[str, Any], rank: int, world: int, store: Any) -> tuple[str, bytes]:
+    """One test's function on this rank in a new process group, rendezvoused through the
+    pool's ``store`` under the task's own prefix: ("ok", the result saved by ``torch.save``)
+    or ("error", the exception and its traceback)."""
     import torch.distributed as dist
 
     try:
         dist.init_process_group(
             "gloo",
+            store=dist.PrefixStore(f"task{task['id']}/", store),
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=task["pg_timeout"]),
@@ -219,7 +224,7 @@ def _call(task: dict[str, Any], rank: int, world: int) -> tuple[str, bytes]:
         return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}".encode()
 
 
-def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
+def _serve(rank: int, world: int, inbox: Any, outbox: Any, store: tuple[int, str]) -> None:
     """A rank's loop: run tasks until told to stop (``None``) or killed. Each task reports
     twice: its outcome as soon as the function is done (before this rank's teardown can
     disturb the others, so the first failure reported is the cause), then what teardown
@@ -240,6 +245,10 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
         import numpy
 
         numpy.random.seed()
+    # this start's part of the test process's store (see [Note: isolation between tests])
+    port, prefix = store
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_STORE_TIMEOUT)
+    pool_store = dist.PrefixStore(prefix, client)
     outbox.put((0, rank, "ready", None))  # (and the queue's feeder thread is part of the baseline)
     baseline = _Baseline()
     # What a new rank holds (torch and the package, imported: most of its objects) is kept out
@@ -268,7 +277,7 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
         baseline.reset(env, task["cwd"])
         functions = _module_functions()
         with warnings.catch_warnings():  # entering invalidates the "already shown" registries
-            outbox.put((task["id"], rank, "report", _call(task, rank, world)))
+            outbox.put((task["id"], rank, "report", _call(task, rank, world, pool_store)))
         if dist.is_initialized():  # with every sub-group made on it
             dist.destroy_process_group()
         _restore_functions(functions)
@@ -286,6 +295,25 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any) -> None:
 
 
 # -- in the test process --------------------------------------------------------------------------
+
+
+_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+_STORE: list[Any] = []
+_STARTS = itertools.count()
+
+
+def _parent_store() -> Any:
+    """The store every pool of this test process rendezvouses through, hosted here (bound
+    before any rank starts, so no rank knocks on a port nobody listens on yet)."""
+    import torch.distributed as dist
+
+    if not _STORE:
+        _STORE.append(
+            dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
+            )
+        )
+    return _STORE[0]
 
 
 class RankPool:
@@ -315,9 +343,11 @@ class RankPool:
         ctx = mp.get_context("spawn") if self.fresh else fork_context()
         self._outbox = ctx.Queue()
         self._procs, self._inboxes = [], []
+        store = (_parent_store().port, f"start{next(_STARTS)}/")  # never reused
         for r in range(self.world):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_serve, args=(r, self.world, reader, self._outbox))
+            args = (r, self.world, reader, self._outbox, store)
+            proc = ctx.Process(target=_serve, args=args)
             proc.daemon = True
             proc.start()
             reader.close()
