@@ -1,5 +1,5 @@
 """What the compression tests share: a byte counter wrapped around ``torch.distributed``, and
-300 steps of the demo GPT on a fixed text (``tests/data/corpus.txt``)."""
+300 steps (or fewer) of the demo GPT on a fixed text (``tests/data/corpus.txt``)."""
 
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ def corpus_losses(
     zero: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     seed: int = 0,
+    steps: int = CORPUS_STEPS,
 ) -> list[float]:
-    """The demo GPT on the characters of ``CORPUS``, 8 sequences a step
-    over the ranks, ZeRO ``stage``, ``gradient_clipping`` ``clip``; the mean loss of each of the last 20 of 300 steps.
+    """The demo GPT on the characters of ``CORPUS``, 8 sequences a step over the ranks, ZeRO
+    ``stage``, ``gradient_clipping`` ``clip``; the mean loss of each of the last 20 of ``steps``
+    steps.
     ``optimizer``: ``"sgd"`` (momentum 0.9), ``"adamw"``, or a config ``optimizer`` section;
     ``zero``: more ``zero_optimization`` keys; ``extra``: more top-level sections; ``seed``:
     the model's initialisation."""
@@ -80,7 +82,7 @@ def corpus_losses(
     order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(1))
     per = 8 // world
     losses = []
-    for step in range(CORPUS_STEPS):
+    for step in range(steps):
         rows = order[(step * 8 + rank * per) % len(order) :][:per]
         batch = torch.stack([corpus[int(i)] for i in rows])
         logits = engine(batch[:, :-1])

@@ -3,7 +3,7 @@ secondary shards keep backward's (and later micro-batches') all-gathers inside t
 training stays exact, the secondary copy is counted while it lives. hpZ + qwZ + qgZ: the
 inter-machine traffic of stage 3 falls below a quarter of plain stage 3's (by
 ``comm_report()`` and by a counter around ``torch.distributed``), qgZ's reduce-scatter stays
-within its error bound, and the demo GPT trains 300 steps to within 3% of plain stage 3."""
+within its error bound, and the demo GPT trains 150 steps to within 3% of plain stage 3."""
 
 from __future__ import annotations
 
@@ -185,8 +185,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list[Any]]:
         "bad": (_bad, ()),
         ("reduce", False): (_reduce, (False,)),
         ("reduce", True): (_reduce, (True,)),
-        ("gpt", "plain"): (corpus_losses, ({"method": "none"}, "adamw", 3, 1.0, ZERO, topology)),
-        ("gpt", "zero++"): (corpus_losses, ({"method": "none"}, "adamw", 3, 1.0, ZPP, topology)),
+        ("gpt", "plain"): (
+            corpus_losses,
+            ({"method": "none"}, "adamw", 3, 1.0, ZERO, topology, 0, 150),
+        ),
+        ("gpt", "zero++"): (
+            corpus_losses,
+            ({"method": "none"}, "adamw", 3, 1.0, ZPP, topology, 0, 150),
+        ),
     }
     return dict(zip(calls, run_ranks_each(list(calls.values()), 4), strict=True))
 
@@ -194,7 +200,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, list[Any]]:
 def test_zero_plus_plus_trains_the_demo_gpt_to_within_3_percent_of_plain_stage_3(
     runs: dict[Any, list[Any]],
 ) -> None:
-    """300 steps, 4 ranks as 2 machines x 2, every parameter sharded; measured: 0.08% below."""
+    """150 steps, 4 ranks as 2 machines x 2, every parameter sharded; measured: 0.56% below."""
     losses = [sum(runs["gpt", name][0]) / 20 for name in ("plain", "zero++")]
     print(losses, (losses[1] - losses[0]) / losses[0])
     assert losses[1] != losses[0]

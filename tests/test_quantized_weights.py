@@ -2,7 +2,7 @@
 in block-quantized int8 (``core/zero/quantized.py``) on 2 gloo ranks: the blocks round
 within half a step, the gathers send about a quarter of fp32's bytes (by ``comm_report()``
 and by a counter around ``torch.distributed``), the optimizer's weights stay fp32, and the
-demo GPT trains 300 steps to within 3% of plain stage 3's loss."""
+demo GPT trains 150 steps to within 3% of plain stage 3's loss."""
 
 from __future__ import annotations
 
@@ -69,10 +69,11 @@ def test_below_stage_3_it_changes_nothing() -> None:
 
 @pytest.mark.slow
 def test_the_demo_gpt_trains_to_within_3_percent_of_plain_stage_3() -> None:
-    """300 steps of AdamW, every parameter sharded (no persistent ones)."""
+    """150 steps of AdamW, every parameter sharded (no persistent ones); measured: 0.86% below."""
     calls = [
         (corpus_losses, ({"method": "none"}, "adamw", 3, 1.0,
-                         {"zero_quantized_weights": q, "stage3_param_persistence_threshold": 0}))
+                         {"zero_quantized_weights": q, "stage3_param_persistence_threshold": 0},
+                         None, 0, 150))
         for q in (False, True)
     ]  # fmt: skip
     losses = [sum(r[0]) / 20 for r in run_ranks_each(calls, 2)]
