@@ -1421,6 +1421,34 @@ class ZeroConfig:
         doc="The dtype gradients are reduced in ('fp32', 'fp16' or 'bf16', case-insensitive); "
         "None: the parameters' dtype, as in DeepSpeed.",
     )
+    sequence_parallel_size: int = leaf(
+        int,
+        1,
+        ge=1,
+        le=2**20,
+        doc="Ranks each sequence is split across with Ulysses: every rank of the group gets "
+        "the same batch and keeps its block of tokens, attention exchanges heads for tokens "
+        "by all-to-all; the model's head counts must divide by it. ZeRO shards over these "
+        "ranks too.",
+    )
+    seq_parallel_communication_data_type: CommDataType | None = leaf(
+        CommDataType,
+        None,
+        normalize=str.lower,
+        aliases=("seq_parallel_comm_data_type",),
+        doc="The dtype of the Ulysses all-to-all ('fp32', 'fp16' or 'bf16'); None: the "
+        "activations' dtype.",
+    )
+    context_parallel_size: int = leaf(
+        int,
+        1,
+        ge=1,
+        le=2**20,
+        doc="ds_strategy's key: ranks each sequence is split across with ring attention "
+        "(causal or full), for models whose head count limits sequence_parallel_size; "
+        "combines with it (context_parallel_size x sequence_parallel_size ranks per "
+        "sequence).",
+    )
     seed: int | None = leaf(
         int,
         None,
@@ -1657,9 +1685,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
             "data_efficiency curriculum_learning compression_training quantize_training "
             "sparse_attention progressive_layer_drop hybrid_engine weight_quantization "
             "expert_parallel use_data_before_expert_parallelism "
-            "sequence_parallel_size seq_parallel_comm_data_type "
-            "seq_parallel_communication_data_type graph_harvesting nebula vocabulary_size "
-            "dataloader_drop_last sparse_gradients",
+            "graph_harvesting nebula vocabulary_size dataloader_drop_last sparse_gradients",
         ),
         **_ignored("use fp16 or bf16 instead", "amp torch_autocast"),
         "aio": "DeepSpeed's native async-I/O library is not used",

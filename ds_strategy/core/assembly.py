@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ZeroConfig, load_config
+from ..config import ConfigError, ZeroConfig, load_config
 from ..config.rules import Facts, check_rules
 from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint.validate import META_FILE
@@ -64,6 +64,7 @@ from .profiling.comms import CommsLogger
 from .quant.qat import prepare_qat
 from .quant.scheme import QuantScheme
 from .schedulers import build_scheduler
+from .sequence import SequenceParallel
 from .stage_context import StageContext
 from .timers import StepTimers
 from .topology import Topology
@@ -119,6 +120,7 @@ class Ranks:
             engine shares the pipeline's under tensor parallelism).
         replica: MiCS's replica group, over which the reduced shards are summed; None
             without MiCS.
+        sequence: sequence and context parallelism (``core/sequence``), or None.
     """
 
     comm: Comm
@@ -127,6 +129,7 @@ class Ranks:
     tensor_parallel: TensorParallel | None
     layout: RankLayout
     replica: Comm | None = None
+    sequence: SequenceParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -267,8 +270,10 @@ class EngineBuilder:
             check_rules(loaded, facts, "engine")  # see config/rules.py
             mesh = self.stage.mesh if self.stage is not None else None
             tp = _tensor_parallel_size(loaded, self.comm, mesh)
-            # batch sizes count data-parallel ranks: tensor-parallel ones share each batch
-            resolved = loaded.resolve(world_size=self.comm.world_size // tp)
+            sequence = _sequence_size(loaded, self.comm, tp, self.stage is not None)
+            # batch sizes count data-parallel ranks: tensor- and sequence-parallel ones share
+            # each batch
+            resolved = loaded.resolve(world_size=self.comm.world_size // (tp * sequence))
             world = Comm()  # the topology is the job's, whatever group this engine runs on
             topology = Topology.detect(
                 world.world_size, world.rank, resolved.topology.ranks_per_machine
@@ -311,7 +316,9 @@ class EngineBuilder:
             assert mesh.device_mesh is not None
             tp_comm = layout.comm("tp")
             tensor_parallel = TensorParallel(model, mesh.device_mesh["tp"], tp_plan, tp_comm)
-            comm = layout.comm("dp", on_scratch=self.meter.scratch)
+            # ZeRO over the ranks of each tensor-parallel place: data x sequence ranks
+            zero_ranks = ("dp", "cp", "sp") if self._sequence_ranks > 1 else "dp"
+            comm = layout.comm(zero_ranks, on_scratch=self.meter.scratch)
         for c in (comm, self.comm, *([tensor_parallel.comm] if tensor_parallel else [])):
             c.link = self.topology.link(c.global_ranks())
         if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
@@ -323,7 +330,25 @@ class EngineBuilder:
         if zc.mics_shard_size > 0:
             shard_comm = MiCSComm.build(comm, zc.mics_shard_size, layout)
             replica = shard_comm.replica
-        return Ranks(comm, shard_comm, mesh, tensor_parallel, layout, replica)
+        sequence = self._sequence(layout)
+        return Ranks(comm, shard_comm, mesh, tensor_parallel, layout, replica, sequence)
+
+    @property
+    def _sequence_ranks(self) -> int:
+        """How many ranks share each sequence (context x sequence parallel)."""
+        return self.config.sequence_parallel_size * self.config.context_parallel_size
+
+    def _sequence(self, layout: RankLayout) -> SequenceParallel | None:
+        """Sequence and context parallelism over the layout's groups, or None."""
+        if self._sequence_ranks == 1:
+            return None
+        wire = self.config.seq_parallel_communication_data_type
+        return SequenceParallel(
+            layout.comm("sp"),
+            layout.comm("cp"),
+            layout.comm(("cp", "sp")),
+            _WIRE_DTYPES[wire.value] if wire is not None else None,
+        )
 
     def _layout(self) -> RankLayout:
         """The engine's rank layout: over its group, or (a pipeline stage's engine under
@@ -332,7 +357,9 @@ class EngineBuilder:
         if given is not None and given.layout is not None:
             given.layout.place_on(self.topology)
             return given.layout
-        return RankLayout(ParallelDims(self.comm.world_size, tp=self.tp), self.topology, self.comm)
+        sp, cp = self.config.sequence_parallel_size, self.config.context_parallel_size
+        dims = ParallelDims(self.comm.world_size, tp=self.tp, sp=sp, cp=cp)
+        return RankLayout(dims, self.topology, self.comm)
 
     def precision(self, ranks: Ranks) -> PrecisionParts:
         """Precision and loss scaling, how gradients are scaled when reduced, and
@@ -342,7 +369,8 @@ class EngineBuilder:
             policy = PrecisionPolicy.from_config(self.config)
             scaler = LossScaler.from_config(self.config.fp16) if policy.loss_scaling else None
             scaling = GradScaling.of(
-                ranks.comm.world_size,
+                # the mean over data-parallel ranks: sequence ranks' gradients add up
+                ranks.comm.world_size // self._sequence_ranks,
                 self.config.prescale_gradients,
                 self.config.gradient_predivide_factor,
             )
@@ -590,6 +618,25 @@ def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:
     for g in optimizer.param_groups:
         g["momentum"], g["nesterov"] = 0.0, False
     return momenta.pop()
+
+
+_WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _sequence_size(cfg: ZeroConfig, comm: Comm, tp: int, in_pipeline: bool) -> int:
+    """How many ranks share each sequence, checked against the world and the pipeline."""
+    sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
+    if sp * cp == 1:
+        return 1
+    if in_pipeline:
+        key = "sequence_parallel_size" if sp > 1 else "context_parallel_size"
+        raise ConfigError(
+            f"{key}: sequence and context parallelism do not run inside pipeline stages yet; "
+            "train without pipeline.stages, or without splitting sequences",
+            key=key,
+        )
+    ParallelDims(comm.world_size, tp=tp, sp=sp, cp=cp)  # a size that does not fit raises
+    return sp * cp
 
 
 def _tensor_parallel_size(

@@ -51,6 +51,7 @@ from .profiling.summary import FlopsReport
 from .quant.export import write_quantized_state
 from .quant.scheme import QuantScheme
 from .schedulers import load_scheduler_state
+from .sequence import SequenceParallel
 from .stage_context import StageContext
 from .start_summary import RankCounts, start_summary
 from .step_line import report_progress
@@ -225,6 +226,10 @@ class ZeroEngine(nn.Module):
         ranks = parts.ranks
         self.comm, self.shard_comm = ranks.comm, ranks.shard_comm
         self.mesh, self.tensor_parallel = ranks.mesh, ranks.tensor_parallel
+        # sequence / context parallelism: the batch split and attention across ranks
+        self.sequence: SequenceParallel | None = ranks.sequence
+        if self.sequence is not None:
+            self.sequence.attach(self.module)
         place = parts.checkpoint
         self.checkpoint_comm = place.comm
         self.checkpoint_partial = place.partial
@@ -255,9 +260,13 @@ class ZeroEngine(nn.Module):
         """
         with phase(self.timers, "forward"), self._memory_phase("forward"):
             args, kwargs = self.precision.cast_inputs((args, kwargs))
-            with self._flops("forward", args):
+            with self._flops("forward", args), self._sequence_running():
                 out = self.module(*args, **kwargs)
             return self.precision.cast_outputs(out)
+
+    def _sequence_running(self) -> contextlib.AbstractContextManager[None]:
+        seq = self.sequence
+        return seq.running() if seq is not None else contextlib.nullcontext()
 
     def _build_flops_profiler(self) -> FlopsProfiler | None:
         """The config's ``flops_profiler`` (core/profiling/flops.py), when enabled."""
@@ -357,6 +366,7 @@ class ZeroEngine(nn.Module):
             phase(self.timers, "backward"),
             self._flops("backward"),
             self._memory_phase("backward"),
+            self._sequence_running(),  # recomputed blocks attend across the sequence ranks
         ):
             scaled.backward(retain_graph=retain_graph)
         self._own_grads = True
@@ -1170,6 +1180,8 @@ class ZeroEngine(nn.Module):
         finally:
             self._checkpoints.release()  # the checkpoint roots it locked
             self.plan.remove_hooks()
+            if self.sequence is not None:
+                self.sequence.detach()
             if self._offload is not None:
                 self._offload.close()
             release_parameters(self._claimed, self)

@@ -70,7 +70,7 @@ class RankLayout:
             job = Comm().world_size
             topology = Topology(job, job)
         self.topology = topology
-        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._groups: dict[str | tuple[str, ...], dist.ProcessGroup | None] = {}
         self._meshes: dict[tuple[str, tuple[str, ...]], DeviceMesh] = {}
 
     @staticmethod
@@ -102,22 +102,24 @@ class RankLayout:
         """This rank's place on every dimension (see ``ParallelDims.coordinates``)."""
         return self.dims.coordinates(self.rank)
 
-    def global_ranks(self, name: str) -> list[int]:
+    def global_ranks(self, name: str | tuple[str, ...]) -> list[int]:
         """The job's ranks in this rank's group ``name``, in group order.
 
         Args:
-            name: a name of ``ParallelDims``' groups (``"tp"``, ``"dp"``, ``"stage"``...).
+            name: a name of ``ParallelDims``' groups (``"tp"``, ``"dp"``, ``"stage"``...),
+                or a tuple of factors and ``"dp"`` (``("cp", "sp")``).
         """
         return [self._members[r] for r in self.dims.ranks(name, self.rank)]
 
     # -- named groups ------------------------------------------------------------------------
 
-    def group(self, name: str) -> dist.ProcessGroup | None:
+    def group(self, name: str | tuple[str, ...]) -> dist.ProcessGroup | None:
         """This rank's process group ``name``, created on first use (by its members).
 
         Args:
             name: ``"world"`` (``base``'s own group), a factor, ``"dp"``, ``"ep"``,
-                ``"edp"`` or ``"stage"`` (the ranks of this pipeline stage).
+                ``"edp"``, ``"stage"`` (the ranks of this pipeline stage), or a tuple of
+                factors and ``"dp"``.
         """
         if name == "world":
             return self.base.group
@@ -125,7 +127,9 @@ class RankLayout:
             self._groups[name] = _create_group(self.global_ranks(name))
         return self._groups[name]
 
-    def comm(self, name: str, *, on_scratch: Callable[[int], None] | None = None) -> Comm:
+    def comm(
+        self, name: str | tuple[str, ...], *, on_scratch: Callable[[int], None] | None = None
+    ) -> Comm:
         """A new ``Comm`` over the group ``name``, its link from the topology.
 
         Args:

@@ -99,17 +99,28 @@ class GPT(nn.Module):
             self.head.weight = self.wte.weight
         self.apply(init_weights)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        cache: KVCache | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits of every position of ``idx``; with ``cache`` (generation), ``idx`` continues
-        the tokens the cache holds, and their keys and values are added to it."""
+        the tokens the cache holds, and their keys and values are added to it.
+        ``position_ids``: where the tokens sit in their sequences (a block of a sequence split
+        across ranks); by default they start at 0, or after the cached tokens."""
         start = cache.length if cache is not None else 0
-        if start + idx.shape[1] > self.config.seq:
+        if position_ids is None:
+            end = start + idx.shape[1]
+            position_ids = torch.arange(start, end, device=idx.device)
+        else:  # a block of a longer sequence: its last position must have an embedding
+            end = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        if end > self.config.seq:
             raise ValueError(
-                f"{start + idx.shape[1]} positions: this GPT has {self.config.seq} "
+                f"{end} positions: this GPT has {self.config.seq} "
                 "(GPTConfig.seq); keep prompt plus generated tokens within it"
             )
-        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.wte(idx) + self.wpe(position_ids)
         for i, block in enumerate(self.blocks):
             x = block(x) if cache is None else block(x, cache, i)
         if cache is not None:
