@@ -102,9 +102,7 @@ class EngineFront(Front):
 
     def prepare_loader(self, loader: DataLoader) -> Any:
         if loader.batch_size is not None:
-            split = (
-                self.acc.num_processes // self.tensor_parallel_size if self.acc.split_batches else 1
-            )
+            split = self.acc.num_processes // self.ranks_per_batch if self.acc.split_batches else 1
             self.batch_sizes.append(loader.batch_size // split)
         return self.acc.prepare_data_loader(loader)
 
@@ -136,7 +134,7 @@ class EngineFront(Front):
         groups = getattr(user_opt, "param_groups", None)
         facts = self.facts(
             user_opt,
-            self.acc.num_processes // self.tensor_parallel_size,  # data-parallel ranks
+            self.acc.num_processes // self.ranks_per_batch,  # data-parallel ranks
             min(self.batch_sizes, default=None),  # Accelerate's is_train_batch_min default
             hidden_size=model_hidden_size(model),
             base_lr=float(groups[0]["lr"]) if groups else None,  # a DummyOptim's: optimizer_lr

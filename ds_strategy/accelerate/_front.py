@@ -98,9 +98,11 @@ class Front:
         self.batch_sizes: list[int] = []  # of the loaders prepared, per (data-parallel) rank
 
     @property
-    def tensor_parallel_size(self) -> int:
-        """Ranks that split each layer (and read the same batches)."""
-        return self.cfg.layout.tp
+    def ranks_per_batch(self) -> int:
+        """Ranks that read the same batches: those splitting each layer (tensor parallelism)
+        and those splitting each sequence (sequence and context parallelism)."""
+        cfg = self.cfg
+        return cfg.layout.tp * cfg.sequence_parallel_size * cfg.context_parallel_size
 
     def engine_of(self, model: Any) -> TrainingEngine | None:
         """The engine of ``model`` (what ``prepare`` returned for it, or the user's module)."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config import ZeroConfig
 from ..config.loop import apply_compile, apply_mixed_precision
+from ..config.parallelism import apply_parallelism_config
 from ..core import ZeroEngine
 from ..core.materialize import has_meta
 from ..core.warnings import FrontEndWarning, renamed_argument
@@ -36,14 +37,13 @@ _OTHER_ENGINES = {
     "fsdp_plugin": "FSDP",
     "megatron_lm_plugin": "Megatron-LM",
     "torch_tp_plugin": "tensor parallelism",
-    "parallelism_config": "ParallelismConfig (tensor/context/sequence parallelism)",
 }
 _OTHER_ENGINE_ENV = {
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
     "ACCELERATE_USE_FSDP": "FSDP",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
-    "ACCELERATE_USE_PARALLELISM_CONFIG": "ParallelismConfig",
 }
+_PARALLELISM_ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"
 _SUPPORTED_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
@@ -60,7 +60,8 @@ class ZeroAccelerator(Accelerator):
             ``None``: read from the environment (``DS_STRATEGY_CONFIG``).
         zero_plugin: the old name of ``config``; deprecated.
         **kwargs: ``accelerate.Accelerator``'s. ``mixed_precision`` maps onto the config's
-            ``fp16``/``bf16``. Accelerate's ``torch.compile`` settings map onto its
+            ``fp16``/``bf16``. ``parallelism_config`` (or the accelerate config file's) maps
+            its ``sp_size``, ``cp_size`` and ``tp_size`` onto the config's sizes. Accelerate's ``torch.compile`` settings map onto its
             ``compile`` section: ``dynamo_backend``, ``dynamo_plugin``, the accelerate config
             file's dynamo section. The engine then compiles the model block by block. Other
             engines' plugins are refused.
@@ -82,6 +83,10 @@ class ZeroAccelerator(Accelerator):
         config = renamed_argument("ZeroAccelerator", "zero_plugin", "config", zero_plugin, config)
         self.zero_plugin = config if isinstance(config, ZeroPlugin) else ZeroPlugin(config=config)
         loaded = self.zero_plugin.load()
+        # sequence, context and tensor sizes: the engine's rank layout, not Accelerate's mesh
+        parallelism = kwargs.pop("parallelism_config", None) or _parallelism_config_from_env()
+        if parallelism is not None:
+            loaded = apply_parallelism_config(loaded, parallelism)
         if self._launched_on_cpu(kwargs):
             kwargs["cpu"] = True
         # this accelerator's own torch.compile request: Accelerate keeps the process's first
@@ -89,7 +94,8 @@ class ZeroAccelerator(Accelerator):
         dynamo = kwargs.get("dynamo_plugin")
         if dynamo is None and kwargs.get("dynamo_backend") is not None:
             dynamo = TorchDynamoPlugin(backend=kwargs["dynamo_backend"])
-        super().__init__(**kwargs)
+        with _without_parallelism_env():
+            super().__init__(**kwargs)
         if self.distributed_type not in _SUPPORTED_TYPES:
             raise ValueError(
                 f"ZeroAccelerator runs on CPU (gloo) and CUDA (NCCL) processes; this launch is "
@@ -136,10 +142,10 @@ class ZeroAccelerator(Accelerator):
         self.gradient_accumulation_steps = steps
 
     def _prepare_device_mesh(self) -> Any:
-        """The mesh Accelerate's data loaders shard by: with ``tensor_parallel``, the ranks of
-        a tensor-parallel group (consecutive, as the engine lays them out) read the same
+        """The mesh Accelerate's data loaders shard by: the ranks of a tensor-, sequence- and
+        context-parallel group (consecutive, as the engine lays them out) read the same
         batches, named as Accelerate names replicated data-parallel and tensor dimensions."""
-        tp = self._front.tensor_parallel_size
+        tp = self._front.ranks_per_batch
         if tp == 1:
             return super()._prepare_device_mesh()
         if self._loader_mesh is None:  # the rank layout makes its groups (core/layout.py)
@@ -390,6 +396,28 @@ _TOGETHER = (
     "ZeroAccelerator builds the engine from the model and its optimizer together: call "
     "accelerator.prepare(model, optimizer, ...)"
 )
+
+
+def _parallelism_config_from_env() -> Any:
+    """The ``ParallelismConfig`` an accelerate config file asks for (``accelerate launch``
+    sets ``ACCELERATE_USE_PARALLELISM_CONFIG`` and ``PARALLELISM_CONFIG_*``), or None."""
+    if os.environ.get(_PARALLELISM_ENV, "false").lower() != "true":
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig()
+
+
+@contextmanager
+def _without_parallelism_env() -> Iterator[None]:
+    """Accelerate's own ``__init__`` reads the variable and builds a device mesh of its own:
+    hidden while it runs, as the sizes now live in the ZeRO config."""
+    saved = os.environ.pop(_PARALLELISM_ENV, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[_PARALLELISM_ENV] = saved
 
 
 def _refuse_other_engines(kwargs: dict[str, Any]) -> None:

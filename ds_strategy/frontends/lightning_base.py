@@ -19,8 +19,8 @@ from ..config.loop import apply_loop_flags, base_config, blaming_precision_flag,
 from ..config.presets import describe, preset_names
 from ..core.engine import ZeroEngine
 from ..core.job import JobEngines
-from ..core.mesh import ParallelMesh
 from ..core.optimizers import move_schedulers
+from ..core.parallel_dims import ParallelDims
 from ..core.several import SeveralEngines
 from ..core.training import TrainingEngine
 from .engines import move_real_tensors
@@ -279,10 +279,13 @@ class LightningZeroBase:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The sampler's ``num_replicas`` and ``rank``."""
-        # by data-parallel rank: every stage and tensor-parallel rank of one reads its rows
-        layout, world = self._base_config.layout, self._ddp.num_nodes * self._ddp.num_processes
-        place = ParallelMesh.place(self._ddp.global_rank, world, layout.tp, layout.stages)
-        return {"num_replicas": place.dp, "rank": place.coordinates["dp"]}
+        # by data-parallel rank: every stage, tensor-, sequence- and context-parallel rank of
+        # one reads its rows
+        cfg, world = self._base_config, self._ddp.num_nodes * self._ddp.num_processes
+        layout = cfg.layout
+        sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
+        dims = ParallelDims(world, pp=layout.stages, tp=layout.tp, sp=sp, cp=cp)
+        return {"num_replicas": dims.dp, "rank": dims.coordinates(self._ddp.global_rank)["dp"]}
 
     def _meta_init(self, empty_init: bool | None) -> bool:
         """Create modules on the meta device under stage 3 (or with ``empty_init=True``), not
