@@ -119,7 +119,7 @@ def test_aliases_are_accepted_spellings_of_the_same_key() -> None:
     }
     for key in aliased:
         for alias in key.aliases:
-            value = 7 if key.type == "int" else True
+            value = 7 if key.type == "int" else key.choices[0] if key.choices else True
             cfg = load_config(_nested(alias, value))
             assert _at(cfg, key.path) == value, alias
 

@@ -57,6 +57,12 @@ REFUSED: dict[str, tuple[str, str]] = {
         "autotp_size 4 needs at least 4 ranks; here the world is one process",
         r"autotp_size=4 does not divide the world size 1",
     ),
+    # likewise: 2-way sequence parallelism needs a multiple of 2 ranks
+    # (tests/test_sequence_parallel.py trains sequence_parallel_size)
+    "dsexamples__autosp_config.json": (
+        "sequence_parallel_size 2 needs at least 2 ranks; here the world is one process",
+        r"sequence_parallel_size=2 = 2 does not divide the world size 1",
+    ),
 }
 
 
