@@ -261,14 +261,20 @@ GPT_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def gpt_runs() -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for world in (2, 4):
-        names = [n for n, case in GPT_CASES.items() if case[0] == world]
-        calls = [(_gpt_run, GPT_CASES[n][1:]) for n in names]
+def _runs_by_world(fn: Any, cases: dict[str, tuple[Any, ...]]) -> dict[str, list[Any]]:
+    """``fn`` on each case (its world size first, then ``fn``'s arguments), one spawn a world
+    size; results by case name, then rank."""
+    out: dict[str, list[Any]] = {}
+    for world in sorted({case[0] for case in cases.values()}):
+        names = [n for n, case in cases.items() if case[0] == world]
+        calls = [(fn, cases[n][1:]) for n in names]
         out.update(zip(names, run_ranks_each(calls, world), strict=True))
     return out
+
+
+@pytest.fixture(scope="module")
+def gpt_runs() -> dict[str, list[dict[str, Any]]]:
+    return _runs_by_world(_gpt_run, GPT_CASES)
 
 
 @pytest.mark.parametrize("name", list(GPT_CASES))
@@ -505,12 +511,7 @@ ACCELERATE_CASES = {
 
 @pytest.fixture(scope="module")
 def accelerate_runs() -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for world in (2, 4):
-        names = [n for n, case in ACCELERATE_CASES.items() if case[0] == world]
-        calls = [(_accelerate_run, ACCELERATE_CASES[n][1:]) for n in names]
-        out.update(zip(names, run_ranks_each(calls, world), strict=True))
-    return out
+    return _runs_by_world(_accelerate_run, ACCELERATE_CASES)
 
 
 @pytest.mark.parametrize("name", list(ACCELERATE_CASES))
