@@ -184,7 +184,7 @@ def _names_a_key(err: ConfigError, data: dict[str, Any]) -> bool:
     return err.key is not None or any(k and k in text for k in _keys_in(data))
 
 
-@pytest.mark.parametrize("examples", _examples(150, 800))
+@pytest.mark.parametrize("examples", _examples(150, 500))
 def test_every_config_loads_or_raises_a_config_error_naming_the_key(examples: int) -> None:
     def check(data: dict[str, Any]) -> None:
         try:
@@ -209,7 +209,7 @@ _FILE_TEXT = st.one_of(
 )
 
 
-@pytest.mark.parametrize("examples", _examples(60, 300))
+@pytest.mark.parametrize("examples", _examples(60, 200))
 def test_every_config_file_loads_or_raises_a_config_error_naming_the_file(
     examples: int, tmp_path: Path
 ) -> None:
@@ -307,7 +307,7 @@ def _read_everything(source: SafetensorsSource) -> None:
         source.read_flat(name, 0, n)
 
 
-@pytest.mark.parametrize("examples", _examples(150, 800))
+@pytest.mark.parametrize("examples", _examples(150, 500))
 def test_every_safetensors_file_reads_or_raises_a_model_file_error_naming_it(
     examples: int, tmp_path: Path
 ) -> None:
@@ -357,7 +357,7 @@ def _quant_meta(draw: st.DrawFn) -> str:
     return json.dumps(meta, allow_nan=True)
 
 
-@pytest.mark.parametrize("examples", _examples(100, 500))
+@pytest.mark.parametrize("examples", _examples(100, 300))
 def test_every_quantization_metadata_is_read_or_refused_naming_the_file_and_key(
     examples: int, tmp_path: Path
 ) -> None:
@@ -416,7 +416,7 @@ def _indexes(draw: st.DrawFn) -> bytes:
     return json.dumps(body, allow_nan=True).encode()
 
 
-@pytest.mark.parametrize("examples", _examples(150, 800))
+@pytest.mark.parametrize("examples", _examples(150, 500))
 def test_every_index_loads_or_raises_a_model_file_error_naming_it(
     examples: int, tmp_path: Path
 ) -> None:
@@ -499,7 +499,7 @@ def _cards(draw: st.DrawFn) -> bytes:
     return json.dumps(card, allow_nan=True).encode()
 
 
-@pytest.mark.parametrize("examples", _examples(100, 500))
+@pytest.mark.parametrize("examples", _examples(100, 300))
 def test_every_model_card_loads_or_raises_naming_the_card(examples: int, tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
@@ -613,7 +613,7 @@ def _run_cli(argv: list[str]) -> tuple[Any, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("examples", _examples(120, 600))
+@pytest.mark.parametrize("examples", _examples(120, 400))
 def test_every_command_line_runs_or_is_a_usage_error_naming_the_option(
     examples: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

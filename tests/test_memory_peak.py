@@ -170,8 +170,8 @@ CASES = [
 ]
 
 
-# world 3 (uneven shards) measures each stage, precision and accumulation once: slow
-WORLD3_CASES = [(2, "fp32", 2), (2, "bf16", 1), (3, "fp32", 1), (3, "bf16", 2)]
+# world 3 (uneven shards): each stage, precision and accumulation once, in two cases: slow
+WORLD3_CASES = [(2, "bf16", 2), (3, "fp32", 1)]
 RUNS = [pytest.param(2, case, id=f"world2-stage{case[0]}-{case[1]}-acc{case[2]}") for case in CASES]
 RUNS += [
     pytest.param(
