@@ -59,7 +59,7 @@ from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer
 from .ownership import check_parameters_free
 from .parallel_dims import ParallelDims
 from .precision.loss_scaler import LossScaler
-from .precision.policy import PrecisionPolicy
+from .precision.policy import COMM_DTYPES, PrecisionPolicy
 from .profiling.comms import CommsLogger
 from .quant.qat import prepare_qat
 from .quant.scheme import QuantScheme
@@ -270,10 +270,10 @@ class EngineBuilder:
             check_rules(loaded, facts, "engine")  # see config/rules.py
             mesh = self.stage.mesh if self.stage is not None else None
             tp = _tensor_parallel_size(loaded, self.comm, mesh)
-            sequence = _sequence_size(loaded, self.comm, tp, self.stage is not None)
             # batch sizes count data-parallel ranks: tensor- and sequence-parallel ones share
             # each batch
-            resolved = loaded.resolve(world_size=self.comm.world_size // (tp * sequence))
+            data = _data_parallel_size(loaded, self.comm, tp, self.stage is not None)
+            resolved = loaded.resolve(world_size=data)
             world = Comm()  # the topology is the job's, whatever group this engine runs on
             topology = Topology.detect(
                 world.world_size, world.rank, resolved.topology.ranks_per_machine
@@ -347,7 +347,7 @@ class EngineBuilder:
             layout.comm("sp"),
             layout.comm("cp"),
             layout.comm(("cp", "sp")),
-            _WIRE_DTYPES[wire.value] if wire is not None else None,
+            COMM_DTYPES[wire.value] if wire is not None else None,
         )
 
     def _layout(self) -> RankLayout:
@@ -620,14 +620,12 @@ def _take_sgd_momentum(optimizer: torch.optim.Optimizer) -> float:
     return momenta.pop()
 
 
-_WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _sequence_size(cfg: ZeroConfig, comm: Comm, tp: int, in_pipeline: bool) -> int:
-    """How many ranks share each sequence, checked against the world and the pipeline."""
+def _data_parallel_size(cfg: ZeroConfig, comm: Comm, tp: int, in_pipeline: bool) -> int:
+    """The ranks reading different batches: the world over the tensor-parallel and sequence
+    sizes, each checked (against the world, and sequences against the pipeline)."""
     sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
     if sp * cp == 1:
-        return 1
+        return comm.world_size // tp  # tp was checked by _tensor_parallel_size
     if in_pipeline:
         key = "sequence_parallel_size" if sp > 1 else "context_parallel_size"
         raise ConfigError(
@@ -635,8 +633,7 @@ def _sequence_size(cfg: ZeroConfig, comm: Comm, tp: int, in_pipeline: bool) -> i
             "train without pipeline.stages, or without splitting sequences",
             key=key,
         )
-    ParallelDims(comm.world_size, tp=tp, sp=sp, cp=cp)  # a size that does not fit raises
-    return sp * cp
+    return ParallelDims(comm.world_size, tp=tp, sp=sp, cp=cp).dp  # a size that does not fit raises
 
 
 def _tensor_parallel_size(

@@ -26,9 +26,10 @@ from torch.utils._pytree import tree_map
 
 from ...config import ZeroConfig
 
-__all__ = ["PrecisionPolicy"]
+__all__ = ["COMM_DTYPES", "PrecisionPolicy"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# the dtype of each CommDataType choice (communication_data_type, the sequence all-to-all's)
+COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class PrecisionPolicy:
             param, master, scaling = torch.bfloat16, cfg.bf16.master_weights, False
         else:
             param, master, scaling = torch.float32, False, False
-        reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else param
+        reduce = COMM_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else param
         offload = cfg.zero_optimization.offload_optimizer.device != "none"
         return PrecisionPolicy(param, reduce, master, scaling, offload)
 
