@@ -280,6 +280,12 @@ def _serve(rank: int, world: int, inbox: Any, outbox: Any, store: tuple[int, str
             outbox.put((task["id"], rank, "report", _call(task, rank, world, pool_store)))
         if dist.is_initialized():  # with every sub-group made on it
             dist.destroy_process_group()
+        else:  # an init that failed part-way (a peer left while this rank was joining) has
+            # advanced the counter group names come from, which only destroying the default
+            # group resets: the next call would join under another name than its peers and hang
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._world.group_count = 0
         _restore_functions(functions)
         _reset_libraries()
         # why this rank should not be reused: threads left running, a heap grown too large

@@ -4,6 +4,7 @@ changes in a rank reaches the next test."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import threading
@@ -126,6 +127,31 @@ def test_every_rank_raising_keeps_the_pool(rank_pools: RankPools) -> None:
     assert set(err.value.errors) == {0, 1}
     run_ranks(pid_worker, 2)
     assert pool.pids == pids and pool.starts == starts
+
+
+def half_made_group_worker(rank: int, world: int) -> None:
+    """Leaves this rank as a failed ``init_process_group`` does: no default group, but torch's
+    group counter already advanced (a peer that raised and left can close the connection while
+    this rank is still joining)."""
+    dist.destroy_process_group()
+    if rank == 0:
+        store = dist.HashStore()  # nobody else joins it: the rendezvous times out
+        dist.init_process_group(
+            "gloo", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=1)
+        )
+
+
+def test_a_rank_left_with_a_half_made_group_joins_the_next_call(rank_pools: RankPools) -> None:
+    """Group names come from a counter that only destroying the default group resets; a rank
+    whose init failed would otherwise join the next call under another name and hang it."""
+    pool = _pool(rank_pools)
+    run_ranks(pid_worker, 2)
+    pids = pool.pids
+    with pytest.raises(WorkerError) as err:
+        run_ranks(half_made_group_worker, 2, timeout=120)
+    assert set(err.value.errors) == {0}
+    assert len(run_ranks(pid_worker, 2, timeout=60)) == 2
+    assert pool.pids == pids  # the ranks were fit for reuse
 
 
 def dividing_worker(rank: int, world: int) -> None:
