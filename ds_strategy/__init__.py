@@ -29,6 +29,7 @@ from .core.checkpoint.validate import CheckpointError
 from .core.collectives import Comm, init_process_group_from_env
 from .core.engine import ZeroEngine
 from .core.faults import RankFailedError, together
+from .core.sequence import tiled_cross_entropy
 
 if TYPE_CHECKING:
     from .core.inference import InferenceEngine
@@ -54,6 +55,7 @@ __all__ = [
     "initialize",
     "load_config",
     "pretrained",
+    "tiled_cross_entropy",
     "zero_config",
 ]
 __version__ = "0.1.0"

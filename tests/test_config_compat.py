@@ -554,7 +554,7 @@ def test_auto_layout_keys_build_an_engine_as_their_defaults() -> None:
     many data-parallel ranks), and read as resolving makes them: the defaults."""
     auto = {"zero_optimization": {"stage": "auto"}, "pipeline": {"stages": "auto"}}
     auto["tensor_parallel"] = {"autotp_size": "auto"}
-    assert load_config(auto).layout == (0, 1, 1) == tuple(load_config({}).layout)
+    assert load_config(auto).layout == (0, 1, 1, 1, 1) == tuple(load_config({}).layout)
     model = nn.Linear(2, 2)
     engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), auto)
     assert isinstance(engine, ds_strategy.ZeroEngine) and engine.stage == 0

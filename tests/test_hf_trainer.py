@@ -161,6 +161,29 @@ def test_tensor_parallel_trainer_equals_a_plain_trainer_in_one_process(tmp_path:
     assert zero["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.launcher
+def test_sequence_parallel_trainer_equals_a_plain_trainer_in_one_process(tmp_path: Path) -> None:
+    """Llama with each sequence split over two processes (``parallelism_config`` sp_size=2,
+    ZeRO-3, tiled loss and MLPs) through ZeroTrainer, against a plain Trainer in this process:
+    the same steps, losses, weights and evaluation loss."""
+    out = tmp_path / "results.pt"
+    launch("torchrun", "sequence_parallel", "--out", str(out))
+    zero = torch.load(out, weights_only=False)
+    plain = Trainer(
+        model=model(),
+        args=arguments(str(tmp_path / "plain")),
+        train_dataset=Tokens(40, 1),
+        eval_dataset=Tokens(8, 2),
+    )
+    plain.train()
+    assert zero["global_step"] == plain.state.global_step
+    assert zero["total_batch"] == plain.get_total_train_batch_size(plain.args)  # 1 data rank
+    assert max_diff(zero["state"], plain.model.state_dict()) <= TOL
+    losses = [e["loss"] for e in plain.state.log_history if "loss" in e]
+    assert zero["loss"] == pytest.approx(losses, rel=1e-5)
+    assert zero["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5)
+
+
 # -- in this process ----------------------------------------------------------------------------
 
 pytestmark = pytest.mark.usefixtures("clean_accelerate")  # tests/conftest.py

@@ -324,18 +324,28 @@ def _llama_batches(rows: int = BATCH) -> list[torch.Tensor]:
 
 
 def _llama_run(
-    rank: int, world: int, stage: int, sizes: dict[str, int], kv_heads: int, attention: str
+    rank: int,
+    world: int,
+    stage: int,
+    sizes: dict[str, int],
+    kv_heads: int,
+    attention: str,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A transformers Llama called as transformers does it (input_ids, labels): the engine
     splits the batch itself."""
     model = _llama(kv_heads, attention)
     engine = ds_strategy.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=LLAMA_LR), _config(stage, sizes, None)
+        model, torch.optim.AdamW(model.parameters(), lr=LLAMA_LR), _config(stage, sizes, extra)
     )
+    tiled_loss = (extra or {}).get("tiling", {}).get("loss", False)
     losses = []
     for tokens in _llama_batches():
         out = engine(input_ids=tokens, labels=tokens, attention_mask=torch.ones_like(tokens))
-        assert out.logits.shape[1] == SEQ // 2  # this rank's tokens only
+        if tiled_loss:
+            assert out.logits is None  # never made whole
+        else:
+            assert out.logits.shape[1] == SEQ // 2  # this rank's tokens only
         engine.backward(out.loss)
         engine.step()
         losses.append(out.loss.item())
@@ -364,6 +374,8 @@ LLAMA_CASES = {
     "sp2-zero3-sdpa-one-kv-head": (3, SP, 1, "sdpa"),
     "cp2-zero3-sdpa": (3, CP, 2, "sdpa"),
     "cp2-zero1-eager-one-kv-head": (1, CP, 1, "eager"),
+    # the loss and the MLPs over tiles of 5 of a rank's 16 tokens (a short last tile)
+    "sp2-zero3-tiled": (3, SP, 2, "sdpa", {"tiling": {"loss": True, "mlp": True, "tokens": 5}}),
 }
 
 

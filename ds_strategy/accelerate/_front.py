@@ -101,8 +101,7 @@ class Front:
     def ranks_per_batch(self) -> int:
         """Ranks that read the same batches: those splitting each layer (tensor parallelism)
         and those splitting each sequence (sequence and context parallelism)."""
-        cfg = self.cfg
-        return cfg.layout.tp * cfg.sequence_parallel_size * cfg.context_parallel_size
+        return self.cfg.layout.ranks_per_batch
 
     def engine_of(self, model: Any) -> TrainingEngine | None:
         """The engine of ``model`` (what ``prepare`` returned for it, or the user's module)."""

@@ -141,11 +141,17 @@ class ZeroAccelerator(Accelerator):
             )
         self.gradient_accumulation_steps = steps
 
+    @property
+    def ranks_per_batch(self) -> int:
+        """Ranks that read the same batches: tensor-, sequence- and context-parallel ranks
+        (1 without them). The data-parallel ranks are ``num_processes`` over this."""
+        return self._front.ranks_per_batch
+
     def _prepare_device_mesh(self) -> Any:
         """The mesh Accelerate's data loaders shard by: the ranks of a tensor-, sequence- and
         context-parallel group (consecutive, as the engine lays them out) read the same
         batches, named as Accelerate names replicated data-parallel and tensor dimensions."""
-        tp = self._front.ranks_per_batch
+        tp = self.ranks_per_batch
         if tp == 1:
             return super()._prepare_device_mesh()
         if self._loader_mesh is None:  # the rank layout makes its groups (core/layout.py)

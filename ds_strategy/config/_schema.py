@@ -41,6 +41,7 @@ __all__ = [
     "TP_STYLES",
     "UNSUPPORTED_KEYS",
     "ActivationCheckpointingConfig",
+    "TilingConfig",
     "BF16Config",
     "CSVMonitorConfig",
     "CheckpointConfig",
@@ -1317,13 +1318,59 @@ class ActivationCheckpointingConfig:
     )
 
 
+@dataclass(frozen=True)
+class TilingConfig:
+    """``tiling``: ds_strategy's section. Memory tools for long sequences, in the spirit of
+    Arctic Long Sequence Training. Each runs a computation over tiles of ``tokens`` tokens
+    and recomputes a tile's intermediates in backward, so only one tile's are alive at a
+    time. A sequence-parallel rank tiles its own block.
+
+    >>> TilingConfig(loss=True).tokens
+    4096
+    """
+
+    loss: bool = leaf(
+        bool,
+        False,
+        doc="A transformers causal LM's loss from its logits one tile at a time: never the "
+        "whole sequence x vocabulary logits at once. The output then carries no logits.",
+    )
+    mlp: bool = leaf(
+        bool,
+        False,
+        doc="Run the MLP modules mlp_modules chooses over tiles of tokens, recomputing each "
+        "tile's activations in backward.",
+    )
+    mlp_modules: str = leaf(
+        str,
+        "mlp",
+        doc="'mlp': the modules a model names mlp or feed_forward; 'type:<regex>': modules "
+        "whose class name it fully matches. Each must map tokens to tokens one by one.",
+    )
+    tokens: int = leaf(
+        int,
+        4096,
+        ge=1,
+        le=2**31,
+        doc="Tokens per tile.",
+    )
+
+
 class Layout(NamedTuple):
-    """How a config lays a job out: its ZeRO stage, pipeline stages and tensor-parallel ranks
-    (see :attr:`ZeroConfig.layout`)."""
+    """How a config lays a job out: its ZeRO stage, pipeline stages, and the tensor-,
+    sequence- and context-parallel ranks (see :attr:`ZeroConfig.layout`)."""
 
     stage: int
     stages: int
     tp: int
+    sp: int = 1
+    cp: int = 1
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """Ranks that read the same batches: those splitting each layer and those splitting
+        each sequence. The data-parallel ranks of a stage are its ranks over this."""
+        return self.tp * self.sp * self.cp
 
 
 @dataclass(frozen=True)
@@ -1479,6 +1526,11 @@ class ZeroConfig:
         ActivationCheckpointingConfig,
         doc="Recompute chosen modules' activations in backward instead of keeping them.",
     )
+    tiling: TilingConfig = section(
+        TilingConfig,
+        doc="ds_strategy's section: the loss and the MLPs computed over tiles of tokens, for "
+        "long sequences.",
+    )
     gradient_compression: GradientCompressionConfig = section(
         GradientCompressionConfig,
         doc="ds_strategy's section: top-k gradient compression with error feedback.",
@@ -1574,7 +1626,8 @@ class ZeroConfig:
 
     @property
     def layout(self) -> Layout:
-        """The ZeRO stage, pipeline stages and tensor-parallel ranks, read before resolving.
+        """The ZeRO stage, pipeline stages and tensor-, sequence- and context-parallel ranks,
+        read before resolving.
 
         They read as :meth:`resolve` settles them: an ``"auto"`` is the field's default, since
         no loop fact fills these. A loop needs them before the engine exists, to count its
@@ -1582,7 +1635,7 @@ class ZeroConfig:
 
         >>> cfg = {"pipeline": {"stages": 2}, "tensor_parallel": {"tp_size": "auto"}}
         >>> ZeroConfig.from_any(cfg).layout
-        Layout(stage=0, stages=2, tp=1)
+        Layout(stage=0, stages=2, tp=1, sp=1, cp=1)
         """
         read = (
             (self.zero_optimization, "stage"),
@@ -1596,7 +1649,7 @@ class ZeroConfig:
                 (f,) = [f for f in dataclasses.fields(section) if f.name == key]
                 value = _field_default(f)
             settled.append(value)
-        return Layout(*settled)
+        return Layout(*settled, self.sequence_parallel_size, self.context_parallel_size)
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A new, validated config with dotted keys changed; a mapping merges into a section.

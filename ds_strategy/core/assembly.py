@@ -64,7 +64,7 @@ from .profiling.comms import CommsLogger
 from .quant.qat import prepare_qat
 from .quant.scheme import QuantScheme
 from .schedulers import build_scheduler
-from .sequence import SequenceParallel
+from .sequence import SequenceParallel, apply_tiling
 from .stage_context import StageContext
 from .timers import StepTimers
 from .topology import Topology
@@ -336,7 +336,7 @@ class EngineBuilder:
     @property
     def _sequence_ranks(self) -> int:
         """How many ranks share each sequence (context x sequence parallel)."""
-        return self.config.sequence_parallel_size * self.config.context_parallel_size
+        return self.config.layout.sp * self.config.layout.cp
 
     def _sequence(self, layout: RankLayout) -> SequenceParallel | None:
         """Sequence and context parallelism over the layout's groups, or None."""
@@ -375,6 +375,7 @@ class EngineBuilder:
                 self.config.gradient_predivide_factor,
             )
             apply_activation_checkpointing(self.model, self.config.activation_checkpointing)
+            apply_tiling(self.model, self.config.tiling)
         return PrecisionParts(policy, scaler, scaling)
 
     def offload(

@@ -283,8 +283,7 @@ class LightningZeroBase:
         # one reads its rows
         cfg, world = self._base_config, self._ddp.num_nodes * self._ddp.num_processes
         layout = cfg.layout
-        sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
-        dims = ParallelDims(world, pp=layout.stages, tp=layout.tp, sp=sp, cp=cp)
+        dims = ParallelDims(world, pp=layout.stages, tp=layout.tp, sp=layout.sp, cp=layout.cp)
         return {"num_replicas": dims.dp, "rank": dims.coordinates(self._ddp.global_rank)["dp"]}
 
     def _meta_init(self, empty_init: bool | None) -> bool:

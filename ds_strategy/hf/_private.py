@@ -42,7 +42,10 @@ class TrainerHooks:
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         built = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
         self.accelerator_args = dict(built)
-        return built
+        # the plain Accelerator the Trainer builds first (and the ZeRO one replaces) would
+        # refuse a parallelism config off FSDP and DeepSpeed; the ZeRO one folds it into its
+        # config
+        return {k: v for k, v in built.items() if k != "parallelism_config"}
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         # a model built on the meta device (ds_strategy.hf.from_pretrained) has no storage to

@@ -124,6 +124,19 @@ class ZeroTrainer(TrainerHooks, Trainer):
                 "set per_device_train_batch_size or use stage 2"
             )
 
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Samples an optimizer step takes: micro-batch x accumulation x data-parallel ranks.
+
+        Ranks that share a batch (a sequence split across them, a layer split across them)
+        count once. The Trainer reads the sizes from Accelerate's own parallelism config,
+        which this accelerator folds into the ZeRO config instead.
+
+        Args:
+            args: the ``TrainingArguments``.
+        """
+        data_ranks = self.accelerator.num_processes // self.accelerator.ranks_per_batch
+        return self._train_batch_size * args.gradient_accumulation_steps * data_ranks
+
     # -- optimizer and scheduler ----------------------------------------------------------
 
     def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
@@ -145,11 +158,10 @@ class ZeroTrainer(TrainerHooks, Trainer):
         """
         acc = self.accelerator
         if acc.zero_engine is None and self._max_steps is not None:
-            tp = self._loaded_config.layout.tp
             acc.zero_config = fill_from_training_args(
                 self._loaded_config,
                 self.args,
-                world_size=acc.num_processes // tp,  # data-parallel ranks
+                world_size=acc.num_processes // acc.ranks_per_batch,  # data-parallel ranks
                 model=self.model,
                 num_training_steps=self._max_steps,
             )
@@ -312,7 +324,6 @@ def _refuse_other_engines(args: Any) -> None:
     refused = {
         "deepspeed": "selects DeepSpeed's engine; pass the same config as ZeroTrainer(config=...)",
         "fsdp": "selects FSDP; ZeRO stage 3 is the equivalent here",
-        "parallelism_config": "(tensor/context parallelism) is not supported by ZeroTrainer",
     }
     for name, why in refused.items():
         if getattr(args, name, None):

@@ -233,9 +233,40 @@ def tensor_parallel(out: Path) -> dict[str, Any]:
     }
 
 
+def sequence_parallel(out: Path) -> dict[str, Any]:
+    """Llama with each sequence split over both ranks (``TrainingArguments.parallelism_config``
+    with ``sp_size=2``, ZeRO-3, the loss and MLPs tiled): the test compares it with a plain
+    Trainer in one process."""
+    from accelerate import ParallelismConfig
+
+    config = {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "tiling": {"loss": True, "mlp": True, "tokens": 3},
+    }
+    trainer = ZeroTrainer(
+        model=model(),
+        args=arguments(
+            str(out / "sp"), parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+        ),
+        train_dataset=Tokens(SAMPLES, 1),
+        eval_dataset=Tokens(8, 2),
+        config=config,
+    )
+    trainer.train()
+    return {
+        "state": weights(trainer),
+        **logged(trainer),
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "total_batch": trainer.get_total_train_batch_size(trainer.args),
+        "global_step": trainer.state.global_step,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["parity", "resume", "tensor_parallel"])
+    parser.add_argument(
+        "mode", choices=["parity", "resume", "tensor_parallel", "sequence_parallel"]
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, default=3)
     a = parser.parse_args()
@@ -244,8 +275,10 @@ def main() -> None:
         results = parity(out.parent)
     elif a.mode == "resume":
         results = resume(out.parent, a.stage)
-    else:
+    elif a.mode == "tensor_parallel":
         results = tensor_parallel(out.parent)
+    else:
+        results = sequence_parallel(out.parent)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out)
     if dist.is_initialized():
