@@ -21,7 +21,8 @@ a forward to the optimizer step, a secondary copy of the sharded parameters over
 ``P`` bytes x sharded / P (``hpz_secondary``, counted on the device, not in model state at
 rest). MiCS (``mics_shard_size`` S, dividing N) shards over groups of S ranks and
 replicates across them: every ``/ N`` above becomes ``/ S`` at stages 1-3. Activations are the user's to give (``activation_bytes``): they depend on batch,
-sequence length and activation checkpointing, not on the stage.
+sequence length and activation checkpointing, not on the stage; for a transformers decoder
+``activation_bytes`` counts them from its sizes (see [Note: activations of a decoder]).
 
 [Note: "cheapest"]
 Candidates are ranked by what they cost in speed, cheapest first: stage 0 (plain data
@@ -57,6 +58,8 @@ __all__ = [
     "format_peaks",
     "Knobs",
     "Peak",
+    "TransformerShape",
+    "activation_bytes",
     "step_peak",
 ]
 
@@ -89,6 +92,86 @@ def config_name(stage: int, offload: str) -> str:
 
 
 @dataclass(frozen=True)
+class TransformerShape:
+    """The sizes that set a decoder's activation memory, as a transformers config names them
+    (``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``vocab_size``); ``kv_dim`` is key-value heads x head size."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: Any) -> TransformerShape | None:
+        """Read from ``model.config``; None when it lacks one of the sizes."""
+        c = getattr(model, "config", None)
+        try:
+            hidden, heads = int(c.hidden_size), int(c.num_attention_heads)
+            sizes = int(c.intermediate_size), int(c.num_hidden_layers), int(c.vocab_size)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        return cls(hidden, sizes[0], sizes[1], heads, int(kv_heads) * int(head_dim), sizes[2])
+
+
+# [Note: activations of a decoder]
+# What autograd keeps from the forward to the backward of a Llama-style decoder (RMSNorm,
+# rotary positions, fused attention, SwiGLU MLP), per token, read off the saved tensors of
+# transformers' Llama (``SavedTensorMeter``) and checked against it in tests/test_estimate.py:
+# each layer 8 hidden + 2 key-value + 4 intermediate values in the activations' dtype, and one
+# fp32 value a head (attention's log-sum-exp); outside the layers 4 hidden values, and the
+# log-softmax of the logits in fp32 (a vocabulary's worth). A rank of a sequence split over S
+# ranks holds 1/S of the tokens. Activation checkpointing keeps each layer's input and
+# recomputes one layer at a time; tiling keeps no MLP intermediates and no logits but one
+# tile's (the logits' three times over in its backward: values, log-softmax, gradient).
+def activation_bytes(
+    shape: TransformerShape,
+    tokens: int,
+    *,
+    sequence_ranks: int = 1,
+    dtype_bytes: int = 2,
+    checkpointing: bool = False,
+    tiled: bool = False,
+    tile_tokens: int = 4096,
+) -> float:
+    """Bytes of activations one rank holds at the end of a forward (see
+    [Note: activations of a decoder]).
+
+    Args:
+        shape: the decoder's sizes.
+        tokens: tokens of a micro-batch (sequences x length).
+        sequence_ranks: ranks each sequence is split over (sequence x context parallel).
+        dtype_bytes: bytes of an activation (2 under bf16/fp16, 4 in fp32).
+        checkpointing: activation checkpointing of every layer.
+        tiled: the loss and the MLPs over tiles (the config's ``tiling``).
+        tile_tokens: tokens a tile.
+
+    >>> llama = TransformerShape(4096, 14336, 32, 32, 1024, 128256)
+    >>> round(activation_bytes(llama, 8192) / 2**30, 1)  # Llama 3 8B, bf16, GiB
+    49.2
+    >>> round(activation_bytes(llama, 8192, sequence_ranks=8, tiled=True) / 2**30, 2)
+    3.74
+    """
+    local = tokens / sequence_ranks
+    h, b = shape.hidden, dtype_bytes
+    mlp = 4 * shape.intermediate * b
+    layer = (8 * h + 2 * shape.kv_dim) * b + 4 * shape.heads + (0 if tiled else mlp)
+    logits = 4 * shape.vocab
+    held = local * (4 * h * b + (0 if tiled else logits))
+    if checkpointing:
+        held += local * (shape.layers * h * b + layer)
+    else:
+        held += local * shape.layers * layer
+    if tiled:
+        held += min(tile_tokens, local) * (mlp + 3 * logits)
+    return held
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the estimate needs to know about a model (counts are elements, not bytes)."""
 
@@ -99,6 +182,7 @@ class ModelFacts:
     root_unit: int = 0  # elements of the root unit (gathered for the whole forward)
     largest_param: int = 0  # elements of the largest trainable parameter (0 = unknown)
     hidden_size: int | None = None  # its config's (a Hugging Face model's), for "auto" buckets
+    shape: TransformerShape | None = None  # its config's decoder sizes, for activations
 
     @property
     def n_trainable(self) -> int:
@@ -571,6 +655,7 @@ def model_facts(
         root_unit=units[-1],
         largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
         hidden_size=model_hidden_size(model),
+        shape=TransformerShape.of(model),
     )
 
 

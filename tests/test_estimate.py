@@ -503,3 +503,78 @@ def test_cli_fills_auto_bucket_sizes_from_the_hidden_size(
     model = ("--model", "tests.test_estimate:hf_like", "--model-arg", f"hidden={h}")
     from_model = out(*model, "--config", str(paths["written"]))
     assert out(*model, "--config", str(paths["auto"])) == from_model
+
+
+# -- activations of a decoder, from its sizes -------------------------------------------------
+
+
+def tiny_llama(**sizes: int) -> nn.Module:
+    """A transformers Llama from a config (the CLI's --model factory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    config.update(sizes)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**config))
+
+
+def _saved_bytes(model: nn.Module, tokens: int) -> int:
+    from ds_strategy.core.activation_checkpointing import SavedTensorMeter
+
+    ids = torch.randint(0, 1024, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with SavedTensorMeter(model) as meter:
+        model(input_ids=ids, labels=ids)
+    return meter.bytes
+
+
+@pytest.mark.parametrize("sizes", [{}, {"intermediate_size": 704, "num_key_value_heads": 8}])
+def test_activations_from_the_sizes_match_what_autograd_keeps(sizes: dict[str, int]) -> None:
+    """The count of [Note: activations of a decoder] against the tensors a transformers Llama
+    saves for backward (fp32), plain and with the loss and MLPs tiled (less the one tile a
+    backward recomputes, which the forward does not keep)."""
+    pytest.importorskip("transformers")
+    from ds_strategy.config._schema import TilingConfig
+    from ds_strategy.core.sequence import apply_tiling
+    from ds_strategy.estimate import TransformerShape, activation_bytes
+
+    model = tiny_llama(**sizes)
+    shape = TransformerShape.of(model)
+    assert shape is not None
+    tokens, tile = 256, 32
+    plain = activation_bytes(shape, tokens, dtype_bytes=4)
+    assert plain == pytest.approx(_saved_bytes(model, tokens), rel=0.05)
+    apply_tiling(model, TilingConfig(loss=True, mlp=True, tokens=tile))
+    tiled = activation_bytes(shape, tokens, dtype_bytes=4, tiled=True, tile_tokens=tile)
+    one_tile = tile * (4 * shape.intermediate * 4 + 3 * 4 * shape.vocab)
+    assert tiled - one_tile == pytest.approx(_saved_bytes(model, tokens), rel=0.05)
+    # a rank of a sequence split over 2 ranks holds half the tokens' activations
+    assert activation_bytes(shape, tokens, dtype_bytes=4, sequence_ranks=2) == plain / 2
+
+
+def test_cli_counts_activations_from_the_sequence_length(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("transformers")
+    base = ["estimate", "--model", "tests.test_estimate:tiny_llama", "--world-size", "1"]
+    assert cli([*base, "--seq-len", "65536", "--gpu-mem", "1GB"]) == 1  # nothing fits
+    whole = capsys.readouterr().out
+    assert "activations: " in whole and "model state sharded over 1 ranks" in whole
+    split = [*base, "--seq-len", "65536", "--sequence-ranks", "8", "--tiled", "--gpu-mem", "1GB"]
+    assert cli(split) == 0
+    out = capsys.readouterr().out
+    assert "over 8 rank(s) a sequence, bf16, tiled" in out and "sharded over 8 ranks" in out
+    gb = [float(re.search(r"activations: ([\d.]+) GB", t).group(1)) for t in (whole, out)]
+    assert gb[1] < gb[0] / 8
+    assert cli([*base, "--seq-len", "1001", "--sequence-ranks", "2"]) == 2
+    assert "multiple of --sequence-ranks 2" in capsys.readouterr().err
+    assert cli(["estimate", "--params", "7B", "--world-size", "2", "--seq-len", "4096"]) == 2
+    assert "--seq-len needs a --model whose config" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from ..estimate import (
     Knobs,
     ModelFacts,
     StageFacts,
+    activation_bytes,
     config_of,
     estimate_all,
     format_peaks,
@@ -67,6 +68,7 @@ def add_cli_parser(sub: Any) -> None:
         help="ranks sharing one node's host memory (default: min(world size, 8))",
     )
     e.add_argument("--activations", default="0", help="activation memory per rank, if known: 10GB")
+    _add_sequence_arguments(e)
     e.add_argument(
         "--precision",
         choices=sorted(PRECISIONS),
@@ -74,6 +76,63 @@ def add_cli_parser(sub: Any) -> None:
         help="the precision to recommend a configuration for (default bf16)",
     )
     _add_layout_arguments(e)
+
+
+def _add_sequence_arguments(e: Any) -> None:
+    """The flags that count activations from the sequence length."""
+    e.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens a sequence: activations per rank from the --model's config (a "
+        "transformers decoder's sizes) instead of --activations",
+    )
+    e.add_argument("--micro-batch", type=int, default=1, help="sequences a micro-batch")
+    e.add_argument(
+        "--sequence-ranks",
+        type=int,
+        default=1,
+        help="ranks each sequence is split over (sequence_parallel_size x "
+        "context_parallel_size); ZeRO shards over --world-size x this",
+    )
+    e.add_argument("--checkpointing", action="store_true", help="checkpoint every layer")
+    e.add_argument(
+        "--tiled", action="store_true", help="the loss and the MLPs over tiles (tiling section)"
+    )
+    e.add_argument("--tile-tokens", type=int, default=4096, help="tokens a tile (tiling.tokens)")
+
+
+def _sequence_activations(args: Any, facts: ModelFacts) -> float | None:
+    """Activation bytes per rank from ``--seq-len`` and the model's sizes; None without it."""
+    counts = {"--micro-batch": args.micro_batch, "--sequence-ranks": args.sequence_ranks}
+    counts["--tile-tokens"] = args.tile_tokens
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if args.seq_len is None:
+        return None
+    if args.seq_len < 1 or args.seq_len % args.sequence_ranks:
+        raise ValueError(
+            f"--seq-len {args.seq_len} must be a positive multiple of --sequence-ranks "
+            f"{args.sequence_ranks}"
+        )
+    if facts.shape is None:
+        raise ValueError(
+            "--seq-len needs a --model whose config has hidden_size, intermediate_size, "
+            "num_hidden_layers, num_attention_heads and vocab_size (a transformers decoder); "
+            "otherwise give --activations"
+        )
+    if parse_bytes(args.activations):
+        raise ValueError("--seq-len counts the activations: leave out --activations")
+    return activation_bytes(
+        facts.shape,
+        args.micro_batch * args.seq_len,
+        sequence_ranks=args.sequence_ranks,
+        dtype_bytes=4 if args.precision == "fp32" else 2,
+        checkpointing=args.checkpointing,
+        tiled=args.tiled,
+        tile_tokens=args.tile_tokens,
+    )
 
 
 def _add_layout_arguments(e: Any) -> None:
@@ -307,22 +366,36 @@ def run_cli(args: Any) -> int:
         gpu = _option("--gpu-mem", parse_bytes, args.gpu_mem) if args.gpu_mem else None
         cpu = _option("--cpu-mem", parse_bytes, args.cpu_mem) if args.cpu_mem else None
         act = _option("--activations", parse_bytes, args.activations)
+        counted = _sequence_activations(args, facts)
         knobs = _knobs(args, facts)
     except (ValueError, OSError) as err:
         print(f"ds-strategy estimate: {err}", file=sys.stderr)
         return 2
     per_node = args.ranks_per_node or min(args.world_size, 8)
+    ranks = args.world_size * args.sequence_ranks  # ZeRO shards over data x sequence ranks
+    if counted is not None:
+        act = counted
 
     def table(f: ModelFacts) -> list[Estimate]:
         return estimate_all(
             f,
-            args.world_size,
+            ranks,
             activation_bytes=act,
             hpz_partition_size=args.hpz_partition_size,
             mics_shard_size=args.mics_shard_size,
         )
 
     print(_describe(args, facts, parts))
+    if counted is not None:
+        tools = "".join(
+            f", {name}" for name, on in (("checkpointing", args.checkpointing), ("tiled", args.tiled))
+            if on
+        )  # fmt: skip
+        print(
+            f"activations: {gigabytes(act)} GB per rank ({args.micro_batch} x {args.seq_len} "
+            f"tokens over {args.sequence_ranks} rank(s) a sequence, {args.precision}{tools}); "
+            f"model state sharded over {ranks} ranks"
+        )
     if parts:
         per_stage = [table(part.facts) for part in parts]
         for part, rows in zip(parts, per_stage, strict=True):
@@ -340,10 +413,7 @@ def run_cli(args: Any) -> int:
         estimates = table(facts)
     print(format_table(estimates, gpu, cpu, per_node))
     if not parts and args.mics_shard_size <= 0 and args.hpz_partition_size == 1:
-        peaks = [
-            step_peak(facts, args.world_size, s, o, args.precision, act, knobs)
-            for s, o in CANDIDATES
-        ]
+        peaks = [step_peak(facts, ranks, s, o, args.precision, act, knobs) for s, o in CANDIDATES]
         where = "host memory (CPU ranks)" if knobs.cpu_only else "each tier"
         print(
             f"\npeak of a training step at {args.precision}, {where}, GB per rank: model state "
