@@ -107,7 +107,7 @@ class TransformerShape:
     @classmethod
     def of(cls, model: Any) -> TransformerShape | None:
         """Read from ``model.config``; None when it lacks one of the sizes."""
-        c = getattr(model, "config", None)
+        c: Any = getattr(model, "config", None)
         try:
             hidden, heads = int(c.hidden_size), int(c.num_attention_heads)
             sizes = int(c.intermediate_size), int(c.num_hidden_layers), int(c.vocab_size)

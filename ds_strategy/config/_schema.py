@@ -1649,7 +1649,8 @@ class ZeroConfig:
                 (f,) = [f for f in dataclasses.fields(section) if f.name == key]
                 value = _field_default(f)
             settled.append(value)
-        return Layout(*settled, self.sequence_parallel_size, self.context_parallel_size)
+        stage, stages, tp = settled
+        return Layout(stage, stages, tp, self.sequence_parallel_size, self.context_parallel_size)
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A new, validated config with dotted keys changed; a mapping merges into a section.
