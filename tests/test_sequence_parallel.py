@@ -426,6 +426,8 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     refused("both", {"sequence_parallel_size": 2, "context_parallel_size": 2})
     refused("heads", {"sequence_parallel_size": 2}, heads=3)
     refused("ring with odd heads", {"context_parallel_size": 2}, heads=3)
+    refused("compression", {**SP, "gradient_compression": {"method": "topk"}})
+    refused("hierarchical", {**CP, "topology": {"hierarchical": True, "ranks_per_machine": 1}})
     return out
 
 
@@ -438,6 +440,9 @@ def test_bad_sizes_and_head_counts_are_config_errors_naming_the_key() -> None:
         assert out["heads"].startswith("sequence_parallel_size: "), out
         assert "3 query / 3 key-value heads" in out["heads"], out
         assert "context_parallel_size" in out["heads"], out  # the way out it names
+        for name, feature in (("compression", "gradient compression"), ("hierarchical", "topo")):
+            assert out[name].startswith("sequence_parallel_size: "), out
+            assert f"does not work with {feature}" in out[name], out
         assert out["ring with odd heads"] == "accepted", out  # ring attention needs no split
 
 

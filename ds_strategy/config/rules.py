@@ -314,6 +314,33 @@ def _compressed_optimizer(cfg: ZeroConfig, facts: Facts) -> str | None:
     return None
 
 
+def _sequence_parallel_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
+    sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
+    if sp * cp == 1:
+        return None
+    zc = cfg.zero_optimization
+    refused = []
+    if cfg.gradient_compression.method != "none" or facts.compressed_optimizer:
+        refused.append(
+            "gradient compression or a 1-bit optimizer (their exchanges average over every "
+            "rank; the ranks of a sequence add their gradients)"
+        )
+    if zc.mics_shard_size > 0:
+        refused.append("zero_optimization.mics_shard_size (remove it)")
+    if zc.stage == 3 and zc.zero_hpz_partition_size > 1:
+        refused.append("zero_optimization.zero_hpz_partition_size (remove it)")
+    if cfg.topology.hierarchical:
+        refused.append("topology.hierarchical (remove it)")
+    if facts.tensor_parallel:
+        refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
+    if refused:
+        return (
+            f"sequence_parallel_size={sp} x context_parallel_size={cp} does not work with "
+            + "; ".join(refused)
+        )
+    return None
+
+
 def _fp16_and_bf16(cfg: ZeroConfig, facts: Facts) -> str | None:
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         return (
@@ -473,6 +500,8 @@ RULES: tuple[Rule, ...] = (
          _compression_with_mics),
     Rule("1-bit and 0/1 optimizers with other features", "optimizer", "optimizer",
          _compressed_optimizer),
+    Rule("sequence and context parallelism with other features", "sequence_parallel_size",
+         "optimizer", _sequence_parallel_combinations),
     Rule("momentum correction replaces SGD's momentum", "gradient_compression.momentum_correction",
          "compression", _momentum_correction_needs_sgd),
     Rule("quantization-aware training without tensor parallelism", "quantization.qat",
