@@ -95,9 +95,7 @@ def _loss(engine: Any, tokens: torch.Tensor, args: Any) -> torch.Tensor:
     if args.model == "llama":  # called as transformers' Trainer calls it: the engine splits
         return engine(input_ids=tokens, labels=tokens).loss
     if engine.sequence is not None:  # the demo GPT: split by the caller
-        local = engine.sequence.shard(tokens[:, :-1], shift_labels=tokens[:, 1:])
-        logits = engine(local["input_ids"], position_ids=local["position_ids"])
-        return engine.sequence.loss(logits, local["shift_labels"], local["num_items_in_batch"])
+        return engine.sequence.next_token_loss(engine, tokens)
     logits = engine(tokens[:, :-1])
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[0, 1:])
 

@@ -583,11 +583,7 @@ def test_lightning_and_fabric_samplers_give_the_ranks_of_a_sequence_the_same_row
 
 def _train_split(engine: Any, batches: list[torch.Tensor]) -> None:
     for tokens in batches:
-        local = engine.sequence.shard(tokens[:, :-1], shift_labels=tokens[:, 1:])
-        logits = engine(local["input_ids"], position_ids=local["position_ids"])
-        engine.backward(
-            engine.sequence.loss(logits, local["shift_labels"], local["num_items_in_batch"])
-        )
+        engine.backward(engine.sequence.next_token_loss(engine, tokens))
         engine.step()
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -104,6 +104,20 @@ class SequenceParallel:
             reduction="sum",
         )
         return self.split.combined(summed / num_items)
+
+    def next_token_loss(
+        self, model: Callable[..., torch.Tensor], tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """The whole sequences' mean next-token loss of a model that takes ids and
+        ``position_ids`` and returns logits (such as the demo GPT), from this rank's block.
+
+        Args:
+            model: the engine (or the model) to call.
+            tokens: ``[B, S + 1]`` ids of whole sequences: inputs and, one further, targets.
+        """
+        local = self.shard(tokens[:, :-1], shift_labels=tokens[:, 1:])
+        logits = model(local["input_ids"], position_ids=local["position_ids"])
+        return self.loss(logits, local["shift_labels"], local["num_items_in_batch"])
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

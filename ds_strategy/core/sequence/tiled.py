@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -136,13 +135,14 @@ def _tile_module(module: nn.Module, name: str, tokens: int) -> None:
     original = module.forward
 
     @functools.wraps(original)
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-2] <= tokens:
             return original(x, *args, **kwargs)
         outs = []
         for piece in x.split(tokens, dim=-2):
             if torch.is_grad_enabled():
-                out = checkpoint(original, piece, *args, use_reentrant=False, **kwargs)
+                run = functools.partial(original, **kwargs)  # checkpoint's own keywords aside
+                out = checkpoint(run, piece, *args, use_reentrant=False)
             else:
                 out = original(piece, *args, **kwargs)
             if not isinstance(out, torch.Tensor) or out.shape[:-1] != piece.shape[:-1]:
@@ -202,13 +202,13 @@ class _TiledLoss:
         setattr(lm, "loss_function", self._loss)  # noqa: B010 - transformers' property setter
 
         @functools.wraps(self._forward)  # its signature: the sequence split reads it
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(*args: object, **kwargs: object) -> object:
             return self._call(*args, **kwargs)
 
         lm.forward = forward  # type: ignore[method-assign]
         lm.__dict__[_TILED] = self._forward
 
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, *args: object, **kwargs: object) -> object:
         wanted = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
         if not wanted or kwargs.get("logits_to_keep") not in (None, 0):
             return self._forward(*args, **kwargs)
@@ -217,14 +217,16 @@ class _TiledLoss:
             output = self._forward(*args, **kwargs)
         finally:
             self._on = False
-        if not hasattr(output, "items"):
+        items = getattr(output, "items", None)
+        if items is None:
             raise ConfigError(
                 "tiling.loss: the model returned a tuple (return_dict=False), whose logits "
                 "slot the tiled loss cannot empty; call it with return_dict=True",
                 key="tiling.loss",
             )
-        fields = {k: v for k, v in output.items() if k != "logits"}
-        return type(output)(**fields)  # logits=None: they were the hidden states
+        fields = {k: v for k, v in items() if k != "logits"}
+        rebuild: Callable[..., object] = type(output)
+        return rebuild(**fields)  # logits=None: they were the hidden states
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden if self._on else self._head_forward(hidden)
@@ -237,7 +239,7 @@ class _TiledLoss:
         num_items_in_batch: torch.Tensor | int | None = None,
         ignore_index: int = IGNORE_INDEX,
         shift_labels: torch.Tensor | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> torch.Tensor:
         if not self._on:
             return self._loss_function(
