@@ -139,49 +139,55 @@ def test_resumed_run_equals_the_uninterrupted_one(resumed: dict[str, Any]) -> No
     assert again["lr"] == pytest.approx(whole["lr"])  # the config's WarmupDecayLR, resumed
 
 
-@pytest.mark.launcher
-def test_tensor_parallel_trainer_equals_a_plain_trainer_in_one_process(tmp_path: Path) -> None:
-    """Llama at D=1 x T=2 (ZeRO-2) through ZeroTrainer on two processes, against a plain
-    Trainer in this process: the two ranks of the pair read the same batches."""
-    out = tmp_path / "results.pt"
-    launch("torchrun", "tensor_parallel", "--out", str(out))
-    zero = torch.load(out, weights_only=False)
-    assert zero["mesh"] == {"pp": 0, "dp": 0, "tp": 0}
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One launch on two processes: the Llama through ZeroTrainer with its layers split
+    (tensor parallelism) and with its sequences split (sequence parallelism); and a plain
+    Trainer in this process, which both must equal (the two ranks read the same batches)."""
+    root = tmp_path_factory.mktemp("hf_split")
+    launch("torchrun", "split", "--out", str(root / "results.pt"))
     plain = Trainer(
         model=model(),
-        args=arguments(str(tmp_path / "plain")),
+        args=arguments(str(root / "plain")),
         train_dataset=Tokens(40, 1),
         eval_dataset=Tokens(8, 2),
     )
     plain.train()
-    expected = plain.model.state_dict()
-    assert max_diff(zero["state"], expected) <= TOL
-    losses = [e["loss"] for e in plain.state.log_history if "loss" in e]
-    assert zero["loss"] == pytest.approx(losses, rel=1e-5)
-    assert zero["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5)
+    reference = {
+        "state": plain.model.state_dict(),
+        "loss": [e["loss"] for e in plain.state.log_history if "loss" in e],
+        "eval_loss": plain.evaluate()["eval_loss"],
+        "global_step": plain.state.global_step,
+        "total_batch": plain.get_total_train_batch_size(plain.args),
+    }
+    return {**torch.load(root / "results.pt", weights_only=False), "plain": reference}
+
+
+def _equals_the_plain_trainer(zero: dict[str, Any], plain: dict[str, Any]) -> None:
+    assert max_diff(zero["state"], plain["state"]) <= TOL
+    assert zero["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert zero["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.launcher
-def test_sequence_parallel_trainer_equals_a_plain_trainer_in_one_process(tmp_path: Path) -> None:
-    """Llama with each sequence split over two processes (``parallelism_config`` sp_size=2,
-    ZeRO-3, tiled loss and MLPs) through ZeroTrainer, against a plain Trainer in this process:
-    the same steps, losses, weights and evaluation loss."""
-    out = tmp_path / "results.pt"
-    launch("torchrun", "sequence_parallel", "--out", str(out))
-    zero = torch.load(out, weights_only=False)
-    plain = Trainer(
-        model=model(),
-        args=arguments(str(tmp_path / "plain")),
-        train_dataset=Tokens(40, 1),
-        eval_dataset=Tokens(8, 2),
-    )
-    plain.train()
-    assert zero["global_step"] == plain.state.global_step
-    assert zero["total_batch"] == plain.get_total_train_batch_size(plain.args)  # 1 data rank
-    assert max_diff(zero["state"], plain.model.state_dict()) <= TOL
-    losses = [e["loss"] for e in plain.state.log_history if "loss" in e]
-    assert zero["loss"] == pytest.approx(losses, rel=1e-5)
-    assert zero["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-5)
+def test_tensor_parallel_trainer_equals_a_plain_trainer_in_one_process(
+    split_runs: dict[str, Any],
+) -> None:
+    """Llama at D=1 x T=2 (ZeRO-2)."""
+    assert split_runs["tp"]["mesh"] == {"pp": 0, "dp": 0, "tp": 0}
+    _equals_the_plain_trainer(split_runs["tp"], split_runs["plain"])
+
+
+@pytest.mark.launcher
+def test_sequence_parallel_trainer_equals_a_plain_trainer_in_one_process(
+    split_runs: dict[str, Any],
+) -> None:
+    """Llama with each sequence split over both processes (``parallelism_config`` sp_size=2,
+    ZeRO-3, tiled loss and MLPs): the same steps, losses, weights and evaluation loss."""
+    zero, plain = split_runs["sp"], split_runs["plain"]
+    assert zero["global_step"] == plain["global_step"]
+    assert zero["total_batch"] == plain["total_batch"]  # one data-parallel rank
+    _equals_the_plain_trainer(zero, plain)
 
 
 # -- in this process ----------------------------------------------------------------------------

@@ -374,6 +374,8 @@ LLAMA_CASES = {
     "sp2-zero3-sdpa-one-kv-head": (3, SP, 1, "sdpa"),
     "cp2-zero3-sdpa": (3, CP, 2, "sdpa"),
     "cp2-zero1-eager-one-kv-head": (1, CP, 1, "eager"),
+    # flex attention cannot run backward on CPU; split, the model's attention calls are ours
+    "sp2-zero2-flex": (2, SP, 2, "flex_attention"),
     # the loss and the MLPs over tiles of 5 of a rank's 16 tokens (a short last tile)
     "sp2-zero3-tiled": (3, SP, 2, "sdpa", {"tiling": {"loss": True, "mlp": True, "tokens": 5}}),
 }

@@ -7,6 +7,7 @@ everywhere, an AdamW and a WarmupLR section, CPU offload) and a config without s
 Trainer's own optimizer and scheduler), each against the plain Trainer set up to mean the same;
 then evaluation, prediction and ``save_model`` -> ``from_pretrained``.
 ``resume``: an uninterrupted run with checkpoints, and a run resumed from its middle one.
+``split``: tensor parallelism, then sequence parallelism, each over both processes.
 Rank 0 ``torch.save``s what it measured to ``--out``.
 """
 
@@ -264,9 +265,7 @@ def sequence_parallel(out: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "mode", choices=["parity", "resume", "tensor_parallel", "sequence_parallel"]
-    )
+    parser.add_argument("mode", choices=["parity", "resume", "split"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--stage", type=int, default=3)
     a = parser.parse_args()
@@ -275,10 +274,8 @@ def main() -> None:
         results = parity(out.parent)
     elif a.mode == "resume":
         results = resume(out.parent, a.stage)
-    elif a.mode == "tensor_parallel":
-        results = tensor_parallel(out.parent)
-    else:
-        results = sequence_parallel(out.parent)
+    else:  # the layers split, then the sequences
+        results = {"tp": tensor_parallel(out.parent), "sp": sequence_parallel(out.parent)}
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out)
     if dist.is_initialized():
