@@ -1,6 +1,7 @@
-"""Lightning's Trainer with a ``tensor_parallel`` config: the sampler shards by data-parallel
-rank only (the two tensor-parallel ranks of a group read the same rows) and training equals
-one process on the global batch (tests/lightning_scripts/tensor_parallel.py, 4 processes)."""
+"""Lightning's Trainer with a ``tensor_parallel`` config, then with ``sequence_parallel_size``:
+the sampler shards by data-parallel rank only (the two ranks splitting a layer or a sequence
+read the same rows) and training equals one process on the global batch
+(tests/lightning_scripts/tensor_parallel.py, 4 processes)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from tests.tp_common import check_against_one_process
 pytestmark = pytest.mark.launcher
 
 
-def test_tensor_parallel_trainer_equals_one_process(tmp_path: Path) -> None:
-    run_script("tensor_parallel.py", tmp_path, timeout=300, ranks=4)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
-    check_against_one_process(ranks, torch.load(tmp_path / "state.pt"), prefix="model.")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lightning_split")
+    run_script("tensor_parallel.py", out, timeout=300, ranks=4)
+    return out
+
+
+@pytest.mark.parametrize("pair", ["tp", "sp"])
+def test_split_layers_or_sequences_train_as_one_process(runs: Path, pair: str) -> None:
+    ranks = [torch.load(runs / f"{pair}_rank{r}.pt") for r in range(4)]
+    state = torch.load(runs / f"{pair}_state.pt")
+    check_against_one_process(ranks, state, prefix="model.", pair=pair)

@@ -30,15 +30,20 @@ def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def check_against_one_process(
-    ranks: list[dict[str, Any]], state: dict[str, torch.Tensor], prefix: str = ""
+    ranks: list[dict[str, Any]], state: dict[str, torch.Tensor], prefix: str = "", pair: str = "tp"
 ) -> None:
     """``ranks[r]``: the rows rank ``r`` trained on and its mesh coordinates; ``state``: the
-    consolidated weights, keyed ``prefix`` + the GPT's names."""
+    consolidated weights, keyed ``prefix`` + the GPT's names; ``pair``: the dimension of the
+    two ranks of a data-parallel rank (``"tp"`` or ``"sp"``)."""
     from tests.test_tensor_parallel import key_bias
 
     for r, got in enumerate(ranks):
-        assert got["coordinates"] == {"pp": 0, "dp": r // 2, "tp": r % 2}
-    assert torch.equal(ranks[0]["seen"], ranks[1]["seen"])  # one tensor-parallel group
+        assert {k: got["coordinates"].get(k, 0) for k in ("pp", "dp", pair)} == {
+            "pp": 0,
+            "dp": r // 2,
+            pair: r % 2,
+        }
+    assert torch.equal(ranks[0]["seen"], ranks[1]["seen"])  # one tensor/sequence group
     assert torch.equal(ranks[2]["seen"], ranks[3]["seen"])
     assert not torch.equal(ranks[0]["seen"], ranks[2]["seen"])  # two data-parallel ranks
     # one process: each optimizer step's global batch is both data-parallel ranks' rows of
@@ -58,7 +63,9 @@ def check_against_one_process(
     diff = {k: (state[k] - expected[k]).abs() for k in expected}
     for key in [k for k in diff if k.endswith("qkv.bias")]:
         keys = key_bias(diff[key])  # zero exact gradient: see test_tensor_parallel.py
-        assert diff[key][keys].max() <= 1e-3
+        if pair == "tp":  # split by heads, its rounding noise stays small; split by tokens,
+            # attention sums in another order and AdamW turns the noise into steps of lr
+            assert diff[key][keys].max() <= 1e-3
         diff[key] = diff[key][~keys]
     assert max(d.max().item() for d in diff.values()) <= 2e-5
     initial = gpt().state_dict()
