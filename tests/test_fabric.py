@@ -24,6 +24,30 @@ def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_for_results("fabric_parity.py", tmp_path_factory.mktemp("fabric_parity"))
 
 
+def test_fabric_splits_each_sequence_over_the_ranks(fabric_runs: dict[str, Any]) -> None:
+    """``sequence_parallel_size=2`` through Fabric's strategy: the same losses and weights as
+    one process on the whole sequences (the key bias left out: see ``tests/tp_common.py``)."""
+    from tests.test_tensor_parallel import key_bias
+    from tests.tp_common import gpt, loss_of, tokens
+
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(4):
+        loss = loss_of(model, tokens()[4 * step : 4 * step + 4])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    got = fabric_runs["split_sequences"]
+    assert got["losses"] == pytest.approx(losses, abs=1e-5)
+    for name, want in model.state_dict().items():
+        diff = (got["weights"][name] - want).abs()
+        if name.endswith("qkv.bias"):
+            diff = diff[~key_bias(diff)]
+        assert diff.max() <= 2e-5, name
+
+
 @pytest.mark.parametrize("name, stage", [("zero1", 1), ("zero3", 3)])
 def test_fabric_matches_ddp(fabric_runs: dict[str, Any], name: str, stage: int) -> None:
     ddp, zero = fabric_runs["ddp"], fabric_runs[name]

@@ -99,6 +99,31 @@ def train(
     return out
 
 
+def train_split_sequences() -> dict[str, Any]:
+    """The demo GPT with each sequence split over both ranks (``sequence_parallel_size=2``,
+    ZeRO-2): both read the same rows, the loss comes through ``engine.sequence``."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+    from tests.tp_common import gpt, tokens
+
+    strategy = ZeroStrategy(stage=2, config={"sequence_parallel_size": 2})
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = gpt()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = []
+    for step in range(4):
+        rows = tokens()[4 * step : 4 * step + 4]
+        loss = fabric.strategy.engine.sequence.next_token_loss(model, rows)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"weights": fabric.strategy.engine.full_state_dict(), "losses": losses}
+
+
+results["split_sequences"] = train_split_sequences()
 results["ddp"] = train("ddp")
 results["zero1"] = train("zero1")
 ckpt = ROOT / "fabric_ckpt"
