@@ -214,53 +214,41 @@ def resume(out: Path, stage: int) -> dict[str, Any]:
     return results
 
 
-def tensor_parallel(out: Path) -> dict[str, Any]:
-    """Llama with 2-way tensor parallelism (D=1 x T=2, ZeRO-2): the test compares it with a
-    plain Trainer in one process."""
-    config = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}
-    trainer = ZeroTrainer(
-        model=model(),
-        args=arguments(str(out / "tp")),
-        train_dataset=Tokens(SAMPLES, 1),
-        eval_dataset=Tokens(8, 2),
-        config=config,
-    )
-    trainer.train()
-    return {
-        "state": weights(trainer),
-        **logged(trainer),
-        "eval_loss": trainer.evaluate()["eval_loss"],
-        "mesh": dict(trainer.accelerator.zero_engine.mesh.coordinates),
-    }
-
-
-def sequence_parallel(out: Path) -> dict[str, Any]:
-    """Llama with each sequence split over both ranks (``TrainingArguments.parallelism_config``
-    with ``sp_size=2``, ZeRO-3, the loss and MLPs tiled): the test compares it with a plain
-    Trainer in one process."""
+def split(out: Path) -> dict[str, Any]:
+    """The Llama through ZeroTrainer with its layers split over both ranks (2-way tensor
+    parallelism, D=1 x T=2, ZeRO-2), then with each sequence split over them
+    (``TrainingArguments.parallelism_config`` with ``sp_size=2``, ZeRO-3, the loss and MLPs
+    tiled): the test compares each with a plain Trainer in one process."""
     from accelerate import ParallelismConfig
 
-    config = {
+    layers = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}
+    sequences = {
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "tiling": {"loss": True, "mlp": True, "tokens": 3},
     }
-    trainer = ZeroTrainer(
-        model=model(),
-        args=arguments(
-            str(out / "sp"), parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed")
-        ),
-        train_dataset=Tokens(SAMPLES, 1),
-        eval_dataset=Tokens(8, 2),
-        config=config,
-    )
-    trainer.train()
-    return {
-        "state": weights(trainer),
-        **logged(trainer),
-        "eval_loss": trainer.evaluate()["eval_loss"],
-        "total_batch": trainer.get_total_train_batch_size(trainer.args),
-        "global_step": trainer.state.global_step,
-    }
+    per_sequence = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    results = {}
+    for name, config, args in (
+        ("tp", layers, {}),
+        ("sp", sequences, {"parallelism_config": per_sequence}),
+    ):
+        trainer = ZeroTrainer(
+            model=model(),
+            args=arguments(str(out / name), **args),
+            train_dataset=Tokens(SAMPLES, 1),
+            eval_dataset=Tokens(8, 2),
+            config=config,
+        )
+        trainer.train()
+        results[name] = {
+            "state": weights(trainer),
+            **logged(trainer),
+            "eval_loss": trainer.evaluate()["eval_loss"],
+            "mesh": dict(trainer.accelerator.zero_engine.mesh.coordinates),
+            "total_batch": trainer.get_total_train_batch_size(trainer.args),
+            "global_step": trainer.state.global_step,
+        }
+    return results
 
 
 def main() -> None:
@@ -274,8 +262,8 @@ def main() -> None:
         results = parity(out.parent)
     elif a.mode == "resume":
         results = resume(out.parent, a.stage)
-    else:  # the layers split, then the sequences
-        results = {"tp": tensor_parallel(out.parent), "sp": sequence_parallel(out.parent)}
+    else:
+        results = split(out.parent)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out)
     if dist.is_initialized():
