@@ -301,17 +301,27 @@ def test_the_demo_gpt_trains_as_one_process_on_the_whole_sequences(
     assert _weight_gap(_gpt().state_dict(), state) > 100 * TOL  # the steps moved the weights
 
 
-# bf16 against one engine in bf16 on the whole sequences: the same rounding of weights and
-# activations, summed in another order
-BF16 = {"bf16": {"enabled": True}}
-BF16_CASES = {"one": (1, 2, {}, BF16), "sp2": (2, 2, SP, BF16), "cp2": (2, 3, CP, BF16)}
+# bf16 and fp16 against one engine in that precision on the whole sequences: the same
+# rounding of weights and activations, summed in another order
+BF16, FP16 = {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}
+HALF_CASES = {
+    "one-bf16": (1, 2, {}, BF16),
+    "sp2-bf16": (2, 2, SP, BF16),
+    "cp2-bf16": (2, 3, CP, BF16),
+    "one-fp16": (1, 2, {}, FP16),
+    "sp2-fp16": (2, 3, SP, FP16),
+}
 
 
 @pytest.mark.slow
-def test_bf16_trains_split_as_one_bf16_engine_on_the_whole_sequences() -> None:
-    runs = _runs_by_world(_gpt_run, BF16_CASES)
-    (one,) = runs.pop("one")
+def test_half_precision_trains_split_as_one_engine_on_the_whole_sequences() -> None:
+    runs = _runs_by_world(_gpt_run, HALF_CASES)
     for name, ranks in runs.items():
+        if name.startswith("one"):
+            continue
+        (one,) = runs["one-" + name.split("-")[1]]
+        initial = _gpt().state_dict()  # (fp16's loss scaling skipped not every step)
+        assert max((one["state"][k] - v).abs().max().item() for k, v in initial.items()) > 1e-2
         for r in ranks:
             assert r["losses"] == pytest.approx(one["losses"], abs=2e-2), (name, r["losses"])
             gaps = torch.cat([(r["state"][k] - v).abs().flatten() for k, v in one["state"].items()])
