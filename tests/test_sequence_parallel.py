@@ -345,15 +345,20 @@ def test_a_rank_keeps_about_half_the_activations_at_two_sequence_ranks(
 
 
 def _llama(kv_heads: int, attention: str) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
+    """A Llama from a config; ``attention`` is its implementation, after ``"qwen2:"`` for a
+    Qwen2 of the same sizes (biases on the query, key and value projections)."""
+    from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from tests.inference_common import llama_config
 
+    family, _, attention = attention.rpartition(":")
     config = llama_config()
+    if family == "qwen2":
+        config = Qwen2Config(**config.to_dict())
     config.num_key_value_heads = kv_heads
     config._attn_implementation = attention
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return (Qwen2ForCausalLM if family == "qwen2" else LlamaForCausalLM)(config)
 
 
 def _llama_batches(rows: int = BATCH) -> list[torch.Tensor]:
@@ -391,9 +396,9 @@ def _llama_run(
 
 
 def _llama_reference(
-    kv_heads: int, rows: int = BATCH
+    kv_heads: int, rows: int = BATCH, family: str = ""
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _llama(kv_heads, "sdpa")
+    model = _llama(kv_heads, f"{family}:sdpa")
     opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
     losses = []
     for tokens in _llama_batches(rows):
@@ -414,6 +419,7 @@ LLAMA_CASES = {
     "cp2-zero1-eager-one-kv-head": (1, CP, 1, "eager"),
     # flex attention cannot run backward on CPU; split, the model's attention calls are ours
     "sp2-zero2-flex": (2, SP, 2, "flex_attention"),
+    "sp2-zero3-qwen2": (3, SP, 2, "qwen2:sdpa"),
     # the loss and the MLPs over tiles of 5 of a rank's 16 tokens (a short last tile)
     "sp2-zero3-tiled": (3, SP, 2, "sdpa", {"tiling": {"loss": True, "mlp": True, "tokens": 5}}),
 }
@@ -430,14 +436,14 @@ def llama_runs() -> dict[str, list[dict[str, Any]]]:
 def test_a_transformers_llama_trains_as_one_process_on_the_whole_sequences(
     llama_runs: dict[str, list[dict[str, Any]]], name: str
 ) -> None:
-    kv_heads = LLAMA_CASES[name][2]
-    losses, state = _llama_reference(kv_heads)
+    kv_heads, family = LLAMA_CASES[name][2], LLAMA_CASES[name][3].rpartition(":")[0]
+    losses, state = _llama_reference(kv_heads, family=family)
     for rank, r in enumerate(llama_runs[name]):
         assert r["losses"] == pytest.approx(losses, abs=TOL), (rank, r["losses"], losses)
         gaps = {k: (r["state"][k] - v).abs().max().item() for k, v in state.items()}
         worst = max(gaps, key=gaps.__getitem__)
         assert gaps[worst] <= TOL, (rank, worst, gaps[worst])
-    initial = _llama(kv_heads, "sdpa").state_dict()
+    initial = _llama(kv_heads, f"{family}:sdpa").state_dict()
     assert max((initial[k] - v).abs().max().item() for k, v in state.items()) > 100 * TOL
 
 
