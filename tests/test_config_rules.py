@@ -85,6 +85,10 @@ CASES: dict[str, tuple[dict[str, Any], Facts, str, str, str]] = {
         Facts(optimizer="OneBitAdam", compressed_optimizer=True, in_pipeline=True),
         "optimizer", "optimizer", "pipeline stages",
     ),
+    "sequence and context parallelism with other features": (
+        {"sequence_parallel_size": 2, _ZO: {"stage": 2, "mics_shard_size": 2}},
+        Facts(world_size=4), "optimizer", "sequence_parallel_size", "mics_shard_size",
+    ),
     "momentum correction replaces SGD's momentum": (
         {"gradient_compression": {"method": "topk", "momentum_correction": True}},
         Facts(optimizer="AdamW", momenta=(0.0,)), "compression",
