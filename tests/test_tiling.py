@@ -101,6 +101,11 @@ def test_what_cannot_be_tiled_is_refused_naming_the_key() -> None:
         apply_tiling(gpt, TilingConfig(mlp=True))
     with pytest.raises(ConfigError, match="'blocks' would tile whole blocks"):
         apply_tiling(gpt, TilingConfig(mlp=True, mlp_modules="blocks"))
+    moe = nn.Module()  # a mixture of experts named mlp routes over the whole batch
+    moe.mlp = nn.Module()
+    moe.mlp.experts = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(ConfigError, match="tiling.mlp: 'mlp' chose no module of Module"):
+        apply_tiling(moe, TilingConfig(mlp=True))
     # a chosen module whose output is not one tensor a token fails at its first forward
     pairs = nn.Sequential(_Pair())
     apply_tiling(pairs, TilingConfig(mlp=True, mlp_modules="type:_Pair", tokens=4))

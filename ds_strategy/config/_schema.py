@@ -1344,7 +1344,8 @@ class TilingConfig:
     mlp_modules: str = leaf(
         str,
         "mlp",
-        doc="'mlp': the modules a model names mlp or feed_forward; 'type:<regex>': modules "
+        doc="'mlp': the modules a model names mlp or feed_forward (not a mixture of "
+        "experts); 'type:<regex>': modules "
         "whose class name it fully matches. Each must map tokens to tokens one by one.",
     )
     tokens: int = leaf(

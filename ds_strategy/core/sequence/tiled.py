@@ -124,7 +124,10 @@ def _mlp_modules(model: nn.Module, choice: str) -> list[tuple[str, nn.Module]]:
     out: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         inside = any(name.startswith(f"{taken}.") for taken, _ in out)
-        if name.rsplit(".", 1)[-1] in _AUTO_NAMES and not inside:
+        # a mixture of experts routes over the whole batch (capacity, the router's logits
+        # for its auxiliary loss): not tiled by name
+        experts = hasattr(module, "experts")
+        if name.rsplit(".", 1)[-1] in _AUTO_NAMES and not inside and not experts:
             out.append((name, module))
     return out
 
