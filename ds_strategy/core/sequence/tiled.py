@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from ...config import ConfigError
 from ...config._schema import TilingConfig
 from ..activation_checkpointing import select_modules
-from .split import IGNORE_INDEX
+from .split import IGNORE_INDEX, SequenceSplit
 
 __all__ = ["apply_tiling", "tiled_cross_entropy"]
 
@@ -104,7 +104,9 @@ def apply_tiling(model: nn.Module, config: TilingConfig) -> None:
         for name, module in modules:
             _tile_module(module, name, config.tokens)
     if config.loss:
-        _TiledLoss(_causal_lm(model), config.tokens)
+        lm = _causal_lm(model)
+        if _TILED not in lm.__dict__:  # an engine built again on the same model
+            _TiledLoss(lm, config.tokens)
 
 
 # -- the MLPs --------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ class _TiledLoss:
             )
         if shift_labels is None:
             assert labels is not None  # _call tiles only calls with labels
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            shift_labels = SequenceSplit.shifted(labels, ignore_index)
         shift_labels = shift_labels.to(logits.device)
         summed = tiled_cross_entropy(
             logits, self._head_forward, shift_labels, self.tokens, ignore_index
