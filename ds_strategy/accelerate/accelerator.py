@@ -142,22 +142,22 @@ class ZeroAccelerator(Accelerator):
         self.gradient_accumulation_steps = steps
 
     @property
-    def ranks_per_batch(self) -> int:
-        """Ranks that read the same batches: tensor-, sequence- and context-parallel ranks
-        (1 without them). The data-parallel ranks are ``num_processes`` over this."""
-        return self._front.ranks_per_batch
+    def data_parallel_ranks(self) -> int:
+        """The ranks that read different batches: ``num_processes`` over the tensor-,
+        sequence- and context-parallel ranks that share each batch."""
+        return self.num_processes // self._front.ranks_per_batch
 
     def _prepare_device_mesh(self) -> Any:
         """The mesh Accelerate's data loaders shard by: the ranks of a tensor-, sequence- and
         context-parallel group (consecutive, as the engine lays them out) read the same
         batches, named as Accelerate names replicated data-parallel and tensor dimensions."""
-        tp = self.ranks_per_batch
+        tp = self._front.ranks_per_batch
         if tp == 1:
             return super()._prepare_device_mesh()
         if self._loader_mesh is None:  # the rank layout makes its groups (core/layout.py)
             from ..core.layout import RankLayout
 
-            layout = RankLayout.over(tp=tp, dp_replicate=self.num_processes // tp, dp_shard=1)
+            layout = RankLayout.over(tp=tp, dp_replicate=self.data_parallel_ranks, dp_shard=1)
             self._loader_mesh = layout.device_mesh(self.device.type, ("dp_replicate", "tp"))
         return self._loader_mesh
 

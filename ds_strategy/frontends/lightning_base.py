@@ -281,8 +281,7 @@ class LightningZeroBase:
         """The sampler's ``num_replicas`` and ``rank``."""
         # by data-parallel rank: every stage, tensor-, sequence- and context-parallel rank of
         # one reads its rows
-        cfg, world = self._base_config, self._ddp.num_nodes * self._ddp.num_processes
-        layout = cfg.layout
+        layout, world = self._base_config.layout, self._ddp.num_nodes * self._ddp.num_processes
         dims = ParallelDims(world, pp=layout.stages, tp=layout.tp, sp=layout.sp, cp=layout.cp)
         return {"num_replicas": dims.dp, "rank": dims.coordinates(self._ddp.global_rank)["dp"]}
 

@@ -134,7 +134,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
         Args:
             args: the ``TrainingArguments``.
         """
-        data_ranks = self.accelerator.num_processes // self.accelerator.ranks_per_batch
+        data_ranks = self.accelerator.data_parallel_ranks
         return self._train_batch_size * args.gradient_accumulation_steps * data_ranks
 
     # -- optimizer and scheduler ----------------------------------------------------------
@@ -161,7 +161,7 @@ class ZeroTrainer(TrainerHooks, Trainer):
             acc.zero_config = fill_from_training_args(
                 self._loaded_config,
                 self.args,
-                world_size=acc.num_processes // acc.ranks_per_batch,  # data-parallel ranks
+                world_size=acc.data_parallel_ranks,
                 model=self.model,
                 num_training_steps=self._max_steps,
             )
