@@ -155,12 +155,12 @@ def test_expert_groups_cut_the_data_ranks() -> None:
         ),
         (
             {"world": 8, "tp": 2, "ep": 3},
-            "expert_parallel_size",
-            "expert_parallel_size=3 does not divide the 4 data-parallel ranks",
+            "moe.ep_size",
+            "moe.ep_size=3 does not divide the 4 data-parallel ranks",
         ),
         ({"world": 8, "tp": 0}, "tensor_parallel.autotp_size", "must be at least 1"),
         ({"world": 8, "dp_shard": -2}, "data_parallel_shard_size", "or -1 for the rest"),
-        ({"world": 8, "ep": 0}, "expert_parallel_size", "must be at least 1"),
+        ({"world": 8, "ep": 0}, "moe.ep_size", "must be at least 1"),
     ],
 )
 def test_sizes_that_do_not_fit_the_world_name_their_key(

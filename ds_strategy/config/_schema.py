@@ -42,6 +42,7 @@ __all__ = [
     "UNSUPPORTED_KEYS",
     "ActivationCheckpointingConfig",
     "TilingConfig",
+    "MoEConfig",
     "BF16Config",
     "CSVMonitorConfig",
     "CheckpointConfig",
@@ -1357,6 +1358,29 @@ class TilingConfig:
     )
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """``moe``: ds_strategy's section. Expert parallelism: each rank of an expert group
+    holds ``num_experts / ep_size`` experts of every mixture-of-experts layer, and tokens
+    travel to their experts' ranks and back. It takes transformers' MoE models (Mixtral,
+    Qwen-MoE, OLMoE...) and ``ds_strategy.moe.MoE`` layers.
+
+    >>> MoEConfig(ep_size=2).ep_size
+    2
+    """
+
+    ep_size: int = leaf(
+        int,
+        1,
+        ge=1,
+        le=2**20,
+        doc="Ranks each layer's experts are spread over: consecutive data-parallel ranks; it "
+        "divides them and every layer's number of experts. Expert parameters are ZeRO-sharded "
+        "over the ranks holding the same experts, the rest over all. 1 with ds_strategy.moe.MoE "
+        "layers: their own ep_size.",
+    )
+
+
 class Layout(NamedTuple):
     """How a config lays a job out: its ZeRO stage, pipeline stages, and the tensor-,
     sequence- and context-parallel ranks (see :attr:`ZeroConfig.layout`)."""
@@ -1531,6 +1555,10 @@ class ZeroConfig:
         TilingConfig,
         doc="ds_strategy's section: the loss and the MLPs computed over tiles of tokens, for "
         "long sequences.",
+    )
+    moe: MoEConfig = section(
+        MoEConfig,
+        doc="ds_strategy's section: expert parallelism for mixture-of-experts models.",
     )
     gradient_compression: GradientCompressionConfig = section(
         GradientCompressionConfig,

@@ -341,6 +341,36 @@ def _sequence_parallel_combinations(cfg: ZeroConfig, facts: Facts) -> str | None
     return None
 
 
+def _expert_parallel_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
+    ep = cfg.moe.ep_size
+    if ep == 1:
+        return None
+    zc = cfg.zero_optimization
+    refused = []
+    if cfg.sequence_parallel_size * cfg.context_parallel_size > 1:
+        refused.append("sequence or context parallelism (set their sizes to 1)")
+    if facts.tensor_parallel:
+        refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
+    if facts.in_pipeline:
+        refused.append("pipeline stages (train without pipeline.stages)")
+    if cfg.gradient_compression.method != "none" or facts.compressed_optimizer:
+        refused.append(
+            "gradient compression or a 1-bit optimizer (their exchanges treat every rank's "
+            "parameters as replicas; experts differ between ranks)"
+        )
+    if zc.mics_shard_size > 0:
+        refused.append("zero_optimization.mics_shard_size (remove it)")
+    if zc.stage == 3 and zc.zero_hpz_partition_size > 1:
+        refused.append("zero_optimization.zero_hpz_partition_size (remove it)")
+    if zc.stage == 3 and (zc.zero_quantized_weights or zc.zero_quantized_gradients):
+        refused.append("ZeRO++'s quantized collectives (remove zero_quantized_*)")
+    if cfg.topology.hierarchical:
+        refused.append("topology.hierarchical (remove it)")
+    if refused:
+        return f"moe.ep_size={ep} does not work with " + "; ".join(refused)
+    return None
+
+
 def _fp16_and_bf16(cfg: ZeroConfig, facts: Facts) -> str | None:
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         return (
@@ -502,6 +532,8 @@ RULES: tuple[Rule, ...] = (
          _compressed_optimizer),
     Rule("sequence and context parallelism with other features", "sequence_parallel_size",
          "optimizer", _sequence_parallel_combinations),
+    Rule("expert parallelism with other features", "moe.ep_size", "optimizer",
+         _expert_parallel_combinations),
     Rule("momentum correction replaces SGD's momentum", "gradient_compression.momentum_correction",
          "compression", _momentum_correction_needs_sgd),
     Rule("quantization-aware training without tensor parallelism", "quantization.qat",

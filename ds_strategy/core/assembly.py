@@ -52,6 +52,7 @@ from .layout import RankLayout
 from .memory import ModelStateMeter
 from .mesh import ParallelMesh
 from .mics import MiCSComm
+from .moe.parallel import ExpertParallel, layer_ep_size
 from .offload import Offload
 from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
@@ -69,7 +70,7 @@ from .stage_context import StageContext
 from .timers import StepTimers
 from .topology import Topology
 from .tp import TensorParallel, resolve_plan
-from .zero.builders import ShardingPlan, build_plan
+from .zero.builders import ExpertGroups, ShardingPlan, build_plan
 from .zero.flat_group import GradScaling
 from .zero.optimizer import OptimizerLike, ShardedOptimizer, rebuild_optimizer
 
@@ -121,6 +122,8 @@ class Ranks:
         replica: MiCS's replica group, over which the reduced shards are summed; None
             without MiCS.
         sequence: sequence and context parallelism (``core/sequence``), or None.
+        experts: the model's experts spread over expert-parallel ranks (``core/moe``), or
+            None.
     """
 
     comm: Comm
@@ -130,6 +133,7 @@ class Ranks:
     layout: RankLayout
     replica: Comm | None = None
     sequence: SequenceParallel | None = None
+    experts: ExpertParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,9 @@ class EngineBuilder:
         tensor-parallel size."""
         with together(self.comm):
             loaded = load_config(config)
+            if loaded.moe.ep_size == 1 and layer_ep_size(self.model) > 1:
+                # DeepSpeed-MoE layers say how their experts are spread
+                loaded = loaded.replace(**{"moe.ep_size": layer_ep_size(self.model)})
             facts = Facts(in_pipeline=self.stage is not None, sub_group=process_group is not None)
             check_rules(loaded, facts, "engine")  # see config/rules.py
             mesh = self.stage.mesh if self.stage is not None else None
@@ -331,7 +338,12 @@ class EngineBuilder:
             shard_comm = MiCSComm.build(comm, zc.mics_shard_size, layout)
             replica = shard_comm.replica
         sequence = self._sequence(layout)
-        return Ranks(comm, shard_comm, mesh, tensor_parallel, layout, replica, sequence)
+        experts = None
+        if self.config.moe.ep_size > 1:  # each rank keeps its own experts
+            with together(comm):
+                edp = layout.comm("edp", on_scratch=self.meter.scratch)
+                experts = ExpertParallel(model, layout.comm("ep"), edp)
+        return Ranks(comm, shard_comm, mesh, tensor_parallel, layout, replica, sequence, experts)
 
     @property
     def _sequence_ranks(self) -> int:
@@ -358,7 +370,8 @@ class EngineBuilder:
             given.layout.place_on(self.topology)
             return given.layout
         sp, cp = self.config.sequence_parallel_size, self.config.context_parallel_size
-        dims = ParallelDims(self.comm.world_size, tp=self.tp, sp=sp, cp=cp)
+        ep = self.config.moe.ep_size
+        dims = ParallelDims(self.comm.world_size, tp=self.tp, sp=sp, cp=cp, ep=ep)
         return RankLayout(dims, self.topology, self.comm)
 
     def precision(self, ranks: Ranks) -> PrecisionParts:
@@ -420,6 +433,7 @@ class EngineBuilder:
             store=offload.store if offload is not None else None,
             layout=ranks.layout,
             replica=ranks.replica,
+            experts=_expert_groups(ranks.experts),
         )
         # parameters a pipeline materialised before this engine (the optimizer may hold the
         # meta ones they replaced)
@@ -571,6 +585,12 @@ class EngineBuilder:
             compressed_optimizer=isinstance(optimizer, CompressedExchange),
             local_steps=isinstance(optimizer, ZeroOneAdam),
         )
+
+
+def _expert_groups(experts: ExpertParallel | None) -> ExpertGroups | None:
+    if experts is None:
+        return None
+    return ExpertGroups(frozenset(experts.params), experts.data)
 
 
 def pick_device(model: nn.Module) -> torch.device:

@@ -349,16 +349,42 @@ class Comm:
         timer = self._timed if self.timed else None
         return self._settle(Work(handles, kind, timer, timing=timing), async_op)
 
-    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, kind: str = "all_to_all") -> None:
-        """Chunk ``r`` of ``tensor`` to rank ``r``; ``out``'s chunk ``r`` from rank ``r``."""
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        tensor: torch.Tensor,
+        kind: str = "all_to_all",
+        *,
+        out_splits: Sequence[int] | None = None,
+        in_splits: Sequence[int] | None = None,
+    ) -> None:
+        """Chunk ``r`` of ``tensor`` to rank ``r``; ``out``'s chunk ``r`` from rank ``r``.
+
+        Args:
+            out: where the received chunks land, in rank order.
+            tensor: the chunks to send, in rank order.
+            kind: the name its bytes are filed under.
+            out_splits: rows of ``out`` from each rank (default: equal chunks).
+            in_splits: rows of ``tensor`` to each rank (default: equal chunks).
+        """
         n = self.world_size
         if n == 1:
             out.copy_(tensor)
             return
         msg = tensor.numel() * tensor.element_size()
-        timing = self._issue(kind, "all_to_all", msg, (n - 1) / n * msg)
+        sent = (n - 1) / n * msg
+        if in_splits is not None:  # every row but those kept here
+            row = msg // max(1, tensor.shape[0]) if tensor.shape[0] else 0
+            sent = float((sum(in_splits) - in_splits[self.rank]) * row)
+        timing = self._issue(kind, "all_to_all", msg, sent)
         start = time.perf_counter()
-        dist.all_to_all_single(out, tensor, group=self.group)
+        dist.all_to_all_single(
+            out,
+            tensor,
+            output_split_sizes=None if out_splits is None else list(out_splits),
+            input_split_sizes=None if in_splits is None else list(in_splits),
+            group=self.group,
+        )
         self._work(None, kind, False, start, timing)
 
     @staticmethod

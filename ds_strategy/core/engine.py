@@ -41,6 +41,7 @@ from .generation import sync_generation
 from .materialize import refuse_unset_forward
 from .memory import ModelStateMeter
 from .memory_timeline import MemoryTimeline, TimelineEvent, timeline_path, zero_formula_bytes
+from .moe.parallel import ExpertParallel
 from .monitor import TrainingMonitor
 from .names import plain_names, unwrapped
 from .offload.streaming import SwapFiles
@@ -230,6 +231,8 @@ class ZeroEngine(nn.Module):
         self.sequence: SequenceParallel | None = ranks.sequence
         if self.sequence is not None:
             self.sequence.attach(self.module)
+        # expert parallelism: each rank's experts and their whole-model names (core/moe)
+        self.experts: ExpertParallel | None = ranks.experts
         place = parts.checkpoint
         self.checkpoint_comm = place.comm
         self.checkpoint_partial = place.partial
@@ -648,6 +651,7 @@ class ZeroEngine(nn.Module):
             stage=self.stage,
             world_size=self.world_size,
             tp_degree=self.mesh.tp,
+            experts=self.experts,
         )
 
     def checkpoint_loaded(self) -> None:
@@ -715,12 +719,17 @@ class ZeroEngine(nn.Module):
         tp = self.tensor_parallel
         plain = plain_names(self.module)  # a compiled or DDP-wrapped model: its model's names
         with self._offload_resident(dirty=False, optimizer_state=False):
-            if tp is None:
+            if self.experts is not None:  # every rank's experts joined under the model's names
+                state = self.experts.full_state_dict(
+                    self.plan.full_state_dict(self.module, False, self.rank)
+                )
+            elif tp is None:
                 state = self.plan.full_state_dict(self.module, rank0_only, self.rank)
                 return {plain(k): v for k, v in state.items()}
-            # every rank gathers its tensor-parallel part over the data-parallel ranks, then
-            # the parts are joined over the tensor-parallel ranks (original names and shapes)
-            state = tp.full_state_dict(self.plan.full_state_dict(self.module, False, self.rank))
+            else:
+                # every rank gathers its tensor-parallel part over the data-parallel ranks,
+                # then the parts are joined over the tensor-parallel ranks
+                state = tp.full_state_dict(self.plan.full_state_dict(self.module, False, self.rank))
         if rank0_only and world_rank() != 0:
             return {}
         return {plain(k): v for k, v in state.items()}

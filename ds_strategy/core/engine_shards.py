@@ -15,6 +15,7 @@ from torch import nn
 
 from .checkpoint.seam import ExtraState, OptimizerSlot, Placement, Run, ShardedState, WeightPiece
 from .compression.reduction import GradientCompression
+from .moe.parallel import ExpertParallel
 from .names import plain_names
 from .tp import TensorParallel
 from .zero.builders import ShardingPlan
@@ -26,13 +27,23 @@ __all__ = ["sharded_state"]
 class _Places:
     """Each parameter's name and full shape in the checkpoint, and where a range of it sits."""
 
-    def __init__(self, plan: ShardingPlan, module: nn.Module, tp: TensorParallel | None) -> None:
+    def __init__(
+        self,
+        plan: ShardingPlan,
+        module: nn.Module,
+        tp: TensorParallel | None,
+        experts: ExpertParallel | None = None,
+    ) -> None:
         self.tp = tp
+        self.experts = experts.params if experts is not None else {}
         self.plain = plain_names(module)  # a compiled or DDP-wrapped model saves its own names
         self.names: dict[int, str] = {}
         for name, p in module.named_parameters():
             info = tp.params.get(id(p)) if tp is not None else None
             self.names.setdefault(id(p), self.plain(info.name if info is not None else name))
+            expert = self.experts.get(id(p))
+            if expert is not None:  # the whole model's name (a global expert index)
+                self.names[id(p)] = self.plain(expert.name)
         # real shapes: sharded parameters are empty between uses
         self.shapes = {self.names[id(p)]: tuple(p.shape) for p in module.parameters()}
         for g in plan.groups:
@@ -41,6 +52,8 @@ class _Places:
         for info in tp.params.values() if tp is not None else ():
             # the full weight's, not this rank's part
             self.shapes[self.plain(info.name)] = tuple(info.shape)
+        for expert in self.experts.values():  # every expert's, for a fused tensor
+            self.shapes[self.plain(expert.name)] = expert.shape
 
     def of(self, p: torch.Tensor, start: int, length: int, at: int = 0) -> Placement:
         """Elements ``[start, start + length)`` of ``p`` flattened, held at ``at`` of a local
@@ -48,7 +61,9 @@ class _Places:
         info = self.tp.params.get(id(p)) if self.tp is not None else None
         if info is None:
             name = self.names[id(p)]
-            return Placement(name, self.shapes[name], (Run(at, start, length),))
+            expert = self.experts.get(id(p))
+            shift = expert.offset if expert is not None else 0  # this rank's experts' place
+            return Placement(name, self.shapes[name], (Run(at, start + shift, length),))
         runs = tuple(Run(at + o, s, n) for o, s, n in info.full_runs(start, length))
         return Placement(self.plain(info.name), tuple(info.shape), runs)
 
@@ -100,10 +115,12 @@ def sharded_state(
     stage: int,
     world_size: int,
     tp_degree: int,
+    experts: ExpertParallel | None = None,
 ) -> ShardedState:
-    """The records of an engine's state on this rank, once in-flight gathers have landed."""
+    """The records of an engine's state on this rank, once in-flight gathers have landed.
+    Expert parameters are placed in the whole model's (``core/moe/parallel.py``)."""
     plan.wait_params()
-    places = _Places(plan, module, tensor_parallel)
+    places = _Places(plan, module, tensor_parallel, experts)
     slots = tuple(
         OptimizerSlot(places.of(pc.group.params[pc.index], pc.start, pc.tensor.numel()), pc.tensor)
         for pc in pieces

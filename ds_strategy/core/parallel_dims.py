@@ -42,7 +42,7 @@ KEYS = {
     "cp": "context_parallel_size",
     "sp": "sequence_parallel_size",
     "tp": "tensor_parallel.autotp_size",
-    "ep": "expert_parallel_size",
+    "ep": "moe.ep_size",
 }
 _KINDS = {"pp": "pipeline", "cp": "context-parallel", "sp": "sequence-parallel"}
 _KINDS |= {"tp": "tensor-parallel"}

@@ -7,8 +7,10 @@ the same bucketed groups stage 2 uses. What each stage keeps sharded is a ``Grou
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -31,7 +33,9 @@ from .stores import DeviceStore, ShardStore
 from .transports import Transport, stage3_transport
 from .units import plan_units
 
-__all__ = ["ShardingPlan", "build_plan"]
+_T = TypeVar("_T", bound=torch.Tensor)
+
+__all__ = ["ExpertGroups", "ShardingPlan", "build_plan"]
 
 POLICIES = {
     0: GroupPolicy(shard_optimizer=False, shard_grads=False, shard_params=False),
@@ -249,6 +253,58 @@ def _bucketed_groups(
     return groups
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Expert parameters and the group they are sharded over (see [Note: expert
+    parallelism] in ``core/moe/parallel.py``).
+
+    Attributes:
+        params: ids of the expert parameters.
+        comm: the expert-data-parallel group: the ranks holding the same experts.
+    """
+
+    params: frozenset[int]
+    comm: Comm
+
+
+class _Split:
+    """Builds a plan's groups, expert parameters apart on their own group when there are."""
+
+    def __init__(self, make: GroupMaker, experts: ExpertGroups | None) -> None:
+        self.make, self.experts = make, experts
+        self.make_expert = make
+        if experts is not None:
+            self.make_expert = dataclasses.replace(make, comm=experts.comm)
+
+    def _apart(self, params: list[_T]) -> tuple[list[_T], list[_T]]:
+        if self.experts is None:
+            return params, []
+        ids = self.experts.params
+        return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
+
+    def bucketed(
+        self, params: list[nn.Parameter], policy: GroupPolicy, bucket_numel: int
+    ) -> list[FlatParamGroup]:
+        dense, expert = self._apart(params)
+        groups = _bucketed_groups(dense, self.make, policy, bucket_numel)
+        return groups + _bucketed_groups(expert, self.make_expert, policy, bucket_numel)
+
+    def unit_groups(
+        self, params: list[nn.Parameter], bucket_numel: int, transport: Transport, unfilled: bool
+    ) -> list[FlatParamGroup]:
+        dense, expert = self._apart(params)
+        groups = build_groups(dense, self.make, bucket_numel, transport, unfilled) if dense else []
+        if expert:
+            plain = Transport.plain(self.make_expert.comm)
+            groups += build_groups(expert, self.make_expert, bucket_numel, plain, unfilled)
+        return groups
+
+    def broadcast_loose(self, tensors: list[torch.Tensor], precision: PrecisionPolicy) -> None:
+        dense, expert = self._apart(tensors)
+        _broadcast_loose(dense, self.make.comm, precision)
+        _broadcast_loose(expert, self.make_expert.comm, precision)
+
+
 def build_plan(
     model: nn.Module,
     comm: Comm,
@@ -265,6 +321,7 @@ def build_plan(
     store: Callable[[], ShardStore] | None = None,
     replica: Comm | None = None,
     layout: RankLayout | None = None,
+    experts: ExpertGroups | None = None,
 ) -> ShardingPlan:
     """The groups, reducer and (stage 3) runtime of ``model``; ``on_groups`` is handed each
     batch of groups as soon as they are built and bound (stage 3: unit by unit, so that
@@ -273,11 +330,13 @@ def build_plan(
     Every group is built with all it uses: the plan's ``meter``, a store from ``store`` (the
     offload tier's; on the device without one) and, at stage 3, the transport ZeRO++
     configures (hpZ's and qgZ's groups from the rank ``layout``). Under MiCS, ``replica`` is
-    the replica group the plan sums the gradient shards over (``finish_reduction``)."""
+    the replica group the plan sums the gradient shards over (``finish_reduction``). With
+    ``experts``, expert parameters are grouped apart and sharded over their own group."""
     zc = config.zero_optimization
     meter = meter or ModelStateMeter()
     precision = precision or PrecisionPolicy()
     make = GroupMaker(comm, device, precision, meter, store or DeviceStore)
+    split = _Split(make, experts)
     param_init_fn = param_init_fn or own_init(model)
     if zc.stage == 3:
         return _build_stage3(
@@ -290,6 +349,7 @@ def build_plan(
             on_groups,
             stage3_transport(comm, config, layout),
             replica,
+            split,
         )
     replaced: dict[int, nn.Parameter] = {}
     unset: list[str] = []
@@ -309,8 +369,8 @@ def build_plan(
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     policy = POLICIES[zc.stage]
-    groups = _bucketed_groups(trainable, make, policy, group_numel(config, comm))
-    _broadcast_loose([*frozen, *model.buffers()], comm, precision)
+    groups = split.bucketed(trainable, policy, group_numel(config, comm))
+    split.broadcast_loose([*frozen, *model.buffers()], precision)
     if on_groups is not None:
         with together(comm):
             on_groups(groups)
@@ -336,6 +396,7 @@ def _build_stage3(
     on_groups: Callable[[list[FlatParamGroup]], None] | None,
     transport: Transport,
     replica: Comm | None,
+    split: _Split,
 ) -> ShardingPlan:
     zc = config.zero_optimization
     comm, device, precision = make.comm, make.device, make.precision
@@ -358,7 +419,7 @@ def _build_stage3(
                 owned, device, replaced, param_init_fn, names, unset=unset, later=later
             )
             params = [replaced.get(id(p), p) for p in plan.params[id(module)]]
-            groups = build_groups(params, make, group_numel(config, comm), transport, unfilled)
+            groups = split.unit_groups(params, group_numel(config, comm), transport, unfilled)
             for g in groups if not unfilled else ():
                 g.load_from_params()
         for g in groups:
@@ -375,9 +436,9 @@ def _build_stage3(
     progress.done()
     persistent = [replaced.get(id(p), p) for p in plan.persistent]
     trainable_small = [p for p in persistent if p.requires_grad]
-    small = _bucketed_groups(trainable_small, make, POLICIES[2], group_numel(config, comm))
+    small = split.bucketed(trainable_small, POLICIES[2], group_numel(config, comm))
     frozen_small = [p for p in persistent if not p.requires_grad]
-    _broadcast_loose([*frozen_small, *model.buffers()], comm, precision)
+    split.broadcast_loose([*frozen_small, *model.buffers()], precision)
     if on_groups is not None:
         with together(comm):
             on_groups(small)

@@ -1,0 +1,257 @@
+"""Mixture of experts: DeepSpeed-MoE's gating worked by hand, its layer, and expert
+parallelism composed with ZeRO.
+
+A transformers Mixtral (4 experts, top-2) with ``{"moe": {"ep_size": 2}}`` on 2 ranks trains
+at ZeRO-1/2/3 to the losses and weights of one process running both ranks' batches, each
+rank holding half of the expert bytes; the demo GPT with DeepSpeed-style ``MoE`` layers does
+the same, its ``l_aux`` equal to the one-process value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import ds_strategy
+from ds_strategy.core.moe import MoE, capacity, top1, top2, topk
+from tests.distributed import run_ranks_each
+
+STEPS, BATCH, SEQ, LR, TOL = 4, 2, 16, 1e-3, 1e-5
+
+
+# -- gating, worked by hand ------------------------------------------------------------------
+
+
+def test_top1_capacity_keeps_the_first_tokens_and_weights_by_probability() -> None:
+    # 6 tokens, 2 experts, capacity factor 1: ceil(6 / 2 * 1) = 3 tokens an expert
+    logits = torch.tensor([[2.0, 0], [1, 0], [0, 3], [4, 0], [5, 0], [0, 1]])
+    r = top1(logits, capacity_factor=1.0, min_capacity=1, use_rts=False)
+    # expert 0 is chosen by tokens 0, 1, 3, 4: the fourth (token 4) is dropped
+    assert r.experts.view(-1).tolist() == [0, 0, 1, 0, -1, 1]
+    assert r.exp_counts.tolist() == [4, 2]  # before dropping
+    probs = torch.softmax(logits, dim=1)
+    expect = [probs[0, 0], probs[1, 0], probs[2, 1], probs[3, 0], 0.0, probs[5, 1]]
+    assert r.weights.view(-1).tolist() == pytest.approx([float(x) for x in expect])
+    # l_aux = E * sum_e(mean prob_e * fraction of tokens choosing e)
+    me, ce = probs.mean(0), torch.tensor([4 / 6, 2 / 6])
+    assert float(r.l_aux) == pytest.approx(float(2 * (me * ce).sum()))
+    assert capacity(6, 2, 1.0, 4) == 4  # min_capacity is a floor
+    kept = top1(logits, 1.0, 4, use_rts=False)
+    assert (kept.experts >= 0).all()
+    dropless = top1(logits, 1.0, 1, drop_tokens=False)
+    assert (dropless.experts >= 0).all()
+
+
+def test_top2_second_choices_queue_after_every_first_choice() -> None:
+    # 4 tokens, 2 experts: capacity ceil(4 / 2 * 2 * 0.5) = 2 an expert
+    logits = torch.tensor([[3.0, 1], [2, 1], [1, 2], [3, 0]])
+    r = top2(logits, 0.5, 1, second_expert_sampling=False)
+    # first choices: expert 0 <- tokens 0, 1, 3 (token 3 dropped: third); expert 1 <- token 2
+    # second choices queue after: expert 1 <- tokens 0 (place 1), 1 (place 2: dropped), 3
+    assert r.experts.tolist() == [[0, 1], [0, -1], [1, -1], [-1, -1]]
+    assert r.exp_counts.tolist() == [4, 4]
+    probs = torch.softmax(logits, dim=1)
+    assert r.weights[0].tolist() == pytest.approx(probs[0].tolist())  # both kept: renormalised
+    assert r.weights[1].tolist() == pytest.approx([1.0, 0.0])  # one kept: weight 1
+    me, ce = probs.mean(0), torch.tensor([3 / 4, 1 / 4])
+    assert float(r.l_aux) == pytest.approx(float((me * ce).mean() * 4))
+
+
+def test_topk_drops_by_logit_or_by_position() -> None:
+    # top-2 of each row: t0 -> 0, 1; t1 -> 1, 2; t2 -> 0, 2; t3 -> 2, 1
+    logits = torch.tensor([[3.0, 2, 0], [1, 4, 2], [5, 0, 1], [0, 1, 6]])
+    # 4 tokens, 3 experts, k=2, factor 0.5: ceil(4 / 3 * 0.5 * 2) = 2 tokens an expert
+    by_logit = topk(logits, 2, 0.5, 1, drop_policy="probs")
+    # expert 1 keeps its two largest logits (t1: 4, t0: 2), dropping t3 (1); expert 2 keeps
+    # t3 (6) and t1 (2), dropping t2 (1)
+    assert by_logit.experts.tolist() == [[0, 1], [1, 2], [0, -1], [2, -1]]
+    by_place = topk(logits, 2, 0.5, 1, drop_policy="position")
+    # each expert keeps its first two: expert 1 t0, t1; expert 2 t1, t2; t3 loses both
+    assert by_place.experts.tolist() == [[0, 1], [1, 2], [0, 2], [-1, -1]]
+    assert by_logit.exp_counts.tolist() == [2, 3, 3]
+    probs = torch.softmax(logits, dim=1)
+    ce = torch.tensor([2 / 4, 3 / 4, 3 / 4])
+    assert float(by_logit.l_aux) == pytest.approx(float((probs.mean(0) * ce).mean() * 9 / 2))
+    pair = probs[0, :2] / probs[0, :2].sum()  # both kept: renormalised over the two
+    assert by_logit.weights[0].tolist() == pytest.approx(pair.tolist())
+    assert by_logit.weights[2].tolist() == pytest.approx([1.0, 0.0])
+
+
+# -- the DeepSpeed-style layer ---------------------------------------------------------------
+
+
+def test_the_layer_has_deepspeeds_names_and_returns_its_triple() -> None:
+    torch.manual_seed(0)
+    layer = MoE(8, torch.nn.Linear(8, 8), num_experts=4, k=1, use_residual=True)
+    names = [n for n, _ in layer.named_parameters()]
+    assert "deepspeed_moe.gate.wg.weight" in names
+    assert "deepspeed_moe.experts.deepspeed_experts.3.weight" in names
+    assert {"mlp.weight", "coefficient.weight"} <= set(names)
+    out, l_aux, counts = layer(torch.randn(2, 5, 8))
+    assert out.shape == (2, 5, 8) and l_aux.dim() == 0 and counts.sum() == 10
+    with pytest.raises(ValueError, match="not divisible by ep_size=3"):
+        MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=3)
+    spread = MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2)
+    assert len(spread.deepspeed_moe.experts.deepspeed_experts) == 2
+    with pytest.raises(RuntimeError, match="give the model to ds_strategy.initialize"):
+        spread(torch.randn(2, 5, 8))
+
+
+# -- a transformers Mixtral, experts over 2 ranks --------------------------------------------
+
+
+def _mixtral() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        output_router_logits=True,
+        router_aux_loss_coef=0.05,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config)
+
+
+def _batches(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, 128, (2 * BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    return [r[rank * BATCH : (rank + 1) * BATCH] for r in rows]
+
+
+def _expert_bytes(model: torch.nn.Module) -> int:
+    return sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n
+    )
+
+
+def _mixtral_run(
+    rank: int, world: int, stage: int, extra: dict[str, Any], save: str | None = None
+) -> dict[str, Any]:
+    model = _mixtral()
+    whole = _expert_bytes(model)
+    config = {
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 3000,
+            "stage3_param_persistence_threshold": 0,
+        },
+        "gradient_clipping": 1.0,
+        "moe": {"ep_size": 2},
+        **extra,
+    }
+    engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
+    losses, aux = [], []
+    for step, tokens in enumerate(_batches(rank)):
+        if save is not None and step == 2:
+            engine.save_checkpoint(save, tag="global_step2")
+        out = engine(input_ids=tokens, labels=tokens)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+        aux.append(out.aux_loss.item())
+    held = sum(
+        t.numel() * t.element_size()
+        for g in engine.plan.groups
+        if engine.experts is not None and engine.experts.is_expert(g.params[0])
+        for t in ([g.master] if g.master is not None else [g.shard])
+    )
+    return {
+        "losses": losses,
+        "aux": aux,
+        "state": engine.full_state_dict(),
+        "whole_expert_bytes": whole,
+        "held_expert_bytes": held,
+    }
+
+
+def _mixtral_reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """One process, every expert: each step the mean of both ranks' losses."""
+    model = _mixtral()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, aux = [], []
+    per_rank = [_batches(0), _batches(1)]
+    for step in range(STEPS):
+        opt.zero_grad()
+        outs = [model(input_ids=b[step], labels=b[step]) for b in per_rank]
+        loss = sum(o.loss for o in outs) / 2
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append([o.loss.item() for o in outs])
+        aux.append([o.aux_loss.item() for o in outs])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, aux, state  # type: ignore[return-value]
+
+
+MIXTRAL_CASES: dict[str, tuple[int, dict[str, Any]]] = {
+    "zero1": (1, {}),
+    "zero2": (2, {}),
+    "zero3": (3, {}),
+}
+SAVED = "zero2"  # this case saves a checkpoint before its third step
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("moe") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def mixtral_runs(saved: str) -> dict[str, list[dict[str, Any]]]:
+    calls = [
+        (_mixtral_run, (*case, saved if name == SAVED else None))
+        for name, case in MIXTRAL_CASES.items()
+    ]
+    return dict(zip(MIXTRAL_CASES, run_ranks_each(calls, 2), strict=True))
+
+
+@pytest.mark.parametrize("name", list(MIXTRAL_CASES))
+def test_a_transformers_mixtral_trains_expert_parallel_as_one_process(
+    mixtral_runs: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    losses, aux, state = _mixtral_reference()
+    for rank, r in enumerate(mixtral_runs[name]):
+        mine = [step[rank] for step in losses]
+        assert r["losses"] == pytest.approx(mine, abs=TOL), (rank, r["losses"], mine)
+        assert r["aux"] == pytest.approx([step[rank] for step in aux], abs=TOL)
+        assert set(r["state"]) == set(state)
+        gaps = {k: (r["state"][k] - v).abs().max().item() for k, v in state.items()}
+        worst = max(gaps, key=gaps.__getitem__)
+        assert gaps[worst] <= TOL, (rank, worst, gaps[worst])
+        # each rank keeps half the experts (fp32 masters, not sharded further on 2 ranks)
+        assert r["held_expert_bytes"] == r["whole_expert_bytes"] // 2, name
+    initial = _mixtral().state_dict()
+    assert max((initial[k] - v).abs().max().item() for k, v in state.items()) > 100 * TOL
+
+
+def test_an_expert_parallel_checkpoint_resumes_in_one_process_at_another_stage(
+    mixtral_runs: dict[str, list[dict[str, Any]]], saved: str
+) -> None:
+    """Saved at ep=2 (ZeRO-2, 2 ranks), resumed at ep=1 (ZeRO-3, 1 process accumulating both
+    ranks' batches): the run ends where the uninterrupted one does."""
+    model = _mixtral()
+    config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2}
+    config["gradient_clipping"] = 1.0
+    engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
+    engine.load_checkpoint(saved)
+    assert engine.global_steps == 2
+    for step in range(2, STEPS):
+        for rank in range(2):
+            tokens = _batches(rank)[step]
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.step()
+    state = engine.full_state_dict()
+    uninterrupted = mixtral_runs[SAVED][0]["state"]
+    worst = max((state[k] - v).abs().max().item() for k, v in uninterrupted.items())
+    assert worst <= TOL, worst
