@@ -140,16 +140,10 @@ def _mixtral_run(
 ) -> dict[str, Any]:
     model = _mixtral()
     whole = _expert_bytes(model)
-    config = {
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 3000,
-            "stage3_param_persistence_threshold": 0,
-        },
-        "gradient_clipping": 1.0,
-        "moe": {"ep_size": 2},
-        **extra,
-    }
+    extra = dict(extra)
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}
+    zero.update(extra.pop("offload", {}))
+    config = {"zero_optimization": zero, "gradient_clipping": 1.0, "moe": {"ep_size": 2}, **extra}
     engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
     losses, aux = [], []
     for step, tokens in enumerate(_batches(rank)):
@@ -194,10 +188,13 @@ def _mixtral_reference() -> tuple[list[float], list[float], dict[str, torch.Tens
     return losses, aux, state  # type: ignore[return-value]
 
 
+_CPU = {"device": "cpu"}
 MIXTRAL_CASES: dict[str, tuple[int, dict[str, Any]]] = {
+    "zero0": (0, {}),
     "zero1": (1, {}),
     "zero2": (2, {}),
     "zero3": (3, {}),
+    "zero3-offload": (3, {"offload": {"offload_optimizer": _CPU, "offload_param": _CPU}}),
 }
 SAVED = "zero2"  # this case saves a checkpoint before its third step
 
@@ -229,7 +226,7 @@ def test_a_transformers_mixtral_trains_expert_parallel_as_one_process(
         gaps = {k: (r["state"][k] - v).abs().max().item() for k, v in state.items()}
         worst = max(gaps, key=gaps.__getitem__)
         assert gaps[worst] <= TOL, (rank, worst, gaps[worst])
-        # each rank keeps half the experts (fp32 masters, not sharded further on 2 ranks)
+        # each rank keeps half the experts (not sharded further: its expert group is itself)
         assert r["held_expert_bytes"] == r["whole_expert_bytes"] // 2, name
     initial = _mixtral().state_dict()
     assert max((initial[k] - v).abs().max().item() for k, v in state.items()) > 100 * TOL
@@ -255,3 +252,111 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process_at_another_stage(
     uninterrupted = mixtral_runs[SAVED][0]["state"]
     worst = max((state[k] - v).abs().max().item() for k, v in uninterrupted.items())
     assert worst <= TOL, worst
+
+
+# -- the demo GPT with DeepSpeed-style MoE layers ---------------------------------------------
+
+GPT_SIZES = dict(vocab=64, d=32, layers=2, heads=4, seq=SEQ)
+GPT_CASES: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
+    # (stage, the layers' arguments, config): layers built whole, the engine keeps its experts
+    "top2-dropless-zero2": (2, {"k": 2, "drop_tokens": False}, {"moe": {"ep_size": 2}}),
+    # built with ep_size=2 as a DeepSpeed script does: the engine takes the layers' size;
+    # top-1 with a capacity that drops tokens, and Residual MoE
+    "top1-capacity-residual-zero3": (
+        3,
+        {"k": 1, "ep_size": 2, "capacity_factor": 0.5, "use_rts": False, "use_residual": True},
+        {},
+    ),
+    "top2-capacity-zero1": (
+        1,
+        {"k": 2, "capacity_factor": 0.75, "top2_2nd_expert_sampling": False},
+        {"moe": {"ep_size": 2}},
+    ),
+}
+
+
+def _moe_gpt(layer_args: dict[str, Any]) -> torch.nn.Module:
+    from ds_strategy.demos.gpt import GPTConfig
+    from ds_strategy.demos.moe_gpt import MoEGPT
+
+    torch.manual_seed(0)
+    return MoEGPT(GPTConfig(**GPT_SIZES), num_experts=4, min_capacity=1, **layer_args)
+
+
+def _gpt_run(
+    rank: int, world: int, stage: int, layer_args: dict[str, Any], config: dict[str, Any]
+) -> dict[str, Any]:
+    model = _moe_gpt(layer_args)
+    zero = {"stage": stage, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0}
+    engine = ds_strategy.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR),
+        {"zero_optimization": zero, "gradient_clipping": 1.0, **config},
+    )
+    losses, l_aux = [], []
+    for tokens in _gpt_batches(rank):
+        loss = engine.module.loss(tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        l_aux.append(engine.module.l_aux().item())
+    busiest = max(int(b.moe.deepspeed_moe.exp_counts.max()) for b in engine.module.blocks)
+    return {"losses": losses, "l_aux": l_aux, "state": engine.full_state_dict(), "busiest": busiest}
+
+
+def _gpt_batches(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, 64, (2 * BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    return [r[rank * BATCH : (rank + 1) * BATCH] for r in rows]
+
+
+def _gpt_reference(layer_args: dict[str, Any]) -> dict[str, Any]:
+    """One process holding every expert (``ep_size=1``), each step both ranks' batches."""
+    model = _moe_gpt({**layer_args, "ep_size": 1})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, l_aux = [], []
+    per_rank = [_gpt_batches(0), _gpt_batches(1)]
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = torch.zeros(())
+        mine, aux = [], []
+        for batches in per_rank:
+            loss = model.loss(batches[step])
+            total = total + loss / 2
+            mine.append(loss.item())
+            aux.append(model.l_aux().item())
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(mine)
+        l_aux.append(aux)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "l_aux": l_aux, "state": state}
+
+
+@pytest.fixture(scope="module")
+def gpt_runs() -> dict[str, list[dict[str, Any]]]:
+    calls = [(_gpt_run, case) for case in GPT_CASES.values()]
+    return dict(zip(GPT_CASES, run_ranks_each(calls, 2), strict=True))
+
+
+@pytest.mark.parametrize("name", list(GPT_CASES))
+def test_the_demo_gpt_with_moe_layers_trains_expert_parallel_as_one_process(
+    gpt_runs: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    ref = _gpt_reference(GPT_CASES[name][1])
+    for rank, r in enumerate(gpt_runs[name]):
+        assert r["losses"] == pytest.approx([s[rank] for s in ref["losses"]], abs=TOL)
+        assert r["l_aux"] == pytest.approx([s[rank] for s in ref["l_aux"]], abs=TOL)
+        assert set(r["state"]) == set(ref["state"])  # every expert, under its global index
+        gaps = {k: (r["state"][k] - v).abs().max().item() for k, v in ref["state"].items()}
+        worst = max(gaps, key=gaps.__getitem__)
+        assert gaps[worst] <= TOL, (rank, worst, gaps[worst])
+    initial = _moe_gpt({**GPT_CASES[name][1], "ep_size": 1}).state_dict()
+    moved = {k: (ref["state"][k] - initial[k]).abs().max().item() for k in ref["state"]}
+    assert min(v for k, v in moved.items() if "deepspeed_experts" in k) > 0  # each expert trained
+    args = GPT_CASES[name][1]
+    if args.get("drop_tokens", True):  # some expert was chosen by more tokens than it took
+        k = args["k"]
+        cap = capacity(BATCH * SEQ, 4, args["capacity_factor"] * k, 1)
+        assert gpt_runs[name][0]["busiest"] > cap

@@ -512,7 +512,8 @@ class EngineBuilder:
         if ranks.tensor_parallel is not None:  # the user's optimizer holds full weights
             plan.replaced.update(ranks.tensor_parallel.replaced)
         whole = self.stage.whole_model if self.stage is not None else None
-        _check_optimizer_params(optimizer, model, plan.replaced, whole)
+        dropped = ranks.experts.dropped if ranks.experts is not None else frozenset()
+        _check_optimizer_params(optimizer, model, plan.replaced, whole, dropped)
         return optimizer
 
     def compression(
@@ -688,15 +689,17 @@ def _check_optimizer_params(
     model: nn.Module,
     replaced: dict[int, nn.Parameter],
     whole_model: nn.Module | None,
+    dropped: frozenset[int] = frozenset(),
 ) -> None:
     """An optimizer built over another model's parameters would train nothing, silently.
     ``whole_model``: a pipeline stage's engine gets the optimizer of the whole model, whose
-    other parameters belong to the other stages."""
+    other parameters belong to the other stages. ``dropped``: the other ranks' experts."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return  # a factory: it is called with the shards
     held = [replaced.get(id(p), p) for g in optimizer.param_groups for p in g["params"]]
     mine = {id(p) for p in model.parameters()}
     allowed = mine | ({id(p) for p in whole_model.parameters()} if whole_model else set())
+    allowed |= dropped
     belong = sum(id(p) in mine for p in held)
     foreign = sum(id(p) not in allowed for p in held)
     if held and (belong == 0 or foreign):

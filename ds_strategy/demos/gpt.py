@@ -83,7 +83,11 @@ class Block(nn.Module):
             mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(start)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + self.mlp(self.ln2(x))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward part, on normalised tokens."""
+        return self.out(F.gelu(self.fc(x)))
 
 
 class GPT(nn.Module):

@@ -115,6 +115,8 @@ class ExpertParallel:
         self.comm, self.data = comm, data
         self.size, self.rank = comm.world_size, comm.rank
         self.params: dict[int, ExpertParam] = {}
+        # the other ranks' experts of layers built whole: the user's optimizer may hold them
+        self.dropped: frozenset[int] = frozenset()
         names = {id(p): n for n, p in model.named_parameters()}
         layers = expert_layers(model)
         if not layers:
@@ -124,9 +126,9 @@ class ExpertParallel:
                 "ds_strategy.moe.MoE layers; set moe.ep_size to 1",
                 key="moe.ep_size",
             )
-        for _, module in layers:
+        for where, module in layers:
             if isinstance(module, MoE):
-                self._take_layer(module, names)
+                self._take_layer(module, where)
             else:
                 self._take_fused(module, names)
 
@@ -156,12 +158,16 @@ class ExpertParallel:
         inner = type(module).forward.__get__(module)
         module.forward = _expert_forward(module, inner, self.comm, local)  # type: ignore[method-assign]
 
-    def _take_layer(self, layer: MoE, names: dict[int, str]) -> None:
+    def _take_layer(self, layer: MoE, where: str) -> None:
         moe = layer.deepspeed_moe
         local = self._check_divides(layer.num_experts, "an MoE layer")
         if layer.ep_size == 1 and self.size > 1:  # built whole: keep this rank's experts
             first = self.rank * local
-            kept = list(moe.experts.deepspeed_experts)[first : first + local]
+            every = list(moe.experts.deepspeed_experts)
+            kept = every[first : first + local]
+            mine = {id(p) for m in kept for p in m.parameters()}
+            others = {id(p) for m in every for p in m.parameters()} - mine
+            self.dropped = self.dropped | others
             moe.experts.deepspeed_experts = nn.ModuleList(kept)
             moe.experts.num_local_experts = local
         elif layer.ep_size != self.size:
@@ -174,8 +180,9 @@ class ExpertParallel:
         layer.num_local_experts = moe.num_local_experts = local
         moe.ep_comm = self.comm
         first = self.rank * local
-        for p in moe.experts.parameters():
-            name = names[id(p)]
+        prefix = f"{where}." if where else ""
+        for n, p in moe.experts.named_parameters():  # this rank's names, once narrowed
+            name = f"{prefix}deepspeed_moe.experts.{n}"
             whole = _renumber(name, first)
             self.params[id(p)] = ExpertParam(whole, tuple(p.shape), 0, name, False, local)
 

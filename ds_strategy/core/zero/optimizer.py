@@ -154,8 +154,11 @@ class ShardedOptimizer:
         # MiCS's replica group (None otherwise): gradient flags are combined over it too
         self.replica = replica
         self.sharded = any(g.policy.shard_optimizer for g in self.groups)
-        # expert groups run on the expert-data-parallel group, a part of ``comm``
-        self._groups_on_subgroups = any(g.comm.world_size != comm.world_size for g in self.groups)
+        # stage 0 with expert groups, whose gradients are whole on the expert-data-parallel
+        # group (a part of ``comm``), not on every rank
+        self._whole_on_subgroups = not self.sharded and any(
+            g.comm.world_size != comm.world_size for g in self.groups
+        )
         # NVMe offload: a step that brings the swapped state in bucket by bucket (core/offload)
         self._stepper: Any = None
         # tensor parallelism (core/tp): the parameter -> weight of its squared norm, and the
@@ -227,7 +230,10 @@ class ShardedOptimizer:
             for g in self.groups:
                 # one fused pass per group (taken as it was put away, for a gradient shard in
                 # its file); squares summed in float64 across groups
-                sq += g.grad_sq_norm()
+                part = g.grad_sq_norm()
+                if self._whole_on_subgroups:  # see below
+                    part = part / g.comm.world_size
+                sq += part
         else:
             # Under tensor parallelism a split parameter's parts live on the tensor-parallel
             # ranks (their squares are summed over them) while a replicated one is the same on
@@ -242,11 +248,9 @@ class ShardedOptimizer:
             if self.replica is not None and flags:
                 # the norm is whole in each shard group; a gradient seen in another counts
                 self.replica.all_reduce(packed, op="max", kind="control")
-        elif self._groups_on_subgroups:
+        elif self._whole_on_subgroups:
             # stage 0 with expert groups: each group's gradient is whole on every rank of its
-            # own group, so each rank adds 1/(its size) of it
-            sq = sum((g.grad_sq_norm() / g.comm.world_size for g in self.groups), sq)
-            packed = torch.cat([*flags, sq])
+            # own group, so each rank added 1/(its size) of its square
             self.comm.all_reduce(packed, kind="control")
         elif flags:  # stage 0: gradients are identical everywhere, only flags need combining
             self.comm.all_reduce(packed[:-1], kind="control")
