@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -183,6 +183,7 @@ class ModelFacts:
     largest_param: int = 0  # elements of the largest trainable parameter (0 = unknown)
     hidden_size: int | None = None  # its config's (a Hugging Face model's), for "auto" buckets
     shape: TransformerShape | None = None  # its config's decoder sizes, for activations
+    experts: int = 0  # elements of the mixture-of-experts layers' experts (core/moe)
 
     @property
     def n_trainable(self) -> int:
@@ -199,6 +200,7 @@ class Estimate:
     device: dict[str, float] = field(default_factory=dict)  # params/grads/optimizer/gathered/act
     cpu: float = 0.0
     nvme: float = 0.0
+    experts: float = 0.0  # the experts' part of model_state (the rest is the dense layers')
 
     @property
     def device_total(self) -> float:
@@ -262,8 +264,12 @@ def estimate(
     max_live_numel: float = DEFAULT_MAX_LIVE,
     hpz_partition_size: int = 1,
     mics_shard_size: int = -1,
+    ep_size: int = 1,
 ) -> Estimate:
     """Per-rank bytes for one configuration (see the note at the top of this module).
+
+    With ``ep_size`` ranks sharing each layer's experts, a rank holds ``1/ep_size`` of the
+    expert elements, sharded over the ``world_size / ep_size`` ranks holding the same ones.
 
     >>> e = estimate(ModelFacts(params=1000), world_size=4, stage=3, precision="fp32")
     >>> e.model_state  # 16 * 1000 / 4
@@ -274,8 +280,33 @@ def estimate(
     >>> estimate(ModelFacts(params=1000), 4, 3, precision="fp32",
     ...          mics_shard_size=2).model_state  # 16 * 1000 / 2
     8000.0
+    >>> e = estimate(ModelFacts(params=1000, experts=800), 4, 3, precision="fp32", ep_size=2)
+    >>> e.model_state, e.experts  # 16 * 200 / 4 dense + 16 * (800 / 2) / 2 experts
+    (4000.0, 3200.0)
     """
     _check_arguments(world_size, stage, offload, precision, hpz_partition_size, mics_shard_size)
+    if ep_size < 1 or world_size % ep_size or (ep_size > 1 and mics_shard_size > 0):
+        raise ValueError(
+            f"ep_size={ep_size} must divide the world size {world_size} (and go without MiCS)"
+        )
+    if facts.experts:  # the dense layers, then the experts over their own ranks
+        share = facts.experts // ep_size
+        dense = replace(
+            facts,
+            params=facts.params - facts.experts,
+            trainable=facts.n_trainable - facts.experts,
+            experts=0,
+        )
+        mine = ModelFacts(params=share, persistent=0)
+        args = (stage, offload, precision, activation_bytes)
+        kw = {"prefetch_numel": prefetch_numel, "max_live_numel": max_live_numel}
+        d = estimate(dense, world_size, *args, **kw, hpz_partition_size=hpz_partition_size)
+        x = estimate(mine, world_size // ep_size, stage, offload, precision, 0.0)
+        device = {key: d.device[key] + x.device.get(key, 0.0) for key in d.device}
+        device["gathered"] = d.device["gathered"]  # one unit at a time, counted whole
+        return Estimate(
+            stage, offload, precision, device, d.cpu + x.cpu, d.nvme + x.nvme, x.model_state
+        )
     p, g, k = PRECISIONS[precision]
     n = mics_shard_size if mics_shard_size > 0 and stage >= 1 else world_size
     psi, train = facts.params, facts.n_trainable
@@ -324,6 +355,7 @@ def estimate_all(
     activation_bytes: float = 0.0,
     hpz_partition_size: int = 1,
     mics_shard_size: int = -1,
+    ep_size: int = 1,
 ) -> list[Estimate]:
     """Every (stage, offload) candidate for each precision, cheapest first."""
     return [
@@ -336,6 +368,7 @@ def estimate_all(
             activation_bytes,
             hpz_partition_size=hpz_partition_size,
             mics_shard_size=mics_shard_size,
+            ep_size=ep_size,
         )
         for prec in precisions
         for s, o in CANDIDATES
@@ -656,7 +689,28 @@ def model_facts(
         largest_param=max((p.numel() for p in params if p.requires_grad), default=0),
         hidden_size=model_hidden_size(model),
         shape=TransformerShape.of(model),
+        experts=expert_elements(model),
     )
+
+
+def expert_elements(model: nn.Module) -> int:
+    """Elements of the model's experts, all ranks' (``core/moe``: transformers' fused experts
+    and ``MoE`` layers, a layer built with ``ep_size`` counted for every rank).
+
+    Args:
+        model: the model (on the meta device is fine).
+    """
+    from .core.moe.layer import MoE
+    from .core.moe.parallel import expert_layers
+
+    total = 0
+    for _, layer in expert_layers(model):
+        if isinstance(layer, MoE):
+            experts = layer.deepspeed_moe.experts
+            total += sum(p.numel() for p in experts.parameters()) * layer.ep_size
+        else:
+            total += sum(p.numel() for p in layer.parameters(recurse=False))
+    return total
 
 
 @dataclass(frozen=True)

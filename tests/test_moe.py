@@ -166,6 +166,8 @@ def _mixtral_run(
         "state": engine.full_state_dict(),
         "whole_expert_bytes": whole,
         "held_expert_bytes": held,
+        "memory": engine.memory_report(),
+        "comm": engine.comm_report(),
     }
 
 
@@ -228,6 +230,13 @@ def test_a_transformers_mixtral_trains_expert_parallel_as_one_process(
         assert gaps[worst] <= TOL, (rank, worst, gaps[worst])
         # each rank keeps half the experts (not sharded further: its expert group is itself)
         assert r["held_expert_bytes"] == r["whole_expert_bytes"] // 2, name
+        memory, comm = r["memory"], r["comm"]
+        if "offload" not in name:  # (offloaded: in host memory, not in the report)
+            assert memory["expert_params"] == r["whole_expert_bytes"] // 2
+            assert memory["expert_optimizer_state"] >= 2 * memory["expert_params"]  # Adam
+            assert memory["optimizer_state"] > memory["expert_optimizer_state"]  # dense too
+        # the tokens' exchange, counted apart from the data-parallel group's
+        assert comm["ep_expert_all_to_all"] > 0 and comm["total"] > comm["ep_expert_all_to_all"]
     initial = _mixtral().state_dict()
     assert max((initial[k] - v).abs().max().item() for k, v in state.items()) > 100 * TOL
 
@@ -360,3 +369,44 @@ def test_the_demo_gpt_with_moe_layers_trains_expert_parallel_as_one_process(
         k = args["k"]
         cap = capacity(BATCH * SEQ, 4, args["capacity_factor"] * k, 1)
         assert gpt_runs[name][0]["busiest"] > cap
+
+
+# -- the memory model ---------------------------------------------------------------------------
+
+
+def test_the_estimate_counts_experts_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_strategy.cli import main
+    from ds_strategy.estimate import ModelFacts, estimate, expert_elements
+
+    model = _mixtral()
+    per_layer = 4 * (2 * 48 * 32 + 32 * 48)  # gate_up_proj and down_proj of 4 experts
+    assert expert_elements(model) == 2 * per_layer
+    facts = ModelFacts(params=1000, experts=600)
+    whole = estimate(facts, 4, 3, precision="fp32")  # ep 1: experts sharded like the rest
+    assert whole.model_state == 16 * 1000 / 4 and whole.experts == 16 * 600 / 4
+    split = estimate(facts, 4, 1, precision="bf16", ep_size=4)  # each rank 150, alone
+    assert (
+        split.experts == (2 + 2 + 12) * 150
+        and split.model_state == 2 * 400 + 2 * 400 + 12 * 100 + split.experts
+    )
+    with pytest.raises(ValueError, match="ep_size=3 must divide"):
+        estimate(facts, 4, 3, ep_size=3)
+    assert (
+        main(["estimate", "--model", f"{__name__}:_mixtral", "--world-size", "4", "--ep-size", "2"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert f"experts: {2 * per_layer / 1e6:.2f}M of the" in out and "over 2 rank(s)" in out
+
+
+def test_the_start_summary_names_the_expert_ranks_and_bytes() -> None:
+    from ds_strategy.config import ZeroOptimizationConfig
+    from ds_strategy.core.precision.policy import PrecisionPolicy
+    from ds_strategy.core.start_summary import RankCounts, start_summary
+
+    memory = {"params": 100, "grads": 0, "optimizer_state": 0, "total": 100}
+    memory |= {"expert_params": 60, "expert_grads": 0, "expert_optimizer_state": 0}
+    line = start_summary(
+        1, RankCounts(4, 4, ep=2), PrecisionPolicy(), None, ZeroOptimizationConfig(), memory, 1e3
+    )
+    assert "4 ranks, experts over 2 ranks" in line and "of which experts 60 bytes)" in line

@@ -150,6 +150,13 @@ def _add_layout_arguments(e: Any) -> None:
         help="MiCS mics_shard_size: stages 1-3 shard over this many ranks, not all of them",
     )
     e.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="moe.ep_size: ranks each layer's experts are spread over; the experts' model "
+        "state is counted apart",
+    )
+    e.add_argument(
         "--pipeline-stages",
         type=int,
         default=1,
@@ -383,6 +390,7 @@ def run_cli(args: Any) -> int:
             activation_bytes=act,
             hpz_partition_size=args.hpz_partition_size,
             mics_shard_size=args.mics_shard_size,
+            ep_size=args.ep_size,
         )
 
     print(_describe(args, facts, parts))
@@ -412,7 +420,17 @@ def run_cli(args: Any) -> int:
     else:
         estimates = table(facts)
     print(format_table(estimates, gpu, cpu, per_node))
-    if not parts and args.mics_shard_size <= 0 and args.hpz_partition_size == 1:
+    if facts.experts and not parts:
+        mine = [e for e in estimates if e.precision == args.precision]
+        print(
+            f"experts: {facts.experts / 1e6:.2f}M of the {facts.params / 1e6:.2f}M parameters, "
+            f"each layer's over {args.ep_size} rank(s) (moe.ep_size) and sharded over "
+            f"{ranks // args.ep_size}; their part of the model state per rank at "
+            f"{args.precision}: " + ", ".join(f"{e.name} {gigabytes(e.experts)} GB" for e in mine)
+        )
+    if args.ep_size > 1:
+        print("(the peak of a step is not modelled with --ep-size: the table above is)")
+    elif not parts and args.mics_shard_size <= 0 and args.hpz_partition_size == 1:
         peaks = [step_peak(facts, ranks, s, o, args.precision, act, knobs) for s, o in CANDIDATES]
         where = "host memory (CPU ranks)" if knobs.cpu_only else "each tier"
         print(

@@ -199,6 +199,7 @@ class ZeroEngine(nn.Module):
             tp.size if tp is not None else 1,
             ctx.stage if ctx is not None else None,
             ctx.stages if ctx is not None else 1,
+            self.experts.size if self.experts is not None else 1,
         )
         formula = zero_formula_bytes(self.plan.groups, self.precision.mixed)
         zc, memory = self.config.zero_optimization, self.memory_report()
@@ -1039,7 +1040,10 @@ class ZeroEngine(nn.Module):
           parameters, full-size gradient buckets, reductions in flight, the step's fp32
           gradient copies. With NVMe offload the gradient shards, in memory only during a
           step, count there and not in ``grads``;
-        - ``peak_gathered_params``: the most bytes of ZeRO-3 parameters gathered at once.
+        - ``peak_gathered_params``: the most bytes of ZeRO-3 parameters gathered at once;
+        - with expert parallelism, ``expert_params``, ``expert_grads`` and
+          ``expert_optimizer_state``: the experts' part of the first three (the rest is
+          the dense layers').
         """
         report = self._resident_report()
         if self._offload is not None:  # bytes moved out to files: not in total
@@ -1110,6 +1114,13 @@ class ZeroEngine(nn.Module):
             + report["optimizer_state"]
             + report["compression_state"]
         )
+        if self.experts is not None:  # the experts' part of each (core/moe)
+            experts = [g for g in self.plan.groups if self.experts.is_expert(g.params[0])]
+            held = [g.resident_bytes() for g in experts]
+            report["expert_params"] = sum(h["params"] for h in held)
+            report["expert_grads"] = sum(h["grads"] for h in held)
+            ids = {id(g) for g in experts}
+            report["expert_optimizer_state"] = self._sharded_opt.state_bytes(ids)
         return report
 
     def _count_resident(self) -> None:
@@ -1128,8 +1139,10 @@ class ZeroEngine(nn.Module):
     def comm_report(self) -> dict[str, int]:
         """Bytes this rank sent per collective kind since the previous call.
 
-        With tensor parallelism the tensor-parallel group's kinds are prefixed ``tp_``. The
-        rest are the data-parallel group's, and ``total`` counts both. ``intra_machine`` and
+        With tensor parallelism the tensor-parallel group's kinds are prefixed ``tp_``; with
+        expert parallelism the expert group's (the tokens' ``expert_all_to_all``) ``ep_``
+        and the expert-data-parallel group's (the experts' gradients and weights) ``edp_``.
+        The rest are the data-parallel group's, and ``total`` counts them all. ``intra_machine`` and
         ``inter_machine`` split ``total`` by the link of the group each was sent on. A group
         with ranks on several machines is ``inter`` (see ``core/topology.py``).
         """
@@ -1137,6 +1150,9 @@ class ZeroEngine(nn.Module):
         report.update(self.comm.take_links())
         if self.tensor_parallel is not None:
             self.tensor_parallel.comm.take_into(report, "tp_")
+        if self.experts is not None:
+            self.experts.comm.take_into(report, "ep_")
+            self.experts.data.take_into(report, "edp_")
         return report
 
     def comms_report(self) -> CommsReport:

@@ -29,14 +29,15 @@ _NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 @dataclass(frozen=True)
 class RankCounts:
     """How many ranks the engine runs on: ``dp`` data-parallel ranks, of which ZeRO shards
-    over ``shard`` (fewer under MiCS), ``tp`` tensor-parallel ranks each, and, in a pipeline,
-    stage ``stage`` of ``stages``."""
+    over ``shard`` (fewer under MiCS), ``tp`` tensor-parallel ranks each, in a pipeline,
+    stage ``stage`` of ``stages``, and experts spread over ``ep`` ranks."""
 
     dp: int
     shard: int
     tp: int = 1
     stage: int | None = None
     stages: int = 1
+    ep: int = 1
 
 
 def start_summary(
@@ -71,6 +72,8 @@ def _ranks(r: RankCounts) -> str:
             out += f", pipeline stage {r.stage} of {r.stages}"
     if r.shard != r.dp:
         out += f" (sharded over groups of {r.shard})"
+    if r.ep > 1:
+        out += f", experts over {r.ep} ranks"
     return out
 
 
@@ -109,6 +112,10 @@ def _memory(report: dict[str, int], formula_bytes: float, stage: int) -> str:
     ]
     if report.get("compression_state"):
         parts.append(f"compression {human_bytes(report['compression_state'])}")
+    if "expert_params" in report:
+        experts = report["expert_params"] + report["expert_grads"]
+        experts += report["expert_optimizer_state"]
+        parts.append(f"of which experts {human_bytes(experts)}")
     line = f"model state per rank {human_bytes(report['total'])} now ({', '.join(parts)})"
     if report.get("offloaded_nvme"):
         line += f", {human_bytes(report['offloaded_nvme'])} more in nvme_path"

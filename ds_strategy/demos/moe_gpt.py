@@ -15,7 +15,7 @@ True
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -70,6 +70,7 @@ class MoEGPT(GPT):
         super().__init__(c)
         self.aux_loss_coef = aux_loss_coef
         for block in self.blocks:
+            assert isinstance(block, Block)
             template = _MLP(block.fc, block.out)
             del block.fc, block.out
             layer = MoE(c.d, template, num_experts, ep_size, k, **moe)
@@ -80,7 +81,7 @@ class MoEGPT(GPT):
 
     def l_aux(self) -> torch.Tensor:
         """The sum of the blocks' load-balancing losses from the last forward."""
-        return torch.stack([b.l_aux for b in self.blocks]).sum()
+        return torch.stack([cast(_MoEBlock, b).l_aux for b in self.blocks]).sum()
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy over ``tokens`` plus the weighted load-balancing loss.

@@ -21,7 +21,7 @@ ranks, is refused with such an optimizer.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,10 +286,19 @@ class ShardedOptimizer:
         else:
             self.optimizer.step()
 
-    def state_bytes(self) -> int:
+    def state_bytes(self, groups: set[int] | None = None) -> int:
+        """Bytes of the optimizer's state tensors (each storage once).
+
+        Args:
+            groups: ids of flat groups: only their pieces' state (None: all of it).
+        """
         seen: set[int] = set()
         total = 0
-        for state in self.optimizer.state.values():
+        states: Iterable[Any] = self.optimizer.state.values()
+        if groups is not None:
+            held = [pc.tensor for pc in self.pieces if id(pc.group) in groups]
+            states = [self.optimizer.state[t] for t in held if t in self.optimizer.state]
+        for state in states:
             for v in state.values():
                 if torch.is_tensor(v) and v.untyped_storage().data_ptr() not in seen:
                     seen.add(v.untyped_storage().data_ptr())
