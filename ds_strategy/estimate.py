@@ -298,9 +298,17 @@ def estimate(
             experts=0,
         )
         mine = ModelFacts(params=share, persistent=0)
-        args = (stage, offload, precision, activation_bytes)
-        kw = {"prefetch_numel": prefetch_numel, "max_live_numel": max_live_numel}
-        d = estimate(dense, world_size, *args, **kw, hpz_partition_size=hpz_partition_size)
+        d = estimate(
+            dense,
+            world_size,
+            stage,
+            offload,
+            precision,
+            activation_bytes,
+            prefetch_numel=prefetch_numel,
+            max_live_numel=max_live_numel,
+            hpz_partition_size=hpz_partition_size,
+        )
         x = estimate(mine, world_size // ep_size, stage, offload, precision, 0.0)
         device = {key: d.device[key] + x.device.get(key, 0.0) for key in d.device}
         device["gathered"] = d.device["gathered"]  # one unit at a time, counted whole
