@@ -290,14 +290,12 @@ def estimate(
             f"ep_size={ep_size} must divide the world size {world_size} (and go without MiCS)"
         )
     if facts.experts:  # the dense layers, then the experts over their own ranks
-        share = facts.experts // ep_size
         dense = replace(
             facts,
             params=facts.params - facts.experts,
             trainable=facts.n_trainable - facts.experts,
             experts=0,
         )
-        mine = ModelFacts(params=share, persistent=0)
         d = estimate(
             dense,
             world_size,
@@ -309,12 +307,7 @@ def estimate(
             max_live_numel=max_live_numel,
             hpz_partition_size=hpz_partition_size,
         )
-        x = estimate(mine, world_size // ep_size, stage, offload, precision, 0.0)
-        device = {key: d.device[key] + x.device.get(key, 0.0) for key in d.device}
-        device["gathered"] = d.device["gathered"]  # one unit at a time, counted whole
-        return Estimate(
-            stage, offload, precision, device, d.cpu + x.cpu, d.nvme + x.nvme, x.model_state
-        )
+        return _with_experts(d, facts.experts // ep_size, world_size // ep_size)
     p, g, k = PRECISIONS[precision]
     n = mics_shard_size if mics_shard_size > 0 and stage >= 1 else world_size
     psi, train = facts.params, facts.n_trainable
@@ -354,6 +347,16 @@ def estimate(
     if stage == 3 and 1 < hpz_partition_size < n:
         device["hpz_secondary"] = p * sharded / hpz_partition_size
     return Estimate(stage, offload, precision, device, cpu, nvme)
+
+
+def _with_experts(dense: Estimate, share: int, ranks: int) -> Estimate:
+    """``dense`` plus a rank's ``share`` of expert elements, sharded over ``ranks``."""
+    x = estimate(ModelFacts(params=share), ranks, dense.stage, dense.offload, dense.precision)
+    device = {key: v + x.device.get(key, 0.0) for key, v in dense.device.items()}
+    device["gathered"] = dense.device["gathered"]  # one unit at a time, counted whole
+    return replace(
+        dense, device=device, cpu=dense.cpu + x.cpu, nvme=dense.nvme + x.nvme, experts=x.model_state
+    )
 
 
 def estimate_all(

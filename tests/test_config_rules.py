@@ -90,9 +90,9 @@ CASES: dict[str, tuple[dict[str, Any], Facts, str, str, str]] = {
         Facts(world_size=4), "optimizer", "sequence_parallel_size", "mics_shard_size",
     ),
     "expert parallelism with other features": (
-        {"moe": {"ep_size": 2}, "sequence_parallel_size": 2, _ZO: {"stage": 3}},
+        {"moe": {"ep_size": 2}, _ZO: {"stage": 2, "mics_shard_size": 2}},
         Facts(world_size=4, tensor_parallel=True), "optimizer", "moe.ep_size",
-        "sequence or context parallelism (set their sizes to 1); tensor parallelism",
+        "tensor parallelism (set tensor_parallel.autotp_size to 1); zero_optimization.mics",
     ),
     "momentum correction replaces SGD's momentum": (
         {"gradient_compression": {"method": "topk", "momentum_correction": True}},

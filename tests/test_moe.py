@@ -8,6 +8,7 @@ the same, its ``l_aux`` equal to the one-process value."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -256,6 +257,18 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process_at_another_stage(
     engine = ds_strategy.initialize(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
     engine.load_checkpoint(saved)
     assert engine.global_steps == 2
+    # consolidated offline, the checkpoint is the model's own file: from_pretrained reads it
+    from transformers import MixtralForCausalLM
+
+    from ds_strategy.core.checkpoint.consolidate import consolidate
+
+    out = Path(saved).parent / "pretrained"
+    consolidate(saved, out / "model.safetensors")
+    model.config.save_pretrained(out)
+    loaded = MixtralForCausalLM.from_pretrained(out).state_dict()
+    at_step2 = engine.full_state_dict()
+    assert set(loaded) == set(at_step2)
+    assert all(torch.equal(loaded[k], v) for k, v in at_step2.items())
     for step in range(2, STEPS):
         for rank in range(2):
             tokens = _batches(rank)[step]

@@ -21,9 +21,9 @@ reversed (:class:`_Rows`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from ..collectives import Comm
 
@@ -32,21 +32,32 @@ __all__ = ["exchange_rows", "run_experts"]
 KIND = "expert_all_to_all"
 
 
+class _Saved(FunctionCtx):
+    comm: Comm
+    out_splits: list[int]
+    in_splits: list[int]
+
+
 class _Rows(torch.autograd.Function):
     """Rows to ranks by ``in_splits``, ``out_splits`` from each; backward the reverse."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, comm: Comm, out_splits: list[int], in_splits: list[int]
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        comm: Comm,
+        out_splits: list[int],
+        in_splits: list[int],
     ) -> torch.Tensor:
-        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits  # type: ignore[attr-defined]
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         comm.all_to_all(out, x.contiguous(), KIND, out_splits=out_splits, in_splits=in_splits)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        back = _Rows.apply(grad.contiguous(), ctx.comm, ctx.in_splits, ctx.out_splits)
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        saved: _Saved = ctx  # type: ignore[assignment]
+        back = _Rows.apply(grad.contiguous(), saved.comm, saved.in_splits, saved.out_splits)
         return back, None, None, None
 
 

@@ -16,7 +16,6 @@ its expert-parallel group (``core/moe/parallel.py``). Without an engine, ``ep_si
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from torch import nn
@@ -158,7 +157,7 @@ class MOELayer(nn.Module):
         self.l_aux: torch.Tensor = torch.zeros(())
         self.exp_counts: torch.Tensor = torch.zeros(0, dtype=torch.int64)
 
-    def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *input: torch.Tensor) -> torch.Tensor:
         """The layer's output for ``input[0]`` (``input[1]``: top-1's used tokens)."""
         x = input[0]
         flat = x.reshape(-1, x.shape[-1])
