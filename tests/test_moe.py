@@ -461,3 +461,38 @@ def test_bf16_expert_parallel_trains_as_one_bf16_engine(
             assert gaps.mean() <= 2e-4, (name, gaps.mean())
             assert (gaps > 2e-3).float().mean() <= 0.01, name
             assert r["held_expert_bytes"] == r["whole_expert_bytes"] // 2  # fp32 masters
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def _refusals(rank: int, world: int) -> dict[str, tuple[str, str]]:
+    from ds_strategy.config import ConfigError
+    from ds_strategy.demos.gpt import GPT, GPTConfig
+    from ds_strategy.demos.moe_gpt import MoEGPT
+
+    c = GPTConfig(vocab=32, d=16, layers=1, heads=2, seq=8)
+    cases = {
+        "no experts": (GPT(c), {"moe": {"ep_size": 2}}),
+        "3 experts": (MoEGPT(c, num_experts=3), {"moe": {"ep_size": 2}}),
+        "3 ranks": (MoEGPT(c, num_experts=6), {"moe": {"ep_size": 3}}),
+        # 2 ranks sharing each sequence leave 1 data-parallel rank
+        "with sequences": (MoEGPT(c), {"moe": {"ep_size": 2}, "sequence_parallel_size": 2}),
+    }
+    out = {}
+    for name, (model, config) in cases.items():
+        try:
+            ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        except ConfigError as e:
+            out[name] = (e.key, str(e))
+    return out
+
+
+def test_bad_expert_layouts_are_refused_naming_the_key() -> None:
+    for per_rank in run_ranks_each([(_refusals, ())], 2)[0]:
+        assert per_rank.keys() == {"no experts", "3 experts", "3 ranks", "with sequences"}
+        assert all(key == "moe.ep_size" for key, _ in per_rank.values()), per_rank
+        assert "the model has no expert layer" in per_rank["no experts"][1]
+        assert "does not divide the 3 experts" in per_rank["3 experts"][1]
+        assert "moe.ep_size=3 does not divide the 2 data-parallel ranks" in per_rank["3 ranks"][1]
+        assert "does not divide the 1 data-parallel ranks" in per_rank["with sequences"][1]
