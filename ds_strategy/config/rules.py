@@ -314,25 +314,29 @@ def _compressed_optimizer(cfg: ZeroConfig, facts: Facts) -> str | None:
     return None
 
 
-def _sequence_parallel_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
-    sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
-    if sp * cp == 1:
-        return None
+def _beside_a_new_dimension(cfg: ZeroConfig, facts: Facts, compression_why: str) -> list[str]:
+    """What a sequence or expert dimension does not work with yet, each with its fix."""
     zc = cfg.zero_optimization
     refused = []
+    if facts.tensor_parallel:
+        refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
     if cfg.gradient_compression.method != "none" or facts.compressed_optimizer:
-        refused.append(
-            "gradient compression or a 1-bit optimizer (their exchanges average over every "
-            "rank; the ranks of a sequence add their gradients)"
-        )
+        refused.append(f"gradient compression or a 1-bit optimizer ({compression_why})")
     if zc.mics_shard_size > 0:
         refused.append("zero_optimization.mics_shard_size (remove it)")
     if zc.stage == 3 and zc.zero_hpz_partition_size > 1:
         refused.append("zero_optimization.zero_hpz_partition_size (remove it)")
     if cfg.topology.hierarchical:
         refused.append("topology.hierarchical (remove it)")
-    if facts.tensor_parallel:
-        refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
+    return refused
+
+
+def _sequence_parallel_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
+    sp, cp = cfg.sequence_parallel_size, cfg.context_parallel_size
+    if sp * cp == 1:
+        return None
+    why = "their exchanges average over every rank; the ranks of a sequence add their gradients"
+    refused = _beside_a_new_dimension(cfg, facts, why)
     if refused:
         return (
             f"sequence_parallel_size={sp} x context_parallel_size={cp} does not work with "
@@ -349,23 +353,12 @@ def _expert_parallel_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
     refused = []
     if cfg.sequence_parallel_size * cfg.context_parallel_size > 1:
         refused.append("sequence or context parallelism (set their sizes to 1)")
-    if facts.tensor_parallel:
-        refused.append("tensor parallelism (set tensor_parallel.autotp_size to 1)")
     if facts.in_pipeline:
         refused.append("pipeline stages (train without pipeline.stages)")
-    if cfg.gradient_compression.method != "none" or facts.compressed_optimizer:
-        refused.append(
-            "gradient compression or a 1-bit optimizer (their exchanges treat every rank's "
-            "parameters as replicas; experts differ between ranks)"
-        )
-    if zc.mics_shard_size > 0:
-        refused.append("zero_optimization.mics_shard_size (remove it)")
-    if zc.stage == 3 and zc.zero_hpz_partition_size > 1:
-        refused.append("zero_optimization.zero_hpz_partition_size (remove it)")
     if zc.stage == 3 and (zc.zero_quantized_weights or zc.zero_quantized_gradients):
         refused.append("ZeRO++'s quantized collectives (remove zero_quantized_*)")
-    if cfg.topology.hierarchical:
-        refused.append("topology.hierarchical (remove it)")
+    why = "their exchanges treat every rank's parameters as replicas; experts differ"
+    refused += _beside_a_new_dimension(cfg, facts, why)
     if refused:
         return f"moe.ep_size={ep} does not work with " + "; ".join(refused)
     return None
