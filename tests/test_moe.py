@@ -280,6 +280,42 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process_at_another_stage(
     assert worst <= TOL, worst
 
 
+def _pretrained_run(rank: int, world: int, path: str, stage: int) -> dict[str, Any]:
+    """A Mixtral built on the meta device, its experts spread, the files read into the shards."""
+    from transformers import MixtralForCausalLM
+
+    config = _mixtral().config
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    zero = {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}
+    engine = ds_strategy.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR),
+        {"zero_optimization": zero, "moe": {"ep_size": 2}},
+    )
+    loaded = engine.load_weights(path)
+    tokens = _batches(rank)[0]
+    loss = engine(input_ids=tokens, labels=tokens).loss.item()
+    return {"state": engine.full_state_dict(), "loss": loss, "missing": loaded.missing}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pretrained_weights_load_into_expert_parallel_shards(tmp_path: Path, stage: int) -> None:
+    """The model's own files (every expert in one tensor) read straight into each rank's
+    experts, on a model built on the meta device."""
+    model = _mixtral()
+    model.save_pretrained(tmp_path)
+    expect = model.state_dict()
+    for rank, r in enumerate(run_ranks_each([(_pretrained_run, (str(tmp_path), stage))], 2)[0]):
+        assert not r["missing"]
+        assert set(r["state"]) == set(expect)
+        assert all(torch.equal(r["state"][k], v) for k, v in expect.items())
+        tokens = _batches(rank)[0]
+        assert r["loss"] == pytest.approx(
+            model(input_ids=tokens, labels=tokens).loss.item(), abs=TOL
+        )
+
+
 # -- the demo GPT with DeepSpeed-style MoE layers ---------------------------------------------
 
 GPT_SIZES = dict(vocab=64, d=32, layers=2, heads=4, seq=SEQ)
@@ -496,3 +532,73 @@ def test_bad_expert_layouts_are_refused_naming_the_key() -> None:
         assert "does not divide the 3 experts" in per_rank["3 experts"][1]
         assert "moe.ep_size=3 does not divide the 2 data-parallel ranks" in per_rank["3 ranks"][1]
         assert "does not divide the 1 data-parallel ranks" in per_rank["with sequences"][1]
+
+
+# -- DeepSpeed-MoE's own checkpoints ------------------------------------------------------------
+
+DS_DATA = Path(__file__).resolve().parent / "data" / "deepspeed_checkpoints"
+
+
+def _ds_fixture() -> Any:
+    """``make_moe_fixture.py``: the network DeepSpeed trained, its config and batches."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_moe_fixture", DS_DATA / "make_moe_fixture.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ds_moe_resume(rank: int, world: int, ep_size: int, stage: int) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ep_size=2 ZeRO-2 checkpoint resumed here, its 3 more steps taken."""
+    from safetensors.torch import load_file
+
+    from ds_strategy.moe import MoE, split_params_into_different_moe_groups_for_optimizer
+
+    f = _ds_fixture()
+    net = f.model(MoE, ep_size)
+    groups = [{"params": list(net.parameters()), "name": "params"}]
+    opt = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer(groups), lr=f.LR)
+    config = {**f.CONFIG, "zero_optimization": {"stage": stage, "reduce_bucket_size": 64}}
+    config["gradient_accumulation_steps"] = f.WORLD // world  # the same global batch
+    engine = ds_strategy.initialize(net, opt, config)
+    engine.load_checkpoint(DS_DATA / "moe_s2" / "ckpt")
+    assert engine.global_steps == f.STEPS
+    data = load_file(DS_DATA / "moe_s2" / "batches.safetensors")
+    mine = [rank] if world == f.WORLD else list(range(f.WORLD))
+    for step in range(f.STEPS, f.STEPS + f.MORE):
+        for r in mine:
+            rows = slice(r * f.MICRO, (r + 1) * f.MICRO)
+            x, y = data["moe_inputs"][step, rows], data["moe_targets"][step, rows]
+            engine.backward(f.loss_of(engine, x, y))
+            engine.step()
+    return engine.full_state_dict()
+
+
+def test_a_deepspeed_moe_checkpoint_reads_and_resumes_at_any_ep_size() -> None:
+    """DeepSpeed's own MoE checkpoint (ZeRO-2, ep_size=2, its experts' partitions over the
+    expert-data groups): every expert read under its global index equals DeepSpeed's
+    weights; resumed at ep_size=2 on 2 ranks (ZeRO-1) and at ep_size=1 in one process
+    (ZeRO-3), 3 more steps end where DeepSpeed's own continuation does."""
+    from safetensors.torch import load_file
+
+    from ds_strategy.core.checkpoint.deepspeed.opening import open_deepspeed
+
+    saved = load_file(DS_DATA / "moe_s2" / "consolidated.safetensors")
+    ckpt = open_deepspeed(DS_DATA / "moe_s2" / "ckpt" / "global_step4")
+    assert set(ckpt.shapes) == set(saved) - {"moe.deepspeed_moe.gate.wg.weight"} | {
+        "moe.deepspeed_moe.gate.wg.weight"
+    }
+    assert all(torch.equal(ckpt.full(k), v) for k, v in saved.items())
+    continued = load_file(DS_DATA / "moe_s2" / "continued.safetensors")
+    runs = run_ranks_each([(_ds_moe_resume, (2, 1))], 2)[0]
+    runs.append(_ds_moe_resume(0, 1, 1, 3))
+    for state in runs:
+        assert set(state) == set(continued)
+        worst = max((state[k] - v).abs().max().item() for k, v in continued.items())
+        assert worst <= 2e-5, worst
+    moved = max((continued[k] - v).abs().max().item() for k, v in saved.items())
+    assert moved > 100 * 2e-5  # the 3 steps moved the weights

@@ -439,6 +439,8 @@ class EngineBuilder:
         # meta ones they replaced)
         if self.stage is not None:
             plan.replaced.update(self.stage.replaced)
+        if ranks.experts is not None:  # a meta-device model's experts are new parameters
+            ranks.experts.rekey(plan.replaced)
         if offload is not None:  # what comes back from NVMe: in the peak too
             offload.set_meter(plan.meter)
         return plan

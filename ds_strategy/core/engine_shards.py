@@ -140,4 +140,7 @@ def sharded_state(
         world_size=world_size,
         tp_degree=tp_degree,
         replicas_from_rank0=compression is not None and compression.replicas_drift,
+        elsewhere=frozenset(places.plain(n) for n in experts.other_names())
+        if experts is not None
+        else frozenset(),
     )

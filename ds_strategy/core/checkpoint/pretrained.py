@@ -28,6 +28,7 @@ from ..faults import together
 from ..materialize import MARK, unset_buffers
 from ..names import plain_names, unwrapped
 from ..offload.streaming import SwapFiles
+from .converted import add_converted_views
 from .errors import CheckpointError
 from .seam import CheckpointedEngine, Placement
 from .weights_source import CHUNK, PretrainedFiles, open_weights
@@ -114,6 +115,7 @@ def load_pretrained(
     comm = engine.checkpoint_comm
     with together(comm, CheckpointError):
         source = open_weights(path)
+        add_converted_views(source, unwrapped(module))
     with source:
         shards = engine.checkpoint_shards()
         with together(comm, CheckpointError):
@@ -200,7 +202,7 @@ def _report(
                 f"{path}: '{file_name}' has shape {list(got)} there and {list(want)} in this "
                 "model; build the model from the same config as the files (config.json)"
             )
-    used = set(names.values())
+    used = {part for found in names.values() for part in source.parts_of(found)}
     return LoadedWeights(
         path,
         loaded=list(names),

@@ -108,6 +108,9 @@ class ShardedState:
     # weights and optimizer state written by rank 0 alone: the ranks' replicas drift apart
     # between synchronisations (0/1 Adam's local steps), so a mix of them would be no state
     replicas_from_rank0: bool = False
+    # the whole model's parameters that other ranks hold and this one does not (their own
+    # experts, under expert parallelism): a checkpoint holding them is this model's
+    elsewhere: frozenset[str] = frozenset()
 
 
 class CheckpointedEngine(Protocol):

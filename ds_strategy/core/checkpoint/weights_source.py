@@ -17,6 +17,7 @@ the pages it covers (file-backed, not the process's own memory).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -175,24 +176,62 @@ class PretrainedFiles:
                     f"{path}: the index puts '{name}' in {file.name}, which does not hold it"
                 )
             self._where[name] = self._files[file]
+        # a tensor the model names that the files hold as several (transformers' fused
+        # experts, from one tensor per expert): its parts in order, and its shape
+        self._views: dict[str, tuple[list[str], tuple[int, ...]]] = {}
 
     @property
     def names(self) -> list[str]:
         return list(self._where)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._views
+
+    def add_view(self, name: str, parts: list[str], shape: tuple[int, ...]) -> None:
+        """Read ``name`` as ``parts`` flattened one after another, viewed as ``shape``.
+
+        Args:
+            name: the name the model gives the whole.
+            parts: the files' tensors, in the whole's flattened order.
+            shape: the whole's shape; its elements are the parts' together.
+        """
+        total = sum(math.prod(self.shape(p)) for p in parts)
+        if total != math.prod(shape):
+            raise CheckpointError(
+                f"{self.path}: {parts[:2]}... hold {total} elements together, and "
+                f"'{name}' of shape {list(shape)} needs {math.prod(shape)}"
+            )
+        self._views[name] = (parts, shape)
+
+    def parts_of(self, name: str) -> list[str]:
+        """The files' tensors ``name`` is read from: itself, or a view's parts.
+
+        Args:
+            name: a name the source holds.
+        """
+        return self._views[name][0] if name in self._views else [name]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._views:
+            return self._views[name][1]
         return self._where[name].shape(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._where[name].dtype(name)
+        return self._where[self.parts_of(name)[0]].dtype(self.parts_of(name)[0])
 
     def read(self, name: str, start: int, out: torch.Tensor) -> None:
         """Elements ``[start, start + out.numel())`` of ``name`` flattened, cast into ``out``
         (1-D)."""
-        self._where[name].read(name, start, out)
+        if name not in self._views:
+            self._where[name].read(name, start, out)
+            return
+        base, end = 0, start + out.numel()
+        for part in self._views[name][0]:  # the parts' elements that fall in the range
+            n = math.prod(self.shape(part))
+            lo, hi = max(start, base), min(end, base + n)
+            if lo < hi:
+                self._where[part].read(part, lo - base, out[lo - start : hi - start])
+            base += n
 
     def close(self) -> None:
         for f in self._files.values():

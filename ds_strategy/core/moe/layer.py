@@ -16,6 +16,7 @@ its expert-parallel group (``core/moe/parallel.py``). Without an engine, ``ep_si
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,14 @@ from ..collectives import Comm
 from .dispatch import run_experts
 from .gating import Routing, top1, top2, topk
 
-__all__ = ["MOELayer", "MoE", "Experts", "TopKGate"]
+__all__ = [
+    "MOELayer",
+    "MoE",
+    "Experts",
+    "TopKGate",
+    "is_moe_param",
+    "split_params_into_different_moe_groups_for_optimizer",
+]
 
 
 class TopKGate(nn.Module):
@@ -105,17 +113,27 @@ class TopKGate(nn.Module):
 class Experts(nn.Module):
     """This rank's experts: ``num_local_experts`` copies of ``expert`` (DeepSpeed's layout).
 
+    Their parameters are marked as DeepSpeed marks them (``allreduce = False`` and the
+    expert group's ``group_name``), which :func:`split_params_into_different_moe_groups_for_optimizer`
+    reads.
+
     Args:
         expert: the module each expert copies; maps ``(rows, hidden)`` to ``(rows, hidden)``.
         num_local_experts: copies on this rank.
+        expert_group_name: DeepSpeed's name of the expert group (``ep_size_<n>``).
     """
 
-    def __init__(self, expert: nn.Module, num_local_experts: int = 1) -> None:
+    def __init__(
+        self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None
+    ) -> None:
         super().__init__()
         self.deepspeed_experts = nn.ModuleList(
             [copy.deepcopy(expert) for _ in range(num_local_experts)]
         )
         self.num_local_experts = num_local_experts
+        for p in self.deepspeed_experts.parameters():
+            p.allreduce = False  # type: ignore[attr-defined]
+            p.group_name = expert_group_name  # type: ignore[attr-defined]
 
     def forward(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Each row through its expert. Every expert runs, on no rows if none came, so each
@@ -246,7 +264,8 @@ class MoE(nn.Module):
             top2_2nd_expert_sampling,
             drop_policy,
         )
-        experts = Experts(expert, self.num_local_experts)
+        self.expert_group_name = f"ep_size_{ep_size}"
+        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
         self.deepspeed_moe = MOELayer(gate, experts, ep_size, self.num_local_experts)
         if use_residual:
             self.mlp = copy.deepcopy(expert)
@@ -269,3 +288,38 @@ class MoE(nn.Module):
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + dense * coef[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def is_moe_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` is an expert's (DeepSpeed's mark: ``allreduce`` False).
+
+    Args:
+        param: a parameter.
+    """
+    return getattr(param, "allreduce", True) is False
+
+
+def split_params_into_different_moe_groups_for_optimizer(
+    param_groups: dict[str, Any] | list[dict[str, Any]] | tuple[dict[str, Any], ...],
+) -> list[dict[str, Any]]:
+    """DeepSpeed's helper of that name: each group's expert parameters moved to a group of
+    their own per expert group (its options copied, ``name`` the expert group's, ``moe``
+    True), after the groups given.
+
+    Args:
+        param_groups: a param group (a dict with ``params`` and ``name``) or several.
+    """
+    groups = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
+    moe: dict[tuple[str, str], dict[str, Any]] = {}
+    for group in groups:
+        kept = []
+        for p in group["params"]:
+            if not is_moe_param(p):
+                kept.append(p)
+                continue
+            key = (str(group.get("name")), str(p.group_name))
+            if key not in moe:
+                moe[key] = {**group, "name": p.group_name, "moe": True, "params": []}
+            moe[key]["params"].append(p)
+        group["params"] = kept
+    return groups + list(moe.values())

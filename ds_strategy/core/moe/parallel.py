@@ -178,6 +178,9 @@ class ExpertParallel:
             )
         layer.ep_size = moe.ep_size = self.size
         layer.num_local_experts = moe.num_local_experts = local
+        layer.expert_group_name = f"ep_size_{self.size}"
+        for p in moe.experts.parameters():
+            p.group_name = layer.expert_group_name  # type: ignore[attr-defined]
         moe.ep_comm = self.comm
         first = self.rank * local
         prefix = f"{where}." if where else ""
@@ -185,6 +188,14 @@ class ExpertParallel:
             name = f"{prefix}deepspeed_moe.experts.{n}"
             whole = _renumber(name, first)
             self.params[id(p)] = ExpertParam(whole, tuple(p.shape), 0, name, False, local)
+
+    def rekey(self, replaced: dict[int, nn.Parameter]) -> None:
+        """Follow parameters that materialising the model replaced (old id -> new one).
+
+        Args:
+            replaced: the sharding plan's ``replaced``.
+        """
+        self.params = {id(replaced[k]) if k in replaced else k: v for k, v in self.params.items()}
 
     # -- what the engine asks --------------------------------------------------------------
 
@@ -195,6 +206,17 @@ class ExpertParallel:
             p: a parameter of the model.
         """
         return id(p) in self.params
+
+    def other_names(self) -> list[str]:
+        """The whole model's names of the experts other ranks hold (a module list's; a
+        fused tensor is named the same on every rank)."""
+        return [
+            _renumber(info.local_name, r * info.experts)
+            for info in self.params.values()
+            if not info.fused
+            for r in range(self.size)
+            if r != self.rank
+        ]
 
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` (this rank's, its experts whole over ``data``) with every expert: the

@@ -270,8 +270,15 @@ class ExpertGroups:
 class _Split:
     """Builds a plan's groups, expert parameters apart on their own group when there are."""
 
-    def __init__(self, make: GroupMaker, experts: ExpertGroups | None) -> None:
+    def __init__(
+        self,
+        make: GroupMaker,
+        experts: ExpertGroups | None,
+        replaced: dict[int, nn.Parameter],
+    ) -> None:
         self.make, self.experts = make, experts
+        # parameters materialised from the meta device replace the ones the experts named
+        self.replaced = replaced
         self.make_expert = make
         if experts is not None:
             self.make_expert = dataclasses.replace(make, comm=experts.comm)
@@ -279,7 +286,8 @@ class _Split:
     def _apart(self, params: list[_T]) -> tuple[list[_T], list[_T]]:
         if self.experts is None:
             return params, []
-        ids = self.experts.params
+        ids = set(self.experts.params)
+        ids |= {id(new) for old, new in self.replaced.items() if old in self.experts.params}
         return [p for p in params if id(p) not in ids], [p for p in params if id(p) in ids]
 
     def bucketed(
@@ -336,7 +344,8 @@ def build_plan(
     meter = meter or ModelStateMeter()
     precision = precision or PrecisionPolicy()
     make = GroupMaker(comm, device, precision, meter, store or DeviceStore)
-    split = _Split(make, experts)
+    replaced: dict[int, nn.Parameter] = {}
+    split = _Split(make, experts, replaced)
     param_init_fn = param_init_fn or own_init(model)
     if zc.stage == 3:
         return _build_stage3(
@@ -351,7 +360,6 @@ def build_plan(
             replica,
             split,
         )
-    replaced: dict[int, nn.Parameter] = {}
     unset: list[str] = []
     if has_meta(model):
         names = {id(m): n or "<root>" for n, m in model.named_modules()}
@@ -402,7 +410,7 @@ def _build_stage3(
     comm, device, precision = make.comm, make.device, make.precision
     plan = plan_units(model, zc.stage3_param_persistence_threshold)
     names = {id(m): n or "<root>" for n, m in model.named_modules()}
-    replaced: dict[int, nn.Parameter] = {}
+    replaced = split.replaced
     unset: list[str] = []
     later = loaded_later(model)  # a strict pretrained load follows: see bind_unfilled
     units: list[Unit] = []

@@ -18,6 +18,11 @@ are the same layout one level down. In the tag directory:
   ``r``'s partition of *each parameter*, ``ceil(numel / world)`` elements (the last rank's
   padded), one parameter after another over all groups.
 - bf16 prefixes the optim files with ``bf16_``; older versions wrote ``..._00optim_states.pt``.
+- DeepSpeed-MoE (stages 0-2): a param group of experts is partitioned over the expert-data
+  group (its ``partition_count`` is the world over ``ep_size``; expert groups are consecutive
+  ranks). ``param_shapes`` names rank 0's experts by local index: rank ``r``'s group holds
+  experts ``(r % ep_size) * L + i``. Each expert's weights are also in
+  ``layer_<l>_expert_<e>_mp_rank_00_model_states.pt``; the fp32 partitions are read instead.
 
 Each parameter is thus a list of :class:`Segment`: runs of its flattened elements at an offset
 of one rank's groups laid end to end. Tensors are memory-mapped, so reading one parameter
@@ -133,12 +138,14 @@ def engine_dir(path: Path, ours: str) -> Path | None:
 @dataclass(frozen=True)
 class Segment:
     """``length`` elements of a flattened parameter from ``start``, at ``offset`` of rank
-    ``rank``'s flat groups laid end to end."""
+    ``rank``'s flat groups laid end to end, or (stages 0-2) of its flat group ``group``: a
+    rank's optimizer state may pad a group its fp32 partition does not."""
 
     rank: int
     offset: int
     start: int
     length: int
+    group: int | None = None
 
 
 @dataclass
@@ -154,11 +161,15 @@ class DeepSpeedCheckpoint:
     segments: dict[str, tuple[Segment, ...]] = field(default_factory=dict)
     optim_paths: list[Path] = field(default_factory=list)  # each rank's file, for errors
     model_paths: list[Path] = field(default_factory=list)  # model_files' files
+    # DeepSpeed-MoE: every rank's experts under their global index (see _segments12)
+    expert_shapes: dict[str, torch.Size] = field(default_factory=dict)
 
     @cached_property
     def shapes(self) -> dict[str, torch.Size]:
-        """The trained parameters' full shapes, in DeepSpeed's order."""
-        return {k: torch.Size(v) for g in self.model_state["param_shapes"] for k, v in g.items()}
+        """The trained parameters' full shapes, in DeepSpeed's order (each rank's experts
+        under their global index after the others)."""
+        found = {k: torch.Size(v) for g in self.model_state["param_shapes"] for k, v in g.items()}
+        return {**found, **self.expert_shapes}
 
     @property
     def groups(self) -> list[list[str]]:
@@ -253,15 +264,20 @@ class DeepSpeedCheckpoint:
         """Elements ``[start, start + length)`` of flattened parameter ``name`` (its fp32
         weights, or optimizer state ``key``)."""
         out = torch.empty(length, dtype=torch.float32)
-        flats: dict[int, _Joined] = {}
+        flats: dict[int, list[torch.Tensor]] = {}
         for seg in self.segments[name]:
             lo, hi = max(start, seg.start), min(start + length, seg.start + seg.length)
             if lo >= hi:
                 continue
             if seg.rank not in flats:
-                flats[seg.rank] = _Joined(self.flat(seg.rank, key))
+                flats[seg.rank] = self.flat(seg.rank, key)
             at = seg.offset + lo - seg.start
-            out[lo - start : hi - start] = flats[seg.rank][at : at + hi - lo]
+            if seg.group is None:
+                out[lo - start : hi - start] = _Joined(flats[seg.rank])[at : at + hi - lo]
+            else:
+                out[lo - start : hi - start] = flats[seg.rank][seg.group].reshape(-1)[
+                    at : at + hi - lo
+                ]
         return out
 
     def full(self, name: str, key: str = "fp32") -> torch.Tensor:

@@ -44,7 +44,7 @@ def _check_model(ckpt: DeepSpeedCheckpoint, shards: ShardedState) -> None:
     saved = {**ckpt.shapes, **{k: v.shape for k, v in ckpt.frozen.items()}}
     live = {k: torch.Size(v) for k, v in shards.shapes.items()}
     missing = sorted(set(live) - set(saved) - set(ckpt.shared))
-    unknown = sorted(set(saved) - set(live))
+    unknown = sorted(set(saved) - set(live) - shards.elsewhere)
     wrong = sorted(k for k in set(live) & set(saved) if live[k] != saved[k])
     buffers = ckpt.buffers
     wrong_buffers = sorted(

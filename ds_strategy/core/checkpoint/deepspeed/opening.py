@@ -269,12 +269,13 @@ def _check_declared(ckpt: DeepSpeedCheckpoint) -> None:
         if len(sizes) != len(counted):
             raise _damaged(data, f"{len(sizes)} flat groups for {len(counted)} param groups")
         paddings = _paddings(ckpt, counted)
+        ranks = _partition_counts(ckpt)
         for g, counts in enumerate(counted):
             need = sum(counts.values()) + sum(paddings[g])
-            if need > sizes[g] * ckpt.world_size:
+            if need > sizes[g] * ranks[g]:
                 raise _damaged(
                     where,
-                    f"param group {g} declares {need} elements but {ckpt.world_size} rank(s) "
+                    f"param group {g} declares {need} elements but {ranks[g]} rank(s) "
                     f"store {sizes[g]} each ({data.name}); the shapes and the saved groups "
                     "disagree",
                 )
@@ -313,19 +314,24 @@ def _check_frozen(ckpt: DeepSpeedCheckpoint) -> None:
 def _check_reach(ckpt: DeepSpeedCheckpoint) -> None:
     """Every segment within its rank's flat groups, fp32 weights and per-element optimizer
     state alike, so a read never runs past what a file stores."""
-    need: dict[int, int] = {}
+    need: dict[tuple[int, int | None], int] = {}  # (rank, group or None: all of them)
     for segs in ckpt.segments.values():
         for s in segs:
-            need[s.rank] = max(need.get(s.rank, 0), s.offset + s.length)
+            need[s.rank, s.group] = max(need.get((s.rank, s.group), 0), s.offset + s.length)
     keys = ["fp32", *_element_keys(ckpt)]
-    for rank, n in sorted(need.items()):
+    for (rank, group), n in sorted(need.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         for key in keys:
-            held = sum(t.numel() for t in _flats(ckpt, rank, key))
+            flats = _flats(ckpt, rank, key)
+            if group is not None and group >= len(flats):
+                raise _damaged(ckpt.optim_paths[rank], f"its {key} state has no group {group}")
+            held = sum(t.numel() for t in (flats if group is None else flats[group : group + 1]))
             if held < n:
+                where = f"rank {rank}'s {key} partition" + (
+                    "" if group is None else f" of group {group}"
+                )
                 raise _damaged(
                     ckpt.optim_paths[rank],
-                    f"rank {rank}'s {key} partition holds {held} elements, its parameters' "
-                    f"shapes need {n}",
+                    f"{where} holds {held} elements, its parameters' shapes need {n}",
                 )
 
 
@@ -345,26 +351,81 @@ def _element_keys(ckpt: DeepSpeedCheckpoint) -> list[str]:
 
 
 def _segments12(ckpt: DeepSpeedCheckpoint) -> dict[str, tuple[Segment, ...]]:
-    """Stages 0-2: each group is flattened whole, then cut into equal partitions, one per rank;
-    a parameter's segments are bounded by the ranks (``_check_declared`` came first)."""
+    """Stages 0-2: each group is flattened whole, then cut into equal partitions, one per rank
+    of the group's partition (every rank; a DeepSpeed-MoE expert group's: the ranks holding
+    the same experts, see [Note: DeepSpeed's layout]); a parameter's segments are bounded by
+    the ranks (``_check_declared`` came first)."""
     paddings = _paddings(ckpt, ckpt.groups)
+    counts = _partition_counts(ckpt)
+    # (not ckpt.shapes, which holds the experts' global names once they are listed here)
+    shapes = {k: torch.Size(v) for g in ckpt.model_state["param_shapes"] for k, v in g.items()}
     out: dict[str, tuple[Segment, ...]] = {}
-    base = 0  # where group g starts in a rank's groups laid end to end
     sizes = [t.numel() for t in ckpt.flat(0)]
     for g, names in enumerate(ckpt.groups):
-        part, offset = sizes[g], 0
-        for i, name in enumerate(names):
-            n = ckpt.shapes[name].numel()
-            segs = []
-            at = offset
-            while at < offset + n:
-                rank, local = divmod(at, part)
-                length = min(part - local, offset + n - at)
-                segs.append(Segment(rank, base + local, at - offset, length))
-                at += length
-            out[name] = tuple(segs)
-            offset += n + paddings[g][i]
-        base += part
+        ep = ckpt.world_size // counts[g]
+        for place in range(ep):  # the experts of each place in an expert group
+            ranks = list(range(place, ckpt.world_size, ep))
+            named = _expert_names(names, place, shapes, ckpt) if ep > 1 else names
+            part, offset = sizes[g], 0
+            for i, (name, whole) in enumerate(zip(names, named, strict=True)):
+                n = shapes[name].numel()
+                segs = []
+                at = offset
+                while at < offset + n:
+                    j, local = divmod(at, part)
+                    length = min(part - local, offset + n - at)
+                    rank = ranks[j]
+                    segs.append(Segment(rank, local, at - offset, length, group=g))
+                    at += length
+                out[whole] = tuple(segs)
+                offset += n + paddings[g][i]
+    return out
+
+
+_EXPERT = re.compile(r"(^|\.)deepspeed_experts\.(\d+)\.")
+
+
+def _partition_counts(ckpt: DeepSpeedCheckpoint) -> list[int]:
+    """Each param group's partition count: the world, or a DeepSpeed-MoE expert group's
+    ranks holding the same experts (a divisor of the world; its names are experts')."""
+    where = ckpt.optim_paths[0]
+    found = ckpt.optim[0].get("partition_count")
+    groups = ckpt.groups
+    if not isinstance(found, (list, tuple)) or len(found) != len(groups):
+        return [ckpt.world_size] * len(groups)
+    counts = [_int(c, "partition_count", where, low=1) for c in found]
+    for c, names in zip(counts, groups, strict=True):
+        if ckpt.world_size % c or (
+            c < ckpt.world_size and not all(_EXPERT.search(n) for n in names)
+        ):
+            raise _damaged(
+                where,
+                f"a param group is partitioned over {c} of {ckpt.world_size} ranks, and only a "
+                "DeepSpeed-MoE group of experts is, over a divisor of the world",
+            )
+    return counts
+
+
+def _expert_names(
+    names: list[str], place: int, shapes: dict[str, torch.Size], ckpt: DeepSpeedCheckpoint
+) -> list[str]:
+    """``names`` (rank 0's experts, by local index) as the experts of the ranks at ``place``
+    in their expert group: local index ``i`` of a layer with ``L`` experts a rank is global
+    ``place * L + i``; their shapes join ``ckpt.expert_shapes``."""
+    per_layer: dict[str, set[int]] = {}
+    for n in names:
+        m = _EXPERT.search(n)
+        assert m is not None  # _partition_counts checked every name
+        per_layer.setdefault(n[: m.start()], set()).add(int(m.group(2)))
+    out = []
+    for n in names:
+        m = _EXPERT.search(n)
+        assert m is not None
+        local = len(per_layer[n[: m.start()]])
+        index = place * local + int(m.group(2))
+        whole = f"{n[: m.start()]}{m.group(1)}deepspeed_experts.{index}.{n[m.end() :]}"
+        ckpt.expert_shapes[whole] = shapes[n]
+        out.append(whole)
     return out
 
 
