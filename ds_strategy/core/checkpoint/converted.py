@@ -18,7 +18,7 @@ are not taken, and their targets are reported missing by name.
 from __future__ import annotations
 
 import re
-from typing import Any
+import sys
 
 from torch import nn
 
@@ -38,15 +38,15 @@ def add_converted_views(source: PretrainedFiles, model: nn.Module) -> None:
         model: the model, a transformers ``PreTrainedModel`` (anything else: nothing to do).
     """
     transforms = _transforms(model)
-    if not transforms:
+    loading = sys.modules.get("transformers.core_model_loading")
+    if not transforms or loading is None:
         return
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if isinstance(t, loading.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, loading.WeightConverter)]
+    rename_source_key = loading.rename_source_key
     state = model.state_dict(keep_vars=True)
     collected: dict[str, dict[str, list[tuple[int, str]]]] = {}
-    converter_of: dict[str, Any] = {}
+    converter_of: dict[str, object] = {}
     for name in source.names:
         target, pattern = rename_source_key(name, renamings, converters)
         if target == name or target in source:
@@ -55,7 +55,7 @@ def add_converted_views(source: PretrainedFiles, model: nn.Module) -> None:
             if target in state:
                 source.add_view(target, [name], source.shape(name))
             continue
-        converter = next(c for c in converters if pattern in c.source_patterns)
+        converter = next(c for c in converters if pattern in getattr(c, "source_patterns", []))
         index = _expert_index(name, pattern)
         if index is None or target not in state:
             continue
@@ -67,15 +67,14 @@ def add_converted_views(source: PretrainedFiles, model: nn.Module) -> None:
             source.add_view(target, parts, _stacked_shape(source, parts, len(by_pattern)))
 
 
-def _transforms(model: nn.Module) -> list[Any]:
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:
+def _transforms(model: nn.Module) -> list[object]:
+    """The model's conversion mapping, when it is a transformers model (transformers is in
+    use then, and never imported here: it is the optional ``hf`` extra)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    mapping = sys.modules.get("transformers.conversion_mapping")
+    if modeling is None or mapping is None or not isinstance(model, modeling.PreTrainedModel):
         return []
-    if not isinstance(model, PreTrainedModel):
-        return []
-    return list(get_model_conversion_mapping(model))
+    return list(mapping.get_model_conversion_mapping(model))
 
 
 def _expert_index(name: str, pattern: str) -> int | None:
@@ -85,13 +84,16 @@ def _expert_index(name: str, pattern: str) -> int | None:
     return int(found.group(1)) if found and found.groups() else None
 
 
-def _parts(converter: Any, by_pattern: dict[str, list[tuple[int, str]]]) -> list[str] | None:
+def _parts(converter: object, by_pattern: dict[str, list[tuple[int, str]]]) -> list[str] | None:
     """The files' tensors of one converted target in its flattened order, or None when the
     converter does other than stack experts (and join their patterns along dimension 1),
     or an expert is missing."""
-    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
-    patterns = [p for p in converter.source_patterns if p in by_pattern]
-    if ops not in (_MERGE, _MERGE_JOIN) or len(patterns) != len(converter.source_patterns):
+    sources: list[str] = getattr(converter, "source_patterns", [])
+    ops = [
+        (type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", [])
+    ]
+    patterns = [p for p in sources if p in by_pattern]
+    if ops not in (_MERGE, _MERGE_JOIN) or len(patterns) != len(sources):
         return None
     experts = [sorted(by_pattern[p]) for p in patterns]
     count = len(experts[0])

@@ -16,7 +16,7 @@ its expert-parallel group (``core/moe/parallel.py``). Without an engine, ``ep_si
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
@@ -290,6 +290,9 @@ class MoE(nn.Module):
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
 
 
+ParamGroup = dict[str, object]  # an optimizer's param group: its params and options
+
+
 def is_moe_param(param: torch.Tensor) -> bool:
     """Whether ``param`` is an expert's (DeepSpeed's mark: ``allreduce`` False).
 
@@ -300,8 +303,8 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 
 def split_params_into_different_moe_groups_for_optimizer(
-    param_groups: dict[str, Any] | list[dict[str, Any]] | tuple[dict[str, Any], ...],
-) -> list[dict[str, Any]]:
+    param_groups: ParamGroup | list[ParamGroup] | tuple[ParamGroup, ...],
+) -> list[ParamGroup]:
     """DeepSpeed's helper of that name: each group's expert parameters moved to a group of
     their own per expert group (its options copied, ``name`` the expert group's, ``moe``
     True), after the groups given.
@@ -310,16 +313,17 @@ def split_params_into_different_moe_groups_for_optimizer(
         param_groups: a param group (a dict with ``params`` and ``name``) or several.
     """
     groups = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
-    moe: dict[tuple[str, str], dict[str, Any]] = {}
+    moe: dict[tuple[str, str], ParamGroup] = {}
     for group in groups:
         kept = []
-        for p in group["params"]:
+        for p in cast(list[torch.Tensor], group["params"]):
             if not is_moe_param(p):
                 kept.append(p)
                 continue
-            key = (str(group.get("name")), str(p.group_name))
+            name = str(getattr(p, "group_name", None))
+            key = (str(group.get("name")), name)
             if key not in moe:
-                moe[key] = {**group, "name": p.group_name, "moe": True, "params": []}
-            moe[key]["params"].append(p)
+                moe[key] = {**group, "name": name, "moe": True, "params": []}
+            cast(list[torch.Tensor], moe[key]["params"]).append(p)
         group["params"] = kept
     return groups + list(moe.values())

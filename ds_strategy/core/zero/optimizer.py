@@ -21,7 +21,7 @@ ranks, is refused with such an optimizer.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,7 +294,7 @@ class ShardedOptimizer:
         """
         seen: set[int] = set()
         total = 0
-        states: Iterable[Any] = self.optimizer.state.values()
+        states: Iterable[Mapping[str, object]] = self.optimizer.state.values()
         if groups is not None:
             held = [pc.tensor for pc in self.pieces if id(pc.group) in groups]
             states = [self.optimizer.state[t] for t in held if t in self.optimizer.state]
