@@ -272,6 +272,8 @@ def lightning_worker(rank: int, world: int) -> dict[str, Any]:
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
+    from ds_strategy.lightning import ZeroStrategy
+
     # the ranks exist already: Lightning joins their process group and starts none
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     plain = _llama().eval()
@@ -296,7 +298,7 @@ def lightning_worker(rank: int, world: int) -> dict[str, Any]:
     data = DataLoader(TensorDataset(torch.randint(1, VOCAB, (4, 10))), batch_size=2)
     module = Module()
     trainer = L.Trainer(
-        strategy=ds_strategy.lightning.ZeroStrategy(stage=3, config=_config(3)),
+        strategy=ZeroStrategy(stage=3, config=_config(3)),
         accelerator="cpu",
         devices=world,
         max_steps=1,

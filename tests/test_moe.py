@@ -606,3 +606,44 @@ def test_a_deepspeed_moe_checkpoint_reads_and_resumes_at_any_ep_size(tmp_path: P
         assert worst <= 2e-5, worst
     moved = max((continued[k] - v).abs().max().item() for k, v in saved.items())
     assert moved > 100 * 2e-5  # the 3 steps moved the weights
+
+
+# -- a front end --------------------------------------------------------------------------------
+
+
+def _accelerate_run(rank: int, world: int) -> dict[str, Any]:
+    """A plain Accelerate loop on ZeroAccelerator, the config spreading the experts."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ds_strategy.accelerate import ZeroAccelerator
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    config = {"zero_optimization": {"stage": 2}, "moe": {"ep_size": 2}}
+    acc = ZeroAccelerator(config=config, cpu=True)
+    model = _mixtral()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.cat([torch.randint(1, 128, (2 * BATCH, SEQ), generator=gen) for _ in range(STEPS)])
+    loader = DataLoader(TensorDataset(rows), batch_size=BATCH, shuffle=False)
+    engine, opt, loader = acc.prepare(model, opt, loader)
+    losses = []
+    for (tokens,) in loader:
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(engine.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": acc.get_state_dict(engine)}
+
+
+def test_zero_accelerator_spreads_a_mixtrals_experts_from_the_config() -> None:
+    """``ZeroAccelerator`` with ``moe.ep_size=2``: each rank reads its own batches and the
+    run ends where one process on both ranks' batches ends."""
+    losses, _, state = _mixtral_reference()
+    for rank, r in enumerate(run_ranks_each([(_accelerate_run, ())], 2)[0]):
+        assert r["losses"] == pytest.approx([s[rank] for s in losses], abs=TOL)
+        worst = max((r["state"][k] - v).abs().max().item() for k, v in state.items())
+        assert worst <= TOL, (rank, worst)

@@ -79,9 +79,11 @@ def _transforms(model: nn.Module) -> list[object]:
 
 def _expert_index(name: str, pattern: str) -> int | None:
     """The number standing for ``*`` in ``pattern`` where ``name`` matches it."""
+    if "*" not in pattern:
+        return None
     regex = re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)")
     found = re.search(regex, name)
-    return int(found.group(1)) if found and found.groups() else None
+    return int(found.group(1)) if found is not None else None
 
 
 def _parts(converter: object, by_pattern: dict[str, list[tuple[int, str]]]) -> list[str] | None:
