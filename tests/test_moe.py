@@ -624,8 +624,9 @@ def _accelerate_run(rank: int, world: int) -> dict[str, Any]:
     acc = ZeroAccelerator(config=config, cpu=True)
     model = _mixtral()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    gen = torch.Generator().manual_seed(3)
-    rows = torch.cat([torch.randint(1, 128, (2 * BATCH, SEQ), generator=gen) for _ in range(STEPS)])
+    # rank 0's batch then rank 1's, step by step: the loader deals them out in turn
+    per_rank = [_batches(0), _batches(1)]
+    rows = torch.cat([b[step] for step in range(STEPS) for b in per_rank])
     loader = DataLoader(TensorDataset(rows), batch_size=BATCH, shuffle=False)
     engine, opt, loader = acc.prepare(model, opt, loader)
     losses = []

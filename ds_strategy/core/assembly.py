@@ -270,9 +270,9 @@ class EngineBuilder:
         tensor-parallel size."""
         with together(self.comm):
             loaded = load_config(config)
-            if loaded.moe.ep_size == 1 and layer_ep_size(self.model) > 1:
-                # DeepSpeed-MoE layers say how their experts are spread
-                loaded = loaded.replace(**{"moe.ep_size": layer_ep_size(self.model)})
+            built_with = layer_ep_size(self.model)  # how DeepSpeed-MoE layers spread experts
+            if loaded.moe.ep_size == 1 and built_with > 1:
+                loaded = loaded.replace(**{"moe.ep_size": built_with})
             facts = Facts(in_pipeline=self.stage is not None, sub_group=process_group is not None)
             check_rules(loaded, facts, "engine")  # see config/rules.py
             mesh = self.stage.mesh if self.stage is not None else None

@@ -25,7 +25,6 @@ part in the whole tensor (:class:`ExpertParam`), so it loads at any ``ep_size``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,10 +35,9 @@ from ...config import ConfigError
 from ..collectives import Comm
 from .dispatch import run_experts
 from .layer import MoE
+from .names import renumber
 
 __all__ = ["ExpertParam", "ExpertParallel", "expert_layers", "layer_ep_size"]
-
-_LOCAL = re.compile(r"(^|\.)deepspeed_experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -64,13 +62,15 @@ class ExpertParam:
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
+    """transformers 5's experts: ``num_experts`` and ``(num_experts, ...)`` parameters, a
+    ``down_proj`` among them."""
     n = getattr(module, "num_experts", None)
-    params = [p for _, p in module.named_parameters(recurse=False)]
+    params = dict(module.named_parameters(recurse=False))
     return (
         isinstance(n, int)
         and not isinstance(module, MoE)
-        and any(name in dict(module.named_parameters(recurse=False)) for name in ("down_proj",))
-        and all(p.dim() >= 2 and p.shape[0] == n for p in params)
+        and "down_proj" in params
+        and all(p.dim() >= 2 and p.shape[0] == n for p in params.values())
     )
 
 
@@ -186,7 +186,7 @@ class ExpertParallel:
         prefix = f"{where}." if where else ""
         for n, p in moe.experts.named_parameters():  # this rank's names, once narrowed
             name = f"{prefix}deepspeed_moe.experts.{n}"
-            whole = _renumber(name, first)
+            whole = renumber(name, first)
             self.params[id(p)] = ExpertParam(whole, tuple(p.shape), 0, name, False, local)
 
     def rekey(self, replaced: dict[int, nn.Parameter]) -> None:
@@ -211,7 +211,7 @@ class ExpertParallel:
         """The whole model's names of the experts other ranks hold (a module list's; a
         fused tensor is named the same on every rank)."""
         return [
-            _renumber(info.local_name, r * info.experts)
+            renumber(info.local_name, r * info.experts)
             for info in self.params.values()
             if not info.fused
             for r in range(self.size)
@@ -235,17 +235,8 @@ class ExpertParallel:
                 out[info.name] = full.flatten(0, 1) if mine.dim() else full
             else:
                 for r in range(self.size):
-                    out[_renumber(local_name, r * info.experts)] = full[r]
+                    out[renumber(local_name, r * info.experts)] = full[r]
         return out
-
-
-def _renumber(name: str, first: int) -> str:
-    """``name`` with its local expert index ``j`` made ``first + j``."""
-
-    def shift(m: re.Match[str]) -> str:
-        return f"{m.group(1)}deepspeed_experts.{first + int(m.group(2))}."
-
-    return _LOCAL.sub(shift, name, count=1)
 
 
 def _expert_forward(

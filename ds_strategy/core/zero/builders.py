@@ -282,6 +282,7 @@ class _Split:
         self.make_expert = make
         if experts is not None:
             self.make_expert = dataclasses.replace(make, comm=experts.comm)
+        self.expert_transport = Transport.plain(self.make_expert.comm)  # ZeRO++ refused
 
     def _apart(self, params: list[_T]) -> tuple[list[_T], list[_T]]:
         if self.experts is None:
@@ -301,11 +302,10 @@ class _Split:
         self, params: list[nn.Parameter], bucket_numel: int, transport: Transport, unfilled: bool
     ) -> list[FlatParamGroup]:
         dense, expert = self._apart(params)
-        groups = build_groups(dense, self.make, bucket_numel, transport, unfilled) if dense else []
-        if expert:
-            plain = Transport.plain(self.make_expert.comm)
-            groups += build_groups(expert, self.make_expert, bucket_numel, plain, unfilled)
-        return groups
+        groups = build_groups(dense, self.make, bucket_numel, transport, unfilled)
+        return groups + build_groups(
+            expert, self.make_expert, bucket_numel, self.expert_transport, unfilled
+        )
 
     def broadcast_loose(self, tensors: list[torch.Tensor], precision: PrecisionPolicy) -> None:
         dense, expert = self._apart(tensors)

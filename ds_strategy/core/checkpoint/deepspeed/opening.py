@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ...moe.names import expert_place, renumber
 from ..validate import CheckpointError
 from .layout import _MODEL, _MODEL3, _OPTIM, DeepSpeedCheckpoint, Segment
 from .pickles import load_pickle
@@ -382,9 +383,6 @@ def _segments12(ckpt: DeepSpeedCheckpoint) -> dict[str, tuple[Segment, ...]]:
     return out
 
 
-_EXPERT = re.compile(r"(^|\.)deepspeed_experts\.(\d+)\.")
-
-
 def _partition_counts(ckpt: DeepSpeedCheckpoint) -> list[int]:
     """Each param group's partition count: the world, or a DeepSpeed-MoE expert group's
     ranks holding the same experts (a divisor of the world; its names are experts')."""
@@ -395,9 +393,7 @@ def _partition_counts(ckpt: DeepSpeedCheckpoint) -> list[int]:
         return [ckpt.world_size] * len(groups)
     counts = [_int(c, "partition_count", where, low=1) for c in found]
     for c, names in zip(counts, groups, strict=True):
-        if ckpt.world_size % c or (
-            c < ckpt.world_size and not all(_EXPERT.search(n) for n in names)
-        ):
+        if ckpt.world_size % c or (c < ckpt.world_size and not all(expert_place(n) for n in names)):
             raise _damaged(
                 where,
                 f"a param group is partitioned over {c} of {ckpt.world_size} ranks, and only a "
@@ -412,18 +408,15 @@ def _expert_names(
     """``names`` (rank 0's experts, by local index) as the experts of the ranks at ``place``
     in their expert group: local index ``i`` of a layer with ``L`` experts a rank is global
     ``place * L + i``; their shapes join ``ckpt.expert_shapes``."""
+    places = [expert_place(n) for n in names]  # _partition_counts checked every name
     per_layer: dict[str, set[int]] = {}
-    for n in names:
-        m = _EXPERT.search(n)
-        assert m is not None  # _partition_counts checked every name
-        per_layer.setdefault(n[: m.start()], set()).add(int(m.group(2)))
+    for found in places:
+        assert found is not None
+        per_layer.setdefault(found[0], set()).add(found[1])
     out = []
-    for n in names:
-        m = _EXPERT.search(n)
-        assert m is not None
-        local = len(per_layer[n[: m.start()]])
-        index = place * local + int(m.group(2))
-        whole = f"{n[: m.start()]}{m.group(1)}deepspeed_experts.{index}.{n[m.end() :]}"
+    for n, found in zip(names, places, strict=True):
+        assert found is not None
+        whole = renumber(n, place * len(per_layer[found[0]]))
         ckpt.expert_shapes[whole] = shapes[n]
         out.append(whole)
     return out
