@@ -218,7 +218,7 @@ def test_hugging_face_deepspeed_json_runs_unmodified(tmp_path: Path) -> None:
     zero, plain = results["zero"], results["plain"]
     assert max_diff(zero["state"], plain["state"]) <= TOL
     warned = " ".join(zero["warnings"])
-    assert "zero_optimization.sub_group_size" in warned
+    assert "zero_optimization.sub_group_size" not in warned  # read: the rounded step's chunk
     assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in warned
     hidden = 12  # TinyNet.config.hidden_size: the sizes Accelerate derives from it
     assert zero["resolved"] == {

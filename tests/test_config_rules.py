@@ -94,6 +94,21 @@ CASES: dict[str, tuple[dict[str, Any], Facts, str, str, str]] = {
         Facts(world_size=4, tensor_parallel=True), "optimizer", "moe.ep_size",
         "tensor parallelism (set tensor_parallel.autotp_size to 1); zero_optimization.mics",
     ),
+    "low-precision masters and states with other features": (
+        {
+            "bf16": {"enabled": True, "bf16_optimizer_states": True},
+            _ZO: {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
+        },
+        Facts(optimizer="AdamW"), "optimizer", "bf16.bf16_master_weights_and_grads",
+        "bf16.bf16_optimizer_states steps the optimizer a chunk at a time in fp32 and does not "
+        "work with NVMe offload",
+    ),
+    "low-bit optimizer states with other features": (
+        {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+        Facts(optimizer="AdamW8bit"), "optimizer", "optimizer",
+        "AdamW8bit keeps quantized optimizer state, which does not work with "
+        "bf16.bf16_optimizer_states",
+    ),
     "momentum correction replaces SGD's momentum": (
         {"gradient_compression": {"method": "topk", "momentum_correction": True}},
         Facts(optimizer="AdamW", momenta=(0.0,)), "compression",

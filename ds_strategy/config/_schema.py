@@ -417,6 +417,14 @@ class ZeroOptimizationConfig:
         "reduce-scatter needs a full-size receive buffer. 0: each gradient on its own (stored "
         "as 1).",
     )
+    sub_group_size: int = leaf(
+        int,
+        1_000_000_000,
+        ge=1,
+        doc="Elements the optimizer steps at once where the step converts precision (bf16 or "
+        "fp16 master weights, bf16 optimizer states): the fp32 working copies of one such "
+        "group, at most 1,048,576 elements whatever this says. Lower it to bound them.",
+    )
     allgather_partitions: bool = leaf(
         bool,
         True,
@@ -571,6 +579,12 @@ class FP16Config:
         doc="Accepted but not read: under fp16 (and bf16) the floating-point inputs of forward "
         "are always cast to the compute dtype, as DeepSpeed's true does.",
     )
+    fp16_master_weights_and_grads: bool = leaf(
+        bool,
+        False,
+        doc="true: no fp32 master; the optimizer steps the fp16 weights (2 bytes a parameter "
+        "instead of 4), computing in fp32 and rounding the result stochastically.",
+    )
 
 
 @dataclass(frozen=True)
@@ -598,6 +612,19 @@ class BF16Config:
         True,
         doc="ds_strategy's own key: false trains the bf16 weights directly (no fp32 master "
         "copy, optimizer state in bf16), like Lightning's 'bf16-true'.",
+    )
+    bf16_master_weights_and_grads: bool = leaf(
+        bool,
+        False,
+        doc="true: no fp32 master; the optimizer steps the bf16 weights with bf16 gradients "
+        "(2 bytes a parameter instead of 4), computing in fp32 and rounding the result "
+        "stochastically, so updates below bf16's resolution are kept on average.",
+    )
+    bf16_optimizer_states: bool = leaf(
+        bool,
+        False,
+        doc="true: the optimizer's per-element state (Adam's two moments) is kept in bf16, "
+        "8 bytes a parameter down to 4; each step computes in fp32 and rounds stochastically.",
     )
 
 
@@ -1780,7 +1807,7 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
     "zero_optimization": {
         **_ignored(
             "a ZeRO-Infinity / ZeRO++ / MiCS tuning knob not implemented here",
-            "sub_group_size round_robin_gradients "
+            "round_robin_gradients "
             "zero_quantized_nontrainable_weights "
             "zeropp_loco_param "
             "mics_hierarchical_params_gather zenflow use_multi_rank_bucket_allreduce "
@@ -1813,15 +1840,8 @@ UNSUPPORTED_KEYS: dict[str, dict[str, str]] = {
         "a DeepSpeed CPU-Adam / NVMe pipelining option not implemented here",
         "pipeline_read pipeline_write super_offload convert_grad_on_cpu cpuadam_cores_perc",
     ),
-    "fp16": {
-        "fp16_master_weights_and_grads": "master weights are always fp32",
-        "fused_mode": "there is no fused fp16 optimizer here",
-    },
-    "bf16": {
-        "check_grad_overflow": "bf16 has fp32's range; no overflow check is done",
-        "bf16_master_weights_and_grads": "master weights are always fp32",
-        "bf16_optimizer_states": "optimizer state is always fp32",
-    },
+    "fp16": {"fused_mode": "there is no fused fp16 optimizer here"},
+    "bf16": {"check_grad_overflow": "bf16 has fp32's range; no overflow check is done"},
     "optimizer": {"legacy_fusion": "there are no fused DeepSpeed optimizers here"},
     "tensor_parallel": _ignored(
         "DeepSpeed's AutoTP options; layers are split here by torch's DTensor tensor "

@@ -314,6 +314,55 @@ def _compressed_optimizer(cfg: ZeroConfig, facts: Facts) -> str | None:
     return None
 
 
+def _rounded_step_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
+    """Low-precision masters or optimizer states step the optimizer a chunk at a time."""
+    asked = [
+        key
+        for key, on in (
+            ("bf16.bf16_master_weights_and_grads", cfg.bf16.bf16_master_weights_and_grads),
+            ("bf16.bf16_optimizer_states", cfg.bf16.bf16_optimizer_states),
+        )
+        if on and cfg.bf16.enabled is True
+    ]
+    if cfg.fp16.fp16_master_weights_and_grads and cfg.fp16.enabled is True:
+        asked.append("fp16.fp16_master_weights_and_grads")
+    if not asked:
+        return None
+    refused = []
+    if any(c.device == "nvme" for _, c in _offloads(cfg)):
+        refused.append("NVMe offload, which steps the state in its own buckets (offload to 'cpu')")
+    if facts.compressed_optimizer:
+        refused.append(f"{facts.optimizer}, whose step exchanges compressed momenta")
+    if refused:
+        return (
+            f"{', '.join(asked)} steps the optimizer a chunk at a time in fp32 and does not "
+            f"work with {'; '.join(refused)}; remove {asked[0]} or change the other"
+        )
+    return None
+
+
+# torchao's low-bit optimizers, as ``Facts.optimizer`` names them (core/optim/lowbit.py)
+LOWBIT_OPTIMIZERS = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "Adam8bit", "Adam4bit", "AdamFp8")
+
+
+def _lowbit_combinations(cfg: ZeroConfig, facts: Facts) -> str | None:
+    """A low-bit optimizer's state is quantized codes, which neither NVMe offload nor the
+    bf16 state step can hold."""
+    if facts.optimizer not in LOWBIT_OPTIMIZERS:
+        return None
+    refused = []
+    if any(c.device == "nvme" for _, c in _offloads(cfg)):
+        refused.append("NVMe offload (offload to 'cpu')")
+    if cfg.bf16.enabled is True and cfg.bf16.bf16_optimizer_states:
+        refused.append("bf16.bf16_optimizer_states (remove it: the state is 8-bit or 4-bit)")
+    if refused:
+        return (
+            f"{facts.optimizer} keeps quantized optimizer state, which does not work with "
+            f"{'; '.join(refused)}"
+        )
+    return None
+
+
 def _beside_a_new_dimension(cfg: ZeroConfig, facts: Facts, compression_why: str) -> list[str]:
     """What a sequence or expert dimension does not work with yet, each with its fix."""
     zc = cfg.zero_optimization
@@ -527,6 +576,10 @@ RULES: tuple[Rule, ...] = (
          "optimizer", _sequence_parallel_combinations),
     Rule("expert parallelism with other features", "moe.ep_size", "optimizer",
          _expert_parallel_combinations),
+    Rule("low-precision masters and states with other features",
+         "bf16.bf16_master_weights_and_grads", "optimizer", _rounded_step_combinations),
+    Rule("low-bit optimizer states with other features", "optimizer", "optimizer",
+         _lowbit_combinations),
     Rule("momentum correction replaces SGD's momentum", "gradient_compression.momentum_correction",
          "compression", _momentum_correction_needs_sgd),
     Rule("quantization-aware training without tensor parallelism", "quantization.qat",

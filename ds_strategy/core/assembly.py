@@ -29,6 +29,7 @@ rank raises the same error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ from .mesh import ParallelMesh
 from .mics import MiCSComm
 from .moe.parallel import ExpertParallel, layer_ep_size
 from .offload import Offload
+from .optim.lowbit import QuantizedStates, lowbit_block
 from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
@@ -61,6 +63,7 @@ from .ownership import check_parameters_free
 from .parallel_dims import ParallelDims
 from .precision.loss_scaler import LossScaler
 from .precision.policy import COMM_DTYPES, PrecisionPolicy
+from .precision.step import DEFAULT_CHUNK, RoundedStep
 from .profiling.comms import CommsLogger
 from .quant.qat import prepare_qat
 from .quant.scheme import QuantScheme
@@ -241,11 +244,13 @@ class EngineBuilder:
         # from here on every collective of the engine's groups is logged (comms_logger)
         ranks.comm.comms_logger = CommsLogger.from_config(self.config.comms_logger, Comm().rank)
         self.device = pick_device(self.model)  # after tensor parallelism placed its layers
-        precision = self.precision(ranks)
+        precision = self.precision(ranks, optimizer)
         timers = StepTimers.from_config(self.config, ranks.comm, self.device)  # or None
         offload = self.offload(ranks, precision.policy, optimizer)
         plan = self.sharding(ranks, precision, offload, param_init_fn)
         opt = self.optimizer(ranks, plan, offload, optimizer, lr_scheduler)
+        compression = self.compression(ranks, plan, opt, offload)  # checks the optimizer's rules
+        self.state_formats(plan, opt, precision.policy)
         return EngineParts(
             config=self.config,
             topology=self.topology,
@@ -258,7 +263,7 @@ class EngineBuilder:
             offload=offload,
             plan=plan,
             optimizer=opt,
-            compression=self.compression(ranks, plan, opt, offload),
+            compression=compression,
         )
 
     # -- the steps, in the order build runs them -------------------------------------------
@@ -374,12 +379,18 @@ class EngineBuilder:
         dims = ParallelDims(self.comm.world_size, tp=self.tp, sp=sp, cp=cp, ep=ep)
         return RankLayout(dims, self.topology, self.comm)
 
-    def precision(self, ranks: Ranks) -> PrecisionParts:
+    def precision(self, ranks: Ranks, optimizer: OptimizerLike | None) -> PrecisionParts:
         """Precision and loss scaling, how gradients are scaled when reduced, and
-        activation checkpointing."""
+        activation checkpointing. A low-bit optimizer's block aligns the shards."""
         with together(ranks.comm):
             check_rules(self.config, Facts(), "config")  # see config/rules.py
             policy = PrecisionPolicy.from_config(self.config)
+            if optimizer is None and self.config.optimizer is not None:
+                optimizer = optimizer_factory(self.config.optimizer)
+            block, state_bytes = lowbit_block(optimizer)
+            policy = dataclasses.replace(
+                policy, state_block=block, quantized_state_bytes=state_bytes
+            )
             scaler = LossScaler.from_config(self.config.fp16) if policy.loss_scaling else None
             scaling = GradScaling.of(
                 # the mean over data-parallel ranks: sequence ranks' gradients add up
@@ -484,6 +495,23 @@ class EngineBuilder:
             else:
                 scheduler = _bind_scheduler(lr_scheduler, opt)
         return OptimizerParts(opt, sharded, scheduler, trainable)
+
+    def state_formats(
+        self, plan: ShardingPlan, opt: OptimizerParts, policy: PrecisionPolicy
+    ) -> None:
+        """How the optimizer keeps its state below fp32: torchao's quantized state per shard
+        (``core/optim/lowbit.py``); low-precision master weights or optimizer states, stepped
+        in fp32 chunks and rounded back stochastically (``core/precision/step.py``)."""
+        if not opt.trainable:
+            return
+        sharded = opt.sharded
+        if policy.quantized_state_bytes:
+            sharded.quantized = QuantizedStates(opt.optimizer, sharded.pieces, policy.state_block)
+        if policy.rounded_step:
+            chunk = min(self.config.zero_optimization.sub_group_size, DEFAULT_CHUNK)
+            ordinals = {id(p): i for i, p in enumerate(self.model.parameters())}
+            state_dtype = policy.state_dtype
+            sharded.stepper = RoundedStep(sharded, ordinals, state_dtype, chunk, plan.meter)
 
     def _the_optimizer(
         self,

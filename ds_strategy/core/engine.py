@@ -201,7 +201,7 @@ class ZeroEngine(nn.Module):
             ctx.stages if ctx is not None else 1,
             self.experts.size if self.experts is not None else 1,
         )
-        formula = zero_formula_bytes(self.plan.groups, self.precision.mixed)
+        formula = zero_formula_bytes(self.plan.groups, per_element=self.precision.element_bytes())
         zc, memory = self.config.zero_optimization, self.memory_report()
         line = start_summary(self.stage, ranks, self.precision, self._scaler, zc, memory, formula)
         log.info("%s", line)
@@ -252,6 +252,7 @@ class ZeroEngine(nn.Module):
         refuse_unset_forward(self.module, self.plan.unset_buffers)
         self.optimizer: torch.optim.Optimizer = parts.optimizer.optimizer
         self._sharded_opt = parts.optimizer.sharded
+        self._sharded_opt.clock = lambda: self.global_steps  # the rounded step's key
         self.lr_scheduler: LRScheduler | None = parts.optimizer.lr_scheduler
         self.trainable = parts.optimizer.trainable
         self.compression: GradientCompression | None = parts.compression
@@ -656,8 +657,10 @@ class ZeroEngine(nn.Module):
         )
 
     def checkpoint_loaded(self) -> None:
-        """A checkpoint load overwrote the shards: rebuild the resident full parameters."""
+        """A checkpoint load overwrote the shards: rebuild the resident full parameters,
+        and keep loaded optimizer state in the dtype this engine stores it in."""
         self.plan.after_load()
+        self._sharded_opt.after_load()
 
     def checkpoint_partial_window(self) -> int:
         """Micro-batches whose gradients are accumulated but not yet stepped.
@@ -1091,8 +1094,8 @@ class ZeroEngine(nn.Module):
         if self._timeline is None or csv_section.enabled is not True:
             return
         path = timeline_path(csv_section.output_path, csv_section.job_name, world_rank())
-        mixed = self.precision.param_dtype != torch.float32
-        self._timeline.write_csv(path, zero_formula_bytes(self.plan.groups, mixed))
+        formula = zero_formula_bytes(self.plan.groups, per_element=self.precision.element_bytes())
+        self._timeline.write_csv(path, formula)
 
     def reset_peak_memory(self) -> None:
         """Start ``memory_report()``'s two peaks again from the bytes held now.

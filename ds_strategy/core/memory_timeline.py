@@ -173,22 +173,34 @@ class _Group(Protocol):
     def trainable(self) -> bool: ...
 
 
-def zero_formula_bytes(groups: Iterable[_Group], mixed: bool) -> float:
+def zero_formula_bytes(
+    groups: Iterable[_Group],
+    mixed: bool = False,
+    per_element: tuple[float, float, float] | None = None,
+) -> float:
     """This rank's model state by the ZeRO paper's formula with Adam, over the engine's flat
     groups: per element ``P`` bytes of parameter, ``G`` of gradient (trainable groups) and
     ``K`` of optimizer state (fp32: P=G=4, K=8 for the two moments; mixed precision: P=G=2,
     K=12 with the fp32 master), each divided by the group's shard count where its policy
     shards it (stage 1: K, stage 2: G too, stage 3: P too; stage 3's small persistent
-    parameters: G and K). Unpadded element counts: the padding of flat groups is not in it."""
+    parameters: G and K). Unpadded element counts: the padding of flat groups is not in it.
+
+    Args:
+        groups: the engine's flat groups.
+        mixed: mixed precision with fp32 masters (the paper's K=12), when ``per_element`` is
+            not given.
+        per_element: ``(P, G, K)`` of the chosen precision and optimizer state
+            (``PrecisionPolicy.element_bytes``).
+    """
+    e, _, k = per_element or ((2, 2, 12) if mixed else (4, 4, 8))
+    g_bytes = per_element[1] if per_element else e
     total = 0.0
     for g in groups:
         psi = sum(_numel(shape) for shape in g.shapes)
         n = g.comm.world_size
-        e = 2 if mixed else 4
-        k = 12 if mixed else 8
         total += e * psi / (n if g.policy.shard_params else 1)
         if g.trainable:
-            total += e * psi / (n if g.policy.shard_grads else 1)
+            total += g_bytes * psi / (n if g.policy.shard_grads else 1)
             total += k * psi / (n if g.policy.shard_optimizer else 1)
     return total
 

@@ -38,6 +38,7 @@ from torch.optim.optimizer import ParamsT
 
 from ..config import ConfigError, OptimizerConfig, SchedulerConfig, ZeroConfig
 from .optim import Adam, Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
+from .optim.lowbit import LOWBIT_TYPES, lowbit_class
 
 __all__ = [
     "build_optimizer",
@@ -98,6 +99,8 @@ def _torch_optimizers() -> dict[str, type[torch.optim.Optimizer]]:
 def _qualname(cls: type) -> str:
     """``torch.optim.AdamW``, ``ds_strategy.core.optim.Lamb``: where a class comes from."""
     home = "torch.optim" if cls.__module__.startswith("torch.optim") else "ds_strategy.core.optim"
+    if cls.__module__.startswith("torchao.optim"):
+        home = "torchao.optim"
     return f"{home}.{cls.__name__}"
 
 
@@ -114,9 +117,9 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     names when ``name`` is not one of them."""
     key = str(name).lower()
     classes = {**_torch_optimizers(), **_OWN}
-    cls = classes.get(key)
+    cls = classes.get(key) or lowbit_class(key)
     if cls is None:
-        names = ", ".join(sorted(c.__name__ for c in classes.values()))
+        names = ", ".join(sorted([*(c.__name__ for c in classes.values()), *LOWBIT_TYPES.values()]))
         raise ConfigError(
             f"optimizer.type: unknown optimizer {name!r}, which is not a torch.optim optimizer "
             f"class nor one of DeepSpeed's implemented here; use one of {names}",
@@ -282,6 +285,9 @@ def optimizer_factory(section: OptimizerConfig | None) -> OptimizerFactory:
     def factory(params: ParamsT) -> torch.optim.Optimizer:
         return _construct(cls, params, kwargs)
 
+    # what the engine reads before building it (a low-bit optimizer's block: lowbit.py)
+    factory.optimizer_class = cls  # type: ignore[attr-defined]
+    factory.block = kwargs.get("block_size")  # type: ignore[attr-defined]
     return factory
 
 

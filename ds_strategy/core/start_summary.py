@@ -81,10 +81,17 @@ def _precision(policy: PrecisionPolicy, scaler: LossScaler | None) -> str:
     name = _NAMES.get(str(policy.param_dtype).removeprefix("torch."), str(policy.param_dtype))
     if scaler is not None:
         kind = "dynamic" if scaler.dynamic else "static"
-        return f"{name} with {kind} loss scaling (scale {scaler.scale:g})"
+        scaled = f"{name} with {kind} loss scaling (scale {scaler.scale:g})"
+        return scaled + (f", {name} master weights" if policy.low_master else "")
+    parts = []
     if policy.mixed and policy.master_weights:
-        return f"{name} (fp32 master weights)"
-    return name
+        parts.append("fp32 master weights")
+    elif policy.low_master:
+        parts.append(f"{name} master weights, stochastic rounding")
+    if policy.state_dtype is not None:
+        state = str(policy.state_dtype).removeprefix("torch.")
+        parts.append(f"{_NAMES.get(state, state)} optimizer states")
+    return f"{name} ({', '.join(parts)})" if parts else name
 
 
 def _offload(zc: ZeroOptimizationConfig) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..collectives import Comm
+from ..optim.lowbit import plain_state
 from ..warnings import CheckpointWarning
 from .flat_piece import FlatPiece
 from .keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, OPTIMIZER_KINDS, EntryKey, rng_key
@@ -93,7 +94,9 @@ def optimizer_entries(
         name = slot.placement.name
         for k, v in optimizer.state.get(slot.tensor, {}).items():
             if torch.is_tensor(v) and v.shape == slot.tensor.shape:
-                out[EntryKey("optim", name, k)] = flat_piece(slot.placement, v.view(-1))
+                # a quantized state is saved dequantized: it reshards as any other (lowbit.py)
+                plain = plain_state(v)
+                out[EntryKey("optim", name, k)] = flat_piece(slot.placement, plain.view(-1))
             elif torch.is_tensor(v):
                 out[EntryKey("optim_scalar", name, k)] = v
             else:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import STORAGE_TYPES, TensorStorageMe
 
 from ..faults import together
 from ..names import saved_name
+from ..optim.lowbit import is_quantized
 from . import swap
 from .collect import extra_entries, extra_key, flat_piece, warn_partial_window, weight_entries
 from .flat_piece import FlatPiece
@@ -263,8 +264,12 @@ def _optimizer_destinations(
                 installs.append(OptimizerEntry(slot, key))
                 continue
             st = opt.state[slot.tensor]
+            if is_quantized(st.get(key.state)):  # read plain, quantized again after the load
+                del st[key.state]
             if key.state not in st:  # with NVMe offload: made out in a swap file, not in memory
-                dtype = md.properties.dtype
+                # in the dtype the optimizer makes it in (the saved one is converted on the
+                # way in): a bf16 checkpoint's state loads as fp32 into an fp32 optimizer
+                dtype = slot.tensor.dtype
                 st[key.state] = (
                     files.new_state(i, key.state, slot.tensor, dtype)
                     if files is not None

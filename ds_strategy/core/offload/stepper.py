@@ -108,6 +108,9 @@ class StateSwaps:
 class BucketedStep:
     """Replaces ``optimizer.step()`` for a ``ShardedOptimizer`` whose state is swapped."""
 
+    what = "NVMe offload (zero_optimization.offload_optimizer / offload_param)"
+    instead = "offload to 'cpu' instead, or use another optimizer with NVMe"
+
     def __init__(
         self,
         sharded_opt: ShardedOptimizer,

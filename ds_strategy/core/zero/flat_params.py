@@ -102,7 +102,8 @@ class FlatParams:
         self.shapes = [p.shape for p in params]
         world = comm.world_size if policy.shard_optimizer else 1
         self.rank = comm.rank if policy.shard_optimizer else 0
-        self.layout = FlatLayout([p.numel() for p in params], world)
+        align = precision.state_block if policy.shard_optimizer else 1
+        self.layout = FlatLayout([p.numel() for p in params], world, align)
         # unfilled: see bind_unfilled (never written, so never resident)
         make = torch.empty if unfilled else torch.zeros
         self.full = make(self.layout.padded_total, dtype=self.dtype, device=device)
@@ -140,7 +141,8 @@ class FlatParams:
             return shard, None
         self._exact_master = self._exact_master or self.precision.offload_master
         where = host if on_host else self.device
-        master = torch.zeros(hi - lo, dtype=torch.float32, device=where, pin_memory=pin and on_host)
+        dtype = self.precision.master_dtype
+        master = torch.zeros(hi - lo, dtype=dtype, device=where, pin_memory=pin and on_host)
         return shard, master
 
     @property

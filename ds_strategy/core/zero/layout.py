@@ -43,26 +43,44 @@ class ShardPiece:
 class FlatLayout:
     """Offsets of ``numels`` in a flat buffer padded to a multiple of ``world_size``.
 
+    With ``align`` > 1 every parameter starts at a multiple of ``align`` and so does every
+    shard: a piece then starts ``align``-aligned inside its parameter, so blocks of ``align``
+    elements counted from the parameter's start never straddle two ranks (the quantization
+    blocks of low-bit optimizer state, ``core/optim/lowbit.py``). The gaps are zeros.
+
     >>> lay = FlatLayout([3, 4], world_size=2)
     >>> lay.padded_total, lay.shard_size
     (8, 4)
     >>> lay.pieces(1)
     [ShardPiece(index=1, param_start=1, shard_start=0, length=3)]
+    >>> aligned = FlatLayout([3, 4], world_size=2, align=4)
+    >>> [s.offset for s in aligned.slots], aligned.shard_size, aligned.gaps()
+    ([0, 4], 4, [(3, 4)])
     """
 
-    def __init__(self, numels: list[int], world_size: int) -> None:
+    def __init__(self, numels: list[int], world_size: int, align: int = 1) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.align = max(1, align)
         self.slots: list[ParamSlot] = []
         offset = 0
         for i, n in enumerate(numels):
+            offset = _round_up(offset, self.align)
             self.slots.append(ParamSlot(i, offset, n))
             offset += n
-        self.total = offset
+        self.total = offset  # the end of the last parameter (gaps between them included)
         # Never zero: an empty group still needs a (tiny) shard so collectives line up.
-        self.shard_size = max(1, -(-offset // world_size))
+        self.shard_size = _round_up(max(1, -(-offset // world_size)), self.align)
         self.padded_total = self.shard_size * world_size
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of the alignment gaps between parameters (none unaligned)."""
+        out = []
+        for a, b in zip(self.slots, self.slots[1:], strict=False):
+            if a.offset + a.numel < b.offset:
+                out.append((a.offset + a.numel, b.offset))
+        return out
 
     @property
     def padding(self) -> int:
@@ -90,6 +108,10 @@ class FlatLayout:
         first = s.offset // self.shard_size
         last = (s.offset + s.numel - 1) // self.shard_size
         return list(range(first, last + 1))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def split_into_buckets(numels: list[int], bucket_numel: int) -> list[list[int]]:

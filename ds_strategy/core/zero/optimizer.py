@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..collectives import Comm
+from ..optim.lowbit import QuantizedStates, state_parts
 from ..optim.norms import NeedsParamNorms, ParamNorms
 from .flat_group import FlatParamGroup
 
@@ -159,8 +160,13 @@ class ShardedOptimizer:
         self._whole_on_subgroups = not self.sharded and any(
             g.comm.world_size != comm.world_size for g in self.groups
         )
-        # NVMe offload: a step that brings the swapped state in bucket by bucket (core/offload)
+        # a step in buckets: NVMe offload's, which brings the swapped state in (core/offload),
+        # or the rounded step of low-precision weights and state (core/precision/step.py)
         self._stepper: Any = None
+        # the engine's optimizer-step counter (part of the rounded step's rounding key)
+        self.clock: Callable[[], int] = lambda: 0
+        # torchao's low-bit optimizers: which pieces keep quantized state (core/optim/lowbit.py)
+        self.quantized: QuantizedStates | None = None
         # tensor parallelism (core/tp): the parameter -> weight of its squared norm, and the
         # ranks holding the other parts; see sync_grad_flags_and_norm
         self.tp_norm = tp_norm
@@ -214,12 +220,25 @@ class ShardedOptimizer:
     def stepper(self, stepper: Any) -> None:
         if stepper is not None and self.param_norms is not None and self.comm.world_size > 1:
             raise ValueError(
-                "zero_optimization.offload_optimizer / offload_param: NVMe offload steps the "
-                f"optimizer bucket by bucket, and {type(self.optimizer).__name__} needs norms of "
-                "whole parameters split between ranks at each step; offload to 'cpu' instead, or "
-                "use another optimizer with NVMe"
+                f"{stepper.what} steps the optimizer bucket by bucket, and "
+                f"{type(self.optimizer).__name__} needs norms of whole parameters split "
+                f"between ranks at each step; {stepper.instead}"
+            )
+        if stepper is not None and self._stepper is not None:
+            raise ValueError(
+                f"{stepper.what} and {self._stepper.what} cannot both run the optimizer "
+                f"step; {stepper.instead}"
             )
         self._stepper = stepper
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded into the state: it is stored the way this optimizer
+        stores it (quantized, in bf16)."""
+        if self.quantized is not None:
+            self.quantized.settle()
+        settle = getattr(self._stepper, "settle", None)
+        if settle is not None:
+            settle()
 
     def sync_grad_flags_and_norm(self) -> float:
         """One all-reduce carries both which parameters got a gradient on any rank and this
@@ -300,7 +319,10 @@ class ShardedOptimizer:
             states = [self.optimizer.state[t] for t in held if t in self.optimizer.state]
         for state in states:
             for v in state.values():
-                if torch.is_tensor(v) and v.untyped_storage().data_ptr() not in seen:
-                    seen.add(v.untyped_storage().data_ptr())
-                    total += v.untyped_storage().nbytes()
+                if not torch.is_tensor(v):
+                    continue
+                for part in state_parts(v):  # a quantized state's codes and scales
+                    if part.untyped_storage().data_ptr() not in seen:
+                        seen.add(part.untyped_storage().data_ptr())
+                        total += part.untyped_storage().nbytes()
         return total

@@ -37,6 +37,8 @@ class _Bucket:
         """The flat gradients, zeros in the padding and where no gradient arrived."""
         flat = self.buffer.tensor
         flat[layout.total :].zero_()
+        for lo, hi in layout.gaps():
+            flat[lo:hi].zero_()
         for s, ok in zip(layout.slots, self.filled, strict=True):
             if not ok:
                 flat[s.offset : s.offset + s.numel].zero_()
