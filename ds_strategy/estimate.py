@@ -8,6 +8,10 @@ master copy under mixed precision)::
     fp32              P=4 G=4 K=8
     bf16/fp16 mixed   P=2 G=2 K=12
 
+and below 16 bytes (``PRECISIONS``): bf16 optimizer states K=8, bf16 masters and states
+K=4, torchao's 8-bit AdamW K=2.03 (fp32) or 6.03 (bf16 with its fp32 master), 4-bit K=1.06
+or 5.06.
+
 Stage 1 shards ``K`` over the N data-parallel ranks, stage 2 also ``G``, stage 3 also ``P``
 (parameters of at most ``stage3_param_persistence_threshold`` elements stay whole on every rank,
 sharded like stage 2). Offload moves a term off the accelerator: ``cpu`` the optimizer term
@@ -63,11 +67,39 @@ __all__ = [
     "step_peak",
 ]
 
-PRECISIONS: dict[str, tuple[int, int, int]] = {  # bytes per parameter: (P, G, K) with Adam
+# bytes per parameter: (P, G, K) with Adam. Below 16 bytes (docs: "Below sixteen bytes a
+# parameter"): bf16 optimizer states (K = fp32 master + 2 x 2), bf16 masters and states
+# (K = 2 x 2), torchao's 8-bit / 4-bit AdamW (each moment 1 or 0.5 byte + an fp32 scale per
+# block of 256 or 128 elements).
+_BIT8, _BIT4 = 2 * (1 + 4 / 256), 2 * (0.5 + 4 / 128)
+PRECISIONS: dict[str, tuple[float, float, float]] = {
     "fp32": (4, 4, 8),
     "bf16": (2, 2, 12),
     "fp16": (2, 2, 12),
+    "bf16-states": (2, 2, 4 + 4),
+    "bf16-low": (2, 2, 4),
+    "fp32-8bit": (4, 4, _BIT8),
+    "bf16-8bit": (2, 2, 4 + _BIT8),
+    "fp32-4bit": (4, 4, _BIT4),
+    "bf16-4bit": (2, 2, 4 + _BIT4),
 }
+_BF16 = {"enabled": True}
+# the config keys each precision stands for (config_of)
+PRECISION_KEYS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16": {"bf16": _BF16},
+    "fp16": {"fp16": _BF16},
+    "bf16-states": {"bf16": {**_BF16, "bf16_optimizer_states": True}},
+    "bf16-low": {
+        "bf16": {**_BF16, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    },
+    "fp32-8bit": {"optimizer": {"type": "AdamW8bit"}},
+    "bf16-8bit": {"bf16": _BF16, "optimizer": {"type": "AdamW8bit"}},
+    "fp32-4bit": {"optimizer": {"type": "AdamW4bit"}},
+    "bf16-4bit": {"bf16": _BF16, "optimizer": {"type": "AdamW4bit"}},
+}
+# the rounded step's fp32 working copies: one chunk of at most 2**20 elements x 16 bytes
+_ROUNDED_CHUNK_BYTES = 16 * 2**20
 OFFLOADS = ("none", "cpu", "cpu+params", "nvme")
 # (stage, offload) in the order of their cost in speed; see the note on "cheapest".
 CANDIDATES: tuple[tuple[int, str], ...] = (
@@ -388,7 +420,10 @@ def estimate_all(
 
 def fits(e: Estimate, gpu_mem: float, cpu_mem: float | None, ranks_per_node: int) -> bool:
     """Whether ``e`` fits ``gpu_mem`` bytes per accelerator and, when given, ``cpu_mem``
-    bytes of host memory shared by ``ranks_per_node`` ranks."""
+    bytes of host memory shared by ``ranks_per_node`` ranks. NVMe offload does not take the
+    states below 16 bytes (the config's rules refuse it), so they never fit there."""
+    if e.offload == "nvme" and e.precision not in ("fp32", "bf16", "fp16"):
+        return False
     if e.device_total > gpu_mem:
         return False
     return cpu_mem is None or e.cpu * ranks_per_node <= cpu_mem
@@ -417,8 +452,7 @@ def config_of(e: Estimate) -> dict[str, Any]:
         if e.offload in ("cpu+params", "nvme"):
             zo["offload_param"] = {"device": device}
     out: dict[str, Any] = {"zero_optimization": zo}
-    if e.precision != "fp32":
-        out[e.precision] = {"enabled": True}
+    out.update(PRECISION_KEYS[e.precision])
     return out
 
 
@@ -565,7 +599,7 @@ def step_peak(
         max_live_numel=k_.max_live_numel,
     )
     p, g, _ = PRECISIONS[precision]
-    mixed = precision != "fp32"
+    mixed = p == 2
     n = world_size
     train = facts.n_trainable
     sharded = facts.params - (facts.persistent if stage == 3 else 0)
@@ -607,6 +641,9 @@ def step_peak(
         per_element = 8 + 4 + g + ((p + 4) if mixed else 0)  # moments, master, grad (+ copies)
         held = min(min(max(k_.buffer_count, 1), 2) * max(k_.buffer_numel, 1), shard)
         terms.append(Term("swap_buffers", "host", per_element * held, "step"))
+    elif precision == "bf16-low" and train:  # the rounded step: one chunk in fp32
+        copies = min(float(_ROUNDED_CHUNK_BYTES), 16 * shard)
+        terms.append(Term("fp32_chunk", "host" if host_opt else "device", copies, "step"))
     elif mixed and train:
         terms.append(Term("fp32_grads", "host" if host_opt else "device", 4 * shard, "step"))
     return Peak(stage, offload, precision, tuple(terms), k_.cpu_only)

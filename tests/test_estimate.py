@@ -578,3 +578,23 @@ def test_cli_counts_activations_from_the_sequence_length(
     assert "multiple of --sequence-ranks 2" in capsys.readouterr().err
     assert cli(["estimate", "--params", "7B", "--world-size", "2", "--seq-len", "4096"]) == 2
     assert "--seq-len needs a --model whose config" in capsys.readouterr().err
+
+
+def test_below_sixteen_bytes_a_parameter() -> None:
+    from ds_strategy.config import load_config
+    from ds_strategy.estimate import PRECISIONS, config_of
+
+    facts = ModelFacts(params=10**9)
+    per = {name: sum(PRECISIONS[name]) for name in ("bf16", "bf16-states", "bf16-low", "fp32-8bit")}
+    assert per == {"bf16": 16, "bf16-states": 12, "bf16-low": 8, "fp32-8bit": 10.03125}
+    rows = {(e.stage, e.offload, e.precision): e for e in estimate_all(facts, 8, tuple(PRECISIONS))}
+    # stage 3 on 8 ranks: 8 bytes a parameter over 8 ranks, against 16 at bf16
+    assert rows[(3, "none", "bf16-low")].model_state * 2 == rows[(3, "none", "bf16")].model_state
+    config = load_config(config_of(rows[(2, "none", "bf16-8bit")]))
+    assert config.optimizer.type == "AdamW8bit" and config.bf16.enabled is True
+    low = load_config(config_of(rows[(3, "cpu", "bf16-low")])).bf16
+    assert low.bf16_master_weights_and_grads and low.bf16_optimizer_states
+    # NVMe offload does not take them (the config's rules refuse it): never recommended there
+    nvme = rows[(3, "nvme", "bf16-low")]
+    assert not fits(nvme, 1e15, None, 8)
+    assert recommend([nvme], 1e15, precision="bf16-low") is None

@@ -73,7 +73,9 @@ def add_cli_parser(sub: Any) -> None:
         "--precision",
         choices=sorted(PRECISIONS),
         default="bf16",
-        help="the precision to recommend a configuration for (default bf16)",
+        help="the precision to recommend a configuration for (default bf16); below 16 bytes "
+        "a parameter: bf16-states (bf16_optimizer_states), bf16-low (bf16 masters and states), "
+        "fp32-8bit / bf16-8bit / fp32-4bit / bf16-4bit (torchao's AdamW8bit / AdamW4bit)",
     )
     _add_layout_arguments(e)
 
@@ -387,6 +389,7 @@ def run_cli(args: Any) -> int:
         return estimate_all(
             f,
             ranks,
+            tuple(dict.fromkeys(("fp32", "bf16", "fp16", args.precision))),
             activation_bytes=act,
             hpz_partition_size=args.hpz_partition_size,
             mics_shard_size=args.mics_shard_size,
