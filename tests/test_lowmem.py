@@ -11,6 +11,7 @@ and rounds the whole parameter.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from unittest import mock
 
@@ -21,6 +22,8 @@ import ds_strategy
 from ds_strategy.config import ConfigError
 from ds_strategy.core.memory import StepMemoryProbe
 from ds_strategy.core.optim.lowbit import plain_state
+from ds_strategy.core.optim.muon import Muon
+from ds_strategy.core.optimizers import optimizer_class
 from ds_strategy.core.precision.rounding import rounding_key, stochastic_round_
 from ds_strategy.demos.gpt import GPT, GPTConfig
 from tests.distributed import run_ranks, run_ranks_each
@@ -439,3 +442,69 @@ def test_the_config_names_torchaos_optimizers(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="AdamW8bit keeps quantized optimizer state"):
         ds_strategy.initialize(model, torchao.optim.AdamW8bit(model.parameters()), config)
+
+
+# -- Muon: whole matrices from the shards -----------------------------------------------------
+
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def muon_worker(rank: int, world: int, stage: int, steps: int = 3, ckpt: str = "") -> dict:
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    data = [torch.randint(0, SMALL.vocab, (2, SMALL.seq + 1), generator=g)
+            for g in [torch.Generator().manual_seed(4)] for _ in range(steps)]  # fmt: skip
+    if stage < 0:  # torch's Muon for the matrices and AdamW for the rest, one process
+        mats = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        opts = [torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **ADAMW, foreach=False)]
+        for b in data:
+            _loss(model, b).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    adamw = {f"adamw_{k}": v for k, v in ADAMW.items()}
+    opt = Muon(model.parameters(), **MUON, **adamw)
+    zc = {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 9000}
+    engine = ds_strategy.initialize(model, opt, {"zero_optimization": zc})
+    done = 0
+    if ckpt and os.path.exists(ckpt):  # resume from a save after 2 steps
+        engine.load_checkpoint(ckpt)
+        done = 2
+    for i, b in enumerate(data[done:], start=done):  # the same batch on every rank: the note
+        engine.backward(_loss(engine, b))
+        engine.step()
+        if ckpt and i == 1 and not done:
+            engine.save_checkpoint(ckpt)
+    sent = engine.comm_report().get("muon", 0)
+    return {"weights": {k: v.clone() for k, v in engine.full_state_dict().items()}, "sent": sent,
+            "state": engine.memory_report()["optimizer_state"]}  # fmt: skip
+
+
+def test_muon_on_two_ranks_is_torchs_muon_in_one_process() -> None:
+    ref = run_ranks(muon_worker, 1, -1)[0]["weights"]
+    calls = [(muon_worker, (s,)) for s in (0, 1, 2, 3)]
+    for stage, results in zip((0, 1, 2, 3), run_ranks_each(calls, 2), strict=True):
+        got = results[0]
+        for k, v in ref.items():
+            err = float((got["weights"][k] - v).abs().max())
+            assert err <= 1e-5, (stage, k, err)
+        if stage > 0:  # the matrices' updates went between the ranks
+            assert got["sent"] > 0
+    # Muon keeps one momentum per matrix element, AdamW two moments for the rest: sharded
+    mats = sum(p.numel() for p in GPT(SMALL).parameters() if p.ndim == 2)
+    rest = sum(p.numel() for p in GPT(SMALL).parameters() if p.ndim != 2)
+    state = sum(r["state"] for r in results)  # stage 3's two ranks
+    assert state <= (4 * mats + 8 * rest) * 1.01 + 2 * 1024, (state, 4 * mats + 8 * rest)
+
+
+def test_muon_resumes_at_another_world_size_and_stage(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(muon_worker, 2, 3, 3, ckpt)  # saves after 2 of the 3 steps, on 2 ranks
+    resumed = run_ranks(muon_worker, 1, 1, 3, ckpt)[0]["weights"]  # the 3rd step
+    ref = run_ranks(muon_worker, 1, -1)[0]["weights"]
+    for k, v in ref.items():
+        assert float((resumed[k] - v).abs().max()) <= 1e-5, k
+    assert optimizer_class("muon") is Muon  # the config's {"type": "Muon"}: this one

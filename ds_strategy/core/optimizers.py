@@ -39,6 +39,7 @@ from torch.optim.optimizer import ParamsT
 from ..config import ConfigError, OptimizerConfig, SchedulerConfig, ZeroConfig
 from .optim import Adam, Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam
 from .optim.lowbit import LOWBIT_TYPES, lowbit_class
+from .optim.muon import Muon
 
 __all__ = [
     "build_optimizer",
@@ -80,6 +81,9 @@ _OWN: dict[str, type[torch.optim.Optimizer]] = {
     "onebitadam": OneBitAdam,
     "onebitlamb": OneBitLamb,
     "zerooneadam": ZeroOneAdam,
+    # Muon for the matrices, AdamW for the rest, correct under ZeRO (torch.optim.Muon takes
+    # matrices only)
+    "muon": Muon,
 }
 # DeepSpeed's 1-bit optimizers' transport switches (MPI / NCCL): accepted, meaningless here
 _TRANSPORT = ("cuda_aware", "comm_backend_name")

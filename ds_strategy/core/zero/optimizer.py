@@ -21,7 +21,7 @@ ranks, is refused with such an optimizer.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +30,15 @@ from torch import nn
 
 from ..collectives import Comm
 from ..optim.lowbit import QuantizedStates, state_parts
+from ..optim.muon import Muon, NeedsWholeMatrices, WholeMatrices
 from ..optim.norms import NeedsParamNorms, ParamNorms
 from .flat_group import FlatParamGroup
 
 __all__ = ["OptimizerPiece", "ShardedOptimizer", "rebuild_optimizer"]
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
+# elements of whole matrices Muon's step holds at once under ZeRO (two fp32 buffers of it)
+WHOLE_MATRIX_CHUNK = 1 << 22
 
 
 @dataclass
@@ -82,6 +85,21 @@ def rebuild_optimizer(
         by_param.setdefault(id(pc.group.params[pc.index]), []).append(pc.tensor)
     if not isinstance(optimizer, torch.optim.Optimizer):
         flat = [t for pc in pieces for t in [pc.tensor]]
+        if getattr(optimizer, "optimizer_class", None) is Muon:  # the config's {"type": "Muon"}
+            # pieces are flat: say which are matrices' (from their parameters' shapes)
+            kinds = [len(pc.group.shapes[pc.index]) == 2 for pc in pieces]
+            return optimizer(
+                [
+                    {
+                        "params": [t for t, m in zip(flat, kinds, strict=True) if m],
+                        "use_muon": True,
+                    },
+                    {
+                        "params": [t for t, m in zip(flat, kinds, strict=True) if not m],
+                        "use_muon": False,
+                    },
+                ]
+            ), pieces
         return optimizer(flat or [torch.zeros(0)]), pieces
     new_groups = []
     for group in optimizer.param_groups:
@@ -94,11 +112,15 @@ def rebuild_optimizer(
         # A tiny model on many ranks can leave this rank nothing to own; torch rejects an
         # optimizer with no parameters, so give it one empty tensor that never has a grad.
         new_groups[0]["params"] = [torch.zeros(0)]
+    cls: type[torch.optim.Optimizer] = type(optimizer)
+    if cls is torch.optim.Muon:  # its pieces are not matrices: ours steps them (muon.py)
+        cls = Muon
+        new_groups = [{**g, "use_muon": True} for g in new_groups]
     # Every group carries all its hyper-parameters; pass the constructor only the defaults it
     # accepts (some, like AdamW's decoupled_weight_decay, live in defaults but not __init__).
-    accepted = inspect.signature(type(optimizer).__init__).parameters
+    accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return _construct(type(optimizer), new_groups, defaults), pieces
+    return _construct(cls, new_groups, defaults), pieces
 
 
 def _construct(
@@ -175,6 +197,38 @@ class ShardedOptimizer:
             needed = self.sharded or tp_norm is not None
             self.param_norms = self._param_norms() if needed else None
             optimizer.use_param_norms(self.param_norms)
+        # Muon: whole matrices from the pieces (core/optim/muon.py); its step is collective
+        self.whole_matrices: WholeMatrices | None = None
+        if isinstance(optimizer, NeedsWholeMatrices):
+            flat = any(pc.sl is not None for pc in pieces)  # 1-D pieces, not the parameters
+            self.whole_matrices = self._whole_matrices() if flat else None
+            optimizer.use_whole_matrices(self.whole_matrices)
+
+    def _whole_matrices(self) -> WholeMatrices:
+        """Every matrix of the trainable groups, alike on every rank, with this rank's piece
+        of each (a 2-D parameter Muon does not step is carried along and never updated)."""
+        held = {(id(pc.group), pc.index): pc for pc in self.pieces if pc.sl is not None}
+        matrices: list[tuple[Sequence[int], tuple[int, int] | None]] = []
+        keys: dict[int, int] = {}
+        for g in self.groups:
+            for i, shape in enumerate(g.shapes):
+                if len(shape) != 2:
+                    continue
+                pc = held.get((id(g), i))
+                if pc is not None:
+                    keys[id(pc.tensor)] = len(matrices)
+                piece = (pc.start, pc.tensor.numel()) if pc is not None else None
+                matrices.append((tuple(shape), piece))
+        if not self.sharded:  # stage 0 with a master: every rank holds every piece
+            return WholeMatrices(matrices, keys, lambda t: None, 0, 1, WHOLE_MATRIX_CHUNK)
+        return WholeMatrices(
+            matrices,
+            keys,
+            lambda t: self.comm.all_reduce(t, kind="muon"),
+            self.comm.rank,
+            self.comm.world_size,
+            WHOLE_MATRIX_CHUNK,
+        )
 
     def _param_norms(self) -> ParamNorms:
         """Where each sharded piece's parameter sits in the per-parameter vector (the note);
@@ -218,11 +272,12 @@ class ShardedOptimizer:
 
     @stepper.setter
     def stepper(self, stepper: Any) -> None:
-        if stepper is not None and self.param_norms is not None and self.comm.world_size > 1:
+        collective = self.param_norms is not None or self.whole_matrices is not None
+        if stepper is not None and collective and self.comm.world_size > 1:
             raise ValueError(
                 f"{stepper.what} steps the optimizer bucket by bucket, and "
-                f"{type(self.optimizer).__name__} needs norms of whole parameters split "
-                f"between ranks at each step; {stepper.instead}"
+                f"{type(self.optimizer).__name__} needs whole parameters split between ranks "
+                f"(their norms, or the matrices) at each step; {stepper.instead}"
             )
         if stepper is not None and self._stepper is not None:
             raise ValueError(
