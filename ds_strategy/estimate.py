@@ -10,7 +10,7 @@ master copy under mixed precision)::
 
 and below 16 bytes (``PRECISIONS``): bf16 optimizer states K=8, bf16 masters and states
 K=4, torchao's 8-bit AdamW K=2.03 (fp32) or 6.03 (bf16 with its fp32 master), 4-bit K=1.06
-or 5.06.
+or 5.06, Muon K=4 (fp32) or 8 (bf16), counting every parameter as a matrix.
 
 Stage 1 shards ``K`` over the N data-parallel ranks, stage 2 also ``G``, stage 3 also ``P``
 (parameters of at most ``stage3_param_persistence_threshold`` elements stay whole on every rank,
@@ -82,6 +82,10 @@ PRECISIONS: dict[str, tuple[float, float, float]] = {
     "bf16-8bit": (2, 2, 4 + _BIT8),
     "fp32-4bit": (4, 4, _BIT4),
     "bf16-4bit": (2, 2, 4 + _BIT4),
+    # Muon: one momentum a matrix element (every parameter counted as a matrix; vectors and
+    # norms, AdamW's two moments, are a small share of a transformer)
+    "fp32-muon": (4, 4, 4),
+    "bf16-muon": (2, 2, 4 + 4),
 }
 _BF16 = {"enabled": True}
 # the config keys each precision stands for (config_of)
@@ -97,6 +101,8 @@ PRECISION_KEYS: dict[str, dict[str, Any]] = {
     "bf16-8bit": {"bf16": _BF16, "optimizer": {"type": "AdamW8bit"}},
     "fp32-4bit": {"optimizer": {"type": "AdamW4bit"}},
     "bf16-4bit": {"bf16": _BF16, "optimizer": {"type": "AdamW4bit"}},
+    "fp32-muon": {"optimizer": {"type": "Muon"}},
+    "bf16-muon": {"bf16": _BF16, "optimizer": {"type": "Muon"}},
 }
 # the rounded step's fp32 working copies: one chunk of at most 2**20 elements x 16 bytes
 _ROUNDED_CHUNK_BYTES = 16 * 2**20

@@ -585,8 +585,13 @@ def test_below_sixteen_bytes_a_parameter() -> None:
     from ds_strategy.estimate import PRECISIONS, config_of
 
     facts = ModelFacts(params=10**9)
-    per = {name: sum(PRECISIONS[name]) for name in ("bf16", "bf16-states", "bf16-low", "fp32-8bit")}
-    assert per == {"bf16": 16, "bf16-states": 12, "bf16-low": 8, "fp32-8bit": 10.03125}
+    names = ("bf16", "bf16-states", "bf16-low", "fp32-8bit", "fp32-muon")
+    per = {name: sum(PRECISIONS[name]) for name in names}
+    assert per == {"bf16": 16, "bf16-states": 12, "bf16-low": 8, "fp32-8bit": 10.03125,
+                   "fp32-muon": 12}  # fmt: skip
+    assert (
+        load_config(config_of(estimate(facts, 8, 1, "none", "fp32-muon"))).optimizer.type == "Muon"
+    )
     rows = {(e.stage, e.offload, e.precision): e for e in estimate_all(facts, 8, tuple(PRECISIONS))}
     # stage 3 on 8 ranks: 8 bytes a parameter over 8 ranks, against 16 at bf16
     assert rows[(3, "none", "bf16-low")].model_state * 2 == rows[(3, "none", "bf16")].model_state

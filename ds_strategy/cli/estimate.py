@@ -75,7 +75,8 @@ def add_cli_parser(sub: Any) -> None:
         default="bf16",
         help="the precision to recommend a configuration for (default bf16); below 16 bytes "
         "a parameter: bf16-states (bf16_optimizer_states), bf16-low (bf16 masters and states), "
-        "fp32-8bit / bf16-8bit / fp32-4bit / bf16-4bit (torchao's AdamW8bit / AdamW4bit)",
+        "fp32-8bit / bf16-8bit / fp32-4bit / bf16-4bit (torchao's AdamW8bit / AdamW4bit), "
+        "fp32-muon / bf16-muon (Muon, every parameter counted as a matrix)",
     )
     _add_layout_arguments(e)
 

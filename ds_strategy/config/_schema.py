@@ -423,7 +423,8 @@ class ZeroOptimizationConfig:
         ge=1,
         doc="Elements the optimizer steps at once where the step converts precision (bf16 or "
         "fp16 master weights, bf16 optimizer states): the fp32 working copies of one such "
-        "group, at most 1,048,576 elements whatever this says. Lower it to bound them.",
+        "group, at most 1,048,576 elements whatever this says. Also the elements of whole "
+        "matrices Muon orthogonalizes at once (at most 4,194,304). Lower it to bound them.",
     )
     allgather_partitions: bool = leaf(
         bool,

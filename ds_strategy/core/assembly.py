@@ -56,6 +56,7 @@ from .mics import MiCSComm
 from .moe.parallel import ExpertParallel, layer_ep_size
 from .offload import Offload
 from .optim.lowbit import QuantizedStates, lowbit_block
+from .optim.muon import Muon
 from .optim.onebit import CompressedExchange, MomentumCompressed
 from .optim.zeroone import ZeroOneAdam
 from .optimizers import evaluation_optimizer, optimizer_factory, track_optimizer_step
@@ -388,8 +389,12 @@ class EngineBuilder:
             if optimizer is None and self.config.optimizer is not None:
                 optimizer = optimizer_factory(self.config.optimizer)
             block, state_bytes = lowbit_block(optimizer)
+            muon = _is_muon(optimizer)
             policy = dataclasses.replace(
-                policy, state_block=block, quantized_state_bytes=state_bytes
+                policy,
+                state_block=block,
+                quantized_state_bytes=state_bytes,
+                matrix_moments=1 if muon else None,
             )
             scaler = LossScaler.from_config(self.config.fp16) if policy.loss_scaling else None
             scaling = GradScaling.of(
@@ -481,6 +486,7 @@ class EngineBuilder:
                     ranks.shard_comm,
                     tp_norm=(tp.norm_weight, tp.comm) if tp is not None else None,
                     replica=ranks.replica,
+                    matrix_chunk=min(self.config.zero_optimization.sub_group_size, 1 << 22),
                 )
             if offload is not None:
                 offload.attach(sharded, META_FILE)
@@ -712,6 +718,12 @@ def _shard_bytes(model: nn.Module, shards: int, precision: PrecisionPolicy) -> i
     if precision.master_weights and precision.param_dtype != torch.float32:
         total += -(-sum(p.numel() for p in params if p.requires_grad) // shards) * 4
     return total
+
+
+def _is_muon(optimizer: object) -> bool:
+    """Muon (ours or torch's), or the config's factory of it: one momentum per matrix element."""
+    cls = getattr(optimizer, "optimizer_class", None) or type(optimizer)
+    return isinstance(cls, type) and issubclass(cls, (Muon, torch.optim.Muon))
 
 
 def _check_optimizer_params(

@@ -201,7 +201,7 @@ class ZeroEngine(nn.Module):
             ctx.stages if ctx is not None else 1,
             self.experts.size if self.experts is not None else 1,
         )
-        formula = zero_formula_bytes(self.plan.groups, per_element=self.precision.element_bytes())
+        formula = self._formula_bytes()
         zc, memory = self.config.zero_optimization, self.memory_report()
         line = start_summary(self.stage, ranks, self.precision, self._scaler, zc, memory, formula)
         log.info("%s", line)
@@ -1094,8 +1094,12 @@ class ZeroEngine(nn.Module):
         if self._timeline is None or csv_section.enabled is not True:
             return
         path = timeline_path(csv_section.output_path, csv_section.job_name, world_rank())
-        formula = zero_formula_bytes(self.plan.groups, per_element=self.precision.element_bytes())
-        self._timeline.write_csv(path, formula)
+        self._timeline.write_csv(path, self._formula_bytes())
+
+    def _formula_bytes(self) -> float:
+        """This rank's model state by the ZeRO formula of the chosen precision and optimizer."""
+        matrix, other = self.precision.formula_bytes()
+        return zero_formula_bytes(self.plan.groups, per_element=other, per_matrix_element=matrix)
 
     def reset_peak_memory(self) -> None:
         """Start ``memory_report()``'s two peaks again from the bytes held now.

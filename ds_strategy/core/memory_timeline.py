@@ -177,6 +177,7 @@ def zero_formula_bytes(
     groups: Iterable[_Group],
     mixed: bool = False,
     per_element: tuple[float, float, float] | None = None,
+    per_matrix_element: tuple[float, float, float] | None = None,
 ) -> float:
     """This rank's model state by the ZeRO paper's formula with Adam, over the engine's flat
     groups: per element ``P`` bytes of parameter, ``G`` of gradient (trainable groups) and
@@ -190,18 +191,23 @@ def zero_formula_bytes(
         mixed: mixed precision with fp32 masters (the paper's K=12), when ``per_element`` is
             not given.
         per_element: ``(P, G, K)`` of the chosen precision and optimizer state
-            (``PrecisionPolicy.element_bytes``).
+            (``PrecisionPolicy.formula_bytes``).
+        per_matrix_element: the same for the elements of 2-D parameters, where they differ
+            (Muon keeps one momentum there); None: ``per_element``.
     """
-    e, _, k = per_element or ((2, 2, 12) if mixed else (4, 4, 8))
-    g_bytes = per_element[1] if per_element else e
+    other = per_element or ((2, 2, 12) if mixed else (4, 4, 8))
+    matrix = per_matrix_element or other
     total = 0.0
     for g in groups:
-        psi = sum(_numel(shape) for shape in g.shapes)
         n = g.comm.world_size
-        total += e * psi / (n if g.policy.shard_params else 1)
-        if g.trainable:
-            total += g_bytes * psi / (n if g.policy.shard_grads else 1)
-            total += k * psi / (n if g.policy.shard_optimizer else 1)
+        for shape in g.shapes:
+            shape = tuple(shape)
+            psi = _numel(shape)
+            e, g_bytes, k = matrix if len(shape) == 2 else other
+            total += e * psi / (n if g.policy.shard_params else 1)
+            if g.trainable:
+                total += g_bytes * psi / (n if g.policy.shard_grads else 1)
+                total += k * psi / (n if g.policy.shard_optimizer else 1)
     return total
 
 

@@ -59,6 +59,8 @@ class PrecisionPolicy:
     state_block: int = 1
     # bytes an element of one such quantized state costs (1 + 4 / block for 8-bit); 0: none
     quantized_state_bytes: float = 0.0
+    # Muon: a matrix keeps this many per-element states (its momentum), the rest AdamW's two
+    matrix_moments: int | None = None
 
     @staticmethod
     def from_config(cfg: ZeroConfig) -> PrecisionPolicy:
@@ -98,6 +100,13 @@ class PrecisionPolicy:
         if self.quantized_state_bytes:
             state = self.quantized_state_bytes
         return p, p, master + moments * state
+
+    def formula_bytes(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """``(P, G, K)`` of a matrix and of any other parameter (they differ under Muon)."""
+        other = self.element_bytes()
+        if self.matrix_moments is None:
+            return other, other
+        return self.element_bytes(self.matrix_moments), other
 
     @property
     def master_dtype(self) -> torch.dtype:

@@ -37,8 +37,6 @@ from .flat_group import FlatParamGroup
 __all__ = ["OptimizerPiece", "ShardedOptimizer", "rebuild_optimizer"]
 
 OptimizerLike = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
-# elements of whole matrices Muon's step holds at once under ZeRO (two fp32 buffers of it)
-WHOLE_MATRIX_CHUNK = 1 << 22
 
 
 @dataclass
@@ -159,6 +157,7 @@ class ShardedOptimizer:
         tp_norm: under tensor parallelism, each parameter's weight in the squared norm, and
             the tensor-parallel ranks.
         replica: MiCS's replica group, over which the flags are combined too; None otherwise.
+        matrix_chunk: the most elements of whole matrices Muon's step holds at once.
     """
 
     def __init__(
@@ -169,8 +168,10 @@ class ShardedOptimizer:
         comm: Comm,
         tp_norm: tuple[Callable[[torch.Tensor], float], Comm] | None = None,
         replica: Comm | None = None,
+        matrix_chunk: int = 1 << 22,
     ) -> None:
         self.optimizer = optimizer
+        self.matrix_chunk = matrix_chunk
         self.pieces = pieces
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
@@ -220,14 +221,14 @@ class ShardedOptimizer:
                 piece = (pc.start, pc.tensor.numel()) if pc is not None else None
                 matrices.append((tuple(shape), piece))
         if not self.sharded:  # stage 0 with a master: every rank holds every piece
-            return WholeMatrices(matrices, keys, lambda t: None, 0, 1, WHOLE_MATRIX_CHUNK)
+            return WholeMatrices(matrices, keys, lambda t: None, 0, 1, self.matrix_chunk)
         return WholeMatrices(
             matrices,
             keys,
             lambda t: self.comm.all_reduce(t, kind="muon"),
             self.comm.rank,
             self.comm.world_size,
-            WHOLE_MATRIX_CHUNK,
+            self.matrix_chunk,
         )
 
     def _param_norms(self) -> ParamNorms:
