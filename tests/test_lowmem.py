@@ -172,8 +172,8 @@ def low_memory_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> di
 
 
 def _optimizer_of(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if name == "8bit":
-        return _lowbit("8bit", model.parameters())
+    if name in ("8bit", "4bit"):
+        return _lowbit(name, model.parameters())
     if name == "muon":
         return Muon(model.parameters(), lr=0.02)
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -184,14 +184,16 @@ def low_formula(stage: int, name: str, n: int) -> float:
     under 1,000 elements, stay whole). bf16 (P = G = 2): K = two bf16 moments ("low"), plus
     a 4-byte fp32 master ("states"). fp32 (P = G = 4): "8bit" keeps two 1-byte moments and a
     4-byte scale per 256 where torchao quantizes (4,096 elements or more), two fp32 moments
-    elsewhere; "muon" one fp32 momentum for a matrix, two moments for the rest."""
+    elsewhere ("4bit": half a byte, a scale per 128); "muon" one fp32 momentum for a matrix,
+    two moments for the rest."""
     total = 0.0
     for p in _model().parameters():
         psi = p.numel()
         if name in ("low", "states"):
             e, k = 2, 4 if name == "low" else 8
-        elif name == "8bit":
-            e, k = 4, 2 * (1 + 4 / 256) if psi >= 4096 and psi % 256 == 0 else 8
+        elif name in ("8bit", "4bit"):
+            block, code = (256, 1.0) if name == "8bit" else (128, 0.5)
+            e, k = 4, 2 * (code + 4 / block) if psi >= 4096 and psi % block == 0 else 8
         else:
             e, k = 4, 4 if p.ndim == 2 else 8
         whole = stage == 3 and psi < 1_000
@@ -204,7 +206,7 @@ def low_formula(stage: int, name: str, n: int) -> float:
 @pytest.mark.slow
 def test_model_state_is_the_formula_of_each_choice_at_every_point() -> None:
     cases = [(s, name) for s in (1, 2, 3) for name in ("low", "states")]
-    cases += [(3, "8bit"), (3, "muon")]
+    cases += [(s, name) for s in (1, 2, 3) for name in ("8bit", "muon")] + [(3, "4bit")]
     r = run_ranks(low_memory_worker, 2, cases)[0]
     sizes = r["sizes"]
     largest = sizes["largest"]
@@ -212,14 +214,17 @@ def test_model_state_is_the_formula_of_each_choice_at_every_point() -> None:
         formula = low_formula(stage, name, 2)
         # the engine's own formula (start summary, timeline) is this one within torchao's rule
         assert abs(r[(stage, name)]["formula"] / formula - 1) < 0.02, (stage, name)
-        allowed = bound(max(stage, 2), "bf16" if name in ("low", "states") else "fp32", sizes, 2)
+        bf16 = name in ("low", "states")
+        allowed = bound(max(stage, 2), "bf16" if bf16 else "fp32", sizes, 2)
         # the step's fp32 working copies (weights, gradients, two moments) of one chunk, or
-        # of one piece larger than a chunk, instead of mixed precision's fp32 gradient shard
-        allowed["in_step"] = 16 * max(CHUNK, largest)
+        # of one piece larger than a chunk, instead of mixed precision's fp32 gradient shard;
+        # fp32 weights (8-bit, 4-bit, Muon) step their own gradients, read before the step
+        allowed["in_step"] = 16 * max(CHUNK, largest) if bf16 else 0
         if name == "states":  # the fp32 master's step takes an fp32 copy of the gradients
             allowed["in_step"] += 4 * sizes["psi"] / 2
-        if stage == 1:  # full gradients at stage 1: no bucket in flight beyond them
-            allowed["in_backward"] = allowed["after_backward"] = 0
+        if stage == 1:  # the flat gradients are in the formula; autograd's newest one is not
+            allowed["in_backward"] = (2 if bf16 else 4) * largest
+            allowed["after_backward"] = 0
         got = r[(stage, name)]["readings"]
         for point, value in got.items():
             limit = 1.03 * formula + allowed[point] + 64 * 1024
