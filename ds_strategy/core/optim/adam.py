@@ -24,6 +24,14 @@ from torch.optim.optimizer import ParamsT
 __all__ = ["Adam"]
 
 
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """What ``step(closure)`` returns: the closure's loss, computed with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def check_moments(
     name: str, lr: float, eps: float, weight_decay: float, betas: Sequence[float]
 ) -> None:
@@ -87,10 +95,7 @@ class Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             decay = group["weight_decay"]

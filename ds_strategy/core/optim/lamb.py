@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-from .adam import advance_moments, check_moments
+from .adam import advance_moments, check_moments, closure_loss
 from .norms import ParamNorms
 
 __all__ = ["Lamb"]
@@ -132,10 +132,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         live = [(g, w) for g in self.param_groups for w in g["params"] if w.grad is not None]
         sums = []
         for group, w in live:

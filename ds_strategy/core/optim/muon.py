@@ -36,6 +36,8 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 from torch.optim.optimizer import ParamsT
 
+from .adam import closure_loss
+
 __all__ = ["Muon", "NeedsWholeMatrices", "WholeMatrices", "newton_schulz"]
 
 _Group = dict[str, Any]  # a torch param group (untyped in torch)
@@ -233,10 +235,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         updates: dict[int, torch.Tensor] = {}
         stepped: list[tuple[torch.Tensor, _Group]] = []
         for group in self.param_groups:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .adam import advance_moments, check_moments
+from .adam import advance_moments, check_moments, closure_loss
 from .lamb import Lamb
 
 __all__ = ["CompressedExchange", "OneBitAdam", "OneBitLamb", "MomentumCompressed"]
@@ -164,10 +164,7 @@ class OneBitAdam(MomentumCompressed, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         given = self.take_momentum_given()
         for group in self.param_groups:
             b1, b2 = group["betas"]

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from .adam import advance_moments, check_moments
+from .adam import advance_moments, check_moments, closure_loss
 from .onebit import CompressedExchange, check_onebit
 
 __all__ = ["ZeroOneAdam", "zero_one_kind"]
@@ -162,10 +162,7 @@ class ZeroOneAdam(CompressedExchange, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         given, self.given = self.given, None
         syncing = []
         for group in self.param_groups:
