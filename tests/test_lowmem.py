@@ -541,3 +541,31 @@ def test_muon_resumes_at_another_world_size_and_stage(tmp_path: Path) -> None:
     for k, v in ref.items():
         assert float((resumed[k] - v).abs().max()) <= 1e-5, k
     assert optimizer_class("muon") is Muon  # the config's {"type": "Muon"}: this one
+
+
+def torch_muon_worker(rank: int, world: int, stage: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 48, bias=False), torch.nn.Tanh(), torch.nn.Linear(48, 24, bias=False)
+    )
+    opt = torch.optim.Muon(model.parameters(), **MUON)
+    x = torch.randn(8, 24, generator=torch.Generator().manual_seed(2))
+    if stage < 0:
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    zc = {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500}
+    engine = ds_strategy.initialize(model, opt, {"zero_optimization": zc})
+    for _ in range(3):  # the same batch on every rank
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+
+def test_a_torch_muon_given_to_the_engine_steps_as_in_one_process() -> None:
+    ref = run_ranks(torch_muon_worker, 1, -1)[0]
+    for got in (run_ranks(torch_muon_worker, 2, s)[0] for s in (1, 3)):
+        for k, v in ref.items():
+            assert float((got[k] - v).abs().max()) <= 1e-5, k
