@@ -52,19 +52,20 @@ def corpus_losses(
     extra: dict[str, Any] | None = None,
     seed: int = 0,
     steps: int = CORPUS_STEPS,
+    d: int = 32,
 ) -> list[float]:
     """The demo GPT on the characters of ``CORPUS``, 8 sequences a step over the ranks, ZeRO
     ``stage``, ``gradient_clipping`` ``clip``; the mean loss of each of the last 20 of ``steps``
     steps.
     ``optimizer``: ``"sgd"`` (momentum 0.9), ``"adamw"``, or a config ``optimizer`` section;
     ``zero``: more ``zero_optimization`` keys; ``extra``: more top-level sections; ``seed``:
-    the model's initialisation."""
+    the model's initialisation; ``d``: its width."""
     from ds_strategy.demos.gpt import GPT, GPTConfig
     from recipes.data import CharCorpus
 
     corpus = CharCorpus(CORPUS, 32, 7)
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab=corpus.vocab, d=32, layers=2, heads=4, seq=32))
+    model = GPT(GPTConfig(vocab=corpus.vocab, d=d, layers=2, heads=4, seq=32))
     config: dict[str, Any] = {
         "zero_optimization": {"stage": stage, **(zero or {})},
         "gradient_clipping": clip,
