@@ -10,7 +10,7 @@ the loss after training, for fp32 AdamW, bf16 masters and states, bf16 states, t
    row's bytes a parameter, and the worst model state reported during a step (``peak``).
 2. **The largest demo GPT that trains** without offload: ``--search-d`` wide, as many layers
    as fit, built on the meta device so a rank never holds the whole model. A size fits when
-   its first step's peak resident memory (``VmHWM``, reset after a one-layer model's step
+   the peak resident memory of two steps on one sequence of 16 tokens (``VmHWM``, reset after a one-layer model's step
    run before it: what the option imports and the kernels' first buffers are not the
    model's) above the resident size then stays within ``--budget-mib`` on both ranks (the ranks run with glibc's mmap threshold fixed, see
    bench_long_seq.py). Bisected on the layer count to a 16th, then reported as parameters
@@ -131,27 +131,31 @@ def _state(rank: int, world: int, name: str, args: argparse.Namespace) -> dict[s
     return {"state": r["params"] + r["grads"] + r["optimizer_state"], "peak": r["peak"]}
 
 
-def _one_step(name: str, cfg: GPTConfig, args: argparse.Namespace) -> None:
+def _steps(name: str, cfg: GPTConfig, args: argparse.Namespace, steps: int) -> None:
     with _eager(args):
         engine = _engine(name, cfg, args, meta=True)
-        batch = torch.randint(0, 256, (2, args.seq + 1), generator=torch.Generator().manual_seed(1))
-        # one step: the optimizer state is made in it, so its peak holds all model state
-        logits = engine(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        engine.backward(loss)
-        engine.step()
+        # one short sequence: the model's state, not its activations, is what is compared
+        batch = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(1))
+        # two steps: the optimizer state is made in the first, whose backward comes before
+        # it; the second's backward holds it too
+        for _ in range(steps):
+            logits = engine(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            engine.backward(loss)
+            engine.step()
+            del logits, loss
         engine.destroy()
 
 
 def _trial(rank: int, world: int, name: str, layers: int, args: argparse.Namespace) -> float:
     # a step of a one-layer model first: what the option imports on first use (torchao: over
     # 100 MiB) and the kernels' first-call buffers are the process's, not the model's
-    _one_step(name, GPTConfig(vocab=256, d=args.search_d, layers=1, heads=4, seq=args.seq), args)
-    cfg = GPTConfig(vocab=256, d=args.search_d, layers=layers, heads=4, seq=args.seq)
+    _steps(name, GPTConfig(vocab=256, d=args.search_d, layers=1, heads=4, seq=16), args, 1)
+    cfg = GPTConfig(vocab=256, d=args.search_d, layers=layers, heads=4, seq=16)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak resident size starts again from the size now (Linux)
     before = _rss_mib()
-    _one_step(name, cfg, args)
+    _steps(name, cfg, args, 2)
     return _peak_rss_mib() - before
 
 
@@ -246,7 +250,7 @@ def main() -> None:
         for name in names:
             layers = _largest(name, args)
             cfg = GPTConfig(
-                vocab=256, d=args.search_d, layers=max(layers, 1), heads=4, seq=args.seq
+                vocab=256, d=args.search_d, layers=max(layers, 1), heads=4, seq=16
             )
             found[name] = (layers, sum(p.numel() for p in GPT(cfg).parameters()) if layers else 0)
         base_params = found[names[0]][1] or 1
