@@ -249,9 +249,7 @@ def main() -> None:
         found = {}
         for name in names:
             layers = _largest(name, args)
-            cfg = GPTConfig(
-                vocab=256, d=args.search_d, layers=max(layers, 1), heads=4, seq=16
-            )
+            cfg = GPTConfig(vocab=256, d=args.search_d, layers=max(layers, 1), heads=4, seq=16)
             found[name] = (layers, sum(p.numel() for p in GPT(cfg).parameters()) if layers else 0)
         base_params = found[names[0]][1] or 1
         for name, (layers, params) in found.items():
