@@ -421,10 +421,9 @@ class ZeroOptimizationConfig:
         int,
         1_000_000_000,
         ge=1,
-        doc="Elements the optimizer steps at once where the step converts precision (bf16 or "
-        "fp16 master weights, bf16 optimizer states): the fp32 working copies of one such "
-        "group, at most 1,048,576 elements whatever this says. Also the elements of whole "
-        "matrices Muon orthogonalizes at once (at most 4,194,304). Lower it to bound them.",
+        doc="Elements stepped at once where the step converts precision (bf16/fp16 masters, "
+        "bf16 optimizer states; at most 2**20), and of whole matrices Muon orthogonalizes at "
+        "once (at most 2**22): lower it to bound their fp32 copies.",
     )
     allgather_partitions: bool = leaf(
         bool,
