@@ -9,6 +9,7 @@ import contextlib
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsInt, TypedDict, cast
@@ -252,7 +253,8 @@ class ZeroEngine(nn.Module):
         refuse_unset_forward(self.module, self.plan.unset_buffers)
         self.optimizer: torch.optim.Optimizer = parts.optimizer.optimizer
         self._sharded_opt = parts.optimizer.sharded
-        self._sharded_opt.clock = lambda: self.global_steps  # the rounded step's key
+        me = weakref.ref(self)  # (no cycle: the engine is freed when its last user lets go)
+        self._sharded_opt.clock = lambda: getattr(me(), "global_steps", 0)  # rounding key
         self.lr_scheduler: LRScheduler | None = parts.optimizer.lr_scheduler
         self.trainable = parts.optimizer.trainable
         self.compression: GradientCompression | None = parts.compression
