@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory import ModelStateMeter
-from ..zero.layout import split_into_buckets
 from .swap import SwapDir, SwappedTensor
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
@@ -128,10 +127,7 @@ class BucketedStep:
     def buckets(self) -> list[list[int]]:
         """Indices of the pieces with a gradient, cut into runs of <= ``bucket_numel`` elements
         (a larger piece is a bucket of its own)."""
-        pieces = self.sharded_opt.pieces
-        live = [i for i, pc in enumerate(pieces) if pc.group.grad_seen[pc.index] > 0]
-        numels = [pieces[i].tensor.numel() for i in live]
-        return [[live[j] for j in b] for b in split_into_buckets(numels, self.bucket_numel)]
+        return self.sharded_opt.live_runs(self.bucket_numel)
 
     def _groups(self, bucket: list[int]) -> list[FlatParamGroup]:
         seen: dict[int, FlatParamGroup] = {}

@@ -28,6 +28,7 @@ whole matrices is held at a time.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,21 +136,22 @@ class WholeMatrices:
         load = [0] * self.world
         for run in self._runs():
             sizes = [self.matrices[m].numel for m in run]
+            total = sum(sizes)
             # one extra element per matrix: whether any rank has its update (a gradient)
-            flat = torch.zeros(sum(sizes) + len(run), dtype=torch.float32)
-            offsets = [sum(sizes[:j]) for j in range(len(run))]
+            flat = torch.zeros(total + len(run), dtype=torch.float32)
+            offsets = [0, *itertools.accumulate(sizes)][:-1]
             for j, m in enumerate(run):
                 if m in mine:
                     start, length = self.matrices[m].piece or (0, 0)
                     at = offsets[j] + start
                     flat[at : at + length] = mine[m][1].reshape(-1)
-                    flat[sum(sizes) + j] = 1.0
+                    flat[total + j] = 1.0
             self.all_reduce(flat)
-            result = torch.zeros(sum(sizes), dtype=torch.float32)
+            result = torch.zeros(total, dtype=torch.float32)
             for j, m in enumerate(run):
                 owner = min(range(self.world), key=lambda r: (load[r], r))
                 load[owner] += sizes[j]
-                if owner == self.rank and flat[sum(sizes) + j] > 0:
+                if owner == self.rank and flat[total + j] > 0:
                     whole = flat[offsets[j] : offsets[j] + sizes[j]].view(self.matrices[m].shape)
                     result[offsets[j] : offsets[j] + sizes[j]] = ns(whole).float().reshape(-1)
             self.all_reduce(result)

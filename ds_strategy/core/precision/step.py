@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory import Held, ModelStateMeter
-from ..zero.layout import split_into_buckets
 from .rounding import rounding_key, stochastic_round_
 
 if TYPE_CHECKING:
@@ -70,10 +69,7 @@ class RoundedStep:
 
     def chunks(self) -> list[list[int]]:
         """Indices of the pieces with a gradient, in runs of at most ``chunk`` elements."""
-        pieces = self.sharded_opt.pieces
-        live = [i for i, pc in enumerate(pieces) if pc.group.grad_seen[pc.index] > 0]
-        numels = [pieces[i].tensor.numel() for i in live]
-        return [[live[j] for j in b] for b in split_into_buckets(numels, self.chunk)]
+        return self.sharded_opt.live_runs(self.chunk)
 
     def step(self) -> None:
         for chunk in self.chunks():

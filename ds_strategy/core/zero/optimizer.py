@@ -33,6 +33,7 @@ from ..optim.lowbit import QuantizedStates, state_parts
 from ..optim.muon import Muon, NeedsWholeMatrices, WholeMatrices
 from ..optim.norms import NeedsParamNorms, ParamNorms
 from .flat_group import FlatParamGroup
+from .layout import split_into_buckets
 
 __all__ = ["OptimizerPiece", "ShardedOptimizer", "rebuild_optimizer"]
 
@@ -286,6 +287,18 @@ class ShardedOptimizer:
                 f"step; {stepper.instead}"
             )
         self._stepper = stepper
+
+    def live_runs(self, limit: int) -> list[list[int]]:
+        """Indices of the pieces whose parameter got a gradient on some rank, cut into runs
+        of at most ``limit`` elements (a larger piece is a run of its own): what a step in
+        buckets steps at a time.
+
+        Args:
+            limit: the most elements of a run.
+        """
+        live = [i for i, pc in enumerate(self.pieces) if pc.group.grad_seen[pc.index] > 0]
+        numels = [self.pieces[i].tensor.numel() for i in live]
+        return [[live[j] for j in b] for b in split_into_buckets(numels, limit)]
 
     def after_load(self) -> None:
         """A checkpoint was loaded into the state: it is stored the way this optimizer
