@@ -69,3 +69,36 @@ def test_composed_collectives_match_native(world: int) -> None:
         assert abs(r["report"]["reduce_scatter"] - per_kind) < len(DTYPES), r["report"]
         in_place = (world - 1) * 5 * 4
         assert abs(r["report"]["all_gather"] - per_kind - in_place) < len(DTYPES) + 1
+
+
+def released_worker(rank: int, world: int) -> dict:
+    """Reference counts of an asynchronous collective's buffers once ``wait()`` returns."""
+    comm = Comm()
+    counts: dict[str, list[int]] = {"reduce_scatter": [], "all_reduce": [], "all_gather": []}
+    for _ in range(20):
+        full, out = torch.randn(world * 50_000), torch.empty(50_000)
+        work = comm.reduce_scatter(out, full, async_op=True)
+        recv = work.scratch  # the receive buffer gloo writes into
+        work.wait()
+        counts["reduce_scatter"] += [full._use_count(), out._use_count()]
+        if recv is not None:  # dropped by the work: only this name holds it now
+            counts["reduce_scatter"].append(recv._use_count())
+        del recv
+        work = comm.all_reduce(full, async_op=True)
+        work.wait()
+        counts["all_reduce"].append(full._use_count())
+        shard = torch.randn(50_000)
+        work = comm.all_gather(full, shard, async_op=True)
+        work.wait()
+        counts["all_gather"] += [full._use_count(), shard._use_count()]
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_async_collective_holds_no_buffer_once_waited(world: int) -> None:
+    """[Note: a collective's buffers outlive its wait]: gloo's worker thread lets go of the
+    tensors after marking the work done; ``Work.wait`` returns only once it has, so every
+    buffer is held by its caller alone (one reference) whatever the scheduling."""
+    for counts in run_ranks(released_worker, world):
+        for kind, seen in counts.items():
+            assert seen and set(seen) == {1}, (kind, seen)

@@ -16,7 +16,10 @@ mixed precision the optimizer step adds an fp32 copy of the gradient shard (4 Ps
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ CFG = GPTConfig(vocab=512, d=128, layers=4, heads=4, seq=32)
 BUCKET = 100_000  # elements: several groups per block, so buckets really come and go
 THRESHOLD = 1_000  # stage 3: biases and norms stay whole ("persistent")
 SLACK = 64 * 1024  # bytes of bookkeeping outside model state (flags, the batch, the loss)
+SLACK_RATIO = 0.01  # the same, as a multiple of the formula (the smallest formula is ~3 MB)
 
 
 def _model() -> GPT:
@@ -230,6 +234,58 @@ def test_reported_peak_agrees_with_live_tensor_peak(
             f"rank {rank} {case}: memory_report peak {peak} vs live-tensor peak {live} "
             f"({peak / live:.3f}x)"
         )
+
+
+# -- the readings do not depend on scheduling ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def busy_cores(count: int) -> Iterator[None]:
+    """``count`` processes spinning on the CPU for the duration: the ranks and their
+    communication threads then wait for a core, as on a machine shared with other work."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _worst(results: list[dict], world: int, case: tuple[int, str, int]) -> dict[str, float]:
+    """Each point's worst reading over the ranks, as a multiple of the formula."""
+    worst: dict[str, float] = {}
+    for r in results:
+        s = r["sizes"]
+        f = formula(case[0], case[1], s["psi"], s["persistent"], world)
+        for point, nbytes in r[case]["readings"].items():
+            worst[point] = max(worst.get(point, 0.0), nbytes / f)
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_readings_are_the_same_with_the_cores_busy(
+    measured: Callable[[int], list[dict]], world: int
+) -> None:
+    """[Note: memory that does not depend on scheduling]
+    The probe reads once (no settling retries), so a collective's buffer that outlived its
+    wait would be counted. With two processes spinning on the machine's cores every point of
+    every case reads what it reads on an idle machine, within 0.02x the formula: how long a
+    communication thread waits for a core changes no reading (``collectives.Lent``)."""
+    idle = measured(world)
+    cases = CASES if world == 2 else WORLD3_CASES
+    with busy_cores(2):
+        busy = run_ranks(memory_worker, world, cases, timeout=900)
+    for case in cases:
+        quiet, loaded = _worst(idle, world, case), _worst(busy, world, case)
+        for point in StepMemoryProbe.POINTS:
+            assert abs(loaded[point] - quiet[point]) <= 0.02, (
+                f"world {world} {case} {point}: {loaded[point]:.3f}x the formula with busy "
+                f"cores, {quiet[point]:.3f}x idle"
+            )
+        # and backward returns holding no reduction's buffers, busy or not
+        assert loaded["after_backward"] <= 1.0 + SLACK_RATIO, (case, loaded)
 
 
 # -- offload and activation checkpointing keep the bound ---------------------------------------

@@ -35,7 +35,7 @@ from .profiling.ranges import ranged
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Comm", "init_process_group_from_env", "Work"]
+__all__ = ["Comm", "init_process_group_from_env", "Lent", "Work"]
 
 # torch 2.13 renamed the tensor collectives; keep working on older releases too.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -46,6 +46,52 @@ class _Handle(Protocol):
     """What an async torch.distributed call returns: ``wait()`` blocks until it is done."""
 
     def wait(self) -> object: ...
+
+
+class Lent:
+    """[Note: a collective's buffers outlive its wait]
+    Gloo runs a collective on a worker thread that holds the tensors it was given; it marks
+    the work done (``wait()`` returns) and only then, when that thread next runs, drops its
+    references. A buffer the engine lets go of right after ``wait()`` therefore stays alive
+    for as long as the worker thread waits for a core, which on a loaded machine is
+    milliseconds: how many full-size gradient buckets are alive when ``backward()`` returns
+    then depends on thread scheduling, not on the configuration. For an asynchronous
+    collective ``Lent`` takes each CPU tensor's reference count before it is issued and
+    :meth:`settle` (run by ``Work.wait``) yields the core until the collective's references
+    are gone, so every buffer is free when ``wait()`` returns, whatever the scheduling. A
+    synchronous collective's buffers belong to its caller, which keeps them past the call.
+    Device tensors are left alone: there the allocator's streams decide when memory is
+    reused (``core/streams.py``).
+    """
+
+    # a worker thread that has not let go after this long is left to do so on its own
+    PATIENCE = 0.25
+
+    def __init__(self, *tensors: torch.Tensor | None) -> None:
+        self._marks = [
+            (t, _holders(t)) for t in tensors if t is not None and t.device.type == "cpu"
+        ]
+
+    def settle(self) -> None:
+        """Return once the collective holds none of the tensors (see the note)."""
+        marks, self._marks = self._marks, []
+        deadline = 0.0
+        for t, base in marks:
+            while _holders(t) > base:
+                now = time.perf_counter()
+                deadline = deadline or now + self.PATIENCE
+                if now > deadline:
+                    return
+                time.sleep(0)
+
+
+_use_count = getattr(torch.Tensor, "_use_count", None)
+
+
+def _holders(t: torch.Tensor) -> int:
+    """References to the tensor ``t`` (not to other views of its storage: a buffer handed
+    to a collective whole is held whole); 0 on a torch that cannot tell."""
+    return 0 if _use_count is None else int(_use_count(t))
 
 
 class Work:
@@ -66,6 +112,7 @@ class Work:
         then: Callable[[], None] | None = None,
         scratch: torch.Tensor | None = None,
         timing: Timing | None = None,
+        lent: Lent | None = None,
     ) -> None:
         handles = list(handle) if isinstance(handle, Sequence) else [handle]
         self._handles = [h for h in handles if h is not None]
@@ -74,6 +121,7 @@ class Work:
         self._then = then
         self.scratch = scratch
         self._timing = timing
+        self._lent = lent
 
     @property
     def scratch_nbytes(self) -> int:
@@ -82,11 +130,13 @@ class Work:
     def wait(self) -> None:
         if self._handles:
             start = time.perf_counter()
-            for h in self._handles:
-                h.wait()
+            while self._handles:  # each dropped once done (it holds the collective's buffers)
+                self._handles[0].wait()
+                del self._handles[0]
+            if self._lent is not None:
+                self._lent.settle()
             if self._timer is not None:
                 self._timer(self._kind, time.perf_counter() - start)
-            self._handles = []
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -219,9 +269,11 @@ class Comm:
         async_op: bool,
         start: float,
         timing: Timing | None = None,
+        lent: Lent | None = None,
     ) -> Work:
         """Wrap a collective's handle; a synchronous one under a timer reports its time, and
-        under the comms logger its ``timing`` now (an asynchronous one's: at completion)."""
+        under the comms logger its ``timing`` now (an asynchronous one's: at completion).
+        ``lent``: the buffers it was given, free when it is done (see ``Lent``)."""
         if not async_op:
             if self.timed:
                 self._timed(kind, time.perf_counter() - start)
@@ -229,8 +281,8 @@ class Comm:
                 timing()
             return Work(None)
         if not self.timed:
-            return Work(handle, timing=timing)
-        return Work(handle, kind, self._timed, timing=timing)
+            return Work(handle, timing=timing, lent=lent)
+        return Work(handle, kind, self._timed, timing=timing, lent=lent)
 
     def _timed(self, kind: str, seconds: float, link: str | None = None) -> None:
         if self.parent is not None:
@@ -285,8 +337,9 @@ class Comm:
         timing = self._issue(kind, "all_reduce", msg, 2 * (n - 1) / n * msg)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         start = time.perf_counter()
+        lent = Lent(tensor) if async_op else None
         handle = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
-        return self._work(handle, kind, async_op, start, timing)
+        return self._work(handle, kind, async_op, start, timing, lent)
 
     @ranged("reduce_scatter")
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
@@ -301,10 +354,12 @@ class Comm:
         timing = self._issue("reduce_scatter", "reduce_scatter", msg, (n - 1) / n * msg)
         start = time.perf_counter()
         if not self._composed(full):
+            lent = Lent(out, full) if async_op else None
             handle = _reduce_scatter(out, full, group=self.group, async_op=async_op)
-            return self._work(handle, "reduce_scatter", async_op, start, timing)
+            return self._work(handle, "reduce_scatter", async_op, start, timing, lent)
         # every rank sends chunk r of its input to rank r; rank r sums what it received
         recv = torch.empty_like(full)
+        lent = Lent(recv, full) if async_op else None
         handle = dist.all_to_all_single(recv, full, group=self.group, async_op=True)
 
         def add_up() -> None:
@@ -312,7 +367,15 @@ class Comm:
 
         timer = self._timed if self.timed else None
         return self._settle(
-            Work(handle, "reduce_scatter", timer, then=add_up, scratch=recv, timing=timing),
+            Work(
+                handle,
+                "reduce_scatter",
+                timer,
+                then=add_up,
+                scratch=recv,
+                timing=timing,
+                lent=lent,
+            ),
             async_op,
         )
 
@@ -335,9 +398,11 @@ class Comm:
         timing = self._issue(kind, "all_gather", msg, (n - 1) / n * msg)
         start = time.perf_counter()
         if not self._composed(full):
+            lent = Lent(full, shard) if async_op else None
             handle = _all_gather(full, shard, group=self.group, async_op=async_op)
-            return self._work(handle, kind, async_op, start, timing)
+            return self._work(handle, kind, async_op, start, timing, lent)
         # each rank broadcasts its own chunk of the output
+        lent = Lent(full, shard) if async_op else None
         chunks = full.view(n, -1)
         mine = chunks[self.rank]
         if mine.data_ptr() != shard.data_ptr():
@@ -347,7 +412,7 @@ class Comm:
             for r in range(n)
         ]
         timer = self._timed if self.timed else None
-        return self._settle(Work(handles, kind, timer, timing=timing), async_op)
+        return self._settle(Work(handles, kind, timer, timing=timing, lent=lent), async_op)
 
     def all_to_all(
         self,

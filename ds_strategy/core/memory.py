@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import shutil
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -284,21 +283,10 @@ class StepMemoryProbe:
         """Read now and keep the worst reading of ``point``; returns this reading."""
         if not self.armed:
             return 0
-        # A collective that just completed can still be referenced by gloo's worker thread
-        # for a moment (it drops the work object, and with it the collective's input and
-        # receive buffers, after marking it done): let it. A reading that would raise the
-        # point's worst is read again after longer waits (up to ~0.1 s) and the lowest kept,
-        # so a buffer on its way out on a loaded machine is not counted as held.
-        time.sleep(0.001)
+        # One reading, never retried: the engine frees a collective's buffers before its
+        # wait returns (``collectives.Lent``), so what is alive now does not depend on how
+        # soon a communication thread got a core.
         nbytes = self._read()
-        for delay in (0.005, 0.02, 0.08):
-            if nbytes <= self.readings.get(point, -1):
-                break
-            time.sleep(delay)
-            again = self._read()
-            if again == nbytes:
-                break  # settled: nothing was on its way out
-            nbytes = min(nbytes, again)
         self.readings[point] = max(self.readings.get(point, nbytes), nbytes)
         return nbytes
 
