@@ -1,0 +1,160 @@
+"""Each engine against the no-communication floor, side by side in one run, two orders.
+
+    python benchmarks/bench_floor.py                       # 2 CPU ranks, demo GPT 33.7M
+    python benchmarks/bench_floor.py --steps 4 --layers 2  # a quick look
+    python benchmarks/bench_floor.py --json floor.json     # and every reading
+
+The floor is the same per-rank work with no collective at all: on every rank the same model,
+the same micro-batch and torch's fused AdamW over every parameter, as one process alone would
+run it (world 1), while the other ranks do the same on their cores, so the machine is as
+busy as it is for the engines. DDP and ZeRO stages 1-3 each run the same steps with
+their communication. Every engine is built and warmed up first, then the timed steps go
+round-robin, engine after engine, in one order and then in the reverse order (see [Note:
+interleaved timing] in ``bench_zero.py``): a slow minute of a shared machine falls on every
+engine alike, and an engine gains nothing from following a particular other one.
+
+Prints, per engine: the median step time in each order and its ratio to the floor's median
+in the same order, and the worst of the two. Then memory, which the speed of an engine must
+not be bought with: the model state per rank after a step (live tensors; DDP's buckets are
+in C++, out of sight) against the engine's formula, and for ZeRO the engine's own peak of
+model state over each order's steps (``memory_report()["peak"]``: buckets and gathered
+parameters included), which must be the same in both orders to the byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _ranks  # noqa: E402
+from bench_zero import Step, plain_step, setup_ddp, setup_zero, timed  # noqa: E402
+
+from ds_strategy import ZeroEngine  # noqa: E402
+from ds_strategy.core.memory import live_tensor_bytes  # noqa: E402
+from ds_strategy.demos.gpt import GPT, GPTConfig  # noqa: E402
+
+ENGINES = ("floor", "ddp", "zero1", "zero2", "zero3")
+
+
+def formula(name: str, psi: int, n: int) -> float:
+    """Model state per rank with fp32 AdamW (the floor and DDP hold all of it)."""
+    return {
+        "floor": 16 * psi,
+        "ddp": 16 * psi,
+        "zero1": 8 * psi + 8 * psi / n,
+        "zero2": 4 * psi + 12 * psi / n,
+        "zero3": 16 * psi / n,
+    }[name]
+
+
+def build(name: str, model: nn.Module, n: int) -> tuple[Step, ZeroEngine | None]:
+    if name == "floor":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return plain_step(model, opt), None
+    if name == "ddp":
+        return setup_ddp(model, n)[0], None
+    step, _, engine = setup_zero(int(name[-1]), model)
+    return step, engine
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
+    c = GPTConfig(layers=args.layers, d=args.d)
+    torch.manual_seed(0)
+    base = GPT(c)
+    psi = sum(p.numel() for p in base.parameters())
+    g = torch.Generator().manual_seed(1 + rank)
+    data = [torch.randint(0, c.vocab, (args.micro, c.seq + 1), generator=g) for _ in range(4)]
+    steps, engines, state = {}, {}, {}
+    for name in args.engines:
+        before = live_tensor_bytes()
+        steps[name], engines[name] = build(name, copy.deepcopy(base), world)
+        for i in range(args.warmup):  # stage 3 records its unit order on the first step
+            steps[name](data[i % len(data)])
+        state[name] = live_tensor_bytes() - before  # its parameters, gradients, Adam state
+    times: dict[str, list[list[float]]] = {name: [[], []] for name in args.engines}
+    peaks: dict[str, list[int]] = {name: [] for name, e in engines.items() if e is not None}
+    for order, names in enumerate((args.engines, args.engines[::-1])):
+        for engine in engines.values():
+            if engine is not None:
+                engine.reset_peak_memory()
+        for i in range(args.steps):
+            for name in names:
+                times[name][order].append(timed(steps[name], data[i % len(data)]))
+        for name in peaks:
+            peaks[name].append(engines[name].memory_report()["peak"])
+    return {"psi": psi, "times": times, "state": state, "peaks": peaks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per engine per order")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--json", type=Path, help="also write every reading to this JSON file")
+    args = ap.parse_args()
+    if args.engines[0] != "floor":
+        args.engines = ["floor", *[e for e in args.engines if e != "floor"]]
+    results = _ranks.run(worker, args.world, args)
+    report(results, args)
+
+
+def report(results: dict[int, dict], args: argparse.Namespace) -> None:
+    psi, n = results[0]["psi"], args.world
+    # a step's time is its slowest rank's: every rank waits for it at the barrier
+    med: dict[str, list[float]] = {}
+    for name in args.engines:
+        med[name] = [
+            statistics.median(
+                max(results[r]["times"][name][order][i] for r in results) for i in range(args.steps)
+            )
+            for order in (0, 1)
+        ]
+    print(
+        f"demo GPT {psi / 1e6:.1f}M parameters, {n} CPU ranks x 1 thread, micro-batch "
+        f"{args.micro}x{GPTConfig().seq}, median of {args.steps} steps per order"
+    )
+    print("| engine | step, order 1 (s) | vs floor | step, order 2 (s) | vs floor | worst |")
+    print("|---|---|---|---|---|---|")
+    for name in args.engines:
+        r = [med[name][o] / med["floor"][o] for o in (0, 1)]
+        print(
+            f"| {name} | {med[name][0]:.3f} | {r[0]:.3f}x | {med[name][1]:.3f} | "
+            f"{r[1]:.3f}x | {max(r):.3f}x |"
+        )
+    print()
+    print("Model state per rank after a step, and ZeRO's peak over each order's steps (bytes):")
+    print("| engine | formula | after a step | vs formula | peak, order 1 | peak, order 2 | same |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.engines:
+        f = formula(name, psi, n)
+        got = max(results[r]["state"][name] for r in results)
+        peaks = [results[r]["peaks"].get(name) for r in results]
+        if peaks[0] is None:
+            cells = "n/a | n/a | n/a"
+        else:
+            worst = [max(p[o] for p in peaks) for o in (0, 1)]
+            same = all(p[0] == p[1] for p in peaks)
+            cells = f"{worst[0]} | {worst[1]} | {'yes' if same else 'NO'}"
+        print(f"| {name} | {f:.0f} | {got} | {got / f:.4f}x | {cells} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"psi": psi, "median": med, "ranks": results}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
