@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .profiling.comms import CommsLogger, Timing
 from .profiling.ranges import ranged
+from .streams import StreamEvent, side_stream
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -94,6 +95,14 @@ def _holders(t: torch.Tensor) -> int:
     return 0 if _use_count is None else int(_use_count(t))
 
 
+def _side(
+    kind: str, async_op: bool, *tensors: torch.Tensor
+) -> contextlib.AbstractContextManager[list[StreamEvent | None]]:
+    """An asynchronous collective on a GPU runs on its own stream (``core/streams.py``); a
+    synchronous one, and anything on a CPU, where it is issued."""
+    return side_stream(kind, *tensors) if async_op else contextlib.nullcontext([None])
+
+
 class Work:
     """A handle on in-flight collectives; ``wait()`` is idempotent. With a ``timer``
     (``wall_clock_breakdown``), the time ``wait()`` blocks is reported as ``timer(kind, s)``.
@@ -113,6 +122,7 @@ class Work:
         scratch: torch.Tensor | None = None,
         timing: Timing | None = None,
         lent: Lent | None = None,
+        event: StreamEvent | None = None,
     ) -> None:
         handles = list(handle) if isinstance(handle, Sequence) else [handle]
         self._handles = [h for h in handles if h is not None]
@@ -122,6 +132,7 @@ class Work:
         self.scratch = scratch
         self._timing = timing
         self._lent = lent
+        self._event = event
 
     @property
     def scratch_nbytes(self) -> int:
@@ -135,6 +146,9 @@ class Work:
                 del self._handles[0]
             if self._lent is not None:
                 self._lent.settle()
+            if self._event is not None:  # the current stream reads the result after this
+                self._event.wait()
+                self._event = None
             if self._timer is not None:
                 self._timer(self._kind, time.perf_counter() - start)
         if self._then is not None:
@@ -270,19 +284,22 @@ class Comm:
         start: float,
         timing: Timing | None = None,
         lent: Lent | None = None,
+        event: list[StreamEvent | None] | None = None,
     ) -> Work:
         """Wrap a collective's handle; a synchronous one under a timer reports its time, and
         under the comms logger its ``timing`` now (an asynchronous one's: at completion).
-        ``lent``: the buffers it was given, free when it is done (see ``Lent``)."""
+        ``lent``: the buffers it was given, free when it is done (see ``Lent``); ``event``:
+        where its side stream ends (``core/streams.py``), waited for with it."""
         if not async_op:
             if self.timed:
                 self._timed(kind, time.perf_counter() - start)
             if timing is not None:
                 timing()
             return Work(None)
+        done = None if event is None else event[0]
         if not self.timed:
-            return Work(handle, timing=timing, lent=lent)
-        return Work(handle, kind, self._timed, timing=timing, lent=lent)
+            return Work(handle, timing=timing, lent=lent, event=done)
+        return Work(handle, kind, self._timed, timing=timing, lent=lent, event=done)
 
     def _timed(self, kind: str, seconds: float, link: str | None = None) -> None:
         if self.parent is not None:
@@ -338,8 +355,9 @@ class Comm:
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         start = time.perf_counter()
         lent = Lent(tensor) if async_op else None
-        handle = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
-        return self._work(handle, kind, async_op, start, timing, lent)
+        with _side("all_reduce", async_op, tensor) as event:
+            handle = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
+        return self._work(handle, kind, async_op, start, timing, lent, event)
 
     @ranged("reduce_scatter")
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
@@ -355,8 +373,9 @@ class Comm:
         start = time.perf_counter()
         if not self._composed(full):
             lent = Lent(out, full) if async_op else None
-            handle = _reduce_scatter(out, full, group=self.group, async_op=async_op)
-            return self._work(handle, "reduce_scatter", async_op, start, timing, lent)
+            with _side("reduce_scatter", async_op, out, full) as event:
+                handle = _reduce_scatter(out, full, group=self.group, async_op=async_op)
+            return self._work(handle, "reduce_scatter", async_op, start, timing, lent, event)
         # every rank sends chunk r of its input to rank r; rank r sums what it received
         recv = torch.empty_like(full)
         lent = Lent(recv, full) if async_op else None
@@ -399,8 +418,9 @@ class Comm:
         start = time.perf_counter()
         if not self._composed(full):
             lent = Lent(full, shard) if async_op else None
-            handle = _all_gather(full, shard, group=self.group, async_op=async_op)
-            return self._work(handle, kind, async_op, start, timing, lent)
+            with _side("all_gather", async_op, full, shard) as event:
+                handle = _all_gather(full, shard, group=self.group, async_op=async_op)
+            return self._work(handle, kind, async_op, start, timing, lent, event)
         # each rank broadcasts its own chunk of the output
         lent = Lent(full, shard) if async_op else None
         chunks = full.view(n, -1)
