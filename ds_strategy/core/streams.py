@@ -17,6 +17,10 @@ does, each kind of collective gets a stream of its own per device:
   tensor until the collective's stream has passed that point, although the engine drops its
   reference right after ``wait()``.
 
+Under CPU offload of parameters a ZeRO-3 gather first copies the shard from pinned host
+memory to the device (``non_blocking``); that copy runs on the all-gather's stream too
+(``flat_params.py``), so the next unit's copy overlaps this unit's compute.
+
 On a CPU (gloo) there are no streams: ``side_stream`` yields None, touches nothing in
 ``torch.cuda`` and costs a comparison. The suite checks that it stays so
 (``tests/test_streams.py``).

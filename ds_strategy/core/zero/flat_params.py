@@ -27,6 +27,7 @@ transient of the step (the meter's, like the gathered parameters), not resident 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from torch import nn
 from ..collectives import Comm, Work
 from ..memory import CountedBuffer, Held, ModelStateMeter
 from ..precision.policy import PrecisionPolicy
+from ..streams import side_stream
 from .inflight import Gather
 from .layout import FlatLayout
 from .stores import ShardStore
@@ -241,14 +243,17 @@ class FlatParams:
         self.full.untyped_storage().resize_(self.full_nbytes)
         self._gathered = self.meter.held()
         self._gathered.take_bytes(self.full_nbytes)
-        src = self.store.for_gather(self.shard, self.device)
         scratch = self.meter.held()
-        if self.secondary is not None:
-            part = self.secondary.tensor
-            gather = self.transport.gather_secondary(self.full, part, async_op)
-        else:
-            gather = self.transport.gather(self.full, src, async_op)
-            scratch.take_bytes(gather.scratch)
+        # on a GPU the host-to-device copy of an offloaded shard runs on the gather's own
+        # stream, overlapped with the compute (core/streams.py); on a CPU this is nothing
+        with side_stream("all_gather", self.full) if async_op else contextlib.nullcontext():
+            src = self.store.for_gather(self.shard, self.device)
+            if self.secondary is not None:
+                part = self.secondary.tensor
+                gather = self.transport.gather_secondary(self.full, part, async_op)
+            else:
+                gather = self.transport.gather(self.full, src, async_op)
+                scratch.take_bytes(gather.scratch)
         self._gather = (gather, scratch)
         self.state = ShardState.GATHERING
 
