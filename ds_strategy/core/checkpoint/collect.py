@@ -16,6 +16,7 @@ import torch
 
 from ..collectives import Comm
 from ..optim.lowbit import plain_state
+from ..optim.state import per_element
 from ..warnings import CheckpointWarning
 from .flat_piece import FlatPiece
 from .keys import CLIENT_STATE, ENGINE, OPTIMIZER_GROUPS, OPTIMIZER_KINDS, EntryKey, rng_key
@@ -92,8 +93,10 @@ def optimizer_entries(
     out: dict[EntryKey, torch.Tensor] = {}
     for slot in shards.optimizer:
         name = slot.placement.name
-        for k, v in optimizer.state.get(slot.tensor, {}).items():
-            if torch.is_tensor(v) and v.shape == slot.tensor.shape:
+        state = optimizer.state.get(slot.tensor, {})
+        shaped = per_element(state, slot.tensor)
+        for k, v in state.items():
+            if k in shaped:
                 # a quantized state is saved dequantized: it reshards as any other (lowbit.py)
                 plain = plain_state(v)
                 out[EntryKey("optim", name, k)] = flat_piece(slot.placement, plain.view(-1))

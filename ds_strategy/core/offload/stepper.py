@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory import ModelStateMeter
+from ..optim.state import per_element
 from .swap import SwapDir, SwappedTensor
 
 if TYPE_CHECKING:  # the offload tier works on zero's groups without importing zero
@@ -44,8 +45,7 @@ class StateSwaps:
 
     def _per_element(self, i: int) -> dict[str, torch.Tensor]:
         t = self.pieces[i].tensor
-        st = self.optimizer.state.get(t, {})
-        return {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == t.shape}
+        return per_element(self.optimizer.state.get(t, {}), t)
 
     def all(self) -> list[SwappedTensor]:
         return [s for d in self.swaps.values() for s in d.values()]

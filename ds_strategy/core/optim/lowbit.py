@@ -28,6 +28,7 @@ import torch
 
 from ...config import ConfigError
 from ...config.rules import LOWBIT_OPTIMIZERS
+from .state import per_element
 
 
 class _Group(Protocol):
@@ -178,13 +179,8 @@ class QuantizedStates:
         """Plain per-element state (loaded from a checkpoint) quantized where it belongs."""
         for pc in self.pieces:
             st = self.optimizer.state.get(pc.tensor, {})
-            for k, v in list(st.items()):
-                if (
-                    isinstance(v, torch.Tensor)
-                    and v.shape == pc.tensor.shape
-                    and not is_quantized(v)
-                    and self.quantized(pc.tensor)
-                ):
+            for k, v in per_element(st, pc.tensor).items():
+                if not is_quantized(v) and self.quantized(pc.tensor):
                     q = self._new_buffer(pc.tensor, signed=(k == "exp_avg"))
                     q.copy_(_anchored(v, q))
                     st[k] = q

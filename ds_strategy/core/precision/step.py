@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory import Held, ModelStateMeter
+from ..optim.state import per_element
 from .rounding import rounding_key, stochastic_round_
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ class RoundedStep:
         opt = self.sharded_opt.optimizer
         for pc in self.sharded_opt.pieces:
             st = opt.state.get(pc.tensor, {})
-            for k, v in _per_element(st, pc.tensor).items():
+            for k, v in per_element(st, pc.tensor).items():
                 if v.dtype != self.state_dtype:
                     st[k] = v.to(self.state_dtype)
 
@@ -105,7 +106,7 @@ class RoundedStep:
         t.grad = grad if grad.dtype == torch.float32 else held.take(grad.float())
         st = self.sharded_opt.optimizer.state.get(t, {})
         states = {}
-        for k, v in _per_element(st, t).items():
+        for k, v in per_element(st, t).items():
             if v.dtype != torch.float32:
                 states[k] = v
                 st[k] = held.take(v.float())
@@ -121,7 +122,7 @@ class RoundedStep:
             t.data = weights
         t.grad = None
         st = self.sharded_opt.optimizer.state[t]
-        for k, v in _per_element(st, t).items():
+        for k, v in per_element(st, t).items():
             keep = states.get(k)
             if keep is None and self.state_dtype in (None, v.dtype):
                 continue  # state kept as the optimizer made it
@@ -131,8 +132,3 @@ class RoundedStep:
             key = rounding_key(step, ordinal, zlib.crc32(str(k).encode()))
             stochastic_round_(keep, v, pc.start, key)
             st[k] = keep
-
-
-def _per_element(st: dict[str, object], t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The state tensors with one value per element of ``t`` (Adam's moments, momentum)."""
-    return {k: v for k, v in st.items() if torch.is_tensor(v) and v.shape == t.shape}
