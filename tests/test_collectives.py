@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ds_strategy.core.collectives import Comm
+from ds_strategy.core.collectives import Comm, Lent
 from tests.distributed import run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,3 +102,21 @@ def test_an_async_collective_holds_no_buffer_once_waited(world: int) -> None:
     for counts in run_ranks(released_worker, world):
         for kind, seen in counts.items():
             assert seen and set(seen) == {1}, (kind, seen)
+
+
+def test_a_buffer_held_past_patience_turns_the_waiting_off_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Something other than gloo's thread keeping a tensor (here a view, which holds its
+    base) must not cost every later collective the patience: one warning, then no waiting."""
+    monkeypatch.setattr(Lent, "PATIENCE", 0.05)
+    monkeypatch.setattr(Lent, "enabled", True)
+    t = torch.zeros(8)
+    lent = Lent(t)
+    held = t.view(-1)  # taken after the count: as if the collective still held it
+    with pytest.warns(RuntimeWarning, match="no longer waiting for them to be freed"):
+        lent.settle()
+    assert not Lent.enabled
+    later = Lent(t)  # nothing is marked any more: settling returns at once
+    later.settle()
+    assert later._marks == [] and held.numel() == 8

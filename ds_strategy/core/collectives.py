@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import os
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -65,16 +66,22 @@ class Lent:
     reused (``core/streams.py``).
     """
 
-    # a worker thread that has not let go after this long is left to do so on its own
+    # a worker thread that has not let go after this long is not waited for again
     PATIENCE = 0.25
+    enabled = True
 
     def __init__(self, *tensors: torch.Tensor | None) -> None:
-        self._marks = [
-            (t, _holders(t)) for t in tensors if t is not None and t.device.type == "cpu"
-        ]
+        self._marks = (
+            [(t, _holders(t)) for t in tensors if t is not None and t.device.type == "cpu"]
+            if Lent.enabled
+            else []
+        )
 
     def settle(self) -> None:
-        """Return once the collective holds none of the tensors (see the note)."""
+        """Return once the collective holds none of the tensors (see the note). Something
+        that holds them far longer than a thread waits for a core (a wrapping process group,
+        a debugging mode) turns the waiting off for the process, with a warning, rather
+        than cost every collective ``PATIENCE``."""
         marks, self._marks = self._marks, []
         deadline = 0.0
         for t, base in marks:
@@ -82,6 +89,14 @@ class Lent:
                 now = time.perf_counter()
                 deadline = deadline or now + self.PATIENCE
                 if now > deadline:
+                    Lent.enabled = False
+                    warnings.warn(
+                        f"a collective still held its buffers {self.PATIENCE} s after it "
+                        "completed; no longer waiting for them to be freed, so the memory "
+                        "held right after backward may now depend on thread scheduling",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                     return
                 time.sleep(0)
 
