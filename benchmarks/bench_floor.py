@@ -42,6 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _ranks  # noqa: E402
+import bench_zero  # noqa: E402
 from bench_zero import Step, plain_step, setup_ddp, setup_zero  # noqa: E402
 
 from ds_strategy import ZeroEngine  # noqa: E402
@@ -52,14 +53,9 @@ ENGINES = ("floor", "ddp", "zero1", "zero2", "zero3")
 
 
 def formula(name: str, psi: int, n: int) -> float:
-    """Model state per rank with fp32 AdamW (the floor and DDP hold all of it)."""
-    return {
-        "floor": 16 * psi,
-        "ddp": 16 * psi,
-        "zero1": 8 * psi + 8 * psi / n,
-        "zero2": 4 * psi + 12 * psi / n,
-        "zero3": 16 * psi / n,
-    }[name]
+    """Model state per rank with fp32 AdamW: bench_zero's, the floor holding all of it as
+    DDP does."""
+    return bench_zero.formula("ddp" if name == "floor" else name, psi, n)
 
 
 def timed(step: Step, batch: torch.Tensor) -> tuple[float, float]:

@@ -44,6 +44,9 @@ def test_side_stream_on_cpu_yields_nothing_and_touches_no_cuda(
     with streams.side_stream("all_gather", t) as done:
         t.add_(1)
     assert done == [None]
+    with streams.side_stream("all_gather", t, when=False) as later:
+        t.add_(1)
+    assert later == [None]
     assert called == [] and streams._STREAMS == {}
     assert not streams.uses_streams(t)
 

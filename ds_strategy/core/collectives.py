@@ -110,14 +110,6 @@ def _holders(t: torch.Tensor) -> int:
     return 0 if _use_count is None else int(_use_count(t))
 
 
-def _side(
-    kind: str, async_op: bool, *tensors: torch.Tensor
-) -> contextlib.AbstractContextManager[list[StreamEvent | None]]:
-    """An asynchronous collective on a GPU runs on its own stream (``core/streams.py``); a
-    synchronous one, and anything on a CPU, where it is issued."""
-    return side_stream(kind, *tensors) if async_op else contextlib.nullcontext([None])
-
-
 class Work:
     """A handle on in-flight collectives; ``wait()`` is idempotent. With a ``timer``
     (``wall_clock_breakdown``), the time ``wait()`` blocks is reported as ``timer(kind, s)``.
@@ -370,7 +362,7 @@ class Comm:
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         start = time.perf_counter()
         lent = Lent(tensor) if async_op else None
-        with _side("all_reduce", async_op, tensor) as event:
+        with side_stream("all_reduce", tensor, when=async_op) as event:
             handle = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
         return self._work(handle, kind, async_op, start, timing, lent, event)
 
@@ -388,7 +380,7 @@ class Comm:
         start = time.perf_counter()
         if not self._composed(full):
             lent = Lent(out, full) if async_op else None
-            with _side("reduce_scatter", async_op, out, full) as event:
+            with side_stream("reduce_scatter", out, full, when=async_op) as event:
                 handle = _reduce_scatter(out, full, group=self.group, async_op=async_op)
             return self._work(handle, "reduce_scatter", async_op, start, timing, lent, event)
         # every rank sends chunk r of its input to rank r; rank r sums what it received
@@ -433,7 +425,7 @@ class Comm:
         start = time.perf_counter()
         if not self._composed(full):
             lent = Lent(full, shard) if async_op else None
-            with _side("all_gather", async_op, full, shard) as event:
+            with side_stream("all_gather", full, shard, when=async_op) as event:
                 handle = _all_gather(full, shard, group=self.group, async_op=async_op)
             return self._work(handle, kind, async_op, start, timing, lent, event)
         # each rank broadcasts its own chunk of the output

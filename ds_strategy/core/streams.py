@@ -66,17 +66,20 @@ class StreamEvent:
 
 
 @contextlib.contextmanager
-def side_stream(kind: str, *tensors: torch.Tensor | None) -> Iterator[list[StreamEvent | None]]:
+def side_stream(
+    kind: str, *tensors: torch.Tensor | None, when: bool = True
+) -> Iterator[list[StreamEvent | None]]:
     """Issue the collective of ``kind`` inside this block on its own stream (see the note).
 
     Yields a list that holds, after the block, the :class:`StreamEvent` to wait on (None on
-    a CPU, where the block runs as it is). ``tensors``: every tensor the collective reads or
-    writes; on a GPU each is marked as used on the collective's stream.
+    a CPU, or with ``when`` False, where the block runs as it is). ``tensors``: every tensor
+    the collective reads or writes; on a GPU each is marked as used on the collective's
+    stream. ``when``: False for a synchronous collective, which runs where it is issued.
     """
     present = [t for t in tensors if t is not None]
     if kind not in KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; one of {KINDS}")
-    if not present or not uses_streams(present[0]):
+    if not when or not present or not uses_streams(present[0]):
         yield [None]
         return
     device = present[0].device

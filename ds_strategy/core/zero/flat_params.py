@@ -27,7 +27,6 @@ transient of the step (the meter's, like the gathered parameters), not resident 
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -246,7 +245,7 @@ class FlatParams:
         scratch = self.meter.held()
         # on a GPU the host-to-device copy of an offloaded shard runs on the gather's own
         # stream, overlapped with the compute (core/streams.py); on a CPU this is nothing
-        with side_stream("all_gather", self.full) if async_op else contextlib.nullcontext():
+        with side_stream("all_gather", self.full, when=async_op):
             src = self.store.for_gather(self.shard, self.device)
             if self.secondary is not None:
                 part = self.secondary.tensor
