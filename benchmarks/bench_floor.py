@@ -76,7 +76,7 @@ def build(name: str, model: nn.Module, n: int) -> tuple[Step, ZeroEngine | None]
         return plain_step(model, opt), None
     if name == "ddp":
         return setup_ddp(model, n)[0], None
-    step, _, engine = setup_zero(int(name[-1]), model)
+    step, _, engine = setup_zero(int(name[-1]), model, reuse=True)  # the engine's default
     return step, engine
 
 

@@ -134,8 +134,11 @@ def setup_fsdp2(model: nn.Module, n: int) -> tuple[Step, Sent]:
 
 
 def setup_zero(
-    stage: int, model: nn.Module, extra: dict | None = None
+    stage: int, model: nn.Module, extra: dict | None = None, reuse: bool = False
 ) -> tuple[Step, Sent, ds_strategy.ZeroEngine]:
+    """``reuse``: DeepSpeed's default ``stage3_max_reuse_distance`` (the last units of forward
+    stay gathered into backward) instead of 0 (every unit is gathered again for its backward,
+    as FSDP2 reshards after forward)."""
     block = sum(p.numel() for p in model.blocks[0].parameters())
     config = {
         "zero_optimization": {
@@ -143,6 +146,7 @@ def setup_zero(
             "reduce_bucket_size": 6_250_000,  # DDP's 25 MB buckets
             "stage3_param_persistence_threshold": 1e4,
             "stage3_prefetch_bucket_size": block,  # one block ahead, as FSDP2 prefetches
+            **({} if reuse else {"stage3_max_reuse_distance": 0}),
         },
         **(extra or {}),
     }

@@ -19,7 +19,9 @@ sharded like stage 2). Offload moves a term off the accelerator: ``cpu`` the opt
 NVMe (with host staging buffers not counted). Stage 3 also holds the parameters it has
 gathered: the root unit (gathered for the whole forward), the block computing and the
 blocks prefetched (``stage3_prefetch_bucket_size`` elements, which the last block prefetched
-may overshoot, within ``stage3_max_live_parameters``); an upper bound, from the model's
+may overshoot, within ``stage3_max_live_parameters``), and the last blocks of forward kept
+gathered into backward (``stage3_max_reuse_distance``: half of it, plus a block, within the
+room ``stage3_max_live_parameters`` leaves beside the rest); an upper bound, from the model's
 units when it is known. ZeRO++'s hpZ (``hpz_partition_size`` P, between 1 and N) adds, from
 a forward to the optimizer step, a secondary copy of the sharded parameters over P ranks:
 ``P`` bytes x sharded / P (``hpz_secondary``, counted on the device, not in model state at
@@ -122,6 +124,7 @@ CANDIDATES: tuple[tuple[int, str], ...] = (
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
 DEFAULT_PREFETCH = 50_000_000  # stage3_prefetch_bucket_size
 DEFAULT_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters
+DEFAULT_MAX_REUSE = 1_000_000_000  # stage3_max_reuse_distance
 
 
 def config_name(stage: int, offload: str) -> str:
@@ -300,6 +303,7 @@ def estimate(
     *,
     prefetch_numel: float = DEFAULT_PREFETCH,
     max_live_numel: float = DEFAULT_MAX_LIVE,
+    max_reuse_numel: float = DEFAULT_MAX_REUSE,
     hpz_partition_size: int = 1,
     mics_shard_size: int = -1,
     ep_size: int = 1,
@@ -343,6 +347,7 @@ def estimate(
             activation_bytes,
             prefetch_numel=prefetch_numel,
             max_live_numel=max_live_numel,
+            max_reuse_numel=max_reuse_numel,
             hpz_partition_size=hpz_partition_size,
         )
         return _with_experts(d, facts.experts // ep_size, world_size // ep_size)
@@ -359,10 +364,7 @@ def estimate(
     }[stage]
     grads = g * train / n if stage >= 2 else g * train
     optimizer = k * train / n if stage >= 1 else k * train
-    # The root and the block computing, plus prefetched blocks: up to the prefetch budget
-    # (which the last block may overshoot) and no further than the live-parameter bound.
-    prefetched = min(prefetch_numel + facts.largest_unit, max_live_numel)
-    live = facts.root_unit + facts.largest_unit + prefetched
+    live = _live_numel(facts, prefetch_numel, max_live_numel, max_reuse_numel)
     gathered = p * min(live, sharded) if stage == 3 else 0.0
     cpu = nvme = 0.0
     if offload == "cpu":
@@ -385,6 +387,17 @@ def estimate(
     if stage == 3 and 1 < hpz_partition_size < n:
         device["hpz_secondary"] = p * sharded / hpz_partition_size
     return Estimate(stage, offload, precision, device, cpu, nvme)
+
+
+def _live_numel(facts: ModelFacts, prefetch: float, max_live: float, max_reuse: float) -> float:
+    """Stage 3's gathered elements at most: the root and the block computing, the blocks
+    prefetched (up to the prefetch budget, which the last block may overshoot, and no further
+    than the live-parameter bound), and the last blocks kept from forward into backward
+    (``core/zero/stage3.py``, [Note: reuse distance])."""
+    prefetched = min(prefetch + facts.largest_unit, max_live)
+    room = max_live - facts.root_unit - prefetch - facts.largest_unit
+    kept = max(0.0, min(room, max_reuse / 2 + facts.largest_unit))
+    return facts.root_unit + facts.largest_unit + prefetched + kept
 
 
 def _with_experts(dense: Estimate, share: int, ranks: int) -> Estimate:
@@ -479,6 +492,7 @@ class Knobs:
     reduce_bucket_numel: float = 500_000_000  # zero_optimization.reduce_bucket_size
     prefetch_numel: float = DEFAULT_PREFETCH
     max_live_numel: float = DEFAULT_MAX_LIVE
+    max_reuse_numel: float = DEFAULT_MAX_REUSE
     buffer_numel: float = 100_000_000  # offload_optimizer.buffer_size
     buffer_count: int = 4  # offload_optimizer.buffer_count
     reduce_scratch: bool = False
@@ -493,6 +507,7 @@ class Knobs:
             reduce_bucket_numel=float(zc.reduce_bucket_size),
             prefetch_numel=float(zc.stage3_prefetch_bucket_size),
             max_live_numel=float(zc.stage3_max_live_parameters),
+            max_reuse_numel=float(zc.stage3_max_reuse_distance),
             buffer_numel=float(oo.buffer_size) if oo is not None else 100_000_000,
             buffer_count=int(oo.buffer_count) if oo is not None else 4,
             reduce_scratch=cpu_only,
@@ -603,6 +618,7 @@ def step_peak(
         activation_bytes,
         prefetch_numel=k_.prefetch_numel,
         max_live_numel=k_.max_live_numel,
+        max_reuse_numel=k_.max_reuse_numel,
     )
     p, g, _ = PRECISIONS[precision]
     mixed = p == 2

@@ -227,11 +227,14 @@ def test_optimizer_built_from_config_section(loop_results: dict) -> None:
 def knobs_worker(rank: int, world: int) -> dict:
     out = {}
     block = sum(p.numel() for p in ToyLM(d=32).blocks[0].parameters() if p.numel() >= 100)
+    root = sum(p.numel() for n, p in ToyLM(d=32).named_parameters() if not n.startswith("blocks."))
     for name, zc in {
         "default": {},
         "tight": {"stage3_max_live_parameters": 1, "stage3_prefetch_bucket_size": 1},
-        "one_ahead": {"stage3_prefetch_bucket_size": block},
-    }.items():
+        "one_ahead": {"stage3_prefetch_bucket_size": block, "stage3_max_reuse_distance": 0},
+        # room for three blocks beside the root, the running block and the prefetched one
+        "reuse": {"stage3_prefetch_bucket_size": block, "stage3_max_live_parameters": root + 5 * block},
+    }.items():  # fmt: skip
         torch.manual_seed(0)
         model = ToyLM(n_blocks=8, d=32)
         engine = ds_strategy.initialize(
@@ -239,16 +242,30 @@ def knobs_worker(rank: int, world: int) -> dict:
             _sgd,
             {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100, **zc}},
         )
+        runtime = engine.plan.stage3
+        gathers: list[int] = []  # the units gathered in the last step
+        plain = runtime._gather
+
+        def counting(unit, wait: bool, plain=plain, gathers=gathers) -> None:  # noqa: ANN001
+            if not unit.gathered:
+                gathers.append(unit.index)
+            plain(unit, wait)
+
+        runtime._gather = counting
         for batch in batches(3, 1, GB):
+            gathers.clear()
             engine.backward(lm_loss(engine, _local(batch, rank, world)))
             engine.step()
-        units = engine.plan.stage3.units
+        units = runtime.units
         out[name] = {
             "peak": engine.memory_report()["peak_gathered_params"],
             "sizes": {n: p.numel() for n, p in model.named_parameters()},
             "bound": 4 * (units[-1].numel + 2 * max(u.numel for u in units[:-1])),
             "ahead_bound": 4 * (units[-1].numel + 3 * max(u.numel for u in units[:-1])),
             "all": 4 * sum(u.numel for u in units),
+            "max_live": 4 * runtime.max_live_numel,
+            "gathers": sorted(gathers),
+            "weights": {k: v.clone() for k, v in engine.full_state_dict().items()},
         }
     return out
 
@@ -265,6 +282,21 @@ def test_persistence_threshold_and_live_parameter_bound() -> None:
     # (plus the root and, in backward, the block just done), not a bucket more at each unit
     one = r["one_ahead"]
     assert one["peak"] <= one["ahead_bound"] < one["all"] / 2, one
+    # stage3_max_reuse_distance: the last units of forward stay gathered into backward as far
+    # as stage3_max_live_parameters leaves room (three blocks): block 0, which runs again last
+    # and stays gathered anyway, then blocks 7 and 6, which backward no longer gathers again
+    reuse = r["reuse"]
+    missing = list(one["gathers"])
+    for u in reuse["gathers"]:
+        missing.remove(u)
+    assert missing == [6, 7], (one["gathers"], reuse["gathers"])
+    assert reuse["peak"] <= reuse["max_live"], reuse["peak"]
+    # DeepSpeed's defaults (reuse and live bounds of 1e9 elements) keep this small model's
+    # units gathered from forward into backward: each is gathered once a step
+    assert len(r["default"]["gathers"]) < len(one["gathers"])
+    for k, v in one["weights"].items():  # the same training, whatever stays gathered
+        torch.testing.assert_close(reuse["weights"][k], v, rtol=0, atol=0)
+        torch.testing.assert_close(r["default"]["weights"][k], v, rtol=0, atol=0)
 
 
 # -- process groups ----------------------------------------------------------------------------------

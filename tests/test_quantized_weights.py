@@ -30,8 +30,9 @@ def test_blocks_round_within_half_a_step_of_their_scale() -> None:
 
 
 def _run(rank: int, world: int, quantized: bool, stage: int, data: list[torch.Tensor]) -> Any:
+    # every unit gathered again for its backward: the gathers are most of what goes on the wire
     zero = {"stage": stage, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 30,
-            "zero_quantized_weights": quantized}  # fmt: skip
+            "zero_quantized_weights": quantized, "stage3_max_reuse_distance": 0}  # fmt: skip
     wire = Wire()
     torch.manual_seed(0)
     engine = train_engine(ToyLM(), "adamw", parity_config(stage, 1, 0.0, zero_optimization=zero),
@@ -54,8 +55,13 @@ def test_gathers_send_about_a_quarter_of_fp32() -> None:
     # int8 blocks plus one fp32 scale per 256 (small shards pad their last block)
     assert quantized["report"]["qwz"] <= 0.35 * gathered
     assert quantized["dtypes"] == {torch.float32}  # the optimizer's weights stay exact
-    # seen from torch.distributed (gloo's all-gather is broadcasts): fewer bytes overall
-    assert quantized["wire"]["broadcast"] <= 0.5 * plain["wire"]["broadcast"]
+
+    # seen from torch.distributed (gloo's all-gather is broadcasts), less the broadcasts both
+    # runs make alike (the start's): the gathers' bytes, int8 blocks and scales included
+    def gathers(r: dict) -> int:
+        return r["wire"]["broadcast"] - r["report"].get("broadcast", 0)
+
+    assert gathers(quantized) <= 0.35 * gathers(plain), (quantized["wire"], plain["wire"])
 
 
 def test_below_stage_3_it_changes_nothing() -> None:

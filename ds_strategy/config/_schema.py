@@ -369,9 +369,10 @@ class ZeroOptimizationConfig:
     - ``stage3_prefetch_bucket_size: 0`` or ``stage3_max_live_parameters: 0``: no prefetch;
       each unit is gathered when it is reached, so communication no longer overlaps compute.
     - ``stage3_param_persistence_threshold: 0``: every parameter is sharded (none kept whole).
-    - ``allgather_bucket_size`` and ``stage3_max_reuse_distance`` are accepted with any
-      value >= 0 but not used: updated parameters are gathered per flat group (sized by
-      ``reduce_bucket_size``) and a unit is released as soon as its module has run.
+    - ``stage3_max_reuse_distance: 0``: every unit but the last is released after its
+      forward and gathered again for its backward.
+    - ``allgather_bucket_size`` is accepted with any value >= 0 but not used: updated
+      parameters are gathered per flat group (sized by ``reduce_bucket_size``).
 
     DeepSpeed's deprecated ``cpu_offload: true`` / ``cpu_offload_param: true`` are read as
     ``offload_optimizer`` / ``offload_param`` with ``device: cpu`` (with a warning).
@@ -460,8 +461,10 @@ class ZeroOptimizationConfig:
         1_000_000_000,
         ge=0,
         aliases=("max_reuse_distance",),
-        doc="Accepted (any value >= 0) but not used: a stage-3 unit is released as soon as its "
-        "module has run.",
+        doc="Stage 3: the last units of forward stay gathered into backward while backward "
+        "reuses each within this many gathered elements and they fit "
+        "stage3_max_live_parameters beside the prefetch; 0: each unit but the last is "
+        "released after its forward.",
     )
     stage3_param_persistence_threshold: int = leaf(
         int,

@@ -458,6 +458,7 @@ def _build_stage3(
         prefetch_numel=zc.stage3_prefetch_bucket_size,
         max_live_numel=zc.stage3_max_live_parameters,
         queue=queue,
+        max_reuse_numel=zc.stage3_max_reuse_distance,
     )
     reducer = GradReducer(small, scaling, should_reduce, queue)
     return ShardingPlan(

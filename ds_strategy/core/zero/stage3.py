@@ -14,6 +14,18 @@ The forward order is recorded on the first step and replayed for prefetching; if
 step runs units in another order, prefetching stops for that pass (correctness does not
 depend on it, only overlap does).
 
+[Note: reuse distance]
+The last units of forward are the first of backward: between unit u's forward and its
+backward, only the units after it run (forward, then backward), so backward gathers u again
+after 2 x (their elements) gathered elements. DeepSpeed keeps a parameter gathered when it
+is reused within ``stage3_max_reuse_distance``; here, once the order is recorded, the
+longest suffix of it whose units are each reused within that distance stays gathered from
+forward into backward (from the last call of a unit that runs more than once), saving a
+gather per unit, as long as the suffix fits
+``stage3_max_live_parameters`` less the root, the largest unit and the prefetch bucket (so
+the units running and prefetched still fit: the gathered parameters stay within the bound
+whatever the suffix). A reuse distance of 0 keeps none but the last unit.
+
 [Note: no release just before a re-gather]
 Backward starts with the root (head, final norm) and the last unit forward ran. Releasing
 them at the end of a forward that backward follows would only gather them again at once, so
@@ -124,6 +136,7 @@ class Stage3Runtime:
         prefetch_numel: int,
         max_live_numel: int,
         queue: ReductionQueue,
+        max_reuse_numel: int = 0,
     ) -> None:
         self.units = units
         self.root = units[-1]
@@ -132,6 +145,8 @@ class Stage3Runtime:
         self.queue = queue
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
+        self._kept: set[int] = set()  # calls kept into backward: see [Note: reuse distance]
         self.state = TrainingState.IDLE
         self._order: list[Unit] = []  # forward order recorded on the first pass
         self._recording = True
@@ -230,7 +245,7 @@ class Stage3Runtime:
                 self._release(unit)
             elif unit is self.root:
                 self._end_forward(backward_follows=bool(tensors))
-            elif not (tensors and self._ran_last(unit, index)):
+            elif not (tensors and (self._ran_last(unit, index) or self._reused(index))):
                 self._release(unit)
             return None
 
@@ -279,6 +294,7 @@ class Stage3Runtime:
             raise RuntimeError("forward started while a backward pass is still running")
         if self._order and self._recording:
             self._recording = False
+            self._kept = self._reuse_suffix()
         self.state = TrainingState.FORWARD
         self._call_index = 0
         self._order_ok = True
@@ -290,12 +306,39 @@ class Stage3Runtime:
             not self._recording and self._order_ok and index == len(order) - 1 == order.index(unit)
         )
 
+    def _reuse_suffix(self) -> set[int]:
+        """The calls (indices of the recorded order) after which a unit stays gathered into
+        its backward (see [Note: reuse distance]): the last call of each of the last units,
+        while backward reuses each within ``max_reuse_numel`` gathered elements and they
+        fit the room ``max_live_numel`` leaves beside the root, the largest unit and the
+        prefetch."""
+        room = self.max_live_numel - self.root.numel - self.prefetch_numel
+        room -= max((u.numel for u in self.units if u is not self.root), default=0)
+        kept: set[int] = set()
+        seen: set[int] = set()
+        after = 0  # elements of the units that run between this one's forward and backward
+        for index in range(len(self._order) - 1, -1, -1):
+            unit = self._order[index]
+            if unit is self.root or id(unit) in seen:
+                continue
+            seen.add(id(unit))
+            if 2 * after > self.max_reuse_numel or after + unit.numel > room:
+                break
+            kept.add(index)
+            after += unit.numel
+        return kept
+
+    def _reused(self, index: int) -> bool:
+        return self._order_ok and not self._recording and index in self._kept
+
     def _end_forward(self, backward_follows: bool) -> None:
         keep: set[int] = set()
         if backward_follows:  # see [Note: no release just before a re-gather]
             keep.add(id(self.root))
             if self._order and self._ran_last(self._order[-1], len(self._order) - 1):
                 keep.add(id(self._order[-1]))
+            if self._order_ok:
+                keep |= {id(self._order[i]) for i in self._kept}
         for u in self.units:  # including prefetches that the forward never used
             if id(u) not in keep:
                 self._release(u)
