@@ -14,7 +14,12 @@ the loss after training, for fp32 AdamW, bf16 masters and states, bf16 states, t
    run before it: what the option imports and the kernels' first buffers are not the
    model's) above the resident size then stays within ``--budget-mib`` on both ranks (the ranks run with glibc's mmap threshold fixed, see
    bench_long_seq.py). Bisected on the layer count to a 16th, then reported as parameters
-   and as a ratio to fp32 AdamW.
+   and as a ratio to fp32 AdamW. The search runs as someone fitting the largest model would:
+   every block's activations checkpointed (``--no-checkpointing``: kept, about 0.4 MiB a
+   layer at d=256, the same for every row), ``stage3_prefetch_bucket_size`` at
+   ``--prefetch`` elements and ``stage3_max_reuse_distance`` at 0 (DeepSpeed's defaults,
+   5e7 and 1e9 elements, keep the whole of these models gathered: 4 bytes a parameter on
+   every rank, more than fp32 AdamW's sharded state).
 3. **The loss** after ``--steps`` steps on the docs corpus (tests/data/corpus.txt, characters),
    global batch ``--batch``: the mean of the last 10 steps, and its ratio to fp32 AdamW's.
 
@@ -98,10 +103,14 @@ def _engine(name: str, cfg: GPTConfig, args: argparse.Namespace, meta: bool) -> 
     sections, _ = OPTIONS[name]
     config = {
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "reduce_bucket_size": args.bucket, "sub_group_size": args.bucket},
+                              "reduce_bucket_size": args.bucket, "sub_group_size": args.bucket,
+                              "stage3_prefetch_bucket_size": args.prefetch,
+                              "stage3_max_reuse_distance": 0},
         "gradient_clipping": 1.0,
         **sections,
     }  # fmt: skip
+    if meta and args.checkpointing:  # the size search: see the module's docstring
+        config["activation_checkpointing"] = {"enabled": True}
     torch.manual_seed(0)
     with torch.device("meta") if meta else nullcontext():
         model = GPT(cfg)
@@ -218,9 +227,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--bucket", type=int, default=200_000, help="reduce bucket, step chunk")
     parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=200_000,
+        help="stage3_prefetch_bucket_size (DeepSpeed's 5e7 gathers the whole of these models)",
+    )
+    parser.add_argument(
         "--search-d", type=int, default=256, help="width of the largest-model search"
     )
     parser.add_argument("--budget-mib", type=float, default=256, help="peak growth a rank")
+    parser.add_argument(
+        "--no-checkpointing",
+        dest="checkpointing",
+        action="store_false",
+        help="size search without activation checkpointing",
+    )
     parser.add_argument("--only", nargs="*", default=list(OPTIONS), help="rows to run")
     parser.add_argument("--skip", nargs="*", default=[], help="tables to skip: state size loss")
     parser.add_argument("--curve", default="", help="directory for each row's loss curve (csv)")

@@ -151,7 +151,8 @@ def low_memory_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> di
               "stage3_param_persistence_threshold": 1_000,
               "stage3_prefetch_bucket_size": sizes["block"],
               "stage3_max_live_parameters": sizes["root"] + 2 * sizes["block"]}  # fmt: skip
-        config = {"zero_optimization": zc, **{"low": BF16_LOW, "states": BF16_STATES}.get(name, {})}
+        precision = {"low": BF16_LOW, "states": BF16_STATES, "fp16low": FP16_LOW}.get(name, {})
+        config = {"zero_optimization": zc, **precision}
         opt = _optimizer_of(name, model)
         with mock.patch("torch.compile", lambda fn, **kwargs: fn):  # torchao's step, eagerly
             engine = ds_strategy.initialize(model, opt, config)
@@ -172,7 +173,7 @@ def low_memory_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> di
 
 
 def _optimizer_of(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if name in ("8bit", "4bit"):
+    if name in ("8bit", "4bit", "fp8"):
         return _lowbit(name, model.parameters())
     if name == "muon":
         return Muon(model.parameters(), lr=0.02)
@@ -182,17 +183,18 @@ def _optimizer_of(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 def low_formula(stage: int, name: str, n: int) -> float:
     """Each choice's model state a rank, parameter by parameter (stage 3: the small ones,
     under 1,000 elements, stay whole). bf16 (P = G = 2): K = two bf16 moments ("low"), plus
-    a 4-byte fp32 master ("states"). fp32 (P = G = 4): "8bit" keeps two 1-byte moments and a
-    4-byte scale per 256 where torchao quantizes (4,096 elements or more), two fp32 moments
-    elsewhere ("4bit": half a byte, a scale per 128); "muon" one fp32 momentum for a matrix,
-    two moments for the rest."""
+    a 4-byte fp32 master ("states"); fp16 masters ("fp16low", P = G = 2) step two fp32
+    moments. fp32 (P = G = 4): "8bit" keeps two 1-byte moments and a 4-byte scale per 256
+    where torchao quantizes (4,096 elements or more), two fp32 moments elsewhere ("4bit":
+    half a byte, a scale per 128; "fp8": a byte, a scale per 256, and no code map); "muon"
+    one fp32 momentum for a matrix, two moments for the rest."""
     total = 0.0
     for p in _model().parameters():
         psi = p.numel()
-        if name in ("low", "states"):
+        if name in ("low", "states", "fp16low"):
             e, k = 2, 4 if name == "low" else 8
-        elif name in ("8bit", "4bit"):
-            block, code = (256, 1.0) if name == "8bit" else (128, 0.5)
+        elif name in ("8bit", "4bit", "fp8"):
+            block, code = (128, 0.5) if name == "4bit" else (256, 1.0)
             e, k = 4, 2 * (code + 4 / block) if psi >= 4096 and psi % block == 0 else 8
         else:
             e, k = 4, 4 if p.ndim == 2 else 8
@@ -205,8 +207,8 @@ def low_formula(stage: int, name: str, n: int) -> float:
 
 @pytest.mark.slow
 def test_model_state_is_the_formula_of_each_choice_at_every_point() -> None:
-    cases = [(s, name) for s in (1, 2, 3) for name in ("low", "states")]
-    cases += [(s, name) for s in (1, 2, 3) for name in ("8bit", "4bit", "muon")]
+    cases = [(s, name) for s in (1, 2, 3) for name in ("low", "states", "fp16low")]
+    cases += [(s, name) for s in (1, 2, 3) for name in ("8bit", "4bit", "fp8", "muon")]
     r = run_ranks(low_memory_worker, 2, cases)[0]
     sizes = r["sizes"]
     largest = sizes["largest"]
@@ -214,7 +216,7 @@ def test_model_state_is_the_formula_of_each_choice_at_every_point() -> None:
         formula = low_formula(stage, name, 2)
         # the engine's own formula (start summary, timeline) is this one within torchao's rule
         assert abs(r[(stage, name)]["formula"] / formula - 1) < 0.02, (stage, name)
-        bf16 = name in ("low", "states")
+        bf16 = name in ("low", "states", "fp16low")  # two-byte weights and gradients
         allowed = bound(max(stage, 2), "bf16" if bf16 else "fp32", sizes, 2)
         # the step's fp32 working copies (weights, gradients, two moments) of one chunk, or
         # of one piece larger than a chunk, instead of mixed precision's fp32 gradient shard;
