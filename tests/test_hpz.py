@@ -32,10 +32,11 @@ def toy() -> ToyLM:
 
 
 def _config(hpz: int, quantized: bool = False) -> dict[str, Any]:
-    """hpZ over ``hpz`` ranks; ``quantized``: with qwZ and qgZ (ZeRO++ whole)."""
+    """hpZ over ``hpz`` ranks; ``quantized``: with qwZ and qgZ (ZeRO++ whole). Every unit is
+    gathered again for its backward (reuse distance 0): the gathers hpZ keeps in the machine."""
     zero = {"stage": 3, "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 30,
             "zero_hpz_partition_size": hpz, "zero_quantized_weights": quantized,
-            "zero_quantized_gradients": quantized}  # fmt: skip
+            "zero_quantized_gradients": quantized, "stage3_max_reuse_distance": 0}  # fmt: skip
     return parity_config(3, ACCUM, CLIP, zero_optimization=zero,
                          topology={"ranks_per_machine": 2})  # fmt: skip
 

@@ -34,8 +34,10 @@ def toy() -> ToyLM:
 
 
 def _config(stage: int, mics: int, **zero: Any) -> dict[str, Any]:
+    """Stage 3 gathers every unit again for its backward (reuse distance 0), so the flat
+    run's gathers cross the machines twice a step, as the bounds below count them."""
     config = parity_config(stage, ACCUM, CLIP, topology={"ranks_per_machine": 2})
-    config["zero_optimization"].update(mics_shard_size=mics, **zero)
+    config["zero_optimization"].update(mics_shard_size=mics, stage3_max_reuse_distance=0, **zero)
     return config
 
 
