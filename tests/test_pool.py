@@ -133,6 +133,9 @@ def half_made_group_worker(rank: int, world: int) -> None:
     """Leaves this rank as a failed ``init_process_group`` does: no default group, but torch's
     group counter already advanced (a peer that raised and left can close the connection while
     this rank is still joining)."""
+    # both ranks have finished joining the call's group before rank 0 closes its side: else
+    # rank 1 may still be connecting when the connection closes, and fail in the harness
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         store = dist.HashStore()  # nobody else joins it: the rendezvous times out
