@@ -15,7 +15,7 @@ the loss after training, for fp32 AdamW, bf16 masters and states, bf16 states, t
    model's) above the resident size then stays within ``--budget-mib`` on both ranks (the ranks run with glibc's mmap threshold fixed, see
    bench_long_seq.py). Bisected on the layer count to a 16th, then reported as parameters
    and as a ratio to fp32 AdamW. The search runs as someone fitting the largest model would:
-   every block's activations checkpointed (``--no-checkpointing``: kept, about 0.4 MiB a
+   every block's activations checkpointed (``--no-checkpointing``: kept, about 0.2 MiB a
    layer at d=256, the same for every row), ``stage3_prefetch_bucket_size`` at
    ``--prefetch`` elements and ``stage3_max_reuse_distance`` at 0 (DeepSpeed's defaults,
    5e7 and 1e9 elements, keep the whole of these models gathered: 4 bytes a parameter on

@@ -329,7 +329,7 @@ class Stage3Runtime:
         return kept
 
     def _reused(self, index: int) -> bool:
-        return self._order_ok and not self._recording and index in self._kept
+        return self._order_ok and index in self._kept  # empty while the order is recorded
 
     def _end_forward(self, backward_follows: bool) -> None:
         keep: set[int] = set()
