@@ -485,9 +485,11 @@ class Knobs:
     """The config values that size the buffers of a step (DeepSpeed's defaults).
 
     ``reduce_scratch``: the reduce-scatter needs a receive buffer as large as its input (gloo,
-    which CPU ranks use; see ``group_numel`` in ``core/zero/builders.py``). ``cpu_only``: the
-    ranks compute on CPUs, so "device" memory is host memory and gradient shards of an
-    NVMe-offloaded optimizer live in files between steps."""
+    which CPU ranks use; see ``group_numel`` in ``core/zero/builders.py``), unless
+    ``shared_memory``: CPU ranks of one machine reduce through shared memory
+    (``topology.shared_memory``, ``core/shm.py``) and need none, their groups still half a
+    bucket. ``cpu_only``: the ranks compute on CPUs, so "device" memory is host memory and
+    gradient shards of an NVMe-offloaded optimizer live in files between steps."""
 
     reduce_bucket_numel: float = 500_000_000  # zero_optimization.reduce_bucket_size
     prefetch_numel: float = DEFAULT_PREFETCH
@@ -496,6 +498,7 @@ class Knobs:
     buffer_numel: float = 100_000_000  # offload_optimizer.buffer_size
     buffer_count: int = 4  # offload_optimizer.buffer_count
     reduce_scratch: bool = False
+    shared_memory: bool = False
     cpu_only: bool = False
 
     @classmethod
@@ -511,6 +514,7 @@ class Knobs:
             buffer_numel=float(oo.buffer_size) if oo is not None else 100_000_000,
             buffer_count=int(oo.buffer_count) if oo is not None else 4,
             reduce_scratch=cpu_only,
+            shared_memory=cpu_only and bool(config.topology.shared_memory),
             cpu_only=cpu_only,
         )
 
@@ -585,8 +589,8 @@ class Peak:
 #   group's full-size gradients (``reduce_bucket_size`` elements, half that where the
 #   collective needs a receive buffer; at most a stage-3 block unit, or at stages 1-2 the
 #   whole model, and at least the largest parameter) are held while one group fills and
-#   one is reduced, plus that receive buffer; at stage 1 the gradients are persistent and the reduction adds
-#   the receive buffer and its ``1/N`` output. With NVMe optimizer offload on CPU ranks
+#   one is reduced, plus that receive buffer (none through shared memory); at stage 1 the
+#   gradients are persistent and the reduction adds the receive buffer and its ``1/N`` output. With NVMe optimizer offload on CPU ranks
 #   the gradient shard being reduced into is read in and written behind (``grad_shard``).
 # - step: under mixed precision the fp32 copies of the gradient shard
 #   (``fp32_grads``). With the optimizer on NVMe the step reads its state bucket by
@@ -685,7 +689,7 @@ def _reduction_terms(
     else:
         group = max(1.0, min(bucket, train), facts.largest_param)
         groups = 1 if train <= group else 2
-    scratch = group if k_.reduce_scratch else 0.0
+    scratch = group if k_.reduce_scratch and not k_.shared_memory else 0.0
     if stage >= 2 and train:
         reduce = g * (groups * group + scratch)
     elif stage == 1 and train:

@@ -376,7 +376,9 @@ def test_step_peak_matches_the_engines_meter_phase_by_phase(tmp_path: Path) -> N
 
     world = 2
     facts = model_facts(lambda: GPT(GPTConfig(**PEAK_MODEL)), persistence_threshold=0)
-    knobs = Knobs(**PEAK_KNOBS, buffer_count=2, reduce_scratch=True, cpu_only=True)
+    knobs = Knobs(
+        **PEAK_KNOBS, buffer_count=2, reduce_scratch=True, shared_memory=True, cpu_only=True
+    )
     results = run_ranks(peak_worker, world, str(tmp_path), timeout=300)
     for (stage, offload, precision), phases in results[0].items():
         pk = step_peak(facts, world, stage, offload, precision, knobs=knobs)

@@ -243,7 +243,7 @@ def _knobs(args: Any, facts: ModelFacts) -> Knobs:
     the Hugging Face Trainer and Accelerate derive them."""
     cpu_only = bool(args.cpu_only)
     if not args.config:
-        return Knobs(reduce_scratch=cpu_only, cpu_only=cpu_only)
+        return Knobs(reduce_scratch=cpu_only, shared_memory=cpu_only, cpu_only=cpu_only)
     from ..config.loop import fill_for_estimate
 
     hidden = args.hidden_size if args.hidden_size is not None else facts.hidden_size

@@ -983,6 +983,8 @@ class TopologyConfig:
     are then counted as inter-machine (``comm_report()``'s ``inter_machine``).
     ``hierarchical`` runs ZeRO's reduce-scatters, all-gathers and all-reduces in two levels,
     inside each machine first, then across machines among ranks with the same local rank.
+    ``shared_memory`` lets CPU ranks of one machine exchange ZeRO's reduce-scatters and
+    all-gathers through shared memory (``core/shm.py``).
 
     >>> TopologyConfig().ranks_per_machine is None
     True
@@ -1001,6 +1003,13 @@ class TopologyConfig:
         False,
         doc="Run ZeRO's reduce-scatters, all-gathers and all-reduces in two levels: inside each "
         "machine, then across machines among ranks with the same local rank; not with MiCS.",
+    )
+    shared_memory: bool = leaf(
+        bool,
+        True,
+        doc="CPU ranks on one machine (gloo) run ZeRO's reduce-scatters and all-gathers through "
+        "files in /dev/shm instead of loopback TCP: one copy instead of four. Falls back to gloo "
+        "by itself where a rank cannot map the others' files.",
     )
 
 

@@ -334,6 +334,8 @@ class EngineBuilder:
             comm = layout.comm(zero_ranks, on_scratch=self.meter.scratch)
         for c in (comm, self.comm, *([tensor_parallel.comm] if tensor_parallel else [])):
             c.link = self.topology.link(c.global_ranks())
+        # ZeRO's group, on one machine: its collectives through shared memory (core/shm.py)
+        comm.shared_memory = self.config.topology.shared_memory and comm.link == "intra"
         if self.config.topology.hierarchical:  # ZeRO's collectives in two levels
             comm = HierarchicalComm.build(comm.group, layout, on_scratch=self.meter.scratch)
         with together(comm):  # see config/rules.py

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .profiling.comms import CommsLogger, Timing
 from .profiling.ranges import ranged
+from .shm import Exchange
 from .streams import StreamEvent, side_stream
 
 if TYPE_CHECKING:
@@ -199,7 +200,12 @@ class Comm:
     # the config's comms_logger (core/profiling/comms.py), on the engine's group; a level or
     # sub-group logs into its parent's
     comms_logger: CommsLogger | None = field(default=None, repr=False)
+    # reduce-scatters and all-gathers of CPU tensors through shared memory where every rank
+    # of the group can map the others' files (core/shm.py); set by the engine from
+    # topology.shared_memory for a group on one machine
+    shared_memory: bool = False
     _backend: str | None = field(default=None, repr=False)
+    _exchange: Exchange | None = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -383,6 +389,10 @@ class Comm:
             with side_stream("reduce_scatter", out, full, when=async_op) as event:
                 handle = _reduce_scatter(out, full, group=self.group, async_op=async_op)
             return self._work(handle, "reduce_scatter", async_op, start, timing, lent, event)
+        exchange = self._shared((n - 1) * out.numel() * out.element_size())
+        if exchange is not None:
+            call = exchange.reduce_scatter(out, full)
+            return self._settle(self._shared_work(call, "reduce_scatter", timing), async_op)
         # every rank sends chunk r of its input to rank r; rank r sums what it received
         recv = torch.empty_like(full)
         lent = Lent(recv, full) if async_op else None
@@ -428,6 +438,10 @@ class Comm:
             with side_stream("all_gather", full, shard, when=async_op) as event:
                 handle = _all_gather(full, shard, group=self.group, async_op=async_op)
             return self._work(handle, kind, async_op, start, timing, lent, event)
+        exchange = self._shared(shard.numel() * shard.element_size())
+        if exchange is not None:
+            call = exchange.all_gather(full, shard)
+            return self._settle(self._shared_work(call, kind, timing), async_op)
         # each rank broadcasts its own chunk of the output
         lent = Lent(full, shard) if async_op else None
         chunks = full.view(n, -1)
@@ -478,6 +492,38 @@ class Comm:
             group=self.group,
         )
         self._work(None, kind, False, start, timing)
+
+    def _shared(self, nbytes: int) -> Exchange | None:
+        """The group's shared-memory exchange, its areas at least ``nbytes`` (see [Note:
+        collectives through shared memory]); None where the group keeps gloo. Collective the
+        first time and whenever the areas grow: every rank asks at the same call."""
+        if not self.shared_memory:
+            return None
+        ex = self._exchange
+        if ex is not None and ex.fits(nbytes):
+            return ex
+        if ex is None:
+            ex = Exchange.open(self, nbytes, _timeout_s(self.group))
+        elif not ex.grow(nbytes):
+            ex = None
+        self._exchange, self.shared_memory = ex, ex is not None
+        return ex
+
+    @property
+    def shared_memory_nbytes(self) -> int:
+        """Bytes of this rank's shared-memory exchange (0 without one)."""
+        return 0 if self._exchange is None else self._exchange.nbytes
+
+    def _shared_work(self, call: _Handle, kind: str, timing: Timing | None) -> Work:
+        """A shared-memory call as a ``Work``: completing it is ``then``, timed as blocked."""
+
+        def then() -> None:
+            start = time.perf_counter()
+            call.wait()
+            if self.timed:
+                self._timed(kind, time.perf_counter() - start)
+
+        return Work(None, kind, then=then, timing=timing)
 
     @staticmethod
     def _settle(work: Work, async_op: bool) -> Work:
@@ -553,6 +599,16 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+def _timeout_s(group: dist.ProcessGroup | None) -> float:
+    """The process group's timeout in seconds (torch's default where it cannot tell)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return float(dist.default_pg_timeout.total_seconds())
 
 
 # -- creating groups: only core/layout.py calls these (see [Note: one rank layout] there) --------

@@ -1048,11 +1048,17 @@ class ZeroEngine(nn.Module):
         - ``peak_gathered_params``: the most bytes of ZeRO-3 parameters gathered at once;
         - with expert parallelism, ``expert_params``, ``expert_grads`` and
           ``expert_optimizer_state``: the experts' part of the first three (the rest is
-          the dense layers').
+          the dense layers');
+        - with CPU ranks exchanging through shared memory (``topology.shared_memory``),
+          ``shared_memory``: the bytes of this rank's exchange areas, not in ``total``.
         """
         report = self._resident_report()
         if self._offload is not None:  # bytes moved out to files: not in total
             report.update(self._offload.report())
+        comms = {id(g.comm): g.comm for g in self.plan.groups}
+        shared = sum(c.shared_memory_nbytes for c in comms.values())
+        if shared:
+            report["shared_memory"] = shared
         report["peak"] = self.plan.meter.peak
         return report
 
