@@ -47,6 +47,7 @@ def _backward(grads: ShardedGrads | FullGrads, value: float) -> None:
     """What autograd and the hooks do in one backward: a gradient for every parameter."""
     grads.begin_backward()
     for i, p in enumerate(grads.params):
+        grads.before_accumulate()  # the hook on the incoming gradient
         if p.grad is None:
             p.grad = torch.full_like(p, value)
         else:  # stages 0/1: accumulated into the flat buffer
@@ -121,11 +122,15 @@ def test_full_grads_stage1_accumulation_form_round_trip() -> None:
     reduction.complete()
     assert grads.state is GradState.REDUCED and meter.transient == 0
     assert torch.equal(grads.grad_shard, torch.full((22,), 1.0))  # 4 / 2 * 0.5
-    grads.to_accumulation_form(scaling)
+    grads.to_accumulation_form(scaling)  # deferred: nothing is added yet
+    assert grads.state is GradState.REDUCED
+    assert torch.equal(grads.grad_shard, torch.full((22,), 1.0))
+    _backward(grads, 4.0)  # carried out before the first gradient is added
     assert grads.state is GradState.ACCUMULATION_FORM
-    assert torch.equal(grads.grad_shard, torch.full((22,), 4.0))  # the unscaled sum
-    _backward(grads, 4.0)  # a second backward adds to it, the form is kept
-    assert grads.state is GradState.ACCUMULATION_FORM
+    lo, hi = grads.layout.shard_range(grads.rank)
+    # the unscaled sum plus the new gradients; the rest of the buffer holds the new ones only
+    assert torch.equal(grads.grad_shard, torch.full((22,), 8.0))
+    assert torch.equal(grads.flat[hi:], torch.full_like(grads.flat[hi:], 4.0 if hi < 22 else 0))
     grads.to_final_form(scaling)
     assert grads.state is GradState.REDUCED
     grads.to_final_form(scaling)  # nothing left to undo
@@ -133,6 +138,24 @@ def test_full_grads_stage1_accumulation_form_round_trip() -> None:
     grads.zero_grad()
     assert grads.state is GradState.EMPTY and torch.equal(grads.flat, torch.zeros(22))
     assert all(p.grad is not None for p in grads.params)  # bound to the buffer again
+
+
+def test_full_grads_stage1_form_never_carried_out_when_the_step_comes_first() -> None:
+    """The usual case: the boundary's reduction, then the step. The deferred form costs
+    nothing and leaves the reduced gradients as they are."""
+    meter = ModelStateMeter()
+    grads = _full(meter, scatter=True)
+    scaling = GradScaling(2.0, 0.5)
+    _backward(grads, 4.0)
+    reduction = grads.launch_reduce(scaling)
+    assert reduction is not None
+    reduction.complete()
+    grads.to_accumulation_form(scaling)
+    grads.to_final_form(scaling)
+    assert grads.state is GradState.REDUCED
+    assert torch.equal(grads.grad_shard, torch.full((22,), 1.0))
+    grads.before_accumulate()  # nothing deferred any more
+    assert grads.state is GradState.REDUCED
 
 
 def test_full_grads_stage0_all_reduces_in_place_and_keeps_no_form() -> None:
@@ -199,3 +222,34 @@ def test_zero_grad_drops_a_bucket_no_reduction_took() -> None:
     grads.zero_grad()
     assert grads.state is GradState.EMPTY and meter.transient == 0
     assert all(p.grad is None for p in grads.params)
+
+
+def _more_backward_worker(rank: int, world: int, stage: int, shared: bool) -> list[torch.Tensor]:
+    """Every step: a backward that reduces (each is a boundary here), then a second one
+    before the step, so stage 1's deferred form is carried out by the hook on the incoming
+    gradient; and gradients reduced into the flat buffer's own slice."""
+    import ds_strategy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    config = {
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 150},
+        "topology": {"shared_memory": shared},
+    }
+    engine = ds_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 6, generator=g)).pow(2).mean())
+        engine.step()
+    return [t.clone() for t in engine.full_state_dict().values()]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_stage1_more_backward_after_a_reduction_matches_stage0(shared: bool) -> None:
+    from tests.distributed import run_ranks
+
+    one = run_ranks(_more_backward_worker, 2, 1, shared)
+    zero = run_ranks(_more_backward_worker, 2, 0, shared)
+    for a, b in zip(one[0], zero[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -493,6 +493,12 @@ class Comm:
         )
         self._work(None, kind, False, start, timing)
 
+    def reduces_into_input(self, full: torch.Tensor) -> bool:
+        """Whether :meth:`reduce_scatter` may be given, as ``out``, this rank's chunk of
+        ``full`` itself: true where the collective has read all of ``full`` (into its receive
+        buffer, the other ranks' files, a two-level copy) before it writes ``out``."""
+        return self.world_size > 1 and self._composed(full)
+
     def _shared(self, nbytes: int) -> Exchange | None:
         """The group's shared-memory exchange, its areas at least ``nbytes`` (see [Note:
         collectives through shared memory]); None where the group keeps gloo. Collective the

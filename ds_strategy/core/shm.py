@@ -343,16 +343,13 @@ class Exchange:
 
 def _sum_in_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
     """``out`` = the parts summed in rank order, as ``torch.sum`` over the stacked parts
-    gives it (in fp32 for a lower precision, rounded once)."""
-    if len(parts) == 2:
+    gives it (in fp32 for a lower precision, rounded once). ``out`` may be one of the parts
+    (a reduce-scatter into its own input, ``Comm.reduces_into_input``)."""
+    if len(parts) == 2:  # elementwise: out may be either part
         torch.add(parts[0], parts[1], out=out)
         return
-    if out.dtype in (torch.float16, torch.bfloat16):
-        acc = parts[0].float()
-        for p in parts[1:]:
-            acc.add_(p)
-        out.copy_(acc)
-        return
-    torch.add(parts[0], parts[1], out=out)
-    for p in parts[2:]:
-        out.add_(p)
+    low = out.dtype in (torch.float16, torch.bfloat16)
+    acc = parts[0].float() if low else torch.add(parts[0], parts[1])
+    for p in parts[1:] if low else parts[2:]:
+        acc.add_(p)
+    out.copy_(acc)

@@ -22,7 +22,9 @@ asserting the states it starts from::
     EMPTY, ACCUMULATING, REDUCED, ACCUMULATION_FORM --launch_reduce--> REDUCING
     EMPTY, ACCUMULATING, REDUCED --take_local_grad--> REDUCING    (a compressed exchange)
     REDUCING --reduction_done, set_reduced_grad--> REDUCED
-    REDUCED --to_accumulation_form--> ACCUMULATION_FORM           (stage 1)
+    REDUCED --to_accumulation_form--> ACCUMULATION_FORM           (stage 1; carried out
+                                                                   before the next gradient
+                                                                   is added, if one is)
     ACCUMULATION_FORM --to_final_form--> REDUCED
     any --zero_grad--> EMPTY
 
@@ -170,6 +172,9 @@ class FlatGrads:
 
     def _receive(self, index: int) -> None:
         raise NotImplementedError
+
+    def before_accumulate(self) -> None:
+        """Autograd is about to add a gradient to one of the group's parameters."""
 
     @property
     def all_ready(self) -> bool:
@@ -401,6 +406,7 @@ class FullGrads(FlatGrads):
         self.grad_full = self.flat
         lo, hi = spec.layout.shard_range(spec.rank)
         self.grad_shard = self.flat[lo:hi]
+        self._deferred: GradScaling | None = None  # see to_accumulation_form
 
     def bind(self) -> None:
         """Point each parameter's ``.grad`` at its view of the flat buffer."""
@@ -428,20 +434,30 @@ class FullGrads(FlatGrads):
             p.grad = view
 
     def _launch(self, scaling: GradScaling) -> Reduction:
+        self._settle()
         self._begin_reducing()
         send, held = self._send(self.flat, self.meter.held(), scaling.pre)
         if self.scatter is None:  # stage 0: all-reduce the whole buffer
             work = self.comm.all_reduce(send, async_op=True)
             fold = Fold.IN_PLACE if send is self.flat else Fold.REPLACE
             return Reduction(self, work, send, send, self.flat, fold, scaling.post, held)
+        if send is self.flat and self.scatter.comm.reduces_into_input(send):
+            # this rank's slice of the sum lands in its own slice of the buffer
+            work = self.scatter(self.grad_shard, send)
+            post = scaling.post
+            return Reduction(self, work, send, None, self.grad_shard, Fold.IN_PLACE, post, held)
         out = held.take(torch.empty(self.grad_shard.numel(), dtype=send.dtype, device=self.device))
         work = self.scatter(out, send)
         held.take_bytes(work.scratch_nbytes)  # gloo's receive buffer
         return Reduction(self, work, send, out, self.grad_shard, Fold.REPLACE, scaling.post, held)
 
     def accumulated_grad(self, index: int) -> torch.Tensor:
+        self._settle()
         self._accumulated()
         return self.grad_view(index)
+
+    def before_accumulate(self) -> None:
+        self._settle()
 
     def to_accumulation_form(self, scaling: GradScaling) -> None:
         """REDUCED -> ACCUMULATION_FORM (stage 1): the buffer can take more backward passes.
@@ -452,10 +468,21 @@ class FullGrads(FlatGrads):
         goes back to the unscaled sum, and the other slices, already counted in their
         owners' results, are zeroed. ``to_final_form`` undoes the scaling before the step.
 
+        Deferred until something is about to add to the buffer (:meth:`before_accumulate`,
+        from a hook that runs before autograd accumulates; :meth:`accumulated_grad`; another
+        reduction): most often the step comes first, and then there is nothing to undo.
+
         Args:
             scaling: how gradients are averaged.
         """
-        if self.scatter is None:
+        if self.scatter is not None:
+            assert self.state is GradState.REDUCED, f"gradients {self.state.name}"
+            self._deferred = scaling
+
+    def _settle(self) -> None:
+        """Carry out a deferred :meth:`to_accumulation_form`."""
+        scaling, self._deferred = self._deferred, None
+        if scaling is None:
             return
         self._move(GradState.ACCUMULATION_FORM, GradState.REDUCED)
         lo, hi = self.layout.shard_range(self.rank)
@@ -470,16 +497,19 @@ class FullGrads(FlatGrads):
             scaling: how gradients are averaged.
         """
         super().to_final_form(scaling)
+        self._deferred = None  # never carried out: the gradients are already final
         if self.state is GradState.ACCUMULATION_FORM:
             self._move(GradState.REDUCED, GradState.ACCUMULATION_FORM)
             self.grad_shard.mul_(scaling.post / scaling.pre)
 
     def take_local_grad(self) -> torch.Tensor:
         """The flat buffer itself."""
+        self._settle()
         self._begin_reducing()
         return self.flat
 
     def _clear(self) -> None:
+        self._deferred = None
         self.flat.zero_()
         self.bind()  # the user may have set .grad to None meanwhile
 

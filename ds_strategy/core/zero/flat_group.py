@@ -282,6 +282,12 @@ class FlatParamGroup:
         """
         return self._grads().mark_ready(index)
 
+    def before_accumulate(self) -> None:
+        """Autograd is about to add a gradient to one of the group's parameters (stage 1:
+        see ``FullGrads.to_accumulation_form``)."""
+        if self.flat_grads is not None:
+            self.flat_grads.before_accumulate()
+
     def launch_reduce(self, scaling: GradScaling) -> Reduction | None:
         """Start this backward's reduction; None for a frozen group or one already launched.
 

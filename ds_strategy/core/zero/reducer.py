@@ -73,6 +73,8 @@ class GradReducer:
         for g in self.groups:
             for i, p in enumerate(g.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(g, i)))
+                if g.policy.shard_optimizer and not g.policy.shard_grads:  # stage 1
+                    self._handles.append(p.register_hook(self._before(g)))
 
     def _hook(self, group: FlatParamGroup, index: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
@@ -81,6 +83,15 @@ class GradReducer:
             group.mark_ready(index)  # moves or keeps the gradient where the group wants it
             if self._reducing:
                 self._launch_ready()
+
+        return hook
+
+    @staticmethod
+    def _before(group: FlatParamGroup) -> Callable[[torch.Tensor], None]:
+        """A hook on a parameter's incoming gradient, before autograd adds it to ``.grad``."""
+
+        def hook(grad: torch.Tensor) -> None:
+            group.before_accumulate()
 
         return hook
 
