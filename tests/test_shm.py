@@ -61,6 +61,7 @@ def parity_worker(rank: int, world: int) -> dict:
         if not torch.equal(got, ref):
             out["mismatch"].append(name)
     out["area"] = shared._exchange.area if shared._exchange is not None else 0
+    out["aligned"] = out["area"] % 64 == 0
     out["report"] = (shared.take_report(), plain.take_report())
     dist.barrier()
     out["files"] = _ours()
@@ -73,6 +74,7 @@ def test_shared_memory_gives_gloos_results_and_counts_its_bytes(world: int) -> N
         assert r["mismatch"] == [], r["mismatch"]
         assert set(r["scratch"]) == {0}  # no receive buffer: the peers' files are read
         assert r["area"] >= (world - 1) * 50_000 * 4  # grown to the largest message (fp32)
+        assert r["aligned"]  # so is every area after the first, for any dtype
         ours, gloos = r["report"]  # the same bytes, and the files' set-up as control
         for kind in ("reduce_scatter", "all_gather"):
             assert ours[kind] == gloos[kind] > 0, (kind, ours, gloos)

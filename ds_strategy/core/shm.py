@@ -53,6 +53,8 @@ __all__ = ["Exchange"]
 
 SLOTS = 2  # areas per rank: a call can be in flight while the next one starts
 _HEADER = 4096
+_ALIGN = 64
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _FENCE = threading.Lock()
 _ROOT = "/dev/shm"
 
@@ -159,6 +161,7 @@ class Exchange:
         self._close()
         token = self.comm.all_gather_object(os.urandom(8).hex())[0]  # rank 0's
         path = [f"{_ROOT}/ds_strategy-{token}-{r}" for r in range(self.n)]
+        nbytes = -(-nbytes // _ALIGN) * _ALIGN  # every area starts aligned for any dtype
         size = _HEADER + SLOTS * nbytes
         made = False
         try:
@@ -229,7 +232,7 @@ class Exchange:
         while others:
             spins += 1
             if spins < 64:
-                os.sched_yield()
+                _yield()
             else:
                 time.sleep(2e-5)
                 now = time.monotonic()
