@@ -105,6 +105,28 @@ def test_ranks_that_cannot_see_each_others_files_keep_gloo(tmp_path: Path) -> No
         assert r["left"] == []
 
 
+def full_worker(rank: int, world: int) -> dict:
+    """Rank 1's ``/dev/shm`` has no room for its file (claiming the pages fails)."""
+    if rank == 1:
+
+        def no_room(fd: int, offset: int, size: int) -> None:
+            raise OSError(28, "No space left on device")
+
+        shm.os.posix_fallocate = no_room  # type: ignore[attr-defined]
+    comm = Comm(shared_memory=True)
+    full = _inputs(rank, world * 40, torch.float32, 2)
+    mine, ref = torch.empty(40), torch.empty(40)
+    comm.reduce_scatter(mine, full)
+    Comm().reduce_scatter(ref, full.clone())
+    dist.barrier()
+    return {"equal": torch.equal(mine, ref), "shared": comm.shared_memory, "files": _ours()}
+
+
+def test_a_full_dev_shm_keeps_gloo_instead_of_crashing() -> None:
+    for r in run_ranks(full_worker, 2, fresh=True):
+        assert r["equal"] and r["shared"] is False and r["files"] == []
+
+
 def test_a_rank_that_died_is_named_not_waited_for() -> None:
     """Waiting on a rank whose process is gone (reaped, or a zombie) raises within a second,
     naming the rank; a live one that never comes raises at the timeout."""

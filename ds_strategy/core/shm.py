@@ -28,8 +28,10 @@ announces, and read before it, with a lock taken between (a full memory barrier 
 architecture).
 
 The files are made by one collective step (``Exchange.open``): every rank creates its own,
-then opens the others'. If any rank cannot see another's file (ranks on several machines,
-containers with separate ``/dev/shm``) every rank knows it and the group keeps gloo. Each
+claiming its pages at once, then opens the others'. If any rank cannot make its file (no
+room left in ``/dev/shm``, as in a container's default 64 MiB) or see another's (ranks on
+several machines, containers with separate ``/dev/shm``) every rank knows it and the group
+keeps gloo. Each
 file is unlinked as soon as all have it mapped, so nothing is left behind whatever happens
 after. A rank that waits on another checks now and then that the other's process is alive
 and raises, naming it, if it is not.
@@ -63,6 +65,14 @@ def _fence() -> None:
     """A full memory barrier: taking a lock is one on every architecture."""
     with _FENCE:
         pass
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Claim the file's pages now: a full ``/dev/shm`` raises here (then the group keeps
+    gloo) instead of killing the process with SIGBUS at the first write past its room."""
+    allocate = getattr(os, "posix_fallocate", None)
+    if allocate is not None:
+        allocate(fd, 0, size)
 
 
 def _alive(pid: int) -> bool:
@@ -168,11 +178,13 @@ class Exchange:
             fd = os.open(path[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, size)
+                _reserve(fd, size)
             finally:
                 os.close(fd)
             made = True
-        except OSError:
-            pass
+        except OSError:  # no /dev/shm, or too little room in it (a container's 64 MiB)
+            if os.path.exists(path[self.rank]):
+                os.unlink(path[self.rank])
         ok = self._all(made)
         if ok:
             try:
