@@ -392,7 +392,7 @@ class Comm:
         exchange = self._shared((n - 1) * out.numel() * out.element_size())
         if exchange is not None:
             call = exchange.reduce_scatter(out, full)
-            return self._settle(self._shared_work(call, "reduce_scatter", timing), async_op)
+            return self._settle(self._work(call, "reduce_scatter", True, start, timing), async_op)
         # every rank sends chunk r of its input to rank r; rank r sums what it received
         recv = torch.empty_like(full)
         lent = Lent(recv, full) if async_op else None
@@ -441,7 +441,7 @@ class Comm:
         exchange = self._shared(shard.numel() * shard.element_size())
         if exchange is not None:
             call = exchange.all_gather(full, shard)
-            return self._settle(self._shared_work(call, kind, timing), async_op)
+            return self._settle(self._work(call, kind, True, start, timing), async_op)
         # each rank broadcasts its own chunk of the output
         lent = Lent(full, shard) if async_op else None
         chunks = full.view(n, -1)
@@ -519,17 +519,6 @@ class Comm:
     def shared_memory_nbytes(self) -> int:
         """Bytes of this rank's shared-memory exchange (0 without one)."""
         return 0 if self._exchange is None else self._exchange.nbytes
-
-    def _shared_work(self, call: _Handle, kind: str, timing: Timing | None) -> Work:
-        """A shared-memory call as a ``Work``: completing it is ``then``, timed as blocked."""
-
-        def then() -> None:
-            start = time.perf_counter()
-            call.wait()
-            if self.timed:
-                self._timed(kind, time.perf_counter() - start)
-
-        return Work(None, kind, then=then, timing=timing)
 
     @staticmethod
     def _settle(work: Work, async_op: bool) -> Work:

@@ -23,18 +23,17 @@ grow, together on every rank, to the largest message seen: ``SLOTS`` times it is
 rank's memory for the exchange (the others' chunks of a reduce-scatter's input, or an
 all-gather's shard), in place of the receive buffer as large as the whole input that gloo's
 composed reduce-scatter allocates per call. ``memory_report()["shared_memory"]`` gives it;
-like the bytes in NVMe files, it is not model state, so not in ``total`` or ``peak``. A flag is written after the data it
-announces, and read before it, with a lock taken between (a full memory barrier on every
-architecture).
+like the bytes in NVMe files, it is not model state, so not in ``total`` or ``peak``. A flag
+is written after the data it announces, and read before it, with a lock taken between (a
+full memory barrier on every architecture).
 
 The files are made by one collective step (``Exchange.open``): every rank creates its own,
 claiming its pages at once, then opens the others'. If any rank cannot make its file (no
 room left in ``/dev/shm``, as in a container's default 64 MiB) or see another's (ranks on
 several machines, containers with separate ``/dev/shm``) every rank knows it and the group
-keeps gloo. Each
-file is unlinked as soon as all have it mapped, so nothing is left behind whatever happens
-after. A rank that waits on another checks now and then that the other's process is alive
-and raises, naming it, if it is not.
+keeps gloo. Each file is unlinked as soon as all have it mapped, so nothing is left behind
+whatever happens after. A rank that waits on another checks now and then that the other's
+process is alive and raises, naming it, if it is not.
 """
 
 from __future__ import annotations
