@@ -590,8 +590,10 @@ class Peak:
 #   collective needs a receive buffer; at most a stage-3 block unit, or at stages 1-2 the
 #   whole model, and at least the largest parameter) are held while one group fills and
 #   one is reduced, plus that receive buffer (none through shared memory); at stage 1 the
-#   gradients are persistent and the reduction adds the receive buffer and its ``1/N`` output. With NVMe optimizer offload on CPU ranks
-#   the gradient shard being reduced into is read in and written behind (``grad_shard``).
+#   gradients are persistent and the reduction adds the receive buffer and, where the
+#   collective cannot write into its own input (off CPU ranks), its ``1/N`` output. With
+#   NVMe optimizer offload on CPU ranks the gradient shard being reduced into is read in and
+#   written behind (``grad_shard``).
 # - step: under mixed precision the fp32 copies of the gradient shard
 #   (``fp32_grads``). With the optimizer on NVMe the step reads its state bucket by
 #   bucket (``swap_buffers``): the bucket stepping and the one read ahead
@@ -692,8 +694,8 @@ def _reduction_terms(
     scratch = group if k_.reduce_scratch and not k_.shared_memory else 0.0
     if stage >= 2 and train:
         reduce = g * (groups * group + scratch)
-    elif stage == 1 and train:
-        reduce = g * (scratch + group / n)
+    elif stage == 1 and train:  # CPU ranks reduce into the buffer's own slice (reduces_into_input)
+        reduce = g * (scratch + (0.0 if k_.reduce_scratch else group / n))
     else:
         reduce = 0.0
     terms = [Term("reduce_buffers", "device", reduce, "backward")] if reduce else []
