@@ -1,6 +1,6 @@
 """Each engine against the no-communication floor, side by side in one run, two orders.
 
-    python benchmarks/bench_floor.py                       # 2 CPU ranks, demo GPT 33.7M
+    python benchmarks/bench_floor.py                       # 2 CPU ranks, demo GPT 29.5M
     python benchmarks/bench_floor.py --steps 4 --layers 2  # a quick look
     python benchmarks/bench_floor.py --json floor.json     # and every reading
 
@@ -8,20 +8,19 @@ The floor is the same per-rank work with no collective at all: on every rank the
 the same micro-batch and torch's fused AdamW over every parameter, as one process alone would
 run it (world 1), while the other ranks do the same on their cores, so the machine is as
 busy as it is for the engines. DDP and ZeRO stages 1-3 each run the same steps with
-their communication. Every engine is built and warmed up first, then the timed steps go
-round-robin, engine after engine, in one order and then in the reverse order (see [Note:
-interleaved timing] in ``bench_zero.py``): a slow minute of a shared machine falls on every
-engine alike, and an engine gains nothing from following a particular other one.
+their communication. Every engine is built and warmed up first; then the timed steps
+interleave, in two orders (see [Note: balanced orders]).
 
 Prints, per engine: the median step time in each order and its ratio to the floor's median
-in the same order, and the worst of the two; and the CPU time a step takes on rank 0, its
-communication threads included. Where every core is busy (two ranks on two cores), time
-spent moving bytes cannot overlap anything: the step's wall-time ratio then follows its
-CPU-time ratio. Then memory, which the speed of an engine must
-not be bought with: the model state per rank after a step (live tensors; DDP's buckets are
-in C++, out of sight) against the engine's formula, and for ZeRO the engine's own peak of
-model state over each order's steps (``memory_report()["peak"]``: buckets and gathered
-parameters included), which must be the same in both orders to the byte.
+in the same order, and the worse of the two; the median over both orders of each step's
+ratio to the floor's step nearest it in time (paired); and the CPU time a step takes on rank
+0, its communication threads included. Where every core is busy (two ranks on two cores),
+time spent moving bytes cannot overlap anything: the step's wall-time ratio then follows
+its CPU-time ratio. Then memory, which the speed of an engine must not be bought with: the
+model state per rank after a step (live tensors; DDP's buckets are in C++, out of sight)
+against the engine's formula, and for ZeRO the engine's own peak of model state over each
+order's steps (``memory_report()["peak"]``: buckets and gathered parameters included),
+which must be the same in both orders to the byte.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import resource
 import statistics
 import sys
@@ -70,6 +70,50 @@ def timed(step: Step, batch: torch.Tensor) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu
 
 
+def balanced_order(names: list[str]) -> list[str]:
+    """[Note: balanced orders]
+    A step runs a little faster or slower after some engines than after others (what the
+    one before left in the allocator and the caches): a fixed round-robin gives each engine
+    one predecessor for the whole run, and in one measured run the floor took 1.48 s a step
+    after ZeRO-3 and 1.32 s after DDP, which moved every ratio of that order. So the timed
+    steps follow a cycle through every ordered pair of engines once (an Eulerian circuit of
+    the complete directed graph, found by Hierholzer's walk): every engine runs ``n - 1``
+    times in it, once after each other engine. The second order is the same cycle reversed,
+    also balanced, so the two orders differ only in noise.
+
+    Returns the cycle, one entry per timed step; its last entry precedes its first.
+    """
+    n = len(names)
+    if n == 1:
+        return list(names)
+    best: list[int] = []
+    for seed in range(200):  # the spread-out one: no engine's runs bunched in the cycle
+        order = random.Random(seed)
+        unused = {a: order.sample([b for b in range(n) if b != a], n - 1) for a in range(n)}
+        stack, cycle = [0], []
+        while stack:
+            a = stack[-1]
+            if unused[a]:
+                stack.append(unused[a].pop())
+            else:
+                cycle.append(stack.pop())
+        cycle = cycle[:-1]  # a closed walk: first == last
+        if not best or _widest_gap(cycle) < _widest_gap(best):
+            best = cycle
+    return [names[i] for i in best]
+
+
+def _widest_gap(cycle: list[int]) -> int:
+    """The most steps between two runs of one engine, round the cycle."""
+    widest = 0
+    for a in set(cycle):
+        at = [i for i, b in enumerate(cycle) if b == a]
+        widest = max(
+            widest, *(j - i for i, j in zip(at, at[1:] + [at[0] + len(cycle)], strict=True))
+        )
+    return widest
+
+
 def build(name: str, model: nn.Module, n: int) -> tuple[Step, ZeroEngine | None]:
     if name == "floor":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -94,21 +138,42 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         for i in range(args.warmup):  # stage 3 records its unit order on the first step
             steps[name](data[i % len(data)])
         state[name] = live_tensor_bytes() - before  # its parameters, gradients, Adam state
-    times: dict[str, list[list[float]]] = {name: [[], []] for name in args.engines}
     cpu: dict[str, list[float]] = {name: [] for name in args.engines}
     peaks: dict[str, list[int]] = {name: [] for name, e in engines.items() if e is not None}
-    for order, names in enumerate((args.engines, args.engines[::-1])):
+    cycle = balanced_order(list(args.engines))
+    rounds = -(-args.steps // max(1, len(args.engines) - 1))  # each engine >= steps times
+    walls: list[list[float]] = [[], []]  # every timed step of each order, in turn
+    for order, names in enumerate((cycle, cycle[::-1])):
+        steps[names[-1]](data[0])  # the first timed step's predecessor, as in the cycle
         for engine in engines.values():
             if engine is not None:
                 engine.reset_peak_memory()
-        for i in range(args.steps):
-            for name in names:
-                wall, used = timed(steps[name], data[i % len(data)])
-                times[name][order].append(wall)
-                cpu[name].append(used)
+        for i, name in enumerate(names * rounds):
+            wall, used = timed(steps[name], data[i % len(data)])
+            walls[order].append(wall)
+            cpu[name].append(used)
         for name in peaks:
             peaks[name].append(engines[name].memory_report()["peak"])
-    return {"psi": psi, "times": times, "cpu": cpu, "state": state, "peaks": peaks}
+    sequence = [names * rounds for names in (cycle, cycle[::-1])]
+    return {
+        "psi": psi,
+        "cpu": cpu,
+        "state": state,
+        "peaks": peaks,
+        "sequence": sequence,
+        "walls": walls,
+    }
+
+
+def paired_ratios(sequence: list[str], walls: list[float], name: str) -> list[float]:
+    """Each of ``name``'s steps over the floor's step nearest it in time (the earlier on a
+    tie), so a machine that slows down for a minute slows both sides of each ratio."""
+    floors = [i for i, n in enumerate(sequence) if n == "floor"]
+    return [
+        walls[i] / walls[min(floors, key=lambda j: (abs(i - j), j))]
+        for i, n in enumerate(sequence)
+        if n == name
+    ]
 
 
 def main() -> None:
@@ -119,7 +184,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--micro", type=int, default=4, help="sequences per rank per step")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per engine per order")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="timed steps per engine per order, rounded up to whole cycles (each engine n-1 "
+        "times a cycle)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--json", type=Path, help="also write every reading to this JSON file")
@@ -130,33 +201,50 @@ def main() -> None:
     report(results, args)
 
 
+def step_ratios(
+    results: dict[int, dict], names: list[str]
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per engine and order: the median step time, and the median of its steps' ratios to
+    the floor's nearest step (:func:`paired_ratios`). A step's time is its slowest rank's:
+    every rank waits for it at the barrier."""
+    sequences = results[0]["sequence"]
+    med: dict[str, list[float]] = {name: [] for name in names}
+    paired: dict[str, list[float]] = {name: [] for name in names}
+    for o, sequence in enumerate(sequences):
+        walls = [max(results[r]["walls"][o][i] for r in results) for i in range(len(sequence))]
+        for name in names:
+            med[name].append(
+                statistics.median(w for w, n in zip(walls, sequence, strict=True) if n == name)
+            )
+            paired[name].append(statistics.median(paired_ratios(sequence, walls, name)))
+    return med, paired
+
+
 def report(results: dict[int, dict], args: argparse.Namespace) -> None:
     psi, n = results[0]["psi"], args.world
-    # a step's time is its slowest rank's: every rank waits for it at the barrier
-    med: dict[str, list[float]] = {}
-    for name in args.engines:
-        med[name] = [
-            statistics.median(
-                max(results[r]["times"][name][order][i] for r in results) for i in range(args.steps)
-            )
-            for order in (0, 1)
-        ]
+    med, paired = step_ratios(results, list(args.engines))
     print(
         f"demo GPT {psi / 1e6:.1f}M parameters, {n} CPU ranks x 1 thread, micro-batch "
-        f"{args.micro}x{GPTConfig().seq}, median of {args.steps} steps per order"
+        f"{args.micro}x{GPTConfig().seq}, {results[0]['sequence'][0].count('floor')} steps per "
+        "engine per order, each engine after each other equally often"
     )
     # CPU time a step, rank 0's process (its communication threads included), both orders
     cpu = {name: statistics.median(results[0]["cpu"][name]) for name in args.engines}
     print(
-        "| engine | step, order 1 (s) | vs floor | step, order 2 (s) | vs floor | worst "
-        "| CPU a step (s) | vs floor |"
+        "vs floor: the median of each step's ratio to the floor's step nearest it in time; "
+        "medians' ratio: the ratio of the median steps, the worse order's"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| engine | step, order 1 (s) | step, order 2 (s) | vs floor, order 1 | order 2 | worst "
+        "| medians' ratio | CPU a step (s) | vs floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.engines:
-        r = [med[name][o] / med["floor"][o] for o in (0, 1)]
+        r = max(med[name][o] / med["floor"][o] for o in (0, 1))
+        p = paired[name]
         print(
-            f"| {name} | {med[name][0]:.3f} | {r[0]:.3f}x | {med[name][1]:.3f} | "
-            f"{r[1]:.3f}x | {max(r):.3f}x | {cpu[name]:.3f} | {cpu[name] / cpu['floor']:.3f}x |"
+            f"| {name} | {med[name][0]:.3f} | {med[name][1]:.3f} | {p[0]:.3f}x | {p[1]:.3f}x | "
+            f"{max(p):.3f}x | {r:.3f}x | {cpu[name]:.3f} | {cpu[name] / cpu['floor']:.3f}x |"
         )
     print()
     print("Model state per rank after a step, and ZeRO's peak over each order's steps (bytes):")
@@ -174,7 +262,9 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> None:
             cells = f"{worst[0]} | {worst[1]} | {'yes' if same else 'NO'}"
         print(f"| {name} | {f:.0f} | {got} | {got / f:.4f}x | {cells} |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"psi": psi, "median": med, "ranks": results}, indent=1))
+        args.json.write_text(
+            json.dumps({"psi": psi, "median": med, "vs_floor": paired, "ranks": results}, indent=1)
+        )
         print(f"wrote {args.json}")
 
 

@@ -136,8 +136,41 @@ def test_full_grads_stage1_accumulation_form_round_trip() -> None:
     grads.to_final_form(scaling)  # nothing left to undo
     assert grads.state is GradState.REDUCED
     grads.zero_grad()
-    assert grads.state is GradState.EMPTY and torch.equal(grads.flat, torch.zeros(22))
+    assert grads.state is GradState.EMPTY
+    assert all(p.grad is None for p in grads.params)  # the buffer is not zeroed: see below
+    assert torch.equal(grads.ensure_grad_shard(), torch.zeros(22))  # zeros once read
     assert all(p.grad is not None for p in grads.params)  # bound to the buffer again
+
+
+def test_full_grads_first_gradient_after_zero_grad_is_copied_not_added() -> None:
+    """[Note: a slot written by its first gradient]: zero_grad leaves the buffer as it was;
+    a slot's first gradient overwrites it, and a slot no gradient reached reads as zeros."""
+    meter = ModelStateMeter()
+    grads = _full(meter, scatter=True)
+    _backward(grads, 4.0)
+    _reduce(grads)
+    grads.zero_grad()
+    assert bool((grads.flat != 0).any())  # the old sums are still there, unread
+    grads.begin_backward()
+    p0 = grads.params[0]
+    p0.grad = torch.full_like(p0, 3.0)  # autograd's new tensor: .grad was None
+    grads.mark_ready(0)
+    view = grads.grad_view(0)
+    assert p0.grad.data_ptr() == view.data_ptr() and torch.equal(view, torch.full((3, 5), 3.0))
+    p0.grad.add_(1.0)  # a second micro-step: autograd adds in place
+    grads.mark_ready(0)
+    assert torch.equal(p0.grad, torch.full((3, 5), 4.0))
+    reduction = grads.launch_reduce(PLAIN)  # parameter 1 got nothing: zeros, not old sums
+    assert reduction is not None
+    reduction.complete()
+    assert torch.equal(grads.flat[:15], torch.full((15,), 4.0))
+    assert torch.equal(grads.flat[15:], torch.zeros(7))
+    assert grads.params[1].grad is not None and not bool(grads.params[1].grad.any())
+    # a .grad set by hand, no hook: taken in when the buffer is read
+    grads.zero_grad()
+    grads.params[1].grad = torch.full((7,), 2.0)
+    assert torch.equal(grads.ensure_grad_shard()[15:], torch.full((7,), 2.0))
+    assert torch.equal(grads.flat[:15], torch.zeros(15))
 
 
 def test_full_grads_stage1_form_never_carried_out_when_the_step_comes_first() -> None:

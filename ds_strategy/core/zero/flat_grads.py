@@ -407,6 +407,9 @@ class FullGrads(FlatGrads):
         lo, hi = spec.layout.shard_range(spec.rank)
         self.grad_shard = self.flat[lo:hi]
         self._deferred: GradScaling | None = None  # see to_accumulation_form
+        # see [Note: a slot written by its first gradient]
+        self._written = [True] * len(spec.params)
+        self._holes = False  # some slot not written since zero_grad
 
     def bind(self) -> None:
         """Point each parameter's ``.grad`` at its view of the flat buffer."""
@@ -414,26 +417,65 @@ class FullGrads(FlatGrads):
             p.grad = self.grad_view(i)
 
     def grad_view(self, index: int) -> torch.Tensor:
-        """Parameter ``index``'s view of the flat buffer, shaped like it.
+        """Parameter ``index``'s view of the flat buffer, shaped like it (zeros where no
+        gradient arrived since ``zero_grad``).
 
         Args:
             index: the parameter's position in the group.
         """
         slot = self.layout.slots[index]
-        return self.flat[slot.offset : slot.offset + slot.numel].view(self.shapes[index])
+        view = self.flat[slot.offset : slot.offset + slot.numel]
+        if not self._written[index]:
+            view.zero_()
+            self._written[index] = True
+        return view.view(self.shapes[index])
 
     def _receive(self, index: int) -> None:
-        # Autograd replaces .grad instead of accumulating in place when create_graph=True
-        # or after the user set it to None; fold such a gradient back into the flat buffer.
+        """[Note: a slot written by its first gradient]
+        ``zero_grad`` does not zero the flat buffer: it sets each ``.grad`` to None, and
+        autograd hands the first gradient over as a new tensor, which is copied into the
+        parameter's slot (``.grad`` then becomes the slot's view, and later gradients are
+        added to it in place). Zeroing the buffer and adding the first gradient to the
+        zeros read and wrote the whole buffer once more every step. A slot no gradient
+        reached is zeroed before anything reads it (:meth:`_fill_holes`, :meth:`grad_view`).
+
+        Autograd also replaces ``.grad`` when create_graph=True or after the user set it to
+        None; such a gradient is added to the slot as well.
+        """
         p = self.params[index]
         if p.grad is None:
             return
-        view = self.grad_view(index)
-        if p.grad.data_ptr() != view.data_ptr():
+        slot = self.layout.slots[index]
+        view = self.flat[slot.offset : slot.offset + slot.numel].view(self.shapes[index])
+        if p.grad.data_ptr() == view.data_ptr():
+            return
+        if self._written[index]:
             view.add_(p.grad)
-            p.grad = view
+        else:
+            view.copy_(p.grad)
+            self._written[index] = True
+        p.grad = view
+
+    def _fill_holes(self) -> None:
+        """Every slot holds its gradient or zeros, and ``.grad`` is its view: before the
+        buffer is read whole. A ``.grad`` set by hand (no hook saw it) is taken in. The
+        padding and gaps are zeroed too: a skipped step's NaN may have reached them."""
+        if not self._holes:
+            return
+        self.flat[self.layout.total :].zero_()
+        for lo, hi in self.layout.gaps():
+            self.flat[lo:hi].zero_()
+        for i in range(len(self.params)):
+            self._receive(i)
+        self.bind()
+        self._holes = False
+
+    def ensure_grad_shard(self) -> torch.Tensor:
+        self._fill_holes()
+        return self.grad_shard
 
     def _launch(self, scaling: GradScaling) -> Reduction:
+        self._fill_holes()
         self._settle()
         self._begin_reducing()
         send, held = self._send(self.flat, self.meter.held(), scaling.pre)
@@ -504,14 +546,17 @@ class FullGrads(FlatGrads):
 
     def take_local_grad(self) -> torch.Tensor:
         """The flat buffer itself."""
+        self._fill_holes()
         self._settle()
         self._begin_reducing()
         return self.flat
 
     def _clear(self) -> None:
         self._deferred = None
-        self.flat.zero_()
-        self.bind()  # the user may have set .grad to None meanwhile
+        self._written = [False] * len(self.params)  # see the note in _receive
+        self._holes = True
+        for p in self.params:
+            p.grad = None
 
     def resident_bytes(self) -> int:
         return self.flat.untyped_storage().nbytes()
