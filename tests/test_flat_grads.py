@@ -286,3 +286,27 @@ def test_stage1_more_backward_after_a_reduction_matches_stage0(shared: bool) -> 
     zero = run_ranks(_more_backward_worker, 2, 0, shared)
     for a, b in zip(one[0], zero[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_sharded_grads_zero_grad_leaves_the_shard_to_its_next_use(
+    reduce_dtype: torch.dtype,
+) -> None:
+    """zero_grad does not write the resident shard: the first reduction after it overwrites
+    the shard (in place), or, when the reduction adds into it (another reduce dtype), it is
+    zeroed first; read before any reduction it is zeros."""
+    meter = ModelStateMeter()
+    grads = _sharded(meter, reduce_dtype)
+    _backward(grads, 1.0)
+    _reduce(grads)
+    assert torch.equal(grads.ensure_grad_shard(), torch.ones(22))
+    grads.zero_grad()
+    assert torch.equal(grads.grad_shard, torch.ones(22))  # not written by zero_grad
+    assert torch.equal(grads.ensure_grad_shard(), torch.zeros(22))  # zeros once used
+    _backward(grads, 2.0)
+    _reduce(grads)
+    grads.zero_grad()
+    _backward(grads, 3.0)
+    fold = _reduce(grads).fold
+    assert fold is (Fold.IN_PLACE if reduce_dtype == torch.float32 else Fold.ADD)
+    assert torch.equal(grads.step_grad(), torch.full((22,), 3.0))  # not 2 + 3

@@ -65,6 +65,7 @@ class ShardedGrads(FlatGrads):
         # see [Note: the gradient shard, from the first backward]
         self.grad_shard = torch.empty(hi - lo, dtype=spec.dtype, device=spec.device)
         self.grad_shard.untyped_storage().resize_(0)
+        self._stale = False  # the shard holds the last step's sums, not zeros (see _clear)
 
     @property
     def grad_store(self) -> GradStore | None:
@@ -144,14 +145,16 @@ class ShardedGrads(FlatGrads):
     def _launch(self, scaling: GradScaling) -> Reduction:
         first = self._begin_reducing() in (GradState.EMPTY, GradState.ACCUMULATING)
         store = self.grad_store
+        # the first reduction since zero_grad writes straight into the gradient shard
+        in_place = first and self.reduce_dtype == self.grad_shard.dtype
         if store is None:
-            self.ensure_grad_shard()
+            self.ensure_grad_shard(overwritten=in_place)
         bucket, held = self._take_bucket()
         send, held = self._send(bucket, held, scaling.pre)
         del bucket
-        if first and send.dtype == self.grad_shard.dtype:
-            # the first reduction since zero_grad writes straight into the gradient shard
-            out, fold = self.ensure_grad_shard(), Fold.IN_PLACE
+        assert send.dtype == self.reduce_dtype
+        if in_place:
+            out, fold = self.ensure_grad_shard(overwritten=True), Fold.IN_PLACE
         else:
             if store is not None:  # the earlier micro-steps' sum, read meanwhile
                 store.prefetch()
@@ -186,14 +189,22 @@ class ShardedGrads(FlatGrads):
 
     # -- the gradient shard -------------------------------------------------------------------
 
-    def ensure_grad_shard(self) -> torch.Tensor:
+    def ensure_grad_shard(self, overwritten: bool = False) -> torch.Tensor:
         """[Note: the gradient shard, from the first backward]
         Stages 2/3 allocate a group's gradient shard when the first reduction lands in it,
         not when the group is built: a model built and loaded (``load_weights``) holds its
         parameter shards alone until it trains, as with ``zero.Init`` and
         ``from_pretrained``. From then on it is resident, as the ZeRO formula counts it. With
         :meth:`free_grads` it is transient instead: allocated here at every step, dropped by
-        ``zero_grad``. With a :attr:`grad_store` it is read back from its file."""
+        ``zero_grad``. With a :attr:`grad_store` it is read back from its file.
+
+        ``zero_grad`` does not zero a resident shard: the first reduction after it overwrites
+        the shard whole (``overwritten``, its in-place fold), and any other first use zeroes
+        it here. That saves a write of the shard every step.
+
+        Args:
+            overwritten: the caller writes every element before anything reads one.
+        """
         store = self.grad_store
         if store is not None:
             return store.fill()
@@ -201,12 +212,15 @@ class ShardedGrads(FlatGrads):
         if storage.nbytes() == 0 and self.grad_shard.numel() > 0:
             nbytes = nbytes_of(self.grad_shard)
             storage.resize_(nbytes)
-            self.grad_shard.zero_()
+            self._stale = True
             if self.transient:
                 self._transient = self.meter.held()
                 self._transient.take_bytes(nbytes)
             else:
                 self.meter.set_resident(self.meter.resident + nbytes)
+        if self._stale and not overwritten:
+            self.grad_shard.zero_()
+        self._stale = False
         return self.grad_shard
 
     def free_grads(self) -> None:
@@ -234,7 +248,7 @@ class ShardedGrads(FlatGrads):
         if self.transient:
             self._drop_grads()
         elif self.grad_shard.untyped_storage().nbytes() > 0:
-            self.grad_shard.zero_()
+            self._stale = True  # zeroed or overwritten at its next use: ensure_grad_shard
         if self._bucket is not None:  # gradients kept by no_sync, never reduced
             self._bucket.buffer.drop()
         self._bucket = None
