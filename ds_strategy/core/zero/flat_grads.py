@@ -495,6 +495,7 @@ class FullGrads(FlatGrads):
 
     def accumulated_grad(self, index: int) -> torch.Tensor:
         self._settle()
+        self._receive(index)  # a .grad no hook saw yet
         self._accumulated()
         return self.grad_view(index)
 
