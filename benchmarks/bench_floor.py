@@ -11,10 +11,10 @@ busy as it is for the engines. DDP and ZeRO stages 1-3 each run the same steps w
 their communication. Every engine is built and warmed up first; then the timed steps
 interleave, in two orders (see [Note: balanced orders]).
 
-Prints, per engine: the median step time in each order and its ratio to the floor's median
-in the same order, and the worse of the two; the median over both orders of each step's
-ratio to the floor's step nearest it in time (paired); and the CPU time a step takes on rank
-0, its communication threads included. Where every core is busy (two ranks on two cores),
+Prints, per engine: the median step time in each order; in each order the median of its
+steps' ratios to the floor's step nearest it in time, and the worse of the two; the ratio of
+the median steps, the worse order's; and the CPU time a step takes on rank 0, its
+communication threads included. Where every core is busy (two ranks on two cores),
 time spent moving bytes cannot overlap anything: the step's wall-time ratio then follows
 its CPU-time ratio. Then memory, which the speed of an engine must not be bought with: the
 model state per rank after a step (live tensors; DDP's buckets are in C++, out of sight)
@@ -87,6 +87,7 @@ def balanced_order(names: list[str]) -> list[str]:
     if n == 1:
         return list(names)
     best: list[int] = []
+    best_gap = 0
     for seed in range(200):  # the spread-out one: no engine's runs bunched in the cycle
         order = random.Random(seed)
         unused = {a: order.sample([b for b in range(n) if b != a], n - 1) for a in range(n)}
@@ -98,8 +99,9 @@ def balanced_order(names: list[str]) -> list[str]:
             else:
                 cycle.append(stack.pop())
         cycle = cycle[:-1]  # a closed walk: first == last
-        if not best or _widest_gap(cycle) < _widest_gap(best):
-            best = cycle
+        gap = _widest_gap(cycle)
+        if not best or gap < best_gap:
+            best, best_gap = cycle, gap
     return [names[i] for i in best]
 
 
@@ -142,25 +144,25 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     peaks: dict[str, list[int]] = {name: [] for name, e in engines.items() if e is not None}
     cycle = balanced_order(list(args.engines))
     rounds = -(-args.steps // max(1, len(args.engines) - 1))  # each engine >= steps times
+    sequences = [cycle * rounds, cycle[::-1] * rounds]
     walls: list[list[float]] = [[], []]  # every timed step of each order, in turn
-    for order, names in enumerate((cycle, cycle[::-1])):
-        steps[names[-1]](data[0])  # the first timed step's predecessor, as in the cycle
+    for order, sequence in enumerate(sequences):
+        steps[sequence[-1]](data[0])  # the first timed step's predecessor, as in the cycle
         for engine in engines.values():
             if engine is not None:
                 engine.reset_peak_memory()
-        for i, name in enumerate(names * rounds):
+        for i, name in enumerate(sequence):
             wall, used = timed(steps[name], data[i % len(data)])
             walls[order].append(wall)
             cpu[name].append(used)
         for name in peaks:
             peaks[name].append(engines[name].memory_report()["peak"])
-    sequence = [names * rounds for names in (cycle, cycle[::-1])]
     return {
         "psi": psi,
         "cpu": cpu,
         "state": state,
         "peaks": peaks,
-        "sequence": sequence,
+        "sequence": sequences,
         "walls": walls,
     }
 

@@ -423,12 +423,16 @@ class FullGrads(FlatGrads):
         Args:
             index: the parameter's position in the group.
         """
-        slot = self.layout.slots[index]
-        view = self.flat[slot.offset : slot.offset + slot.numel]
+        view = self._slot(index)
         if not self._written[index]:
             view.zero_()
             self._written[index] = True
-        return view.view(self.shapes[index])
+        return view
+
+    def _slot(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s view of the flat buffer, whatever it holds."""
+        slot = self.layout.slots[index]
+        return self.flat[slot.offset : slot.offset + slot.numel].view(self.shapes[index])
 
     def _receive(self, index: int) -> None:
         """[Note: a slot written by its first gradient]
@@ -445,8 +449,7 @@ class FullGrads(FlatGrads):
         p = self.params[index]
         if p.grad is None:
             return
-        slot = self.layout.slots[index]
-        view = self.flat[slot.offset : slot.offset + slot.numel].view(self.shapes[index])
+        view = self._slot(index)
         if p.grad.data_ptr() == view.data_ptr():
             return
         if self._written[index]:
