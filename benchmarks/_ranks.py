@@ -17,9 +17,48 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Ports for rendezvous come from below the kernel's ephemeral range, never from ``bind(0)``: a
+# port the kernel handed out and this process released is back in the pool that every
+# outgoing connection draws from (gloo opens dozens a group), so another job's connection
+# could take it before the store listens on it (EADDRINUSE). Each pytest-xdist worker walks
+# its own block, so two workers never offer the same port; a separate run on the same machine
+# starts at a random point of its block, and every port is tried before it is given.
+_PORT_BLOCK = 1000
+_PORT_BLOCKS = 16
+_next_port: list[int] = []
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_block() -> int:
+    """This process's block: the xdist worker's number (``gw3`` -> 3), else its pid's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker[2:].isdigit() else os.getpid()
+    return index % _PORT_BLOCKS
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 nobody listens on, outside the ephemeral range (see above)."""
+    base = max(1024, _ephemeral_low() - _PORT_BLOCK * _PORT_BLOCKS) + _PORT_BLOCK * _port_block()
+    if not _next_port:
+        _next_port.append(int.from_bytes(os.urandom(2), "little") % _PORT_BLOCK)
+    for _ in range(_PORT_BLOCK):
+        port = base + _next_port[0] % _PORT_BLOCK
+        _next_port[0] += 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the block is all taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -52,7 +91,7 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1800) -
     """``{rank: fn(rank, world, *args)}`` from ``world`` spawned ranks."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)
     ]

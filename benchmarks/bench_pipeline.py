@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ds_strategy  # noqa: E402
+from benchmarks._ranks import free_port  # noqa: E402
 from ds_strategy.core.pipeline import bubble_fraction  # noqa: E402
 
 WIDTH, LAYERS, MICRO = 16, 16, 2
@@ -112,12 +112,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
                     queue.put((rank, stages, micro, schedule, statistics.median(idle)))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ds_strategy  # noqa: E402
-from benchmarks._ranks import _entry, _free_port, run  # noqa: E402
+from benchmarks._ranks import _entry, free_port, run  # noqa: E402
 from benchmarks.bench_offload import PeakRSS, _status_kb  # noqa: E402
 from ds_strategy.core.memory import human_bytes  # noqa: E402
 from ds_strategy.core.offload.swap import io_bytes  # noqa: E402
@@ -237,7 +237,7 @@ def _run_trial(*args: object, world: int = 2, timeout: float = 3 * 3600) -> dict
     others (a rank out of memory would leave its peer waiting in a collective)."""
     ctx = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, _trial, args, results))
         for r in range(world)

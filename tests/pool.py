@@ -60,7 +60,6 @@ import os
 import pickle
 import queue as queue_mod
 import signal
-import socket
 import sys
 import threading
 import time
@@ -71,6 +70,8 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
+
+from benchmarks._ranks import free_port
 
 GRACE_S = 5.0  # how long the other ranks may take to report after one has failed
 # What the fork server imports once; a session pool's ranks are forked from it (see the note).
@@ -91,12 +92,6 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, errors: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.errors = errors or {}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fork_context() -> Any:

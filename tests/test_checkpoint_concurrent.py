@@ -94,11 +94,11 @@ def test_loads_while_another_job_saves_the_same_tag_each_read_one_whole_save(
     """Two ranks save tag ``last`` (and a new ``global_step<N>`` under ``latest``, pruning
     the oldest) every step; meanwhile this process loads ``last``, then ``latest``, in a loop.
     Each load's weights are exactly those the writer had at the step the load reports."""
-    from benchmarks._ranks import _free_port
+    from tests.pool import free_port
 
     root, stop, log = tmp_path / "root", tmp_path / "stop", tmp_path / "steps.jsonl"
     ctx = fork_context()
-    port = _free_port()
+    port = free_port()
     writers = [
         ctx.Process(target=resaving_rank, args=(r, port, str(root), str(stop), str(log)))
         for r in range(2)

@@ -653,11 +653,11 @@ def torn_pipeline_rank(rank: int, port: int, root: str, victim: int, step: int, 
 def _torn_save(root: Path, victim: int, step: int) -> dict | None:
     """Run the two ranks; once the victim is dead, kill -9 the other rank too (a job whose
     rank died is killed whole). The ranks' weights at both saves when nothing was killed."""
-    from benchmarks._ranks import _free_port
+    from tests.pool import free_port
 
     ctx = fork_context()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=torn_pipeline_rank, args=(r, port, str(root), victim, step, queue))
         for r in range(2)

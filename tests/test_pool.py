@@ -257,3 +257,30 @@ def mesh_worker(rank: int, world: int, extra_groups: int) -> bool:
 def test_torch_caches_do_not_carry_a_mesh_into_the_next_test(rank_pools: RankPools) -> None:
     assert run_ranks(mesh_worker, 2, 5) == [True, True]
     assert run_ranks(mesh_worker, 2, 0) == [True, True]
+
+
+def test_ports_come_from_outside_the_ephemeral_range_one_block_a_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rendezvous port is never one the kernel could hand to another job's connection, two
+    xdist workers never offer the same one, and a port someone listens on is passed over."""
+    import socket
+
+    from benchmarks import _ranks
+
+    low = _ranks._ephemeral_low()
+    blocks: dict[str, set[int]] = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setattr(_ranks, "_next_port", [])
+        blocks[worker] = {_ranks.free_port() for _ in range(20)}
+    assert not blocks["gw0"] & blocks["gw1"]
+    assert all(1024 <= p < low for ports in blocks.values() for p in ports)
+    assert all(len(ports) == 20 for ports in blocks.values())  # each call a new port
+    monkeypatch.setattr(_ranks, "_next_port", [0])
+    taken = _ranks.free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        _ranks._next_port[0] -= 1  # offer the same port again: it is listened on now
+        assert _ranks.free_port() == taken + 1
