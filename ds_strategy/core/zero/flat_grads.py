@@ -457,6 +457,7 @@ class FullGrads(FlatGrads):
         else:
             view.copy_(p.grad)
             self._written[index] = True
+        self.meter.touch(nbytes_of(p.grad))  # autograd's tensor, alive until this line
         p.grad = view
 
     def _fill_holes(self) -> None:
