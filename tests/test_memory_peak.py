@@ -393,17 +393,12 @@ def test_activation_checkpointing_keeps_the_bound(extras: list[dict]) -> None:
             _check(r, name, f, allowed)
 
 
-def stage1_worker(rank: int, world: int) -> dict:
-    sizes = _sizes()
-    g = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, CFG.vocab, (2, CFG.seq + 1), generator=g) for _ in range(2)]
-    return measure(1, "fp32", 1, data, sizes)
-
-
 def test_stage1_peak_counts_the_gradient_autograd_hands_over() -> None:
     """At stage 1 ``.grad`` is None after ``zero_grad``: autograd hands each first gradient
     over as a tensor of its own, alive beside the flat buffer until it is copied into its
     slot. The engine's peak counts it: it is the worst live reading, within 1% below."""
-    for r in run_ranks(stage1_worker, 2):
+    case = (1, "fp32", 1)
+    for out in run_ranks(memory_worker, 2, [case]):
+        r = out[case]
         live = max(r["readings"].values())
         assert 0.99 * live <= r["peak"] <= 1.05 * live, (r["peak"], live, r["readings"])
