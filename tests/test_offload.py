@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -622,50 +621,6 @@ def test_at_most_one_parameter_shard_is_read_ahead(tmp_path: Path) -> None:
     for ahead in run_ranks(read_ahead_worker, 2, str(tmp_path)):
         assert max(ahead) <= 1, ahead
         assert sum(ahead) > 0, ahead  # it does read ahead
-
-
-_HEAP_SCRIPT = """
-import sys, torch
-from ds_strategy.core.offload.swap import fix_mmap_threshold
-def rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-if sys.argv[1] == "fixed":
-    assert fix_mmap_threshold()
-big = torch.ones(30 << 18)  # 30 MiB: freeing its mapping raises glibc's dynamic threshold
-del big
-base = rss()
-blocks = [torch.ones(2 << 20) for _ in range(64)]  # 64 blocks of 8 MiB, as swapping makes
-last = blocks[-1]  # the heap's top stays in use
-del blocks
-print(rss() - base)
-"""
-
-
-@pytest.mark.skipif(
-    platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
-    reason="glibc's malloc and /proc",
-)
-def test_swapped_storages_go_back_to_the_system_when_freed() -> None:
-    """[Note: swapped storages and the C allocator]: after the swap tier fixes glibc's mmap
-    threshold, 504 MiB of freed 8 MiB blocks leave the process; with the dynamic threshold
-    (every process that never opened a swap directory) they stay resident."""
-
-    def retained(mode: str) -> int:
-        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-        out = subprocess.run(
-            [sys.executable, "-c", _HEAP_SCRIPT, mode],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-            env=env,
-        )
-        return int(out.stdout.strip())
-
-    assert retained("dynamic") > 256 << 20
-    assert retained("fixed") < 32 << 20
 
 
 def test_long_operations_report_progress_on_rank_zero(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import os
-import platform
 import shutil
 import socket
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ...config import ConfigError
+from ..heap import release_freed_blocks
 from ..memory import ModelStateMeter, human_bytes
 from ..profiling.ranges import profile_range, ranged
 from . import leftovers
@@ -333,27 +333,9 @@ def drive_of(path: str | os.PathLike[str]) -> tuple[str, int] | None:
 # its resident memory grows by gigabytes the engine no longer holds (measured: 1.65 GiB a rank
 # at 1B parameters, on one rank and not the other). A fixed threshold, what glibc documents
 # for ``M_MMAP_THRESHOLD``, keeps every block above 1 MiB in its own mapping. Set once per
-# process when a swap directory opens, unless ``MALLOC_MMAP_THRESHOLD_`` chose a value.
-MMAP_THRESHOLD = 1 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-
-
-def fix_mmap_threshold() -> bool:
-    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD` (see the note); False where the C
-    library is not glibc or the environment set it."""
-    global _threshold_fixed
-    if _threshold_fixed is None:
-        _threshold_fixed = False
-        if "MALLOC_MMAP_THRESHOLD_" not in os.environ and platform.libc_ver()[0] == "glibc":
-            try:
-                libc = ctypes.CDLL("libc.so.6")
-                _threshold_fixed = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-            except (OSError, AttributeError):
-                pass
-    return _threshold_fixed
-
-
-_threshold_fixed: bool | None = None
+# process when a swap directory opens (``heap.release_freed_blocks``), unless
+# ``MALLOC_MMAP_THRESHOLD_`` chose a value; it overrides stage 3's setting (see [Note: the C
+# heap under stage-3 gathers] in ``core/heap.py``).
 
 
 class SwapDir:
@@ -376,7 +358,7 @@ class SwapDir:
         sharing: tuple[int, int] | None = None,
     ) -> None:
         base = check_nvme_path(nvme_path, needed_bytes, checkpoint_marker, key, sharing)
-        fix_mmap_threshold()
+        release_freed_blocks()
         self.path = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}rank{rank}_", dir=base))
         try:
             lock = leftovers.claim(self.path)

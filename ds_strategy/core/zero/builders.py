@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from ...config import ZeroConfig
 from ..collectives import Comm, Work
 from ..faults import together
+from ..heap import keep_freed_blocks
 from ..layout import RankLayout
 from ..materialize import has_meta, loaded_later, materialize_modules, own_init
 from ..memory import ModelStateMeter
@@ -450,6 +451,8 @@ def _build_stage3(
     if on_groups is not None:
         with together(comm):
             on_groups(small)
+    if device.type == "cpu":  # see [Note: the C heap under stage-3 gathers]
+        keep_freed_blocks(max((g.full_nbytes for g in all_groups + small), default=0))
     queue = ReductionQueue(max_in_flight(config, comm))  # shared: one bound for both
     runtime = Stage3Runtime(
         units,
