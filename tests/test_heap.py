@@ -85,7 +85,7 @@ def test_stage3_keeps_freed_blocks_unless_the_environment_chose() -> None:
 
 
 def faults_worker(rank: int, world: int, keep: bool, d: int = 384) -> list[int]:
-    """Minor page faults of each of four stage-3 steps after three to warm up, every weight
+    """Minor page faults of each of eight stage-3 steps after three to warm up, every weight
     sharded (units of about 7 MiB, in groups of 2 MiB)."""
     from ds_strategy.core.zero import builders
 
@@ -104,7 +104,7 @@ def faults_worker(rank: int, world: int, keep: bool, d: int = 384) -> list[int]:
     engine = ds_strategy.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), config)
     g = torch.Generator().manual_seed(rank)
     faults = []
-    for step in range(7):
+    for step in range(11):
         tokens = torch.randint(0, 2048, (4, 65), generator=g)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         logits = engine(tokens[:, :-1])
@@ -118,13 +118,13 @@ def faults_worker(rank: int, world: int, keep: bool, d: int = 384) -> list[int]:
 
 
 @pytest.mark.slow
-def test_stage3_steps_take_no_page_faults_once_warm() -> None:
+def test_warm_stage3_steps_take_a_fraction_of_the_page_faults() -> None:
     """Two CPU ranks at stage 3 free and regrow every unit's buffer twice a step. With
     glibc's dynamic thresholds the heap's top went back to the system and came again, page
-    by page; with stage 3's setting a warm step takes a small fraction of those faults."""
-    kept = run_ranks(faults_worker, 2, True, fresh=True)
-    dynamic = run_ranks(faults_worker, 2, False, fresh=True)
-    for rank in range(2):  # the test engages the churn: measured 9,000-10,000 a rank
-        assert sum(dynamic[rank]) > 3000, (kept, dynamic)
-    # kept: measured 0-1,000 over the four steps of a rank (a few MiB at some steps)
-    assert 5 * sum(map(sum, kept)) < sum(map(sum, dynamic)), (kept, dynamic)
+    by page; with stage 3's setting warm steps take a small fraction of those faults (a
+    few MiB at some steps). Both ranks' steps are summed: how much the dynamic thresholds
+    return at a given step varies with how the ranks' calls interleave."""
+    kept = sum(map(sum, run_ranks(faults_worker, 2, True, fresh=True)))
+    dynamic = sum(map(sum, run_ranks(faults_worker, 2, False, fresh=True)))
+    assert dynamic > 8000, (kept, dynamic)  # the test engages the churn
+    assert 5 * kept < dynamic, (kept, dynamic)
